@@ -1,0 +1,259 @@
+//! Linear-layer products over stored weight formats.
+//!
+//! A weight is a row-major `[rows, cols]` matrix (`out_features × in_features`,
+//! as PyTorch stores it). FP8 weights carry one F32 scale per
+//! `block[0] × block[1]` tile (`weight_scale_inv` in the checkpoint); edge
+//! tiles may be partial. Products are *post-scaled*: each block's dot product
+//! is accumulated over the raw FP8 values and multiplied by its scale once,
+//! which is exactly the order the fast kernels use.
+
+use crate::fp8::E4M3_TABLE;
+use std::ops::Range;
+
+/// How the bytes of a weight matrix encode its values.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum WeightFormat {
+    F32,
+    Bf16,
+    F16,
+    /// FP8 E4M3FN with one F32 scale per `[block_rows, block_cols]` tile.
+    Fp8E4m3 { block: [usize; 2] },
+}
+
+impl WeightFormat {
+    pub fn bytes_per_element(self) -> usize {
+        match self {
+            WeightFormat::F32 => 4,
+            WeightFormat::Bf16 | WeightFormat::F16 => 2,
+            WeightFormat::Fp8E4m3 { .. } => 1,
+        }
+    }
+}
+
+/// A borrowed weight matrix: raw little-endian bytes plus, for FP8, its scales
+/// (row-major `[ceil(rows/b0), ceil(cols/b1)]`).
+#[derive(Clone, Copy, Debug)]
+pub struct WeightView<'a> {
+    pub rows: usize,
+    pub cols: usize,
+    pub format: WeightFormat,
+    pub data: &'a [u8],
+    pub scales: &'a [f32],
+}
+
+impl<'a> WeightView<'a> {
+    /// Column-block width used for post-scaling (the whole row if unscaled).
+    fn col_block(&self) -> usize {
+        match self.format {
+            WeightFormat::Fp8E4m3 { block } => block[1],
+            _ => self.cols.max(1),
+        }
+    }
+
+    /// Scale of tile (row `r`, column block `cb`); 1 for unscaled formats.
+    #[inline]
+    fn scale(&self, r: usize, cb: usize) -> f32 {
+        match self.format {
+            WeightFormat::Fp8E4m3 { block } => {
+                let col_blocks = self.cols.div_ceil(block[1]);
+                self.scales[(r / block[0]) * col_blocks + cb]
+            }
+            _ => 1.0,
+        }
+    }
+
+    /// Decode row `r` without its scales into `out` (`cols` long).
+    pub fn decode_row_unscaled(&self, r: usize, out: &mut [f32]) {
+        let n = self.cols;
+        let bpe = self.format.bytes_per_element();
+        let bytes = &self.data[r * n * bpe..(r + 1) * n * bpe];
+        match self.format {
+            WeightFormat::Fp8E4m3 { .. } => {
+                for (o, &b) in out.iter_mut().zip(bytes) {
+                    *o = E4M3_TABLE[b as usize];
+                }
+            }
+            WeightFormat::Bf16 => {
+                for (o, b) in out.iter_mut().zip(bytes.chunks_exact(2)) {
+                    *o = half::bf16::from_le_bytes([b[0], b[1]]).to_f32();
+                }
+            }
+            WeightFormat::F16 => {
+                for (o, b) in out.iter_mut().zip(bytes.chunks_exact(2)) {
+                    *o = half::f16::from_le_bytes([b[0], b[1]]).to_f32();
+                }
+            }
+            WeightFormat::F32 => {
+                for (o, b) in out.iter_mut().zip(bytes.chunks_exact(4)) {
+                    *o = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+                }
+            }
+        }
+    }
+
+    /// Decode row `r`, scales applied, into `out` (`cols` long).
+    pub fn decode_row(&self, r: usize, out: &mut [f32]) {
+        self.decode_row_unscaled(r, out);
+        let cb = self.col_block();
+        for (b, chunk) in out[..self.cols].chunks_mut(cb).enumerate() {
+            let s = self.scale(r, b);
+            if s != 1.0 {
+                chunk.iter_mut().for_each(|v| *v *= s);
+            }
+        }
+    }
+}
+
+/// Dot product with four independent accumulators.
+#[inline]
+pub fn dot(a: &[f32], b: &[f32]) -> f32 {
+    let n = a.len().min(b.len());
+    let (a, b) = (&a[..n], &b[..n]);
+    let mut acc = [0.0f32; 4];
+    let chunks = n / 4;
+    for i in 0..chunks {
+        for j in 0..4 {
+            acc[j] += a[4 * i + j] * b[4 * i + j];
+        }
+    }
+    let mut tail = 0.0;
+    for i in chunks * 4..n {
+        tail += a[i] * b[i];
+    }
+    (acc[0] + acc[1]) + (acc[2] + acc[3]) + tail
+}
+
+/// `out[i, r] = Σ_c W[r, c] · x[i, c]` for `n` input rows: `x` is `[n, cols]`,
+/// `out` is `[n, rows]`.
+pub fn matmul(w: &WeightView, x: &[f32], n: usize, out: &mut [f32]) {
+    let (rows, cols) = (w.rows, w.cols);
+    assert_eq!(x.len(), n * cols, "matmul: input is not [n, cols]");
+    assert_eq!(out.len(), n * rows, "matmul: output is not [n, rows]");
+    let cb = w.col_block();
+    let mut row = vec![0.0f32; cols];
+    for r in 0..rows {
+        w.decode_row_unscaled(r, &mut row);
+        for i in 0..n {
+            let xi = &x[i * cols..(i + 1) * cols];
+            let mut acc = 0.0f32;
+            for (b, (wc, xc)) in row.chunks(cb).zip(xi.chunks(cb)).enumerate() {
+                acc += dot(wc, xc) * w.scale(r, b);
+            }
+            out[i * rows + r] = acc;
+        }
+    }
+}
+
+/// Transposed product over a band of rows: `out[c] = Σ_{r ∈ rows} x[r - rows.start] · W[r, c]`.
+/// This is how MLA folds `kv_b_proj` into the query without materialising it.
+pub fn matmul_t_rows(w: &WeightView, rows: Range<usize>, x: &[f32], out: &mut [f32]) {
+    assert_eq!(x.len(), rows.len(), "matmul_t_rows: input length");
+    assert_eq!(out.len(), w.cols, "matmul_t_rows: output length");
+    out.iter_mut().for_each(|o| *o = 0.0);
+    let mut row = vec![0.0f32; w.cols];
+    for (r, &xr) in rows.zip(x) {
+        w.decode_row(r, &mut row);
+        for (o, &v) in out.iter_mut().zip(&row) {
+            *o += xr * v;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    /// Dense f32 reference: dequantise everything, then multiply naively in f64.
+    fn dense(w: &WeightView) -> Vec<f64> {
+        let mut m = vec![0.0; w.rows * w.cols];
+        let mut row = vec![0.0f32; w.cols];
+        for r in 0..w.rows {
+            w.decode_row_unscaled(r, &mut row);
+            for c in 0..w.cols {
+                let s = match w.format {
+                    WeightFormat::Fp8E4m3 { block } => {
+                        w.scales[(r / block[0]) * w.cols.div_ceil(block[1]) + c / block[1]]
+                    }
+                    _ => 1.0,
+                };
+                m[r * w.cols + c] = row[c] as f64 * s as f64;
+            }
+        }
+        m
+    }
+
+    fn fp8_case() -> impl Strategy<Value = (usize, usize, usize, usize, Vec<u8>, Vec<f32>, Vec<f32>)> {
+        (1usize..300, 1usize..300, 1usize..4, prop::sample::select(vec![16usize, 32, 128]))
+            .prop_flat_map(|(rows, cols, n, b)| {
+                let nscales = rows.div_ceil(b) * cols.div_ceil(b);
+                (
+                    Just(rows),
+                    Just(cols),
+                    Just(n),
+                    Just(b),
+                    // Avoid the two NaN codes.
+                    prop::collection::vec(any::<u8>().prop_map(|c| if c & 0x7f == 0x7f { 0 } else { c }), rows * cols),
+                    prop::collection::vec(0.001f32..2.0, nscales),
+                    prop::collection::vec(-1.0f32..1.0, n * cols),
+                )
+            })
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(48))]
+        #[test]
+        fn fp8_matmul_matches_dense_reference((rows, cols, n, b, data, scales, x) in fp8_case()) {
+            let w = WeightView { rows, cols, format: WeightFormat::Fp8E4m3 { block: [b, b] }, data: &data, scales: &scales };
+            let m = dense(&w);
+            let mut out = vec![0.0; n * rows];
+            matmul(&w, &x, n, &mut out);
+            for i in 0..n {
+                for r in 0..rows {
+                    let want: f64 = (0..cols).map(|c| m[r * cols + c] * x[i * cols + c] as f64).sum();
+                    let scale: f64 = (0..cols).map(|c| (m[r * cols + c] * x[i * cols + c] as f64).abs()).sum::<f64>() + 1e-6;
+                    prop_assert!(((out[i * rows + r] as f64 - want) / scale).abs() < 1e-5);
+                }
+            }
+            // Transposed band product over the whole matrix.
+            let xt: Vec<f32> = x[..rows.min(x.len())].iter().cycle().take(rows).copied().collect();
+            let mut t = vec![0.0; cols];
+            matmul_t_rows(&w, 0..rows, &xt, &mut t);
+            for c in 0..cols {
+                let want: f64 = (0..rows).map(|r| m[r * cols + c] * xt[r] as f64).sum();
+                let scale: f64 = (0..rows).map(|r| (m[r * cols + c] * xt[r] as f64).abs()).sum::<f64>() + 1e-6;
+                prop_assert!(((t[c] as f64 - want) / scale).abs() < 1e-5);
+            }
+        }
+    }
+
+    #[test]
+    fn partial_edge_blocks_use_their_own_scale() {
+        // 3x5 matrix of 1.0 (code 0x38) with 2x2 blocks: scales grid is 2x3.
+        let data = vec![0x38u8; 15];
+        let scales = [1.0, 2.0, 3.0, 4.0, 5.0, 6.0];
+        let w = WeightView { rows: 3, cols: 5, format: WeightFormat::Fp8E4m3 { block: [2, 2] }, data: &data, scales: &scales };
+        let mut row = vec![0.0; 5];
+        w.decode_row(0, &mut row);
+        assert_eq!(row, [1.0, 1.0, 2.0, 2.0, 3.0]);
+        w.decode_row(2, &mut row);
+        assert_eq!(row, [4.0, 4.0, 5.0, 5.0, 6.0]);
+        let mut out = vec![0.0; 3];
+        matmul(&w, &[1.0; 5], 1, &mut out);
+        assert_eq!(out, [9.0, 9.0, 24.0]);
+    }
+
+    #[test]
+    fn half_formats_decode() {
+        let vals = [1.5f32, -2.25, 0.0];
+        let bf: Vec<u8> = vals.iter().flat_map(|v| half::bf16::from_f32(*v).to_le_bytes()).collect();
+        let f16: Vec<u8> = vals.iter().flat_map(|v| half::f16::from_f32(*v).to_le_bytes()).collect();
+        let f32b: Vec<u8> = vals.iter().flat_map(|v| v.to_le_bytes()).collect();
+        for (fmt, data) in [(WeightFormat::Bf16, &bf), (WeightFormat::F16, &f16), (WeightFormat::F32, &f32b)] {
+            let w = WeightView { rows: 1, cols: 3, format: fmt, data, scales: &[] };
+            let mut row = vec![0.0; 3];
+            w.decode_row(0, &mut row);
+            assert_eq!(row, vals, "{fmt:?}");
+        }
+    }
+}
