@@ -126,12 +126,19 @@ pub fn dot(a: &[f32], b: &[f32]) -> f32 {
 /// `out[i, r] = Σ_c W[r, c] · x[i, c]` for `n` input rows: `x` is `[n, cols]`,
 /// `out` is `[n, rows]`.
 pub fn matmul(w: &WeightView, x: &[f32], n: usize, out: &mut [f32]) {
-    let (rows, cols) = (w.rows, w.cols);
+    matmul_rows(w, 0..w.rows, x, n, out)
+}
+
+/// [`matmul`] restricted to a band of output rows: `out` is `[n, rows.len()]`.
+pub fn matmul_rows(w: &WeightView, rows: Range<usize>, x: &[f32], n: usize, out: &mut [f32]) {
+    let cols = w.cols;
+    let m = rows.len();
+    assert!(rows.end <= w.rows, "matmul_rows: rows out of range");
     assert_eq!(x.len(), n * cols, "matmul: input is not [n, cols]");
-    assert_eq!(out.len(), n * rows, "matmul: output is not [n, rows]");
+    assert_eq!(out.len(), n * m, "matmul: output is not [n, rows]");
     let cb = w.col_block();
     let mut row = vec![0.0f32; cols];
-    for r in 0..rows {
+    for (j, r) in rows.enumerate() {
         w.decode_row_unscaled(r, &mut row);
         for i in 0..n {
             let xi = &x[i * cols..(i + 1) * cols];
@@ -139,7 +146,7 @@ pub fn matmul(w: &WeightView, x: &[f32], n: usize, out: &mut [f32]) {
             for (b, (wc, xc)) in row.chunks(cb).zip(xi.chunks(cb)).enumerate() {
                 acc += dot(wc, xc) * w.scale(r, b);
             }
-            out[i * rows + r] = acc;
+            out[i * m + j] = acc;
         }
     }
 }

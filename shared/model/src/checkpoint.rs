@@ -1,0 +1,256 @@
+//! Memory-mapped Hugging Face safetensors checkpoints.
+//!
+//! A checkpoint is either one `model.safetensors` or shards listed by
+//! `model.safetensors.index.json`. Every shard is mapped, never read into the
+//! heap; weights stay views into the mapping (`WeightBytes`). Only the small
+//! tensors the engine needs in F32 (norms, biases, FP8 block scales) are
+//! copied out. Every problem is reported with the file and tensor it concerns.
+
+use duplex_kernels::{WeightFormat, WeightView};
+use memmap2::Mmap;
+use safetensors::{Dtype, SafeTensors};
+use std::collections::{BTreeSet, HashMap};
+use std::fs::File;
+use std::ops::Range;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+pub const INDEX_FILE: &str = "model.safetensors.index.json";
+pub const SINGLE_FILE: &str = "model.safetensors";
+
+#[derive(Debug, thiserror::Error)]
+pub enum CheckpointError {
+    #[error("cannot open {path}: {source}")]
+    Io { path: PathBuf, source: std::io::Error },
+    #[error("{dir} has neither {INDEX_FILE} nor {SINGLE_FILE}")]
+    NoWeights { dir: PathBuf },
+    #[error("{index} is not a valid safetensors index: {message}")]
+    BadIndex { index: PathBuf, message: String },
+    #[error("shard {shard} named by {index} is missing")]
+    MissingShard { index: PathBuf, shard: String },
+    #[error("{file} is not a valid safetensors file (truncated or corrupt): {message}")]
+    BadShard { file: PathBuf, message: String },
+    #[error("tensor {tensor} is missing from the checkpoint{}", .file.as_ref().map(|f| format!(" (expected in {})", f.display())).unwrap_or_default())]
+    MissingTensor { tensor: String, file: Option<PathBuf> },
+    #[error("tensor {tensor} in {file} has shape {got:?}, expected {expected:?}")]
+    Shape { tensor: String, file: PathBuf, expected: Vec<usize>, got: Vec<usize> },
+    #[error("tensor {tensor} in {file} has dtype {dtype}, which is not supported here (expected {expected})")]
+    Dtype { tensor: String, file: PathBuf, dtype: String, expected: &'static str },
+    #[error("tensor {tensor} in {file} is FP8 but config.json declares no fp8 quantization_config")]
+    Unquantized { tensor: String, file: PathBuf },
+    #[error("vocab_size {config} in config.json disagrees with {tensor} in {file}, which has {rows} rows")]
+    VocabMismatch { config: usize, tensor: String, file: PathBuf, rows: usize },
+}
+
+/// Bytes of one tensor inside a mapped shard. Cheap to clone; keeps the mapping alive.
+#[derive(Clone)]
+pub struct WeightBytes {
+    map: Arc<Mmap>,
+    range: Range<usize>,
+}
+
+impl WeightBytes {
+    pub fn as_slice(&self) -> &[u8] {
+        &self.map[self.range.clone()]
+    }
+}
+
+impl std::fmt::Debug for WeightBytes {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "WeightBytes({} bytes)", self.range.len())
+    }
+}
+
+/// A weight matrix `[rows, cols]` in its stored format.
+#[derive(Clone, Debug)]
+pub struct Linear {
+    pub rows: usize,
+    pub cols: usize,
+    pub format: WeightFormat,
+    bytes: WeightBytes,
+    scales: Vec<f32>,
+}
+
+impl Linear {
+    pub fn view(&self) -> WeightView<'_> {
+        WeightView { rows: self.rows, cols: self.cols, format: self.format, data: self.bytes.as_slice(), scales: &self.scales }
+    }
+
+    /// Bytes read from memory by one full pass over the weight.
+    pub fn stored_bytes(&self) -> usize {
+        self.bytes.range.len() + self.scales.len() * 4
+    }
+}
+
+struct Shard {
+    path: PathBuf,
+    map: Arc<Mmap>,
+}
+
+struct TensorEntry {
+    shard: usize,
+    dtype: Dtype,
+    shape: Vec<usize>,
+    range: Range<usize>,
+}
+
+pub struct Checkpoint {
+    shards: Vec<Shard>,
+    tensors: HashMap<String, TensorEntry>,
+    fp8_block: Option<[usize; 2]>,
+}
+
+fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> CheckpointError + '_ {
+    move |source| CheckpointError::Io { path: path.to_path_buf(), source }
+}
+
+impl Checkpoint {
+    /// Open every shard in `dir`. `fp8_block` is the `weight_block_size` of the
+    /// config's quantisation, if any.
+    pub fn open(dir: &Path, fp8_block: Option<[usize; 2]>) -> Result<Self, CheckpointError> {
+        let index = dir.join(INDEX_FILE);
+        let single = dir.join(SINGLE_FILE);
+        let (shard_names, expected): (Vec<String>, Vec<(String, String)>) = if index.exists() {
+            let text = std::fs::read_to_string(&index).map_err(io_err(&index))?;
+            let bad = |message: String| CheckpointError::BadIndex { index: index.clone(), message };
+            let json: serde_json::Value = serde_json::from_str(&text).map_err(|e| bad(e.to_string()))?;
+            let map = json.get("weight_map").and_then(|m| m.as_object()).ok_or_else(|| bad("no \"weight_map\" object".into()))?;
+            let mut expected = Vec::with_capacity(map.len());
+            for (tensor, file) in map {
+                let file = file.as_str().ok_or_else(|| bad(format!("weight_map entry for {tensor} is not a file name")))?;
+                if file.contains('/') || file.contains('\\') || file == ".." {
+                    return Err(bad(format!("weight_map entry for {tensor} points outside the checkpoint: {file}")));
+                }
+                expected.push((tensor.clone(), file.to_string()));
+            }
+            let names: BTreeSet<String> = expected.iter().map(|(_, f)| f.clone()).collect();
+            for name in &names {
+                if !dir.join(name).is_file() {
+                    return Err(CheckpointError::MissingShard { index: index.clone(), shard: name.clone() });
+                }
+            }
+            (names.into_iter().collect(), expected)
+        } else if single.exists() {
+            (vec![SINGLE_FILE.to_string()], vec![])
+        } else {
+            return Err(CheckpointError::NoWeights { dir: dir.to_path_buf() });
+        };
+
+        let mut shards = Vec::with_capacity(shard_names.len());
+        let mut tensors = HashMap::new();
+        for (i, name) in shard_names.iter().enumerate() {
+            let path = dir.join(name);
+            let file = File::open(&path).map_err(io_err(&path))?;
+            // SAFETY: the checkpoint files are treated as read-only for the
+            // life of the process; nothing in Duplex writes to them.
+            let map = unsafe { Mmap::map(&file) }.map_err(io_err(&path))?;
+            let (header_len, metadata) = SafeTensors::read_metadata(&map)
+                .map_err(|e| CheckpointError::BadShard { file: path.clone(), message: format!("{e:?}") })?;
+            let data_start = 8 + header_len;
+            for (tensor, info) in metadata.tensors() {
+                let (s, e) = info.data_offsets;
+                tensors.insert(
+                    tensor,
+                    TensorEntry { shard: i, dtype: info.dtype, shape: info.shape.clone(), range: data_start + s..data_start + e },
+                );
+            }
+            shards.push(Shard { path, map: Arc::new(map) });
+        }
+        // The index must not promise tensors that its shards lack.
+        for (tensor, file) in expected {
+            match tensors.get(&tensor) {
+                Some(t) if shard_names[t.shard] == file => {}
+                _ => return Err(CheckpointError::MissingTensor { tensor, file: Some(dir.join(file)) }),
+            }
+        }
+        Ok(Checkpoint { shards, tensors, fp8_block })
+    }
+
+    pub fn contains(&self, name: &str) -> bool {
+        self.tensors.contains_key(name)
+    }
+
+    /// Names of every tensor in the checkpoint.
+    pub fn tensor_names(&self) -> impl Iterator<Item = &str> {
+        self.tensors.keys().map(|s| s.as_str())
+    }
+
+    fn entry(&self, name: &str) -> Result<&TensorEntry, CheckpointError> {
+        self.tensors.get(name).ok_or_else(|| CheckpointError::MissingTensor { tensor: name.to_string(), file: None })
+    }
+
+    fn file_of(&self, t: &TensorEntry) -> PathBuf {
+        self.shards[t.shard].path.clone()
+    }
+
+    fn check_shape(&self, name: &str, t: &TensorEntry, expected: &[usize]) -> Result<(), CheckpointError> {
+        if t.shape != expected {
+            return Err(CheckpointError::Shape {
+                tensor: name.to_string(),
+                file: self.file_of(t),
+                expected: expected.to_vec(),
+                got: t.shape.clone(),
+            });
+        }
+        Ok(())
+    }
+
+    fn bytes(&self, t: &TensorEntry) -> WeightBytes {
+        WeightBytes { map: self.shards[t.shard].map.clone(), range: t.range.clone() }
+    }
+
+    /// Number of rows of a 2-D tensor, for vocabulary checks.
+    pub fn rows_of(&self, name: &str) -> Result<(usize, PathBuf), CheckpointError> {
+        let t = self.entry(name)?;
+        Ok((t.shape.first().copied().unwrap_or(0), self.file_of(t)))
+    }
+
+    /// Load `{prefix}.weight` as a `[rows, cols]` matrix, with its
+    /// `{prefix}.weight_scale_inv` when it is FP8.
+    pub fn linear(&self, prefix: &str, rows: usize, cols: usize) -> Result<Linear, CheckpointError> {
+        let name = format!("{prefix}.weight");
+        let t = self.entry(&name)?;
+        self.check_shape(&name, t, &[rows, cols])?;
+        let (format, scales) = match t.dtype {
+            Dtype::F32 => (WeightFormat::F32, vec![]),
+            Dtype::BF16 => (WeightFormat::Bf16, vec![]),
+            Dtype::F16 => (WeightFormat::F16, vec![]),
+            Dtype::F8_E4M3 => {
+                let block = self.fp8_block.ok_or_else(|| CheckpointError::Unquantized { tensor: name.clone(), file: self.file_of(t) })?;
+                let scale_name = format!("{prefix}.weight_scale_inv");
+                let scales = self.vector(&scale_name, &[rows.div_ceil(block[0]), cols.div_ceil(block[1])])?;
+                (WeightFormat::Fp8E4m3 { block }, scales)
+            }
+            other => {
+                return Err(CheckpointError::Dtype {
+                    tensor: name,
+                    file: self.file_of(t),
+                    dtype: format!("{other:?}"),
+                    expected: "F8_E4M3, BF16, F16 or F32",
+                })
+            }
+        };
+        Ok(Linear { rows, cols, format, bytes: self.bytes(t), scales })
+    }
+
+    /// Load a small float tensor of the given shape into an F32 vector.
+    pub fn vector(&self, name: &str, shape: &[usize]) -> Result<Vec<f32>, CheckpointError> {
+        let t = self.entry(name)?;
+        self.check_shape(name, t, shape)?;
+        let bytes = &self.shards[t.shard].map[t.range.clone()];
+        let out = match t.dtype {
+            Dtype::F32 => bytes.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect(),
+            Dtype::BF16 => bytes.chunks_exact(2).map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32()).collect(),
+            Dtype::F16 => bytes.chunks_exact(2).map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32()).collect(),
+            other => {
+                return Err(CheckpointError::Dtype {
+                    tensor: name.to_string(),
+                    file: self.file_of(t),
+                    dtype: format!("{other:?}"),
+                    expected: "F32, BF16 or F16",
+                })
+            }
+        };
+        Ok(out)
+    }
+}

@@ -1,0 +1,130 @@
+//! Paged cache of the compressed MLA latent.
+//!
+//! Per token and layer, MLA needs only the normalised latent `c` (`kv_lora_rank`
+//! floats) and the rotated shared key `k_pe` (`qk_rope_head_dim` floats): the
+//! per-head keys and values are recomputed from `c` or absorbed into the query.
+//! The pool is one flat array of fixed-size blocks, each holding `block_size`
+//! tokens for every layer; a sequence owns a `BlockTable` listing its blocks.
+//! This keeps the pool a plain addressable region, so it can later live in a
+//! shared-memory segment and be handed between processes by block number.
+
+#[derive(Debug, thiserror::Error, PartialEq)]
+pub enum KvError {
+    #[error("KV cache is full: {needed} more blocks needed, {free} free of {total}")]
+    OutOfBlocks { needed: usize, free: usize, total: usize },
+}
+
+/// The blocks of one sequence and how many positions are filled.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct BlockTable {
+    pub blocks: Vec<u32>,
+    pub len: usize,
+}
+
+pub struct KvPool {
+    block_size: usize,
+    n_layers: usize,
+    entry_dim: usize,
+    data: Vec<f32>,
+    free: Vec<u32>,
+    total: usize,
+}
+
+impl KvPool {
+    /// A pool of `n_blocks` blocks of `block_size` tokens, each token holding
+    /// `entry_dim` floats for each of `n_layers` layers.
+    pub fn new(n_blocks: usize, block_size: usize, n_layers: usize, entry_dim: usize) -> Self {
+        assert!(block_size > 0 && n_layers > 0 && entry_dim > 0, "KvPool dimensions must be positive");
+        KvPool {
+            block_size,
+            n_layers,
+            entry_dim,
+            data: vec![0.0; n_blocks * block_size * n_layers * entry_dim],
+            // Pop from the end: hand out low block numbers first.
+            free: (0..n_blocks as u32).rev().collect(),
+            total: n_blocks,
+        }
+    }
+
+    pub fn block_size(&self) -> usize {
+        self.block_size
+    }
+
+    pub fn entry_dim(&self) -> usize {
+        self.entry_dim
+    }
+
+    pub fn free_blocks(&self) -> usize {
+        self.free.len()
+    }
+
+    pub fn total_blocks(&self) -> usize {
+        self.total
+    }
+
+    /// Grow `table` so that it can hold `len` positions. All or nothing.
+    pub fn reserve(&mut self, table: &mut BlockTable, len: usize) -> Result<(), KvError> {
+        let needed = len.div_ceil(self.block_size).saturating_sub(table.blocks.len());
+        if needed > self.free.len() {
+            return Err(KvError::OutOfBlocks { needed, free: self.free.len(), total: self.total });
+        }
+        for _ in 0..needed {
+            table.blocks.push(self.free.pop().expect("checked above"));
+        }
+        Ok(())
+    }
+
+    /// Return every block of `table` to the pool.
+    pub fn release(&mut self, table: &mut BlockTable) {
+        self.free.extend(table.blocks.drain(..));
+        table.len = 0;
+    }
+
+    fn offset(&self, table: &BlockTable, layer: usize, pos: usize) -> usize {
+        let block = table.blocks[pos / self.block_size] as usize;
+        ((block * self.n_layers + layer) * self.block_size + pos % self.block_size) * self.entry_dim
+    }
+
+    /// The cache entry of `layer` at `pos`: `[latent.., k_pe..]`.
+    pub fn entry(&self, table: &BlockTable, layer: usize, pos: usize) -> &[f32] {
+        let o = self.offset(table, layer, pos);
+        &self.data[o..o + self.entry_dim]
+    }
+
+    pub fn entry_mut(&mut self, table: &BlockTable, layer: usize, pos: usize) -> &mut [f32] {
+        let o = self.offset(table, layer, pos);
+        &mut self.data[o..o + self.entry_dim]
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reserve_write_read_release() {
+        let mut pool = KvPool::new(4, 2, 3, 5);
+        let mut a = BlockTable::default();
+        let mut b = BlockTable::default();
+        pool.reserve(&mut a, 3).unwrap();
+        pool.reserve(&mut b, 2).unwrap();
+        assert_eq!((a.blocks.len(), b.blocks.len(), pool.free_blocks()), (2, 1, 1));
+        for pos in 0..3 {
+            for layer in 0..3 {
+                pool.entry_mut(&a, layer, pos).fill((pos * 10 + layer) as f32);
+            }
+        }
+        pool.entry_mut(&b, 2, 1).fill(-1.0);
+        for pos in 0..3 {
+            for layer in 0..3 {
+                assert!(pool.entry(&a, layer, pos).iter().all(|&v| v == (pos * 10 + layer) as f32));
+            }
+        }
+        assert_eq!(pool.reserve(&mut b, 6), Err(KvError::OutOfBlocks { needed: 2, free: 1, total: 4 }));
+        assert_eq!(b.blocks.len(), 1, "a failed reserve takes nothing");
+        pool.release(&mut a);
+        assert_eq!(pool.free_blocks(), 3);
+        pool.reserve(&mut b, 6).unwrap();
+        assert!(pool.entry(&b, 2, 1).iter().all(|&v| v == -1.0));
+    }
+}

@@ -1,0 +1,468 @@
+//! The DeepSeek-V3 transformer: weights and the forward pass.
+//!
+//! Mirrors transformers' `DeepseekV3ForCausalLM`: embedding, then per layer
+//! RMSNorm → MLA attention → residual → RMSNorm → dense MLP or MoE → residual,
+//! then the final norm and the LM head. Attention reads and writes the paged
+//! latent cache; a one-token step (decode) uses the absorbed form, longer
+//! chunks (prefill) the expanded form.
+
+use crate::checkpoint::{Checkpoint, CheckpointError, Linear};
+use crate::config::{ConfigError, ModelConfig};
+use crate::kv_cache::{BlockTable, KvError, KvPool};
+use crate::moe::{route, RouterParams};
+use crate::rope::RopeTable;
+use duplex_kernels::elementwise::{rms_norm, rope, silu_mul, softmax};
+use duplex_kernels::linear::{dot, matmul, matmul_rows, matmul_t_rows};
+use std::path::Path;
+
+/// The numeric path, chosen at run time.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum Precision {
+    /// Everything in F32: the simple reference.
+    F32,
+    /// BF16 activations between ops, F32 accumulation; weights used as stored.
+    #[default]
+    Bf16,
+}
+
+impl Precision {
+    /// Store `xs` as this precision stores activations.
+    fn round(self, xs: &mut [f32]) {
+        if self == Precision::Bf16 {
+            duplex_kernels::round_bf16_slice(xs);
+        }
+    }
+}
+
+impl std::str::FromStr for Precision {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "f32" => Ok(Precision::F32),
+            "bf16" => Ok(Precision::Bf16),
+            _ => Err(format!("unknown dtype {s:?}; expected f32 or bf16")),
+        }
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum LoadError {
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+    #[error(transparent)]
+    Checkpoint(#[from] CheckpointError),
+}
+
+#[derive(Debug, thiserror::Error, PartialEq)]
+pub enum ForwardError {
+    #[error("token id {id} is out of range for a vocabulary of {vocab}")]
+    TokenOutOfRange { id: u32, vocab: usize },
+    #[error("position {pos} exceeds the model's maximum of {max} positions")]
+    TooLong { pos: usize, max: usize },
+    #[error(transparent)]
+    Kv(#[from] KvError),
+}
+
+/// Which rows of logits a forward pass returns.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Logits {
+    /// One row per input token (teacher forcing).
+    All,
+    /// Only the row of the last token (generation).
+    Last,
+}
+
+enum QProj {
+    Lora { a: Linear, norm: Vec<f32>, b: Linear },
+    Plain(Linear),
+}
+
+struct Attention {
+    q: QProj,
+    kv_a: Linear,
+    kv_a_norm: Vec<f32>,
+    kv_b: Linear,
+    o: Linear,
+}
+
+struct Mlp {
+    gate: Linear,
+    up: Linear,
+    down: Linear,
+}
+
+struct Moe {
+    router: Linear,
+    correction_bias: Option<Vec<f32>>,
+    experts: Vec<Mlp>,
+    shared: Option<Mlp>,
+}
+
+enum Ffn {
+    Dense(Mlp),
+    Moe(Moe),
+}
+
+struct Layer {
+    input_norm: Vec<f32>,
+    post_attention_norm: Vec<f32>,
+    attn: Attention,
+    ffn: Ffn,
+}
+
+pub struct Model {
+    pub cfg: ModelConfig,
+    embed: Linear,
+    layers: Vec<Layer>,
+    norm: Vec<f32>,
+    lm_head: Linear,
+    rope: RopeTable,
+    router: RouterParams,
+    softmax_scale: f32,
+    /// Multi-token-prediction tensors present in the checkpoint and ignored.
+    pub skipped_mtp_tensors: usize,
+}
+
+fn linear(w: &Linear, x: &[f32], n: usize, p: Precision) -> Vec<f32> {
+    let mut out = vec![0.0; n * w.rows];
+    matmul(&w.view(), x, n, &mut out);
+    p.round(&mut out);
+    out
+}
+
+fn norm_rows(x: &[f32], weight: &[f32], eps: f32, p: Precision) -> Vec<f32> {
+    let d = weight.len();
+    let mut out = vec![0.0; x.len()];
+    for (o, xi) in out.chunks_mut(d).zip(x.chunks(d)) {
+        rms_norm(xi, weight, eps, o);
+    }
+    p.round(&mut out);
+    out
+}
+
+fn add_residual(h: &mut [f32], delta: &[f32], p: Precision) {
+    h.iter_mut().zip(delta).for_each(|(a, b)| *a += b);
+    p.round(h);
+}
+
+impl Mlp {
+    fn load(ck: &Checkpoint, prefix: &str, hidden: usize, inter: usize) -> Result<Self, CheckpointError> {
+        Ok(Mlp {
+            gate: ck.linear(&format!("{prefix}.gate_proj"), inter, hidden)?,
+            up: ck.linear(&format!("{prefix}.up_proj"), inter, hidden)?,
+            down: ck.linear(&format!("{prefix}.down_proj"), hidden, inter)?,
+        })
+    }
+
+    fn forward(&self, x: &[f32], n: usize, p: Precision) -> Vec<f32> {
+        let mut g = linear(&self.gate, x, n, p);
+        let u = linear(&self.up, x, n, p);
+        silu_mul(&mut g, &u);
+        p.round(&mut g);
+        linear(&self.down, &g, n, p)
+    }
+}
+
+impl Moe {
+    fn forward(&self, x: &[f32], n: usize, d: usize, router: &RouterParams, p: Precision) -> Vec<f32> {
+        // Router logits in F32, as transformers computes them.
+        let logits = linear(&self.router, x, n, Precision::F32);
+        let mut assigned: Vec<Vec<(usize, f32)>> = vec![vec![]; self.experts.len()];
+        for i in 0..n {
+            let row = &logits[i * router.n_experts..(i + 1) * router.n_experts];
+            for (e, w) in route(router, row, self.correction_bias.as_deref()) {
+                assigned[e].push((i, w));
+            }
+        }
+        let mut out = match &self.shared {
+            Some(shared) => shared.forward(x, n, p),
+            None => vec![0.0; n * d],
+        };
+        let mut routed = vec![0.0f32; n * d];
+        for (expert, tokens) in self.experts.iter().zip(&assigned) {
+            if tokens.is_empty() {
+                continue;
+            }
+            let xs: Vec<f32> = tokens.iter().flat_map(|&(i, _)| x[i * d..(i + 1) * d].iter().copied()).collect();
+            let ys = expert.forward(&xs, tokens.len(), p);
+            for (&(i, w), y) in tokens.iter().zip(ys.chunks(d)) {
+                routed[i * d..(i + 1) * d].iter_mut().zip(y).for_each(|(o, v)| *o += w * v);
+            }
+        }
+        p.round(&mut routed);
+        add_residual(&mut out, &routed, p);
+        out
+    }
+}
+
+impl Model {
+    /// Load `dir` (config.json plus safetensors). `progress(done, total)` is
+    /// called as layers load.
+    pub fn load(dir: &Path, progress: &mut dyn FnMut(usize, usize)) -> Result<Self, LoadError> {
+        let cfg = ModelConfig::from_file(&dir.join("config.json"))?;
+        let ck = Checkpoint::open(dir, cfg.quantization.as_ref().map(|q| q.weight_block_size))?;
+        Ok(Self::from_checkpoint(cfg, &ck, progress)?)
+    }
+
+    pub fn from_checkpoint(cfg: ModelConfig, ck: &Checkpoint, progress: &mut dyn FnMut(usize, usize)) -> Result<Self, CheckpointError> {
+        let d = cfg.hidden_size;
+        let (vocab_rows, file) = ck.rows_of("model.embed_tokens.weight")?;
+        if vocab_rows != cfg.vocab_size {
+            return Err(CheckpointError::VocabMismatch { config: cfg.vocab_size, tensor: "model.embed_tokens.weight".into(), file, rows: vocab_rows });
+        }
+        let embed = ck.linear("model.embed_tokens", cfg.vocab_size, d)?;
+        let lm_head = if ck.contains("lm_head.weight") || !cfg.tie_word_embeddings {
+            let (rows, file) = ck.rows_of("lm_head.weight")?;
+            if rows != cfg.vocab_size {
+                return Err(CheckpointError::VocabMismatch { config: cfg.vocab_size, tensor: "lm_head.weight".into(), file, rows });
+            }
+            ck.linear("lm_head", cfg.vocab_size, d)?
+        } else {
+            embed.clone()
+        };
+        let total = cfg.num_hidden_layers;
+        let mut layers = Vec::with_capacity(total);
+        for l in 0..total {
+            progress(l, total);
+            layers.push(Self::load_layer(&cfg, ck, l)?);
+        }
+        progress(total, total);
+        let skipped_mtp_tensors = ck
+            .tensor_names()
+            .filter(|n| {
+                n.strip_prefix("model.layers.")
+                    .and_then(|r| r.split('.').next())
+                    .and_then(|i| i.parse::<usize>().ok())
+                    .is_some_and(|i| i >= cfg.num_hidden_layers)
+            })
+            .count();
+        Ok(Model {
+            norm: ck.vector("model.norm.weight", &[d])?,
+            embed,
+            lm_head,
+            layers,
+            rope: RopeTable::new(&cfg),
+            router: RouterParams::from_config(&cfg),
+            softmax_scale: cfg.softmax_scale(),
+            skipped_mtp_tensors,
+            cfg,
+        })
+    }
+
+    fn load_layer(cfg: &ModelConfig, ck: &Checkpoint, l: usize) -> Result<Layer, CheckpointError> {
+        let d = cfg.hidden_size;
+        let h = cfg.num_attention_heads;
+        let p = format!("model.layers.{l}");
+        let a = format!("{p}.self_attn");
+        let q = match cfg.q_lora_rank {
+            Some(r) => QProj::Lora {
+                a: ck.linear(&format!("{a}.q_a_proj"), r, d)?,
+                norm: ck.vector(&format!("{a}.q_a_layernorm.weight"), &[r])?,
+                b: ck.linear(&format!("{a}.q_b_proj"), h * cfg.qk_head_dim(), r)?,
+            },
+            None => QProj::Plain(ck.linear(&format!("{a}.q_proj"), h * cfg.qk_head_dim(), d)?),
+        };
+        let attn = Attention {
+            q,
+            kv_a: ck.linear(&format!("{a}.kv_a_proj_with_mqa"), cfg.kv_entry_dim(), d)?,
+            kv_a_norm: ck.vector(&format!("{a}.kv_a_layernorm.weight"), &[cfg.kv_lora_rank])?,
+            kv_b: ck.linear(&format!("{a}.kv_b_proj"), h * (cfg.qk_nope_head_dim + cfg.v_head_dim), cfg.kv_lora_rank)?,
+            o: ck.linear(&format!("{a}.o_proj"), d, h * cfg.v_head_dim)?,
+        };
+        let ffn = if cfg.is_moe_layer(l) {
+            let m = format!("{p}.mlp");
+            let e = cfg.n_routed_experts;
+            let bias_name = format!("{m}.gate.e_score_correction_bias");
+            Ffn::Moe(Moe {
+                router: ck.linear(&format!("{m}.gate"), e, d)?,
+                correction_bias: if cfg.use_correction_bias { Some(ck.vector(&bias_name, &[e])?) } else { None },
+                experts: (0..e)
+                    .map(|i| Mlp::load(ck, &format!("{m}.experts.{i}"), d, cfg.moe_intermediate_size))
+                    .collect::<Result<_, _>>()?,
+                shared: if cfg.n_shared_experts > 0 {
+                    Some(Mlp::load(ck, &format!("{m}.shared_experts"), d, cfg.moe_intermediate_size * cfg.n_shared_experts)?)
+                } else {
+                    None
+                },
+            })
+        } else {
+            Ffn::Dense(Mlp::load(ck, &format!("{p}.mlp"), d, cfg.intermediate_size)?)
+        };
+        Ok(Layer {
+            input_norm: ck.vector(&format!("{p}.input_layernorm.weight"), &[d])?,
+            post_attention_norm: ck.vector(&format!("{p}.post_attention_layernorm.weight"), &[d])?,
+            attn,
+            ffn,
+        })
+    }
+
+    /// A KV pool shaped for this model.
+    pub fn new_kv_pool(&self, n_blocks: usize, block_size: usize) -> KvPool {
+        KvPool::new(n_blocks, block_size, self.cfg.num_hidden_layers, self.cfg.kv_entry_dim())
+    }
+
+    /// Run `tokens` as the continuation of the sequence whose cache is
+    /// `table`, append them to the cache, and return logits (`[rows, vocab]`).
+    pub fn forward(
+        &self,
+        pool: &mut KvPool,
+        table: &mut BlockTable,
+        tokens: &[u32],
+        precision: Precision,
+        want: Logits,
+    ) -> Result<Vec<f32>, ForwardError> {
+        let cfg = &self.cfg;
+        let (n, d, start) = (tokens.len(), cfg.hidden_size, table.len);
+        if n == 0 {
+            return Ok(vec![]);
+        }
+        if let Some(&id) = tokens.iter().find(|&&t| t as usize >= cfg.vocab_size) {
+            return Err(ForwardError::TokenOutOfRange { id, vocab: cfg.vocab_size });
+        }
+        if start + n > cfg.max_position_embeddings {
+            return Err(ForwardError::TooLong { pos: start + n, max: cfg.max_position_embeddings });
+        }
+        pool.reserve(table, start + n)?;
+
+        let mut h = vec![0.0f32; n * d];
+        for (row, &t) in h.chunks_mut(d).zip(tokens) {
+            self.embed.view().decode_row(t as usize, row);
+        }
+        precision.round(&mut h);
+        for (l, layer) in self.layers.iter().enumerate() {
+            let x = norm_rows(&h, &layer.input_norm, cfg.rms_norm_eps, precision);
+            let a = self.attention(&layer.attn, l, &x, pool, table, start, precision);
+            add_residual(&mut h, &a, precision);
+            let x = norm_rows(&h, &layer.post_attention_norm, cfg.rms_norm_eps, precision);
+            let f = match &layer.ffn {
+                Ffn::Dense(mlp) => mlp.forward(&x, n, precision),
+                Ffn::Moe(moe) => moe.forward(&x, n, d, &self.router, precision),
+            };
+            add_residual(&mut h, &f, precision);
+        }
+        table.len = start + n;
+
+        let rows = match want {
+            Logits::All => &h[..],
+            Logits::Last => &h[(n - 1) * d..],
+        };
+        let x = norm_rows(rows, &self.norm, cfg.rms_norm_eps, precision);
+        let mut logits = vec![0.0; (x.len() / d) * cfg.vocab_size];
+        matmul(&self.lm_head.view(), &x, x.len() / d, &mut logits);
+        Ok(logits)
+    }
+
+    /// MLA for `x` (`[n, hidden]`, positions `start..start + n`): write the
+    /// new latents to the cache, attend causally, project out.
+    #[allow(clippy::too_many_arguments)]
+    fn attention(&self, at: &Attention, layer: usize, x: &[f32], pool: &mut KvPool, table: &BlockTable, start: usize, p: Precision) -> Vec<f32> {
+        let cfg = &self.cfg;
+        let n = x.len() / cfg.hidden_size;
+        let (heads, dn, dr, dv, dc) = (cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank);
+        let dq = dn + dr;
+
+        let mut q = match &at.q {
+            QProj::Lora { a, norm, b } => {
+                let qa = linear(a, x, n, p);
+                let qa = norm_rows(&qa, norm, cfg.rms_norm_eps, p);
+                linear(b, &qa, n, p)
+            }
+            QProj::Plain(w) => linear(w, x, n, p),
+        };
+        let kv = linear(&at.kv_a, x, n, p);
+        let (mut cos, mut sin) = (vec![0.0; dr / 2], vec![0.0; dr / 2]);
+        for i in 0..n {
+            self.rope.cos_sin(start + i, &mut cos, &mut sin);
+            for hq in q[i * heads * dq..(i + 1) * heads * dq].chunks_mut(dq) {
+                rope(&mut hq[dn..], &cos, &sin, cfg.rope_interleave);
+                p.round(&mut hq[dn..]);
+            }
+            let kv_i = &kv[i * (dc + dr)..(i + 1) * (dc + dr)];
+            let entry = pool.entry_mut(table, layer, start + i);
+            rms_norm(&kv_i[..dc], &at.kv_a_norm, cfg.rms_norm_eps, &mut entry[..dc]);
+            entry[dc..].copy_from_slice(&kv_i[dc..]);
+            rope(&mut entry[dc..], &cos, &sin, cfg.rope_interleave);
+            p.round(entry);
+        }
+
+        let mut out = vec![0.0f32; n * heads * dv];
+        if n == 1 {
+            self.attend_absorbed(at, layer, &q, pool, table, start, &mut out, p);
+        } else {
+            self.attend_expanded(at, layer, &q, pool, table, start, &mut out, p);
+        }
+        linear(&at.o, &out, n, p)
+    }
+
+    /// Prefill form: expand every cached latent into per-head keys and values
+    /// with `kv_b_proj`, then ordinary causal attention.
+    #[allow(clippy::too_many_arguments)]
+    fn attend_expanded(&self, at: &Attention, layer: usize, q: &[f32], pool: &KvPool, table: &BlockTable, start: usize, out: &mut [f32], p: Precision) {
+        let cfg = &self.cfg;
+        let (heads, dn, dr, dv, dc) = (cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank);
+        let (dq, dkv) = (dn + dr, dn + dv);
+        let n = q.len() / (heads * dq);
+        let ctx = start + n;
+        let mut latents = Vec::with_capacity(ctx * dc);
+        for t in 0..ctx {
+            latents.extend_from_slice(&pool.entry(table, layer, t)[..dc]);
+        }
+        let kvb = linear(&at.kv_b, &latents, ctx, p); // [ctx, heads * (dn + dv)]
+        let mut scores = vec![0.0f32; ctx];
+        for i in 0..n {
+            let pos = start + i;
+            for h in 0..heads {
+                let qh = &q[(i * heads + h) * dq..(i * heads + h + 1) * dq];
+                for (t, s) in scores[..=pos].iter_mut().enumerate() {
+                    let k_nope = &kvb[t * heads * dkv + h * dkv..][..dn];
+                    let k_pe = &pool.entry(table, layer, t)[dc..];
+                    *s = (dot(&qh[..dn], k_nope) + dot(&qh[dn..], k_pe)) * self.softmax_scale;
+                }
+                softmax(&mut scores[..=pos]);
+                let o = &mut out[(i * heads + h) * dv..(i * heads + h + 1) * dv];
+                for (t, &w) in scores[..=pos].iter().enumerate() {
+                    let v = &kvb[t * heads * dkv + h * dkv + dn..][..dv];
+                    o.iter_mut().zip(v).for_each(|(a, b)| *a += w * b);
+                }
+                p.round(o);
+            }
+        }
+    }
+
+    /// Decode form: fold `kv_b_proj` into the query (`q_nope · W_k`) and the
+    /// output (`W_v · Σ p·c`), so attention runs directly over the cached
+    /// latents and per-head keys and values are never materialised.
+    #[allow(clippy::too_many_arguments)]
+    fn attend_absorbed(&self, at: &Attention, layer: usize, q: &[f32], pool: &KvPool, table: &BlockTable, start: usize, out: &mut [f32], p: Precision) {
+        let cfg = &self.cfg;
+        let (heads, dn, dr, dv, dc) = (cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank);
+        let (dq, dkv) = (dn + dr, dn + dv);
+        let n = q.len() / (heads * dq);
+        let kv_b = at.kv_b.view();
+        let mut q_latent = vec![0.0f32; dc];
+        let mut ctx_latent = vec![0.0f32; dc];
+        let mut scores = vec![0.0f32; start + n];
+        for i in 0..n {
+            let pos = start + i;
+            for h in 0..heads {
+                let qh = &q[(i * heads + h) * dq..(i * heads + h + 1) * dq];
+                matmul_t_rows(&kv_b, h * dkv..h * dkv + dn, &qh[..dn], &mut q_latent);
+                p.round(&mut q_latent);
+                for (t, s) in scores[..=pos].iter_mut().enumerate() {
+                    let e = pool.entry(table, layer, t);
+                    *s = (dot(&q_latent, &e[..dc]) + dot(&qh[dn..], &e[dc..])) * self.softmax_scale;
+                }
+                softmax(&mut scores[..=pos]);
+                ctx_latent.fill(0.0);
+                for (t, &w) in scores[..=pos].iter().enumerate() {
+                    let c = &pool.entry(table, layer, t)[..dc];
+                    ctx_latent.iter_mut().zip(c).for_each(|(a, b)| *a += w * b);
+                }
+                p.round(&mut ctx_latent);
+                let o = &mut out[(i * heads + h) * dv..(i * heads + h + 1) * dv];
+                matmul_rows(&kv_b, h * dkv + dn..h * dkv + dkv, &ctx_latent, 1, o);
+                p.round(o);
+            }
+        }
+    }
+}

@@ -1,0 +1,121 @@
+//! The engine against transformers' `DeepseekV3ForCausalLM` on the bundled
+//! tiny checkpoint: logits, greedy continuations, KV-cache decode and chunked
+//! prefill.
+
+use duplex_model::{BlockTable, KvPool, Logits, Model, Precision};
+use safetensors::SafeTensors;
+use std::path::{Path, PathBuf};
+use std::sync::OnceLock;
+
+fn fixture() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/tiny-dsv3")
+}
+
+fn model() -> &'static Model {
+    static MODEL: OnceLock<Model> = OnceLock::new();
+    MODEL.get_or_init(|| Model::load(&fixture(), &mut |_, _| {}).expect("fixture loads"))
+}
+
+struct Prompt {
+    input_ids: Vec<u32>,
+    greedy: Vec<u32>,
+    bf16_mean_abs_diff: f32,
+    bf16_top1: f32,
+    logits: Vec<f32>,
+}
+
+fn prompts() -> Vec<Prompt> {
+    let json: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(fixture().join("reference.json")).unwrap()).unwrap();
+    let bytes = std::fs::read(fixture().join("reference_logits.safetensors")).unwrap();
+    let st = SafeTensors::deserialize(&bytes).unwrap();
+    let ids = |v: &serde_json::Value| v.as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect::<Vec<_>>();
+    json["prompts"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .enumerate()
+        .map(|(i, p)| Prompt {
+            input_ids: ids(&p["input_ids"]),
+            greedy: ids(&p["greedy_continuation"]),
+            bf16_mean_abs_diff: p["bf16_reference_mean_abs_diff"].as_f64().unwrap() as f32,
+            bf16_top1: p["bf16_reference_top1_agreement"].as_f64().unwrap() as f32,
+            logits: st.tensor(&format!("logits.{i}")).unwrap().data().chunks_exact(4).map(|b| f32::from_le_bytes(b.try_into().unwrap())).collect(),
+        })
+        .collect()
+}
+
+fn pool(m: &Model) -> KvPool {
+    m.new_kv_pool(64, 16)
+}
+
+fn teacher_forced(m: &Model, tokens: &[u32], p: Precision) -> Vec<f32> {
+    let mut pool = pool(m);
+    m.forward(&mut pool, &mut BlockTable::default(), tokens, p, Logits::All).unwrap()
+}
+
+fn argmax(row: &[f32]) -> u32 {
+    let mut best = 0;
+    for (i, &v) in row.iter().enumerate() {
+        if v > row[best] {
+            best = i;
+        }
+    }
+    best as u32
+}
+
+fn greedy(m: &Model, prompt: &[u32], n: usize, p: Precision) -> Vec<u32> {
+    let mut pool = pool(m);
+    let mut table = BlockTable::default();
+    let mut logits = m.forward(&mut pool, &mut table, prompt, p, Logits::Last).unwrap();
+    let mut out = vec![];
+    for _ in 0..n {
+        let t = argmax(&logits);
+        out.push(t);
+        logits = m.forward(&mut pool, &mut table, &[t], p, Logits::Last).unwrap();
+    }
+    out
+}
+
+#[test]
+fn f32_logits_match_transformers() {
+    let m = model();
+    let vocab = m.cfg.vocab_size;
+    for (i, p) in prompts().iter().enumerate() {
+        let got = teacher_forced(m, &p.input_ids, Precision::F32);
+        assert_eq!(got.len(), p.input_ids.len() * vocab);
+        let max_diff = got.iter().zip(&p.logits).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max);
+        println!("prompt {i}: {} tokens, f32 max |Δlogit| = {max_diff:.3e}", p.input_ids.len());
+        assert!(max_diff <= 2e-3, "prompt {i}: max |Δlogit| {max_diff}");
+    }
+}
+
+#[test]
+fn f32_greedy_continuations_match_transformers() {
+    let m = model();
+    for (i, p) in prompts().iter().enumerate() {
+        let got = greedy(m, &p.input_ids, p.greedy.len(), Precision::F32);
+        assert_eq!(got, p.greedy, "prompt {i}");
+    }
+}
+
+#[test]
+fn bf16_logits_within_reference_bf16_error() {
+    let m = model();
+    let vocab = m.cfg.vocab_size;
+    for (i, p) in prompts().iter().enumerate() {
+        let got = teacher_forced(m, &p.input_ids, Precision::Bf16);
+        let mean = got.iter().zip(&p.logits).map(|(a, b)| (a - b).abs()).sum::<f32>() / got.len() as f32;
+        let rows = p.input_ids.len();
+        let agree = (0..rows)
+            .filter(|&r| argmax(&got[r * vocab..(r + 1) * vocab]) == argmax(&p.logits[r * vocab..(r + 1) * vocab]))
+            .count() as f32
+            / rows as f32;
+        println!(
+            "prompt {i}: bf16 mean |Δlogit| = {mean:.4} (limit {:.4}), top-1 agreement {agree:.3} (floor {:.3})",
+            2.0 * p.bf16_mean_abs_diff,
+            p.bf16_top1 - 0.05
+        );
+        assert!(mean <= 2.0 * p.bf16_mean_abs_diff, "prompt {i}: mean {mean}");
+        assert!(agree >= p.bf16_top1 - 0.05, "prompt {i}: top-1 agreement {agree}");
+    }
+}
