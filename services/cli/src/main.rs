@@ -1,1 +1,287 @@
-fn main() {}
+//! `duplex`: the command line of the Duplex inference engine.
+//!
+//! `generate` runs one prompt (text, chat message or raw token ids) and
+//! streams the continuation; `logits` writes the teacher-forced logits of a
+//! token sequence to a safetensors file, for comparison with other engines.
+
+use anyhow::{bail, Context, Result};
+use clap::{Args, Parser, Subcommand};
+use duplex_model::generation::{sampling_defaults, Engine, GenerationParams};
+use duplex_model::tokenizer::ChatMessage;
+use duplex_model::{BlockTable, Logits, Model, Precision};
+use indicatif::{ProgressBar, ProgressStyle};
+use std::io::Write;
+use std::path::{Path, PathBuf};
+
+/// The tiny DeepSeek-V3 checkpoint bundled with the repository.
+const BUNDLED_MODEL: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../../tests/fixtures/tiny-dsv3");
+
+#[derive(Parser)]
+#[command(name = "duplex", version, about = "Duplex: DeepSeek-V3-family inference on one workstation")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Generate a continuation of a prompt.
+    Generate(GenerateArgs),
+    /// Write the teacher-forced logits of a token sequence to a safetensors file.
+    Logits(LogitsArgs),
+}
+
+#[derive(Args)]
+struct ModelArgs {
+    /// Checkpoint directory (Hugging Face layout). Defaults to the bundled tiny model.
+    #[arg(long, default_value = BUNDLED_MODEL)]
+    model: PathBuf,
+    /// Numeric path: f32 (reference) or bf16.
+    #[arg(long, default_value = "bf16")]
+    dtype: Precision,
+}
+
+#[derive(Args)]
+#[group(id = "input", required = true, multiple = false)]
+struct PromptInput {
+    /// Plain text prompt (BOS is added as the tokenizer config says).
+    #[arg(long, group = "input")]
+    prompt: Option<String>,
+    /// A user message, rendered with the model's chat template.
+    #[arg(long, group = "input")]
+    chat: Option<String>,
+    /// Comma-separated token ids, used as they are.
+    #[arg(long, group = "input")]
+    tokens: Option<String>,
+}
+
+#[derive(Args)]
+struct GenerateArgs {
+    #[command(flatten)]
+    model: ModelArgs,
+    #[command(flatten)]
+    input: PromptInput,
+    /// System message for --chat.
+    #[arg(long, requires = "chat")]
+    system: Option<String>,
+    /// Maximum number of tokens to generate.
+    #[arg(long, default_value_t = 64)]
+    max_tokens: usize,
+    /// Sampling temperature; 0 is greedy. Default: generation_config.json, else 1.
+    #[arg(long, allow_negative_numbers = true)]
+    temperature: Option<f32>,
+    /// Nucleus sampling mass. Default: generation_config.json, else 1 (off).
+    #[arg(long, allow_negative_numbers = true)]
+    top_p: Option<f32>,
+    /// Keep the K most likely tokens; 0 is off.
+    #[arg(long)]
+    top_k: Option<usize>,
+    /// Drop tokens below min_p times the top probability; 0 is off.
+    #[arg(long, allow_negative_numbers = true)]
+    min_p: Option<f32>,
+    #[arg(long, allow_negative_numbers = true)]
+    repetition_penalty: Option<f32>,
+    #[arg(long, allow_negative_numbers = true)]
+    presence_penalty: Option<f32>,
+    #[arg(long, allow_negative_numbers = true)]
+    frequency_penalty: Option<f32>,
+    /// RNG seed; equal seeds give equal outputs.
+    #[arg(long)]
+    seed: Option<u64>,
+    /// Stop when this string is generated (repeatable); it is not printed.
+    #[arg(long)]
+    stop: Vec<String>,
+    /// Keep going past end-of-sequence tokens.
+    #[arg(long)]
+    ignore_eos: bool,
+    /// Also report the N most likely tokens at each step (with --json).
+    #[arg(long)]
+    logprobs: Option<usize>,
+    /// Prefill the prompt in chunks of this many tokens.
+    #[arg(long, default_value_t = 512)]
+    prefill_chunk: usize,
+    /// Context length to allocate KV cache for (capped at the model's maximum).
+    #[arg(long, default_value_t = 8192)]
+    max_context: usize,
+    /// Print one JSON object instead of streaming text.
+    #[arg(long)]
+    json: bool,
+}
+
+#[derive(Args)]
+struct LogitsArgs {
+    #[command(flatten)]
+    model: ModelArgs,
+    /// Comma-separated token ids.
+    #[arg(long)]
+    tokens: String,
+    /// Output safetensors file; tensor `logits`, F32, `[T, vocab_size]`.
+    #[arg(long)]
+    out: PathBuf,
+}
+
+fn main() {
+    if let Err(e) = run(Cli::parse()) {
+        // A reader that went away (`duplex generate ... | head`) is not an error.
+        if e.chain().any(|c| c.downcast_ref::<std::io::Error>().is_some_and(|io| io.kind() == std::io::ErrorKind::BrokenPipe)) {
+            return;
+        }
+        // Print the cause chain, skipping causes a message already quoted.
+        let mut message = String::new();
+        for cause in e.chain() {
+            let text = cause.to_string();
+            if !message.contains(&text) {
+                if !message.is_empty() {
+                    message.push_str(": ");
+                }
+                message.push_str(&text);
+            }
+        }
+        eprintln!("error: {message}");
+        std::process::exit(1);
+    }
+}
+
+fn run(cli: Cli) -> Result<()> {
+    match cli.command {
+        Command::Generate(args) => generate(args),
+        Command::Logits(args) => logits(args),
+    }
+}
+
+fn parse_tokens(s: &str) -> Result<Vec<u32>> {
+    let ids = s
+        .split(',')
+        .map(|t| t.trim())
+        .filter(|t| !t.is_empty())
+        .map(|t| t.parse::<u32>().with_context(|| format!("--tokens: {t:?} is not a token id")))
+        .collect::<Result<Vec<_>>>()?;
+    if ids.is_empty() {
+        bail!("--tokens: no token ids given");
+    }
+    Ok(ids)
+}
+
+/// A progress bar on stderr for loading (hidden when stderr is not a terminal).
+fn load_progress(dir: &Path) -> (ProgressBar, impl FnMut(usize, usize)) {
+    let bar = ProgressBar::new(0).with_message(format!("loading {}", dir.display()));
+    bar.set_style(ProgressStyle::with_template("{msg} [{bar:30}] layer {pos}/{len} {elapsed}").expect("valid template"));
+    let b = bar.clone();
+    (bar, move |done, total| {
+        b.set_length(total as u64);
+        b.set_position(done as u64);
+    })
+}
+
+fn generate(args: GenerateArgs) -> Result<()> {
+    let dir = &args.model.model;
+    let (bar, mut progress) = load_progress(dir);
+    let mut engine = Engine::load(dir, args.model.dtype, args.max_context, &mut progress)
+        .with_context(|| format!("loading model from {}", dir.display()))?;
+    bar.finish_and_clear();
+
+    let tok = &engine.tokenizer;
+    let prompt = if let Some(text) = &args.input.prompt {
+        tok.encode(text)?
+    } else if let Some(user) = &args.input.chat {
+        let mut messages = vec![];
+        if let Some(system) = &args.system {
+            messages.push(ChatMessage { role: "system".into(), content: system.clone() });
+        }
+        messages.push(ChatMessage { role: "user".into(), content: user.clone() });
+        tok.encode_raw(&tok.apply_chat_template(&messages, true)?)?
+    } else {
+        parse_tokens(args.input.tokens.as_deref().unwrap_or_default())?
+    };
+
+    let mut sampling = sampling_defaults(dir);
+    let overrides = [
+        (&mut sampling.temperature, args.temperature),
+        (&mut sampling.top_p, args.top_p),
+        (&mut sampling.min_p, args.min_p),
+        (&mut sampling.repetition_penalty, args.repetition_penalty),
+        (&mut sampling.presence_penalty, args.presence_penalty),
+        (&mut sampling.frequency_penalty, args.frequency_penalty),
+    ];
+    for (field, value) in overrides {
+        if let Some(v) = value {
+            *field = v;
+        }
+    }
+    if let Some(k) = args.top_k {
+        sampling.top_k = k;
+    }
+    sampling.seed = args.seed;
+    sampling.logprobs = args.logprobs;
+    let params = GenerationParams {
+        max_tokens: args.max_tokens,
+        sampling,
+        stop: args.stop.clone(),
+        ignore_eos: args.ignore_eos,
+        prefill_chunk: args.prefill_chunk,
+        ..GenerationParams::default()
+    };
+
+    let stream = !args.json;
+    let mut stdout = std::io::stdout().lock();
+    let out = engine.generate(&prompt, &params, &mut |event| {
+        if stream && !event.text.is_empty() {
+            // A closed stdout (e.g. `| head`) should not abort generation mid-way.
+            let _ = write!(stdout, "{}", event.text).and_then(|_| stdout.flush());
+        }
+    })?;
+    if args.json {
+        let mut json = serde_json::json!({
+            "tokens": out.token_ids(),
+            "text": out.text,
+            "prompt_tokens": out.prompt_tokens,
+            "completion_tokens": out.tokens.len(),
+            "finish_reason": out.finish_reason.as_str(),
+            "ttft_ms": out.ttft.as_secs_f64() * 1e3,
+            "decode_tokens_per_s": out.decode_tokens_per_s(),
+        });
+        if args.logprobs.is_some() {
+            let tok = &engine.tokenizer;
+            json["logprobs"] = out
+                .tokens
+                .iter()
+                .map(|t| {
+                    serde_json::json!({
+                        "token": t.id,
+                        "text": tok.token_text(t.id),
+                        "logprob": t.logprob,
+                        "top_logprobs": t.top_logprobs.iter().map(|(id, lp)| serde_json::json!({"token": id, "text": tok.token_text(*id), "logprob": lp})).collect::<Vec<_>>(),
+                    })
+                })
+                .collect();
+        }
+        writeln!(stdout, "{json}")?;
+    } else {
+        writeln!(stdout)?;
+        eprintln!(
+            "[{} prompt tokens, {} generated ({}), TTFT {:.1} ms, decode {:.1} tokens/s]",
+            out.prompt_tokens,
+            out.tokens.len(),
+            out.finish_reason.as_str(),
+            out.ttft.as_secs_f64() * 1e3,
+            out.decode_tokens_per_s()
+        );
+    }
+    Ok(())
+}
+
+fn logits(args: LogitsArgs) -> Result<()> {
+    let dir = &args.model.model;
+    let tokens = parse_tokens(&args.tokens)?;
+    let (bar, mut progress) = load_progress(dir);
+    let model = Model::load(dir, &mut progress).with_context(|| format!("loading model from {}", dir.display()))?;
+    bar.finish_and_clear();
+    let mut pool = model.new_kv_pool(tokens.len().div_ceil(16), 16);
+    let logits = model.forward(&mut pool, &mut BlockTable::default(), &tokens, args.model.dtype, Logits::All)?;
+    let bytes: Vec<u8> = logits.iter().flat_map(|v| v.to_le_bytes()).collect();
+    let view = safetensors::tensor::TensorView::new(safetensors::Dtype::F32, vec![tokens.len(), model.cfg.vocab_size], &bytes)?;
+    safetensors::serialize_to_file([("logits", view)], &None, &args.out)
+        .with_context(|| format!("writing {}", args.out.display()))?;
+    eprintln!("wrote logits [{}, {}] to {}", tokens.len(), model.cfg.vocab_size, args.out.display());
+    Ok(())
+}

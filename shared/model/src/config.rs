@@ -9,8 +9,8 @@ use std::path::Path;
 pub enum ConfigError {
     #[error("cannot read {path}: {source}")]
     Io { path: String, source: std::io::Error },
-    #[error("{path} is not a valid config: {source}")]
-    Parse { path: String, source: serde_json::Error },
+    #[error("{path} is not a valid config: {message}")]
+    Parse { path: String, message: String },
     #[error("{path}: {message}")]
     Invalid { path: String, message: String },
 }
@@ -169,8 +169,14 @@ impl ModelConfig {
 
     /// Parse and validate; `origin` names the file in errors.
     pub fn from_json(text: &str, origin: &str) -> Result<Self, ConfigError> {
-        let raw: RawConfig =
-            serde_json::from_str(text).map_err(|source| ConfigError::Parse { path: origin.into(), source })?;
+        // serde_path_to_error names the offending field, which serde_json alone does not.
+        let raw: RawConfig = serde_path_to_error::deserialize(&mut serde_json::Deserializer::from_str(text)).map_err(|e| {
+            let message = match e.path().to_string().as_str() {
+                "." => e.inner().to_string(),
+                field => format!("field {field}: {}", e.inner()),
+            };
+            ConfigError::Parse { path: origin.into(), message }
+        })?;
         let invalid = |message: String| ConfigError::Invalid { path: origin.into(), message };
 
         match raw.model_type.as_deref() {

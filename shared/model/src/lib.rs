@@ -6,5 +6,16 @@
 //! tokenizer and chat template. Numerics live in `duplex-kernels`; this crate
 //! knows the model and nothing of SIMD.
 
+pub mod checkpoint;
+pub mod config;
+pub mod generation;
+pub mod kv_cache;
+pub mod model;
+pub mod moe;
+pub mod rope;
 pub mod sampling;
 pub mod tokenizer;
+
+pub use config::ModelConfig;
+pub use kv_cache::{BlockTable, KvPool};
+pub use model::{Logits, Model, Precision};

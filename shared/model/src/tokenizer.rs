@@ -1,0 +1,1070 @@
+//! Tokenizer, chat template and streaming detokenizer for Hugging Face
+//! checkpoints.
+//!
+//! A checkpoint directory spreads its tokenizer state over several files,
+//! and real models disagree about which file holds what:
+//!
+//! * `tokenizer.json` (required): the `tokenizers` pipeline itself.
+//! * `tokenizer_config.json` (optional): chat template, BOS/EOS token
+//!   strings and the `add_bos_token` / `add_eos_token` switches.
+//! * `chat_template.jinja` (optional): newer `transformers` releases store
+//!   the template here instead of in `tokenizer_config.json`; when present it
+//!   wins, as it does in `transformers`.
+//! * `generation_config.json` (optional): the ids generation stops on. Chat
+//!   models often list several (e.g. end-of-turn *and* end-of-text).
+//! * `config.json` (optional): last-resort BOS/EOS ids.
+//!
+//! [`Tokenizer::from_dir`] merges them once at load time, so the rest of
+//! the server asks one object and never re-reads the files.
+
+use std::borrow::Cow;
+use std::fs;
+use std::path::{Path, PathBuf};
+
+use minijinja::{Environment, Error as JinjaError, ErrorKind as JinjaErrorKind, Value};
+use serde_json::Value as Json;
+
+/// Name under which the chat template is registered in the Jinja environment;
+/// it shows up in rendering error messages ("... (in chat_template:3)").
+const TEMPLATE_NAME: &str = "chat_template";
+
+/// How many prompt ids [`IncrementalDecoder::with_prompt`] keeps as context:
+/// enough for decoders that look at the previous token (leading-space
+/// handling) without re-decoding a long prompt on every push. Same value as
+/// vLLM's initial detokenization offset.
+const PROMPT_CONTEXT_IDS: usize = 5;
+
+/// Errors from loading a tokenizer directory, encoding or rendering a chat
+/// template. Every variant carries the file (and where relevant the field)
+/// that caused it, because "invalid type" without a path is useless when a
+/// checkpoint directory holds five JSON files.
+#[derive(Debug, thiserror::Error)]
+pub enum TokenizerError {
+    /// A file could not be read (missing directory, missing `tokenizer.json`,
+    /// permissions, ...).
+    #[error("cannot read {}: {source}", path.display())]
+    Io {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    /// A JSON side file (`tokenizer_config.json`, `generation_config.json`,
+    /// `config.json`) is not valid JSON.
+    #[error("invalid JSON in {}: {source}", path.display())]
+    Json {
+        path: PathBuf,
+        #[source]
+        source: serde_json::Error,
+    },
+    /// `tokenizer.json` is not a tokenizer the `tokenizers` crate understands.
+    #[error("cannot load tokenizer from {}: {source}", path.display())]
+    Load {
+        path: PathBuf,
+        #[source]
+        source: tokenizers::Error,
+    },
+    /// A field has the wrong type or names a token that does not exist.
+    #[error("{}: field `{field}` {message}", path.display())]
+    Field {
+        path: PathBuf,
+        field: &'static str,
+        message: String,
+    },
+    /// The chat template does not compile.
+    #[error("invalid chat template in {}: {message}", path.display())]
+    TemplateSyntax { path: PathBuf, message: String },
+    /// The model ships no chat template, so chat requests cannot be served.
+    #[error(
+        "no chat template: neither {} has `chat_template` nor does chat_template.jinja exist",
+        path.display()
+    )]
+    NoChatTemplate { path: PathBuf },
+    /// Rendering failed, including templates that call `raise_exception`
+    /// (the usual way templates reject e.g. a non-alternating conversation).
+    #[error("chat template from {} failed to render: {message}", path.display())]
+    TemplateRender { path: PathBuf, message: String },
+    /// The `tokenizers` pipeline rejected the input.
+    #[error("tokenizer from {} failed to encode text: {source}", path.display())]
+    Encode {
+        path: PathBuf,
+        #[source]
+        source: tokenizers::Error,
+    },
+}
+
+/// One chat turn, as sent by OpenAI-style clients and as seen by the chat
+/// template (`message['role']`, `message['content']`).
+#[derive(Clone, Debug, serde::Serialize, serde::Deserialize, PartialEq)]
+pub struct ChatMessage {
+    pub role: String,
+    pub content: String,
+}
+
+/// A loaded tokenizer plus everything generation needs from the side files.
+pub struct Tokenizer {
+    inner: tokenizers::Tokenizer,
+    /// `tokenizer.json` path, kept for error messages.
+    tokenizer_path: PathBuf,
+    bos_id: Option<u32>,
+    /// Union of every EOS id the side files mention, in discovery order.
+    eos_ids: Vec<u32>,
+    add_bos: bool,
+    add_eos: bool,
+    /// Strings handed to the chat template as `bos_token` / `eos_token`.
+    bos_token: String,
+    eos_token: String,
+    /// Compiled chat template (registered as [`TEMPLATE_NAME`]), if any.
+    chat_env: Option<Environment<'static>>,
+    /// File the template came from (or would have come from), for errors.
+    template_path: PathBuf,
+}
+
+impl std::fmt::Debug for Tokenizer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // The inner tokenizer's Debug dumps the whole vocabulary; keep it short.
+        f.debug_struct("Tokenizer")
+            .field("path", &self.tokenizer_path)
+            .field("vocab_size", &self.vocab_size())
+            .field("bos_id", &self.bos_id)
+            .field("eos_ids", &self.eos_ids)
+            .field("add_bos", &self.add_bos)
+            .field("add_eos", &self.add_eos)
+            .field("has_chat_template", &self.chat_env.is_some())
+            .finish()
+    }
+}
+
+impl Tokenizer {
+    /// Loads `dir/tokenizer.json` (required), `dir/tokenizer_config.json`
+    /// (optional: `chat_template`, `bos_token`, `eos_token`, `add_bos_token`,
+    /// `add_eos_token`; BOS/EOS tokens may be plain strings or AddedToken
+    /// objects like `{"content": "..."}`), `dir/generation_config.json`
+    /// (optional: `bos_token_id`, `eos_token_id` as an int or a list of ints)
+    /// and `dir/config.json` (optional: `bos_token_id` / `eos_token_id`
+    /// fallback). EOS ids are the union of all of them.
+    ///
+    /// The chat template is compiled here, so a broken template fails at
+    /// startup rather than on the first chat request.
+    pub fn from_dir(dir: &Path) -> Result<Self, TokenizerError> {
+        let tokenizer_path = dir.join("tokenizer.json");
+        let bytes = fs::read(&tokenizer_path).map_err(|source| TokenizerError::Io {
+            path: tokenizer_path.clone(),
+            source,
+        })?;
+        let inner =
+            tokenizers::Tokenizer::from_bytes(&bytes).map_err(|source| TokenizerError::Load {
+                path: tokenizer_path.clone(),
+                source,
+            })?;
+
+        let tc_path = dir.join("tokenizer_config.json");
+        let gen_path = dir.join("generation_config.json");
+        let cfg_path = dir.join("config.json");
+        let tc = read_optional_json(&tc_path)?;
+        let gen = read_optional_json(&gen_path)?;
+        let cfg = read_optional_json(&cfg_path)?;
+
+        // Token strings from tokenizer_config.json, resolved to ids so that a
+        // typo surfaces now instead of as a never-matching stop token.
+        let resolve = |field: &'static str| -> Result<Option<(String, u32)>, TokenizerError> {
+            let Some(text) = token_string(tc.as_ref(), &tc_path, field)? else {
+                return Ok(None);
+            };
+            match inner.token_to_id(&text) {
+                Some(id) => Ok(Some((text, id))),
+                None => Err(TokenizerError::Field {
+                    path: tc_path.clone(),
+                    field,
+                    message: format!(
+                        "names token {text:?}, which is not in {}",
+                        tokenizer_path.display()
+                    ),
+                }),
+            }
+        };
+        let tc_bos = resolve("bos_token")?;
+        let tc_eos = resolve("eos_token")?;
+
+        // The tokenizer's own BOS is authoritative for encoding; the model
+        // configs are fallbacks for checkpoints without tokenizer_config.json.
+        let bos_id = match &tc_bos {
+            Some((_, id)) => Some(*id),
+            None => match token_ids(gen.as_ref(), &gen_path, "bos_token_id")?.first() {
+                Some(&id) => Some(id),
+                None => token_ids(cfg.as_ref(), &cfg_path, "bos_token_id")?
+                    .first()
+                    .copied(),
+            },
+        };
+
+        let mut eos_ids = token_ids(gen.as_ref(), &gen_path, "eos_token_id")?;
+        eos_ids.extend(token_ids(cfg.as_ref(), &cfg_path, "eos_token_id")?);
+        eos_ids.extend(tc_eos.as_ref().map(|(_, id)| *id));
+        let mut seen = std::collections::HashSet::new();
+        eos_ids.retain(|id| seen.insert(*id));
+
+        // HF's default is to add BOS whenever the tokenizer has one; without
+        // a BOS the switch is moot, so it is not an error.
+        let add_bos = optional_bool(tc.as_ref(), &tc_path, "add_bos_token")?.unwrap_or(true)
+            && bos_id.is_some();
+        let add_eos = optional_bool(tc.as_ref(), &tc_path, "add_eos_token")?.unwrap_or(false)
+            && !eos_ids.is_empty();
+
+        let text_of = |id: Option<u32>| id.and_then(|id| inner.id_to_token(id)).unwrap_or_default();
+        let bos_token = tc_bos.map(|(s, _)| s).unwrap_or_else(|| text_of(bos_id));
+        let eos_token = tc_eos
+            .map(|(s, _)| s)
+            .unwrap_or_else(|| text_of(eos_ids.first().copied()));
+
+        let (template_path, source) = load_template_source(dir, tc.as_ref(), &tc_path)?;
+        let chat_env = source
+            .map(|src| {
+                build_env(src).map_err(|e| TokenizerError::TemplateSyntax {
+                    path: template_path.clone(),
+                    message: jinja_message(&e),
+                })
+            })
+            .transpose()?;
+
+        Ok(Self {
+            inner,
+            tokenizer_path,
+            bos_id,
+            eos_ids,
+            add_bos,
+            add_eos,
+            bos_token,
+            eos_token,
+            chat_env,
+            template_path,
+        })
+    }
+
+    /// Encode user text for a completion prompt, adding BOS when
+    /// `add_bos_token` is set (default: whenever a BOS exists) and EOS when
+    /// `add_eos_token` is set.
+    ///
+    /// The `tokenizer.json` post-processor is deliberately not run: it would
+    /// add BOS regardless of `add_bos_token`, and adding it ourselves on top
+    /// would double it. Instead BOS is added here exactly once, and not at
+    /// all if the text already starts with the BOS token string (a client
+    /// that pre-rendered its prompt). This mirrors what `LlamaTokenizerFast`,
+    /// which DeepSeek checkpoints name, does with those two switches.
+    pub fn encode(&self, text: &str) -> Result<Vec<u32>, TokenizerError> {
+        let mut ids = self.encode_raw(text)?;
+        if let Some(bos) = self.bos_id.filter(|_| self.add_bos) {
+            if ids.first() != Some(&bos) {
+                ids.insert(0, bos);
+            }
+        }
+        if let Some(&eos) = self.eos_ids.first().filter(|_| self.add_eos) {
+            if ids.last() != Some(&eos) {
+                ids.push(eos);
+            }
+        }
+        Ok(ids)
+    }
+
+    /// Encode text that already contains its special tokens (e.g. a rendered
+    /// chat template): nothing is added, and special-token strings in the
+    /// text become their single ids (the added-vocabulary pass always
+    /// matches them; only the post-processor is skipped).
+    pub fn encode_raw(&self, text: &str) -> Result<Vec<u32>, TokenizerError> {
+        self.inner
+            .encode(text, false)
+            .map(|enc| enc.get_ids().to_vec())
+            .map_err(|source| TokenizerError::Encode {
+                path: self.tokenizer_path.clone(),
+                source,
+            })
+    }
+
+    /// Render the chat template with `messages`, `add_generation_prompt`,
+    /// `bos_token` and `eos_token`, the variables HF templates rely on.
+    ///
+    /// The environment matches `transformers` (trim_blocks, lstrip_blocks,
+    /// Python string methods, `raise_exception`, `strftime_now`) so that
+    /// templates written for Jinja2 render identically.
+    pub fn apply_chat_template(
+        &self,
+        messages: &[ChatMessage],
+        add_generation_prompt: bool,
+    ) -> Result<String, TokenizerError> {
+        let env = self
+            .chat_env
+            .as_ref()
+            .ok_or_else(|| TokenizerError::NoChatTemplate {
+                path: self.template_path.clone(),
+            })?;
+        let render_err = |e: JinjaError| TokenizerError::TemplateRender {
+            path: self.template_path.clone(),
+            message: jinja_message(&e),
+        };
+        let template = env.get_template(TEMPLATE_NAME).map_err(render_err)?;
+        template
+            .render(minijinja::context! {
+                messages => Value::from_serialize(messages),
+                add_generation_prompt => add_generation_prompt,
+                bos_token => &self.bos_token,
+                eos_token => &self.eos_token,
+            })
+            .map_err(render_err)
+    }
+
+    /// Decode ids to text, skipping special tokens.
+    ///
+    /// Model embedding tables are padded past the tokenizer (e.g. 2112 rows
+    /// for 2048 tokens), so a sampler can produce ids with no token; those
+    /// decode to nothing. Bytes that do not form valid UTF-8 become U+FFFD.
+    pub fn decode(&self, ids: &[u32]) -> String {
+        // `tokenizers` already drops unknown ids; the only remaining failure
+        // is a decoder error, which for a response stream is better shown as
+        // missing text than as a failed request.
+        self.inner.decode(ids, true).unwrap_or_default()
+    }
+
+    /// Tokenizer vocabulary size including added tokens. May be smaller than
+    /// the model's vocabulary (see [`Tokenizer::decode`]).
+    pub fn vocab_size(&self) -> usize {
+        self.inner.get_vocab_size(true)
+    }
+
+    /// The BOS id, if the tokenizer or model config defines one.
+    pub fn bos_token_id(&self) -> Option<u32> {
+        self.bos_id
+    }
+
+    /// Every id that ends generation.
+    pub fn eos_token_ids(&self) -> &[u32] {
+        &self.eos_ids
+    }
+
+    /// The raw token string (e.g. `Ġhello` for byte-level BPE), for logprob
+    /// display. `None` for ids outside the vocabulary.
+    pub fn token_text(&self, id: u32) -> Option<String> {
+        self.inner.id_to_token(id)
+    }
+}
+
+/// Streaming detokenizer using the prefix/read-offset algorithm of TGI and
+/// vLLM.
+///
+/// Decoding one token at a time is wrong twice over: byte-level BPE splits
+/// multi-byte characters (emoji, CJK) across tokens, and some decoders
+/// change a token's text depending on its neighbours (leading spaces). So
+/// each push re-decodes a short window `ids[prefix_offset..]` and emits only
+/// what it adds beyond `ids[prefix_offset..read_offset]`, and only once the
+/// result no longer ends in U+FFFD (an incomplete character). Concatenating
+/// all pushes plus [`IncrementalDecoder::finish`] equals
+/// [`Tokenizer::decode`] of all pushed ids.
+#[derive(Clone, Debug, Default)]
+pub struct IncrementalDecoder {
+    /// The current window; ids before it have been dropped to keep memory
+    /// and re-decoding cost bounded for long generations.
+    ids: Vec<u32>,
+    /// Start of the context whose text has already been emitted.
+    prefix_offset: usize,
+    /// End of the emitted part of the window.
+    read_offset: usize,
+}
+
+impl IncrementalDecoder {
+    /// A decoder with no context.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// A decoder seeded with the tail of the prompt as (never emitted)
+    /// context, so that decoders which strip or add a leading space on the
+    /// first token (SentencePiece-style) space the first generated token as
+    /// it would be inside the full text. Byte-level BPE does not need it.
+    pub fn with_prompt(tok: &Tokenizer, prompt_ids: &[u32]) -> Self {
+        let mut ctx = &prompt_ids[prompt_ids.len().saturating_sub(PROMPT_CONTEXT_IDS)..];
+        // A context ending mid-character would make the emitted-text boundary
+        // fall inside a character; drop the incomplete tail (at most three
+        // ids, as a UTF-8 character has at most three continuation bytes).
+        while !ctx.is_empty() && tok.decode(ctx).ends_with('\u{FFFD}') {
+            ctx = &ctx[..ctx.len() - 1];
+        }
+        Self {
+            ids: ctx.to_vec(),
+            prefix_offset: 0,
+            read_offset: ctx.len(),
+        }
+    }
+
+    /// Add one id and return the text it completes ("" when nothing new is
+    /// ready yet: an incomplete character, a special token or an id outside
+    /// the vocabulary).
+    pub fn push(&mut self, tok: &Tokenizer, id: u32) -> String {
+        self.ids.push(id);
+        self.step(tok, false)
+    }
+
+    /// Return whatever was held back (e.g. a truncated character at the end
+    /// of generation, which then shows as U+FFFD just as in a full decode).
+    pub fn finish(&mut self, tok: &Tokenizer) -> String {
+        self.step(tok, true)
+    }
+
+    fn step(&mut self, tok: &Tokenizer, flush: bool) -> String {
+        let prefix_text = tok.decode(&self.ids[self.prefix_offset..self.read_offset]);
+        let new_text = tok.decode(&self.ids[self.prefix_offset..]);
+        if new_text.len() <= prefix_text.len() || (!flush && new_text.ends_with('\u{FFFD}')) {
+            return String::new();
+        }
+        // `get` rather than indexing: a decoder that rewrote earlier text
+        // could put the old length inside a character; hold back then
+        // instead of panicking.
+        let Some(delta) = new_text.get(prefix_text.len()..) else {
+            return String::new();
+        };
+        let delta = delta.to_owned();
+        // The old read window becomes the new context; everything before it
+        // is never looked at again.
+        self.ids.drain(..self.read_offset);
+        self.prefix_offset = 0;
+        self.read_offset = self.ids.len();
+        delta
+    }
+}
+
+/// Reads a JSON file that checkpoints may omit: absent is `None`, anything
+/// unreadable or malformed is an error naming the file.
+fn read_optional_json(path: &Path) -> Result<Option<Json>, TokenizerError> {
+    let text = match fs::read_to_string(path) {
+        Ok(text) => text,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        Err(source) => {
+            return Err(TokenizerError::Io {
+                path: path.to_owned(),
+                source,
+            })
+        }
+    };
+    serde_json::from_str(&text)
+        .map(Some)
+        .map_err(|source| TokenizerError::Json {
+            path: path.to_owned(),
+            source,
+        })
+}
+
+/// Field `field` of an optional JSON object; JSON `null` counts as absent
+/// because HF writes `"bos_token": null` for tokenizers without one.
+fn field<'a>(json: Option<&'a Json>, field: &str) -> Option<&'a Json> {
+    json.and_then(|j| j.get(field)).filter(|v| !v.is_null())
+}
+
+/// A special-token field that HF writes either as a plain string or as a
+/// serialized `AddedToken` (`{"content": "...", "lstrip": false, ...}`).
+fn token_string(
+    json: Option<&Json>,
+    path: &Path,
+    name: &'static str,
+) -> Result<Option<String>, TokenizerError> {
+    let Some(value) = field(json, name) else {
+        return Ok(None);
+    };
+    let text = match value {
+        Json::String(s) => Some(s.as_str()),
+        Json::Object(obj) => obj.get("content").and_then(Json::as_str),
+        _ => None,
+    };
+    text.map(|s| Some(s.to_owned()))
+        .ok_or_else(|| TokenizerError::Field {
+            path: path.to_owned(),
+            field: name,
+            message: format!("must be a string or an object with a string `content`, got {value}"),
+        })
+}
+
+/// A token-id field that may be a single id or a list of ids (chat models
+/// list several EOS ids in `generation_config.json`).
+fn token_ids(
+    json: Option<&Json>,
+    path: &Path,
+    name: &'static str,
+) -> Result<Vec<u32>, TokenizerError> {
+    let Some(value) = field(json, name) else {
+        return Ok(Vec::new());
+    };
+    let bad = || TokenizerError::Field {
+        path: path.to_owned(),
+        field: name,
+        message: format!("must be a token id or a list of token ids (0..2^32), got {value}"),
+    };
+    let as_id = |v: &Json| v.as_u64().and_then(|n| u32::try_from(n).ok());
+    match value {
+        Json::Array(items) => items.iter().map(|v| as_id(v).ok_or_else(bad)).collect(),
+        v => as_id(v).map(|id| vec![id]).ok_or_else(bad),
+    }
+}
+
+fn optional_bool(
+    json: Option<&Json>,
+    path: &Path,
+    name: &'static str,
+) -> Result<Option<bool>, TokenizerError> {
+    field(json, name)
+        .map(|v| {
+            v.as_bool().ok_or_else(|| TokenizerError::Field {
+                path: path.to_owned(),
+                field: name,
+                message: format!("must be true or false, got {v}"),
+            })
+        })
+        .transpose()
+}
+
+/// Finds the chat template source and the file it came from. Returns the
+/// path even without a template so that "no template" errors can name where
+/// one was expected.
+fn load_template_source(
+    dir: &Path,
+    tc: Option<&Json>,
+    tc_path: &Path,
+) -> Result<(PathBuf, Option<String>), TokenizerError> {
+    let jinja_path = dir.join("chat_template.jinja");
+    match fs::read_to_string(&jinja_path) {
+        Ok(src) => return Ok((jinja_path, Some(src))),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(source) => {
+            return Err(TokenizerError::Io {
+                path: jinja_path,
+                source,
+            })
+        }
+    }
+    let bad = |value: &Json| TokenizerError::Field {
+        path: tc_path.to_owned(),
+        field: "chat_template",
+        message: format!(
+            "must be a string or a list of {{\"name\", \"template\"}} objects, got {value}"
+        ),
+    };
+    let source = match field(tc, "chat_template") {
+        None => None,
+        Some(Json::String(s)) => Some(s.clone()),
+        // Multi-template form: HF uses the one named "default" for plain
+        // chat (the others are e.g. "tool_use" or "rag").
+        Some(value @ Json::Array(list)) => {
+            let named = |name: &str| {
+                list.iter()
+                    .find(|t| t.get("name").and_then(Json::as_str) == Some(name))
+            };
+            let entry = named("default")
+                .or(list.first())
+                .ok_or_else(|| bad(value))?;
+            let template = entry.get("template").and_then(Json::as_str);
+            Some(template.ok_or_else(|| bad(value))?.to_owned())
+        }
+        Some(value) => return Err(bad(value)),
+    };
+    Ok((tc_path.to_owned(), source))
+}
+
+/// Builds a Jinja environment that behaves like the one `transformers`
+/// renders chat templates with, and compiles `source` into it.
+fn build_env(source: String) -> Result<Environment<'static>, JinjaError> {
+    let mut env = Environment::new();
+    // transformers: ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    env.set_trim_blocks(true);
+    env.set_lstrip_blocks(true);
+    // Templates call Python string/dict methods (.strip(), .split(), .items()).
+    env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+    env.add_function(
+        "raise_exception",
+        |msg: String| -> Result<Value, JinjaError> {
+            Err(JinjaError::new(JinjaErrorKind::InvalidOperation, msg))
+        },
+    );
+    env.add_function("strftime_now", |fmt: String| {
+        let secs = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_secs());
+        format_utc(secs, &fmt)
+    });
+    env.add_template_owned(TEMPLATE_NAME, source)?;
+    Ok(env)
+}
+
+/// A minijinja error with its cause chain, since `raise_exception` messages
+/// and syntax details are what the operator needs to see.
+fn jinja_message(e: &JinjaError) -> String {
+    let mut message = e.to_string();
+    let mut source = std::error::Error::source(e);
+    while let Some(cause) = source {
+        message.push_str(": ");
+        message.push_str(&cause.to_string());
+        source = cause.source();
+    }
+    message
+}
+
+const MONTHS: [&str; 12] = [
+    "January",
+    "February",
+    "March",
+    "April",
+    "May",
+    "June",
+    "July",
+    "August",
+    "September",
+    "October",
+    "November",
+    "December",
+];
+const WEEKDAYS: [&str; 7] = [
+    "Monday",
+    "Tuesday",
+    "Wednesday",
+    "Thursday",
+    "Friday",
+    "Saturday",
+    "Sunday",
+];
+
+/// `strftime` for templates that print today's date (Llama 3 style
+/// `strftime_now("%d %b %Y")`). UTC, because a server's local time zone is
+/// arbitrary and pulling in a time-zone database for a date line is not
+/// worth it. Supports `%Y %y %m %d %e %B %b %A %a %H %M %S %j %%`, with `-`
+/// (no padding, as in `%-d`); anything else is copied through.
+fn format_utc(unix_secs: u64, fmt: &str) -> String {
+    let days = unix_secs / 86_400;
+    let secs_of_day = unix_secs % 86_400;
+    let (year, month, day) = civil_from_days(days);
+    let weekday = ((days + 3) % 7) as usize; // 1970-01-01 was a Thursday.
+    let day_of_year = days - days_before_year(year) + 1;
+
+    let mut out = String::with_capacity(fmt.len() + 16);
+    let mut chars = fmt.chars().peekable();
+    while let Some(c) = chars.next() {
+        if c != '%' {
+            out.push(c);
+            continue;
+        }
+        let no_pad = chars.next_if_eq(&'-').is_some();
+        let num = |n: u64, width: usize| -> Cow<'static, str> {
+            if no_pad {
+                n.to_string().into()
+            } else {
+                format!("{n:0width$}").into()
+            }
+        };
+        let piece: Cow<'static, str> = match chars.next() {
+            Some('Y') => year.to_string().into(),
+            Some('y') => num(year % 100, 2),
+            Some('m') => num(month, 2),
+            Some('d') => num(day, 2),
+            Some('e') => format!("{day:2}").into(),
+            Some('j') => num(day_of_year, 3),
+            Some('H') => num(secs_of_day / 3600, 2),
+            Some('M') => num(secs_of_day / 60 % 60, 2),
+            Some('S') => num(secs_of_day % 60, 2),
+            Some('B') => MONTHS[month as usize - 1].into(),
+            Some('b') => MONTHS[month as usize - 1][..3].into(),
+            Some('A') => WEEKDAYS[weekday].into(),
+            Some('a') => WEEKDAYS[weekday][..3].into(),
+            Some('%') => "%".into(),
+            Some(other) => format!("%{}{other}", if no_pad { "-" } else { "" }).into(),
+            None => if no_pad { "%-" } else { "%" }.into(),
+        };
+        out.push_str(&piece);
+    }
+    out
+}
+
+/// Days since 1970-01-01 to (year, month 1..=12, day 1..=31) in the
+/// proleptic Gregorian calendar (Howard Hinnant's `civil_from_days`).
+fn civil_from_days(days: u64) -> (u64, u64, u64) {
+    let z = days + 719_468;
+    let era = z / 146_097;
+    let doe = z % 146_097;
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let day = doy - (153 * mp + 2) / 5 + 1;
+    let month = if mp < 10 { mp + 3 } else { mp - 9 };
+    let year = yoe + era * 400 + u64::from(month <= 2);
+    (year, month, day)
+}
+
+/// Days from 1970-01-01 to January 1st of `year` (`year >= 1970`).
+fn days_before_year(year: u64) -> u64 {
+    let leaps = |y: u64| y / 4 - y / 100 + y / 400;
+    (year - 1970) * 365 + leaps(year - 1) - leaps(1969)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const FIXTURE: &str = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../../tests/fixtures/tiny-dsv3"
+    );
+    const BOS: &str = "<｜begin▁of▁sentence｜>";
+    const SAMPLES: &[&str] = &[
+        "Hello, world! The quick brown fox.",
+        "héllo 世界 🙂",
+        "  leading spaces and\nnewlines\t",
+        "🙂🙂 日本語のテキスト — ok",
+    ];
+
+    fn fixture() -> Tokenizer {
+        Tokenizer::from_dir(Path::new(FIXTURE)).expect("fixture tokenizer loads")
+    }
+
+    fn msg(role: &str, content: &str) -> ChatMessage {
+        ChatMessage {
+            role: role.into(),
+            content: content.into(),
+        }
+    }
+
+    /// A temp dir holding the fixture's tokenizer.json plus the given files.
+    fn dir_with(files: &[(&str, &str)]) -> tempfile::TempDir {
+        let dir = tempfile::tempdir().unwrap();
+        fs::copy(
+            Path::new(FIXTURE).join("tokenizer.json"),
+            dir.path().join("tokenizer.json"),
+        )
+        .unwrap();
+        for (name, text) in files {
+            fs::write(dir.path().join(name), text).unwrap();
+        }
+        dir
+    }
+
+    fn stream(tok: &Tokenizer, ids: &[u32]) -> (Vec<String>, String) {
+        let mut dec = IncrementalDecoder::new();
+        let pieces: Vec<String> = ids.iter().map(|&id| dec.push(tok, id)).collect();
+        let tail = dec.finish(tok);
+        (pieces, tail)
+    }
+
+    #[test]
+    fn loads_fixture_metadata() {
+        let tok = fixture();
+        assert_eq!(tok.vocab_size(), 2048);
+        assert_eq!(tok.bos_token_id(), Some(0));
+        assert_eq!(tok.eos_token_ids(), &[1]);
+        assert_eq!(tok.token_text(0).as_deref(), Some(BOS));
+        assert_eq!(tok.token_text(5000), None);
+    }
+
+    #[test]
+    fn encode_adds_exactly_one_bos() {
+        let tok = fixture();
+        let ids = tok.encode("Hello world").unwrap();
+        assert_eq!(ids[0], 0);
+        assert_eq!(ids.iter().filter(|&&id| id == 0).count(), 1);
+        assert_eq!(&ids[1..], tok.encode_raw("Hello world").unwrap());
+        // Text that already starts with BOS does not get a second one.
+        let pre = tok.encode(&format!("{BOS}Hello world")).unwrap();
+        assert_eq!(pre, ids);
+        // Empty text is just BOS.
+        assert_eq!(tok.encode("").unwrap(), vec![0]);
+    }
+
+    #[test]
+    fn encode_respects_add_bos_token_false() {
+        let dir = dir_with(&[(
+            "tokenizer_config.json",
+            r#"{"add_bos_token": false, "bos_token": {"content": "<｜begin▁of▁sentence｜>"}}"#,
+        )]);
+        let tok = Tokenizer::from_dir(dir.path()).unwrap();
+        assert_eq!(tok.bos_token_id(), Some(0));
+        assert_eq!(tok.encode("Hi").unwrap(), tok.encode_raw("Hi").unwrap());
+        assert_ne!(tok.encode("Hi").unwrap()[0], 0);
+    }
+
+    #[test]
+    fn encode_raw_keeps_special_tokens_whole() {
+        let tok = fixture();
+        let prompt = tok
+            .apply_chat_template(&[msg("user", "Hi there")], true)
+            .unwrap();
+        let ids = tok.encode_raw(&prompt).unwrap();
+        assert_eq!(ids[0], 0, "BOS from the template, as one id");
+        assert_eq!(ids[1], 2, "<｜User｜> as one id");
+        assert_eq!(*ids.last().unwrap(), 3, "<｜Assistant｜> as one id");
+        assert_eq!(ids.iter().filter(|&&id| id == 0).count(), 1);
+        assert_eq!(&ids[2..ids.len() - 1], tok.encode_raw("Hi there").unwrap());
+    }
+
+    #[test]
+    fn chat_template_renders_system_user_with_generation_prompt() {
+        let tok = fixture();
+        let messages = [msg("system", "You are helpful."), msg("user", "Hi")];
+        let text = tok.apply_chat_template(&messages, true).unwrap();
+        assert_eq!(
+            text,
+            "<｜begin▁of▁sentence｜>You are helpful.<｜User｜>Hi<｜Assistant｜>"
+        );
+        let text = tok.apply_chat_template(&messages, false).unwrap();
+        assert_eq!(text, "<｜begin▁of▁sentence｜>You are helpful.<｜User｜>Hi");
+    }
+
+    #[test]
+    fn chat_template_multi_turn() {
+        let tok = fixture();
+        let messages = [msg("user", "a"), msg("assistant", "b"), msg("user", "c")];
+        let text = tok.apply_chat_template(&messages, true).unwrap();
+        assert_eq!(
+            text,
+            "<｜begin▁of▁sentence｜><｜User｜>a<｜Assistant｜>b<｜end▁of▁sentence｜><｜User｜>c<｜Assistant｜>"
+        );
+    }
+
+    #[test]
+    fn round_trip_decode() {
+        let tok = fixture();
+        for text in SAMPLES {
+            let ids = tok.encode(text).unwrap();
+            assert_eq!(&tok.decode(&ids), text, "ids {ids:?}");
+            assert_eq!(&tok.decode(&tok.encode_raw(text).unwrap()), text);
+        }
+    }
+
+    #[test]
+    fn decode_skips_special_tokens() {
+        let tok = fixture();
+        let mut ids = tok.encode("Hi").unwrap();
+        ids.extend([2, 3, 1]);
+        assert_eq!(tok.decode(&ids), "Hi");
+    }
+
+    #[test]
+    fn incremental_matches_full_decode_without_mid_stream_fffd() {
+        let tok = fixture();
+        for text in SAMPLES {
+            let ids = tok.encode(text).unwrap();
+            let (pieces, tail) = stream(&tok, &ids);
+            for p in &pieces {
+                assert!(!p.contains('\u{FFFD}'), "{text:?}: emitted {p:?}");
+            }
+            let streamed = pieces.concat() + &tail;
+            assert_eq!(streamed, tok.decode(&ids), "{text:?}");
+            assert_eq!(&streamed, text);
+        }
+    }
+
+    #[test]
+    fn incremental_holds_back_split_characters() {
+        let tok = fixture();
+        // Find a sample where some token ends mid-character: there the
+        // decoder must emit nothing rather than a replacement character.
+        let ids = tok.encode_raw("🙂").unwrap();
+        assert!(ids.len() > 1, "fixture should split the emoji: {ids:?}");
+        let (pieces, tail) = stream(&tok, &ids);
+        assert!(pieces[..ids.len() - 1].iter().all(String::is_empty));
+        assert_eq!(pieces.last().unwrap(), "🙂");
+        assert_eq!(tail, "");
+    }
+
+    #[test]
+    fn incremental_finish_flushes_truncated_character() {
+        let tok = fixture();
+        let ids = tok.encode_raw("a🙂").unwrap();
+        let cut = &ids[..ids.len() - 1];
+        let (pieces, tail) = stream(&tok, cut);
+        assert_eq!(pieces.concat() + &tail, tok.decode(cut));
+        assert!(tail.ends_with('\u{FFFD}'));
+    }
+
+    #[test]
+    fn incremental_with_prompt_context() {
+        let tok = fixture();
+        let prompt = tok.encode("Once upon a time").unwrap();
+        let gen = tok.encode_raw(" there was 世界").unwrap();
+        let mut dec = IncrementalDecoder::with_prompt(&tok, &prompt);
+        let mut out: String = gen.iter().map(|&id| dec.push(&tok, id)).collect();
+        out += &dec.finish(&tok);
+        assert_eq!(out, " there was 世界");
+    }
+
+    #[test]
+    fn padded_vocab_ids_decode_to_nothing() {
+        let tok = fixture();
+        let padded = [2048, 2050, 2111, u32::MAX];
+        assert_eq!(tok.decode(&padded), "");
+        let mut ids = tok.encode_raw("ok").unwrap();
+        ids.extend(padded);
+        assert_eq!(tok.decode(&ids), "ok");
+        let (pieces, tail) = stream(&tok, &ids);
+        assert_eq!(pieces.concat() + &tail, "ok");
+        let mut dec = IncrementalDecoder::new();
+        for id in padded {
+            assert_eq!(dec.push(&tok, id), "");
+        }
+        assert_eq!(dec.finish(&tok), "");
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig::with_cases(64))]
+        /// Arbitrary id sequences, including ones the model could sample but
+        /// the tokenizer does not know (ids up to the padded 2112 rows) and
+        /// byte tokens that form invalid UTF-8: the stream still equals the
+        /// full decode and nothing panics.
+        #[test]
+        fn incremental_equals_full_decode_for_any_ids(
+            ids in proptest::collection::vec(0u32..2112, 0..48),
+        ) {
+            let tok = fixture();
+            let (pieces, tail) = stream(&tok, &ids);
+            proptest::prop_assert_eq!(pieces.concat() + &tail, tok.decode(&ids));
+        }
+    }
+
+    #[test]
+    fn missing_dir_names_tokenizer_json() {
+        let err = Tokenizer::from_dir(Path::new("/nonexistent/duplex-model")).unwrap_err();
+        assert!(matches!(err, TokenizerError::Io { .. }), "{err:?}");
+        assert!(err.to_string().contains("tokenizer.json"), "{err}");
+    }
+
+    #[test]
+    fn garbage_tokenizer_json_names_file() {
+        let dir = tempfile::tempdir().unwrap();
+        fs::write(dir.path().join("tokenizer.json"), "{ not a tokenizer").unwrap();
+        let err = Tokenizer::from_dir(dir.path()).unwrap_err();
+        assert!(matches!(err, TokenizerError::Load { .. }), "{err:?}");
+        assert!(err.to_string().contains("tokenizer.json"), "{err}");
+    }
+
+    #[test]
+    fn garbage_side_files_name_file_and_field() {
+        let dir = dir_with(&[("generation_config.json", "{oops")]);
+        let err = Tokenizer::from_dir(dir.path()).unwrap_err();
+        assert!(err.to_string().contains("generation_config.json"), "{err}");
+
+        let dir = dir_with(&[("generation_config.json", r#"{"eos_token_id": [1, -3]}"#)]);
+        let err = Tokenizer::from_dir(dir.path()).unwrap_err().to_string();
+        assert!(
+            err.contains("generation_config.json") && err.contains("eos_token_id"),
+            "{err}"
+        );
+
+        let dir = dir_with(&[("tokenizer_config.json", r#"{"eos_token": "<nope>"}"#)]);
+        let err = Tokenizer::from_dir(dir.path()).unwrap_err().to_string();
+        assert!(
+            err.contains("tokenizer_config.json") && err.contains("eos_token"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn bad_template_names_file() {
+        let dir = dir_with(&[(
+            "tokenizer_config.json",
+            r#"{"chat_template": "{% for m in messages %}{{ m.content }"}"#,
+        )]);
+        let err = Tokenizer::from_dir(dir.path()).unwrap_err();
+        assert!(
+            matches!(err, TokenizerError::TemplateSyntax { .. }),
+            "{err:?}"
+        );
+        assert!(err.to_string().contains("tokenizer_config.json"), "{err}");
+    }
+
+    #[test]
+    fn no_template_is_an_error() {
+        let dir = dir_with(&[]);
+        let tok = Tokenizer::from_dir(dir.path()).unwrap();
+        let err = tok
+            .apply_chat_template(&[msg("user", "x")], true)
+            .unwrap_err();
+        assert!(
+            matches!(err, TokenizerError::NoChatTemplate { .. }),
+            "{err:?}"
+        );
+    }
+
+    #[test]
+    fn raise_exception_surfaces_as_error() {
+        let template = r#"{% if messages[0]['role'] != 'user' %}{{ raise_exception('Conversation must start with user') }}{% endif %}ok"#;
+        let config = serde_json::json!({ "chat_template": template }).to_string();
+        let dir = dir_with(&[("tokenizer_config.json", &config)]);
+        let tok = Tokenizer::from_dir(dir.path()).unwrap();
+        assert_eq!(
+            tok.apply_chat_template(&[msg("user", "x")], false).unwrap(),
+            "ok"
+        );
+        let err = tok
+            .apply_chat_template(&[msg("assistant", "x")], false)
+            .unwrap_err();
+        assert!(
+            matches!(err, TokenizerError::TemplateRender { .. }),
+            "{err:?}"
+        );
+        assert!(
+            err.to_string()
+                .contains("Conversation must start with user"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn side_file_fallbacks_and_eos_union() {
+        // No tokenizer_config.json: BOS/EOS come from the model configs, and
+        // EOS ids from both files are merged without duplicates.
+        let dir = dir_with(&[
+            ("generation_config.json", r#"{"eos_token_id": [1, 3]}"#),
+            ("config.json", r#"{"bos_token_id": 0, "eos_token_id": 1}"#),
+        ]);
+        let tok = Tokenizer::from_dir(dir.path()).unwrap();
+        assert_eq!(tok.bos_token_id(), Some(0));
+        assert_eq!(tok.eos_token_ids(), &[1, 3]);
+        assert_eq!(tok.encode("x").unwrap()[0], 0);
+    }
+
+    #[test]
+    fn template_environment_matches_transformers() {
+        let template = "{% for m in messages %}\n  {{ m['content'].strip().upper() }}|\n{% endfor %}{{ eos_token }}{{ strftime_now('%Y') | length }}";
+        let config = serde_json::json!({
+            "chat_template": template,
+            "eos_token": "<｜end▁of▁sentence｜>",
+        })
+        .to_string();
+        let dir = dir_with(&[("tokenizer_config.json", &config)]);
+        let tok = Tokenizer::from_dir(dir.path()).unwrap();
+        let text = tok
+            .apply_chat_template(&[msg("user", " a "), msg("user", "b")], false)
+            .unwrap();
+        // trim_blocks eats the newline after a block tag, lstrip_blocks the
+        // indentation before one; the expression line keeps its own.
+        assert_eq!(text, "  A|\n  B|\n<｜end▁of▁sentence｜>4");
+    }
+
+    #[test]
+    fn chat_template_jinja_file_and_template_list() {
+        let dir = dir_with(&[(
+            "tokenizer_config.json",
+            r#"{"chat_template": [{"name": "tool_use", "template": "tools"}, {"name": "default", "template": "plain"}]}"#,
+        )]);
+        let tok = Tokenizer::from_dir(dir.path()).unwrap();
+        assert_eq!(tok.apply_chat_template(&[], false).unwrap(), "plain");
+
+        fs::write(dir.path().join("chat_template.jinja"), "from file").unwrap();
+        let tok = Tokenizer::from_dir(dir.path()).unwrap();
+        assert_eq!(tok.apply_chat_template(&[], false).unwrap(), "from file");
+    }
+
+    #[test]
+    fn strftime_formats_utc() {
+        // 2024-02-29T13:05:09Z, a Thursday and day 60 of a leap year.
+        let t = 1_709_211_909;
+        assert_eq!(format_utc(t, "%Y-%m-%d %H:%M:%S"), "2024-02-29 13:05:09");
+        assert_eq!(
+            format_utc(t, "%d %B %Y / %b %-d %y"),
+            "29 February 2024 / Feb 29 24"
+        );
+        assert_eq!(format_utc(t, "%A %a %j %% %Q"), "Thursday Thu 060 % %Q");
+        assert_eq!(format_utc(0, "%Y-%m-%d %A"), "1970-01-01 Thursday");
+        assert_eq!(format_utc(951_782_400, "%Y-%m-%d"), "2000-02-29");
+        assert_eq!(format_utc(t, "trailing %"), "trailing %");
+    }
+}

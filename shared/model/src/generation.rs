@@ -1,0 +1,352 @@
+//! Generation for one sequence: prefill, then sample and decode until a stop
+//! condition, streaming text deltas as they become final.
+//!
+//! `Engine` owns the model, tokenizer and KV pool. Later the serving workers
+//! drive the same pieces with continuous batching; this is the single-request
+//! loop the CLI uses and the reference the batched one is tested against.
+
+use crate::kv_cache::{BlockTable, KvPool};
+use crate::model::{ForwardError, LoadError, Logits, Model, Precision};
+use crate::sampling::{SampledToken, Sampler, SamplingError, SamplingParams};
+use crate::tokenizer::{IncrementalDecoder, Tokenizer, TokenizerError};
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+/// KV cache block size in tokens.
+pub const KV_BLOCK_SIZE: usize = 16;
+
+#[derive(Debug, thiserror::Error)]
+pub enum EngineError {
+    #[error(transparent)]
+    Load(#[from] LoadError),
+    #[error(transparent)]
+    Tokenizer(#[from] TokenizerError),
+    #[error("the tokenizer has {tokenizer} tokens but the model's vocab_size is only {model}")]
+    VocabTooSmall { tokenizer: usize, model: usize },
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum GenerateError {
+    #[error("the prompt is empty")]
+    EmptyPrompt,
+    #[error("the prompt has {prompt} tokens; the context limit is {limit}")]
+    PromptTooLong { prompt: usize, limit: usize },
+    #[error("max_tokens must be at least 1")]
+    ZeroMaxTokens,
+    #[error("stop strings must not be empty")]
+    EmptyStopString,
+    #[error(transparent)]
+    Sampling(#[from] SamplingError),
+    #[error(transparent)]
+    Forward(#[from] ForwardError),
+}
+
+/// What a request asks of generation, beyond the prompt.
+#[derive(Clone, Debug, PartialEq)]
+pub struct GenerationParams {
+    pub max_tokens: usize,
+    pub sampling: SamplingParams,
+    /// Extra token ids that end generation (EOS always does, unless `ignore_eos`).
+    pub stop_token_ids: Vec<u32>,
+    /// Strings that end generation; the text is cut before them.
+    pub stop: Vec<String>,
+    pub ignore_eos: bool,
+    /// Prefill the prompt in chunks of at most this many tokens.
+    pub prefill_chunk: usize,
+}
+
+impl Default for GenerationParams {
+    fn default() -> Self {
+        GenerationParams {
+            max_tokens: 256,
+            sampling: SamplingParams::default(),
+            stop_token_ids: vec![],
+            stop: vec![],
+            ignore_eos: false,
+            prefill_chunk: 512,
+        }
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FinishReason {
+    /// A stop token or stop string.
+    Stop,
+    /// `max_tokens` or the context limit.
+    Length,
+}
+
+impl FinishReason {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            FinishReason::Stop => "stop",
+            FinishReason::Length => "length",
+        }
+    }
+}
+
+/// One generated token, as streamed.
+#[derive(Clone, Debug)]
+pub struct TokenEvent {
+    pub token: SampledToken,
+    /// Text that became final with this token (may be empty).
+    pub text: String,
+}
+
+/// The finished generation.
+#[derive(Clone, Debug)]
+pub struct Generation {
+    pub tokens: Vec<SampledToken>,
+    pub text: String,
+    pub finish_reason: FinishReason,
+    pub prompt_tokens: usize,
+    /// From the start of the request to the first sampled token.
+    pub ttft: Duration,
+    /// From the first to the last sampled token.
+    pub decode_time: Duration,
+}
+
+impl Generation {
+    pub fn token_ids(&self) -> Vec<u32> {
+        self.tokens.iter().map(|t| t.id).collect()
+    }
+
+    /// Decode speed: tokens after the first, per second of decode time.
+    pub fn decode_tokens_per_s(&self) -> f64 {
+        let n = self.tokens.len().saturating_sub(1);
+        if n == 0 || self.decode_time.is_zero() {
+            0.0
+        } else {
+            n as f64 / self.decode_time.as_secs_f64()
+        }
+    }
+}
+
+/// The model's recommended sampling defaults from `generation_config.json`
+/// (as vLLM applies them): `do_sample: false` means greedy; `temperature`,
+/// `top_p`, `top_k` and `repetition_penalty` are taken when present. A missing
+/// or unreadable file gives plain defaults.
+pub fn sampling_defaults(dir: &Path) -> SamplingParams {
+    let mut p = SamplingParams::default();
+    let Ok(text) = std::fs::read_to_string(dir.join("generation_config.json")) else {
+        return p;
+    };
+    let Ok(json) = serde_json::from_str::<serde_json::Value>(&text) else {
+        return p;
+    };
+    let num = |k: &str| json.get(k).and_then(|v| v.as_f64()).map(|v| v as f32);
+    if let Some(t) = num("temperature") {
+        p.temperature = t;
+    }
+    if let Some(t) = num("top_p") {
+        p.top_p = t;
+    }
+    if let Some(k) = json.get("top_k").and_then(|v| v.as_u64()) {
+        p.top_k = k as usize;
+    }
+    if let Some(r) = num("repetition_penalty") {
+        p.repetition_penalty = r;
+    }
+    if json.get("do_sample").and_then(|v| v.as_bool()) == Some(false) {
+        p.temperature = 0.0;
+    }
+    p
+}
+
+/// Holds back text that might be the start of a stop string, and finds stop
+/// strings that span token boundaries.
+struct StopStrings<'a> {
+    stops: &'a [String],
+    /// Generated text so far (after the last emitted byte, held-back text).
+    text: String,
+    emitted: usize,
+}
+
+impl<'a> StopStrings<'a> {
+    fn new(stops: &'a [String]) -> Self {
+        StopStrings { stops, text: String::new(), emitted: 0 }
+    }
+
+    /// Add decoded text; returns the text now safe to emit and whether a stop
+    /// string was hit (in which case the text is cut before it).
+    fn push(&mut self, delta: &str) -> (String, bool) {
+        let search_from = self.emitted;
+        self.text.push_str(delta);
+        let hit = self
+            .stops
+            .iter()
+            .filter_map(|s| self.text[search_from..].find(s.as_str()).map(|i| search_from + i))
+            .min();
+        if let Some(cut) = hit {
+            self.text.truncate(cut);
+            return (self.take(cut), true);
+        }
+        // Keep back the longest suffix that is a proper prefix of a stop string.
+        let held = self
+            .stops
+            .iter()
+            .flat_map(|s| (1..s.len()).filter(|&k| s.is_char_boundary(k)).map(move |k| &s[..k]))
+            .filter(|p| self.text[self.emitted..].ends_with(p))
+            .map(|p| p.len())
+            .max()
+            .unwrap_or(0);
+        let upto = self.text.len() - held;
+        (self.take(upto), false)
+    }
+
+    fn take(&mut self, upto: usize) -> String {
+        let out = self.text[self.emitted..upto].to_string();
+        self.emitted = upto;
+        out
+    }
+
+    /// At the end: everything not yet emitted.
+    fn finish(&mut self) -> String {
+        let end = self.text.len();
+        self.take(end)
+    }
+}
+
+pub struct Engine {
+    pub model: Model,
+    pub tokenizer: Tokenizer,
+    pub precision: Precision,
+    pool: KvPool,
+    context_limit: usize,
+}
+
+impl Engine {
+    /// Load the model and tokenizer in `dir`, with a KV pool for `context`
+    /// tokens (capped at the model's `max_position_embeddings`).
+    pub fn load(dir: &Path, precision: Precision, context: usize, progress: &mut dyn FnMut(usize, usize)) -> Result<Self, EngineError> {
+        let model = Model::load(dir, progress)?;
+        let tokenizer = Tokenizer::from_dir(dir)?;
+        if tokenizer.vocab_size() > model.cfg.vocab_size {
+            return Err(EngineError::VocabTooSmall { tokenizer: tokenizer.vocab_size(), model: model.cfg.vocab_size });
+        }
+        let context_limit = context.clamp(1, model.cfg.max_position_embeddings);
+        let pool = model.new_kv_pool(context_limit.div_ceil(KV_BLOCK_SIZE), KV_BLOCK_SIZE);
+        Ok(Engine { model, tokenizer, precision, pool, context_limit })
+    }
+
+    pub fn context_limit(&self) -> usize {
+        self.context_limit
+    }
+
+    /// Generate a continuation of `prompt`, calling `on_token` for every
+    /// sampled token.
+    pub fn generate(&mut self, prompt: &[u32], params: &GenerationParams, on_token: &mut dyn FnMut(&TokenEvent)) -> Result<Generation, GenerateError> {
+        if prompt.is_empty() {
+            return Err(GenerateError::EmptyPrompt);
+        }
+        if prompt.len() >= self.context_limit {
+            return Err(GenerateError::PromptTooLong { prompt: prompt.len(), limit: self.context_limit });
+        }
+        if params.max_tokens == 0 {
+            return Err(GenerateError::ZeroMaxTokens);
+        }
+        if params.stop.iter().any(|s| s.is_empty()) {
+            return Err(GenerateError::EmptyStopString);
+        }
+        let mut sampler = Sampler::new(params.sampling.clone(), prompt)?;
+        let mut table = BlockTable::default();
+        let result = self.run(prompt, params, &mut sampler, &mut table, on_token);
+        self.pool.release(&mut table);
+        result
+    }
+
+    fn run(
+        &mut self,
+        prompt: &[u32],
+        params: &GenerationParams,
+        sampler: &mut Sampler,
+        table: &mut BlockTable,
+        on_token: &mut dyn FnMut(&TokenEvent),
+    ) -> Result<Generation, GenerateError> {
+        let start = Instant::now();
+        let mut logits = vec![];
+        for chunk in prompt.chunks(params.prefill_chunk.max(1)) {
+            logits = self.model.forward(&mut self.pool, table, chunk, self.precision, Logits::Last)?;
+        }
+        let mut eos: Vec<u32> = params.stop_token_ids.clone();
+        if !params.ignore_eos {
+            eos.extend(self.tokenizer.eos_token_ids());
+            eos.extend(&self.model.cfg.eos_token_ids);
+        }
+        let mut decoder = IncrementalDecoder::with_prompt(&self.tokenizer, prompt);
+        let mut stops = StopStrings::new(&params.stop);
+        let mut tokens = vec![];
+        let mut text = String::new();
+        let mut ttft = Duration::ZERO;
+        let (finish_reason, hit_stop_string) = loop {
+            let token = sampler.sample(&logits);
+            if tokens.is_empty() {
+                ttft = start.elapsed();
+            }
+            let id = token.id;
+            let (delta, hit_stop) = stops.push(&decoder.push(&self.tokenizer, id));
+            text.push_str(&delta);
+            tokens.push(token.clone());
+            on_token(&TokenEvent { token, text: delta });
+            if hit_stop || eos.contains(&id) {
+                break (FinishReason::Stop, hit_stop);
+            }
+            if tokens.len() >= params.max_tokens || table.len >= self.context_limit {
+                break (FinishReason::Length, false);
+            }
+            logits = self.model.forward(&mut self.pool, table, &[id], self.precision, Logits::Last)?;
+        };
+        if !hit_stop_string {
+            // The text is final: flush what the decoder and the stop-string
+            // matcher held back.
+            let (mut tail, _) = stops.push(&decoder.finish(&self.tokenizer));
+            tail.push_str(&stops.finish());
+            if !tail.is_empty() {
+                text.push_str(&tail);
+            }
+        }
+        let decode_time = start.elapsed() - ttft;
+        Ok(Generation { tokens, text, finish_reason, prompt_tokens: prompt.len(), ttft, decode_time })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn run(stops: &[&str], deltas: &[&str]) -> (String, bool) {
+        let stops: Vec<String> = stops.iter().map(|s| s.to_string()).collect();
+        let mut s = StopStrings::new(&stops);
+        let mut out = String::new();
+        for d in deltas {
+            let (t, hit) = s.push(d);
+            out.push_str(&t);
+            if hit {
+                return (out, true);
+            }
+        }
+        out.push_str(&s.finish());
+        (out, false)
+    }
+
+    #[test]
+    fn stop_string_across_deltas_is_cut() {
+        assert_eq!(run(&["END"], &["hello E", "N", "D more"]), ("hello ".into(), true));
+        assert_eq!(run(&["\n\n", "xyz"], &["a\n", "\nb"]), ("a".into(), true));
+    }
+
+    #[test]
+    fn held_back_prefix_is_released_when_it_diverges() {
+        let stops = vec!["END".to_string()];
+        let mut s = StopStrings::new(&stops);
+        assert_eq!(s.push("abc E"), ("abc ".into(), false));
+        assert_eq!(s.push("Nx"), ("ENx".into(), false));
+        assert_eq!(run(&["END"], &["a", "EN"]), ("aEN".into(), false));
+    }
+
+    #[test]
+    fn multibyte_stop_strings() {
+        assert_eq!(run(&["世界"], &["你好世", "界!"]), ("你好".into(), true));
+        assert_eq!(run(&["🙂"], &["ok 🙂 no"]), ("ok ".into(), true));
+    }
+}
