@@ -9,6 +9,7 @@
 pub mod elementwise;
 pub mod fp8;
 pub mod linear;
+pub mod pool;
 
 pub use linear::{WeightFormat, WeightView};
 

@@ -1,0 +1,100 @@
+//! The `duplex` binary end to end, on the bundled tiny model.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+fn fixture() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/tiny-dsv3")
+}
+
+fn duplex(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_duplex")).args(args).output().expect("duplex runs")
+}
+
+fn json_of(out: &Output) -> serde_json::Value {
+    assert!(out.status.success(), "stderr: {}", String::from_utf8_lossy(&out.stderr));
+    serde_json::from_slice(&out.stdout).expect("one JSON object")
+}
+
+fn reference_prompt(i: usize) -> (String, Vec<u64>) {
+    let r: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(fixture().join("reference.json")).unwrap()).unwrap();
+    let p = &r["prompts"][i];
+    let ids: Vec<String> = p["input_ids"].as_array().unwrap().iter().map(|v| v.to_string()).collect();
+    (ids.join(","), p["greedy_continuation"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap()).collect())
+}
+
+#[test]
+fn greedy_generate_json_reproduces_reference() {
+    let (tokens, want) = reference_prompt(0);
+    let n = want.len().to_string();
+    let out = duplex(&["generate", "--tokens", &tokens, "--dtype", "f32", "--temperature", "0", "--ignore-eos", "--max-tokens", &n, "--json"]);
+    let json = json_of(&out);
+    let got: Vec<u64> = json["tokens"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap()).collect();
+    assert_eq!(got, want);
+    assert_eq!(json["prompt_tokens"], 23);
+    assert_eq!(json["finish_reason"], "length");
+    assert!(json["ttft_ms"].as_f64().unwrap() > 0.0);
+    assert!(json["decode_tokens_per_s"].as_f64().unwrap() > 0.0);
+    assert!(json["text"].is_string());
+}
+
+#[test]
+fn seeded_sampling_is_reproducible() {
+    let run = |seed: &str| json_of(&duplex(&["generate", "--prompt", "Hello", "--temperature", "1.0", "--seed", seed, "--max-tokens", "12", "--ignore-eos", "--json"]))["tokens"].clone();
+    assert_eq!(run("7"), run("7"));
+    assert_ne!(run("7"), run("8"));
+}
+
+#[test]
+fn chat_and_prompt_inputs_and_streaming_text() {
+    let out = duplex(&["generate", "--chat", "Hi", "--system", "Be brief", "--max-tokens", "4", "--json"]);
+    let json = json_of(&out);
+    // BOS + system text + <｜User｜> + "Hi" + <｜Assistant｜>.
+    assert!(json["prompt_tokens"].as_u64().unwrap() >= 4);
+    let streamed = duplex(&["generate", "--prompt", "Hello world", "--max-tokens", "6", "--seed", "1", "--ignore-eos"]);
+    assert!(streamed.status.success());
+    let json = json_of(&duplex(&["generate", "--prompt", "Hello world", "--max-tokens", "6", "--seed", "1", "--ignore-eos", "--json"]));
+    assert_eq!(String::from_utf8_lossy(&streamed.stdout).trim_end_matches('\n'), json["text"].as_str().unwrap());
+}
+
+#[test]
+fn logits_file_matches_reference() {
+    let (tokens, _) = reference_prompt(1);
+    let dir = tempfile::tempdir().unwrap();
+    let out_path = dir.path().join("logits.safetensors");
+    let out = duplex(&["logits", "--tokens", &tokens, "--dtype", "f32", "--out", out_path.to_str().unwrap()]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let got = std::fs::read(&out_path).unwrap();
+    let got = safetensors::SafeTensors::deserialize(&got).unwrap();
+    let got = got.tensor("logits").unwrap();
+    assert_eq!(got.shape(), &[23, 2112]);
+    let want = std::fs::read(fixture().join("reference_logits.safetensors")).unwrap();
+    let want = safetensors::SafeTensors::deserialize(&want).unwrap();
+    let want = want.tensor("logits.1").unwrap();
+    let f = |b: &[u8]| b.chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect::<Vec<_>>();
+    let max = f(got.data()).iter().zip(f(want.data())).map(|(a, b)| (a - b).abs()).fold(0.0, f32::max);
+    assert!(max <= 2e-3, "max |Δlogit| {max}");
+}
+
+#[test]
+fn bad_input_is_a_clear_error() {
+    let cases: &[(&[&str], &str)] = &[
+        (&["generate", "--tokens", "0,99999"], "out of range"),
+        (&["generate", "--tokens", "0,abc"], "not a token id"),
+        (&["generate", "--tokens", ","], "no token ids"),
+        (&["generate", "--prompt", "hi", "--temperature", "-1"], "temperature"),
+        (&["generate", "--prompt", "hi", "--top-p", "1.5"], "top_p"),
+        (&["generate", "--prompt", "hi", "--max-tokens", "0"], "max_tokens"),
+        (&["generate", "--prompt", "hi", "--stop", ""], "stop"),
+        (&["generate", "--prompt", "hi", "--model", "/nonexistent/model"], "/nonexistent/model"),
+        (&["generate", "--prompt", "hi", "--dtype", "f8"], "dtype"),
+        (&["logits", "--tokens", "1", "--out", "/nonexistent/dir/x.safetensors"], "/nonexistent/dir"),
+    ];
+    for (args, needle) in cases {
+        let out = duplex(args);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{args:?} should fail");
+        assert!(stderr.contains(needle), "{args:?}: {stderr}");
+        assert!(!stderr.contains("panicked"), "{args:?}: {stderr}");
+    }
+}
