@@ -163,8 +163,8 @@ pub struct Sampler {
     /// How often each token has been generated. Sparse, because a sequence
     /// touches a tiny part of a ~129k vocabulary and a server holds many.
     counts: HashMap<u32, u32>,
-    /// Scratch `(id, logit)` row, reused across calls so decoding does not
-    /// allocate a vocab-sized buffer per token.
+    /// Scratch `(id, logit-then-weight)` row, reused across calls so that
+    /// decoding does not allocate a vocab-sized buffer per token.
     candidates: Vec<(u32, f32)>,
 }
 
@@ -185,6 +185,7 @@ impl Sampler {
         })
     }
 
+    /// The validated parameters this sampler runs with.
     pub fn params(&self) -> &SamplingParams {
         &self.params
     }
@@ -378,8 +379,8 @@ fn sanitize(x: f32) -> f32 {
     }
 }
 
-/// Highest value (logit or weight) first; equal values by lowest id, so every filter's cut is
-/// deterministic. Values are never NaN here.
+/// Highest value (logit or weight) first, equal values by lowest id, so that
+/// every filter's cut is deterministic. Values are never NaN here.
 fn by_value_desc(a: &(u32, f32), b: &(u32, f32)) -> Ordering {
     b.1.total_cmp(&a.1).then(a.0.cmp(&b.0))
 }
@@ -448,12 +449,12 @@ fn nucleus(cands: &mut Vec<(u32, f32)>, top_p: f32) {
         }
     }
     cands[lo..hi].sort_unstable_by(by_value_desc);
-    for i in lo..hi {
-        acc += f64::from(cands[i].1);
-        if acc >= target {
-            hi = i + 1;
-            break;
-        }
+    let cut = cands[lo..hi].iter().position(|&(_, w)| {
+        acc += f64::from(w);
+        acc >= target
+    });
+    if let Some(k) = cut {
+        hi = lo + k + 1;
     }
     // Rounding can leave the sum a hair under the target: then keep `..hi`.
     cands.truncate(hi);
