@@ -6,10 +6,16 @@
 //! softmax). Everything here has a plain scalar implementation that serves as
 //! the reference for the SIMD variants that come later.
 
+pub mod bench;
+pub mod cpu;
 pub mod elementwise;
 pub mod fp8;
 pub mod linear;
+pub mod mla;
+pub mod moe;
+pub mod parallel_linear;
 pub mod pool;
+pub mod shared;
 
 pub use linear::{WeightFormat, WeightView};
 

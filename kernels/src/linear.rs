@@ -166,6 +166,78 @@ pub fn matmul_t_rows(w: &WeightView, rows: Range<usize>, x: &[f32], out: &mut [f
     }
 }
 
+/// An owned weight matrix, for weights the engine derives at load time.
+#[derive(Clone, Debug, PartialEq)]
+pub struct OwnedWeight {
+    pub rows: usize,
+    pub cols: usize,
+    pub format: WeightFormat,
+    pub data: Vec<u8>,
+    pub scales: Vec<f32>,
+}
+
+impl OwnedWeight {
+    pub fn view(&self) -> WeightView<'_> {
+        WeightView { rows: self.rows, cols: self.cols, format: self.format, data: &self.data, scales: &self.scales }
+    }
+}
+
+/// The transpose of rows `rows` of `w`: a `[w.cols, rows.len()]` matrix with
+/// exactly the same values. MLA's absorbed decode multiplies by the transpose
+/// of a band of `kv_b_proj`; transposed, that product is an ordinary GEMV.
+///
+/// FP8 stays FP8 when the band starts on a scale-block boundary: the codes
+/// move and the `[b0, b1]` scale grid transposes into a `[b1, b0]` one.
+/// Otherwise (and for F16) the values are dequantised to F32; BF16 and F32
+/// transpose as they are.
+pub fn transpose_rows(w: &WeightView, rows: Range<usize>) -> OwnedWeight {
+    assert!(rows.end <= w.rows, "transpose_rows: rows out of range");
+    let (m, n) = (rows.len(), w.cols);
+    let bpe = w.format.bytes_per_element();
+    match w.format {
+        WeightFormat::Fp8E4m3 { block: [b0, b1] } if rows.start % b0 == 0 => {
+            let mut data = vec![0u8; m * n];
+            for (j, r) in rows.clone().enumerate() {
+                for c in 0..n {
+                    data[c * m + j] = w.data[r * n + c];
+                }
+            }
+            let (sr, sc) = (m.div_ceil(b0), n.div_ceil(b1));
+            let src_cols = n.div_ceil(b1);
+            let first = rows.start / b0;
+            let mut scales = vec![0.0; sc * sr];
+            for i in 0..sr {
+                for k in 0..sc {
+                    scales[k * sr + i] = w.scales[(first + i) * src_cols + k];
+                }
+            }
+            OwnedWeight { rows: n, cols: m, format: WeightFormat::Fp8E4m3 { block: [b1, b0] }, data, scales }
+        }
+        WeightFormat::Bf16 | WeightFormat::F32 => {
+            let mut data = vec![0u8; m * n * bpe];
+            for (j, r) in rows.clone().enumerate() {
+                for c in 0..n {
+                    let src = (r * n + c) * bpe;
+                    let dst = (c * m + j) * bpe;
+                    data[dst..dst + bpe].copy_from_slice(&w.data[src..src + bpe]);
+                }
+            }
+            OwnedWeight { rows: n, cols: m, format: w.format, data, scales: vec![] }
+        }
+        _ => {
+            let mut data = vec![0u8; m * n * 4];
+            let mut row = vec![0.0f32; n];
+            for (j, r) in rows.clone().enumerate() {
+                w.decode_row(r, &mut row);
+                for (c, v) in row.iter().enumerate() {
+                    data[(c * m + j) * 4..(c * m + j + 1) * 4].copy_from_slice(&v.to_le_bytes());
+                }
+            }
+            OwnedWeight { rows: n, cols: m, format: WeightFormat::F32, data, scales: vec![] }
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -261,6 +333,29 @@ mod tests {
             let mut row = vec![0.0; 3];
             w.decode_row(0, &mut row);
             assert_eq!(row, vals, "{fmt:?}");
+        }
+    }
+
+    #[test]
+    fn transpose_rows_is_exact_for_every_format() {
+        let (rows, cols) = (300, 200);
+        let data: Vec<u8> = (0..rows * cols).map(|i| (i * 7 % 251) as u8 & 0xf7).collect();
+        let scales: Vec<f32> = (0..3 * 2).map(|i| 0.5 + i as f32).collect();
+        let fp8 = WeightView { rows, cols, format: WeightFormat::Fp8E4m3 { block: [128, 128] }, data: &data, scales: &scales };
+        let bf: Vec<u8> = data.iter().flat_map(|&b| half::bf16::from_f32(b as f32 - 100.0).to_le_bytes()).collect();
+        let bf16 = WeightView { rows, cols, format: WeightFormat::Bf16, data: &bf, scales: &[] };
+        for (w, band, keeps_format) in [(fp8, 128..300, true), (fp8, 64..192, false), (bf16, 10..50, true)] {
+            let t = transpose_rows(&w, band.clone());
+            assert_eq!((t.rows, t.cols), (cols, band.len()));
+            assert_eq!(t.format == w.format || matches!((t.format, w.format), (WeightFormat::Fp8E4m3 { .. }, WeightFormat::Fp8E4m3 { .. })), keeps_format);
+            let (mut src, mut dst) = (vec![0.0; cols], vec![0.0; band.len()]);
+            for c in 0..cols {
+                t.view().decode_row(c, &mut dst);
+                for (j, r) in band.clone().enumerate() {
+                    w.decode_row(r, &mut src);
+                    assert_eq!(dst[j], src[c], "({r}, {c})");
+                }
+            }
         }
     }
 }

@@ -23,7 +23,7 @@ use std::thread::JoinHandle;
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct PoolConfig {
     pub threads_per_node: Vec<usize>,
-    /// Pin thread `i` (counted over all nodes) to core `i`.
+    /// Pin worker thread `i` (counted over all nodes, the caller being 0) to core `i`.
     pub pin: bool,
 }
 
@@ -74,6 +74,14 @@ const SPIN_LIMIT: u32 = 1 << 14;
 thread_local! {
     /// Set inside a task, to catch a region started from within a region.
     static IN_REGION: Cell<bool> = const { Cell::new(false) };
+    /// This thread's index in its pool (the caller of a region is 0).
+    static THREAD_INDEX: Cell<usize> = const { Cell::new(0) };
+}
+
+/// Index of the calling thread within the pool whose region it is running,
+/// in `0..pool.threads()`: tasks use it to pick per-thread scratch.
+pub fn thread_index() -> usize {
+    THREAD_INDEX.get()
 }
 
 impl ThreadPool {
@@ -97,10 +105,9 @@ impl ThreadPool {
             sleep_lock: Mutex::new(()),
             wake: Condvar::new(),
         });
+        // Workers are pinned; the calling thread is left alone, since it
+        // belongs to the application.
         let cores = if config.pin { core_affinity::get_core_ids().unwrap_or_default() } else { vec![] };
-        if let Some(core) = cores.first() {
-            core_affinity::set_for_current(*core);
-        }
         let workers = node_of_thread
             .iter()
             .enumerate()
@@ -114,6 +121,7 @@ impl ThreadPool {
                         if let Some(core) = core {
                             core_affinity::set_for_current(core);
                         }
+                        THREAD_INDEX.set(i);
                         worker_loop(&shared, node)
                     })
                     .expect("spawn worker thread")
@@ -158,6 +166,7 @@ impl ThreadPool {
             return;
         }
         if self.threads() == 1 {
+            THREAD_INDEX.set(0);
             (0..tasks_per_node[0]).for_each(|t| f(0, t));
             return;
         }
@@ -181,6 +190,7 @@ impl ThreadPool {
             s.generation.fetch_add(1, Ordering::Release);
             s.wake.notify_all();
         }
+        THREAD_INDEX.set(0);
         run_tasks(s, job, 0);
         let mut spins = 0u32;
         while s.active.load(Ordering::Acquire) != 0 {

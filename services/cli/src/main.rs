@@ -2,11 +2,13 @@
 //!
 //! `generate` runs one prompt (text, chat message or raw token ids) and
 //! streams the continuation; `logits` writes the teacher-forced logits of a
-//! token sequence to a safetensors file, for comparison with other engines.
+//! token sequence to a safetensors file, for comparison with other engines;
+//! `synth` writes a synthetic checkpoint of a given shape, or prints its plan.
 
 use anyhow::{bail, Context, Result};
 use clap::{Args, Parser, Subcommand};
 use duplex_model::generation::{sampling_defaults, Engine, GenerationParams};
+use duplex_model::synth::{self, SynthConfig, WriteOptions};
 use duplex_model::tokenizer::ChatMessage;
 use duplex_model::{BlockTable, Logits, Model, Precision};
 use indicatif::{ProgressBar, ProgressStyle};
@@ -29,6 +31,8 @@ enum Command {
     Generate(GenerateArgs),
     /// Write the teacher-forced logits of a token sequence to a safetensors file.
     Logits(LogitsArgs),
+    /// Write a synthetic DeepSeek-V3 checkpoint (random weights, real layout), or print its plan.
+    Synth(SynthArgs),
 }
 
 #[derive(Args)]
@@ -120,6 +124,44 @@ struct LogitsArgs {
     out: PathBuf,
 }
 
+#[derive(Args)]
+#[group(id = "shape", required = true, multiple = false)]
+struct SynthShape {
+    /// Named shape: tiny (the bundled model's), bench (~5 GB) or deepseek-v3 (671B; --plan only).
+    #[arg(long, group = "shape")]
+    preset: Option<String>,
+    /// A config.json to synthesise instead of a preset.
+    #[arg(long, group = "shape")]
+    config: Option<PathBuf>,
+}
+
+#[derive(Args)]
+struct SynthArgs {
+    #[command(flatten)]
+    shape: SynthShape,
+    /// Output directory (created if needed).
+    #[arg(long, required_unless_present = "plan")]
+    out: Option<PathBuf>,
+    /// RNG seed; equal seeds give byte-identical checkpoints.
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// Largest shard, e.g. 512M or 2G (binary units).
+    #[arg(long, default_value = "1G", value_parser = synth::parse_size)]
+    shard_size: u64,
+    /// Refuse to write a checkpoint bigger than this.
+    #[arg(long, default_value = "100G", value_parser = synth::parse_size)]
+    max_size: u64,
+    /// Replace a checkpoint already in --out.
+    #[arg(long)]
+    force: bool,
+    /// Print the tensor plan's byte counts instead of writing anything.
+    #[arg(long)]
+    plan: bool,
+    /// With --plan: print one JSON object.
+    #[arg(long, requires = "plan")]
+    json: bool,
+}
+
 fn main() {
     if let Err(e) = run(Cli::parse()) {
         // A reader that went away (`duplex generate ... | head`) is not an error.
@@ -146,6 +188,7 @@ fn run(cli: Cli) -> Result<()> {
     match cli.command {
         Command::Generate(args) => generate(args),
         Command::Logits(args) => logits(args),
+        Command::Synth(args) => synth(args),
     }
 }
 
@@ -283,5 +326,46 @@ fn logits(args: LogitsArgs) -> Result<()> {
     safetensors::serialize_to_file([("logits", view)], &None, &args.out)
         .with_context(|| format!("writing {}", args.out.display()))?;
     eprintln!("wrote logits [{}, {}] to {}", tokens.len(), model.cfg.vocab_size, args.out.display());
+    Ok(())
+}
+
+fn synth(args: SynthArgs) -> Result<()> {
+    let (cfg, what) = match (&args.shape.preset, &args.shape.config) {
+        (Some(name), _) => (synth::preset(name)?, format!("preset {name}")),
+        (None, Some(path)) => (SynthConfig::from_file(path)?, path.display().to_string()),
+        (None, None) => bail!("one of --preset and --config is required"),
+    };
+    if args.plan {
+        let summary = synth::summarize(&cfg, &synth::plan(&cfg));
+        let mut stdout = std::io::stdout().lock();
+        if args.json {
+            writeln!(stdout, "{}", serde_json::to_string(&summary)?)?;
+        } else {
+            writeln!(stdout, "{what}: {summary}")?;
+        }
+        return Ok(());
+    }
+    let Some(out) = &args.out else { bail!("--out is required unless --plan is given") };
+    let bar = ProgressBar::new(0).with_message(format!("writing {}", out.display()));
+    bar.set_style(
+        ProgressStyle::with_template("{msg} [{bar:30}] {bytes}/{total_bytes} {binary_bytes_per_sec} eta {eta}").expect("valid template"),
+    );
+    let opts = WriteOptions { seed: args.seed, shard_size: args.shard_size, force: args.force, max_bytes: Some(args.max_size) };
+    let summary = synth::write_checkpoint(&cfg, out, &opts, &mut |done, total| {
+        bar.set_length(total);
+        bar.set_position(done);
+    })
+    .with_context(|| format!("synthesising {what}"))?;
+    bar.finish_and_clear();
+    eprintln!(
+        "wrote {} ({} tensors, {} shard{}) to {} in {:.1} s ({:.0} MB/s)",
+        synth::human_bytes(summary.file_bytes),
+        summary.tensors,
+        summary.shards,
+        if summary.shards == 1 { "" } else { "s" },
+        out.display(),
+        summary.elapsed.as_secs_f64(),
+        summary.mb_per_s()
+    );
     Ok(())
 }

@@ -85,6 +85,12 @@ impl KvPool {
         ((block * self.n_layers + layer) * self.block_size + pos % self.block_size) * self.entry_dim
     }
 
+    /// All entries of `layer` in block `block`: `block_size` entries, in order.
+    pub fn layer_block(&self, block: u32, layer: usize) -> &[f32] {
+        let o = (block as usize * self.n_layers + layer) * self.block_size * self.entry_dim;
+        &self.data[o..o + self.block_size * self.entry_dim]
+    }
+
     /// The cache entry of `layer` at `pos`: `[latent.., k_pe..]`.
     pub fn entry(&self, table: &BlockTable, layer: usize, pos: usize) -> &[f32] {
         let o = self.offset(table, layer, pos);

@@ -11,9 +11,16 @@ use crate::config::{ConfigError, ModelConfig};
 use crate::kv_cache::{BlockTable, KvError, KvPool};
 use crate::moe::{route, RouterParams};
 use crate::rope::RopeTable;
+use duplex_kernels::cpu::{convert::f32_to_bf16, gemv::matmul_bf16, isa::Isa};
 use duplex_kernels::elementwise::{rms_norm, rope, silu_mul, softmax};
-use duplex_kernels::linear::{dot, matmul, matmul_rows, matmul_t_rows};
+use duplex_kernels::linear::{dot, matmul, matmul_rows, matmul_t_rows, transpose_rows, OwnedWeight};
+use duplex_kernels::mla::{decode_attention, LatentCache};
+use duplex_kernels::moe::{moe_forward, ExpertCall, ExpertWeights, MoeScratch};
+use duplex_kernels::parallel_linear::{par_matmul, LinearScratch};
+use duplex_kernels::pool::{PoolConfig, ThreadPool};
+use duplex_kernels::shared::SharedSlice;
 use std::path::Path;
+use std::sync::Mutex;
 
 /// The numeric path, chosen at run time.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
@@ -82,6 +89,9 @@ struct Attention {
     kv_a: Linear,
     kv_a_norm: Vec<f32>,
     kv_b: Linear,
+    /// Per head, the transpose of its key band of `kv_b` (`[kv_lora, nope]`):
+    /// the absorbed query `W_k^T q_nope` is then an ordinary GEMV.
+    kv_b_key_t: Vec<OwnedWeight>,
     o: Linear,
 }
 
@@ -110,8 +120,48 @@ struct Layer {
     ffn: Ffn,
 }
 
+/// Where the BF16 path computes: the worker pool, the SIMD level, and
+/// buffers reused across forward passes.
+pub struct CpuRuntime {
+    pub pool: ThreadPool,
+    pub isa: Isa,
+    scratch: Mutex<Scratch>,
+}
+
+#[derive(Default)]
+struct Scratch {
+    linear: LinearScratch,
+    moe: MoeScratch,
+    scores: Vec<f32>,
+}
+
+impl CpuRuntime {
+    pub fn new(config: &PoolConfig) -> Self {
+        CpuRuntime { pool: ThreadPool::new(config), isa: duplex_kernels::cpu::isa::detect(), scratch: Mutex::default() }
+    }
+
+    fn scratch(&self) -> std::sync::MutexGuard<'_, Scratch> {
+        self.scratch.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// A linear layer at precision `p`: the F32 reference in scalar code, the
+    /// BF16 path with SIMD kernels on the pool.
+    fn linear(&self, w: &Linear, x: &[f32], n: usize, p: Precision) -> Vec<f32> {
+        let mut out = vec![0.0; n * w.rows];
+        match p {
+            Precision::F32 => matmul(&w.view(), x, n, &mut out),
+            Precision::Bf16 => {
+                par_matmul(&self.pool, self.isa, &w.view(), x, n, &mut out, &mut self.scratch().linear);
+                p.round(&mut out);
+            }
+        }
+        out
+    }
+}
+
 pub struct Model {
     pub cfg: ModelConfig,
+    pub cpu: CpuRuntime,
     embed: Linear,
     layers: Vec<Layer>,
     norm: Vec<f32>,
@@ -121,13 +171,6 @@ pub struct Model {
     softmax_scale: f32,
     /// Multi-token-prediction tensors present in the checkpoint and ignored.
     pub skipped_mtp_tensors: usize,
-}
-
-fn linear(w: &Linear, x: &[f32], n: usize, p: Precision) -> Vec<f32> {
-    let mut out = vec![0.0; n * w.rows];
-    matmul(&w.view(), x, n, &mut out);
-    p.round(&mut out);
-    out
 }
 
 fn norm_rows(x: &[f32], weight: &[f32], eps: f32, p: Precision) -> Vec<f32> {
@@ -154,19 +197,47 @@ impl Mlp {
         })
     }
 
-    fn forward(&self, x: &[f32], n: usize, p: Precision) -> Vec<f32> {
-        let mut g = linear(&self.gate, x, n, p);
-        let u = linear(&self.up, x, n, p);
+    fn weights(&self) -> ExpertWeights<'_> {
+        ExpertWeights { gate: self.gate.view(), up: self.up.view(), down: self.down.view() }
+    }
+
+    /// The F32 reference: three plain matrix products.
+    fn forward_f32(&self, x: &[f32], n: usize) -> Vec<f32> {
+        let mut g = vec![0.0; n * self.gate.rows];
+        let mut u = vec![0.0; n * self.up.rows];
+        let mut y = vec![0.0; n * self.down.rows];
+        matmul(&self.gate.view(), x, n, &mut g);
+        matmul(&self.up.view(), x, n, &mut u);
         silu_mul(&mut g, &u);
-        p.round(&mut g);
-        linear(&self.down, &g, n, p)
+        matmul(&self.down.view(), &g, n, &mut y);
+        y
+    }
+
+    fn forward(&self, cpu: &CpuRuntime, x: &[f32], n: usize, p: Precision) -> Vec<f32> {
+        match p {
+            Precision::F32 => self.forward_f32(x, n),
+            Precision::Bf16 => {
+                let tokens: Vec<(usize, f32)> = (0..n).map(|t| (t, 1.0)).collect();
+                run_experts(cpu, &[ExpertCall { weights: self.weights(), tokens: &tokens, node: 0 }], x, self.down.rows)
+            }
+        }
     }
 }
 
+/// The BF16 expert path: fine-grained parallel experts on the pool, then
+/// one rounding of the combined output.
+fn run_experts(cpu: &CpuRuntime, calls: &[ExpertCall], x: &[f32], d: usize) -> Vec<f32> {
+    let mut out = vec![0.0; x.len()];
+    moe_forward(&cpu.pool, cpu.isa, calls, x, d, &mut out, &mut cpu.scratch().moe);
+    duplex_kernels::round_bf16_slice(&mut out);
+    out
+}
+
 impl Moe {
-    fn forward(&self, x: &[f32], n: usize, d: usize, router: &RouterParams, p: Precision) -> Vec<f32> {
+    fn forward(&self, cpu: &CpuRuntime, x: &[f32], n: usize, d: usize, router: &RouterParams, p: Precision) -> Vec<f32> {
         // Router logits in F32, as transformers computes them.
-        let logits = linear(&self.router, x, n, Precision::F32);
+        let mut logits = vec![0.0; n * router.n_experts];
+        matmul(&self.router.view(), x, n, &mut logits);
         let mut assigned: Vec<Vec<(usize, f32)>> = vec![vec![]; self.experts.len()];
         for i in 0..n {
             let row = &logits[i * router.n_experts..(i + 1) * router.n_experts];
@@ -174,23 +245,36 @@ impl Moe {
                 assigned[e].push((i, w));
             }
         }
+        if p == Precision::Bf16 {
+            let all: Vec<(usize, f32)> = (0..n).map(|t| (t, 1.0)).collect();
+            let nodes = cpu.pool.nodes();
+            let mut calls: Vec<ExpertCall> = self
+                .experts
+                .iter()
+                .zip(&assigned)
+                .enumerate()
+                .filter(|(_, (_, tokens))| !tokens.is_empty())
+                .map(|(e, (mlp, tokens))| ExpertCall { weights: mlp.weights(), tokens, node: e % nodes })
+                .collect();
+            if let Some(shared) = &self.shared {
+                calls.push(ExpertCall { weights: shared.weights(), tokens: &all, node: 0 });
+            }
+            return run_experts(cpu, &calls, x, d);
+        }
         let mut out = match &self.shared {
-            Some(shared) => shared.forward(x, n, p),
+            Some(shared) => shared.forward_f32(x, n),
             None => vec![0.0; n * d],
         };
-        let mut routed = vec![0.0f32; n * d];
         for (expert, tokens) in self.experts.iter().zip(&assigned) {
             if tokens.is_empty() {
                 continue;
             }
             let xs: Vec<f32> = tokens.iter().flat_map(|&(i, _)| x[i * d..(i + 1) * d].iter().copied()).collect();
-            let ys = expert.forward(&xs, tokens.len(), p);
+            let ys = expert.forward_f32(&xs, tokens.len());
             for (&(i, w), y) in tokens.iter().zip(ys.chunks(d)) {
-                routed[i * d..(i + 1) * d].iter_mut().zip(y).for_each(|(o, v)| *o += w * v);
+                out[i * d..(i + 1) * d].iter_mut().zip(y).for_each(|(o, v)| *o += w * v);
             }
         }
-        p.round(&mut routed);
-        add_residual(&mut out, &routed, p);
         out
     }
 }
@@ -199,12 +283,17 @@ impl Model {
     /// Load `dir` (config.json plus safetensors). `progress(done, total)` is
     /// called as layers load.
     pub fn load(dir: &Path, progress: &mut dyn FnMut(usize, usize)) -> Result<Self, LoadError> {
-        let cfg = ModelConfig::from_file(&dir.join("config.json"))?;
-        let ck = Checkpoint::open(dir, cfg.quantization.as_ref().map(|q| q.weight_block_size))?;
-        Ok(Self::from_checkpoint(cfg, &ck, progress)?)
+        Self::load_with(dir, &PoolConfig::all_cores(), progress)
     }
 
-    pub fn from_checkpoint(cfg: ModelConfig, ck: &Checkpoint, progress: &mut dyn FnMut(usize, usize)) -> Result<Self, CheckpointError> {
+    /// [`Model::load`] with an explicit worker pool shape.
+    pub fn load_with(dir: &Path, pool: &PoolConfig, progress: &mut dyn FnMut(usize, usize)) -> Result<Self, LoadError> {
+        let cfg = ModelConfig::from_file(&dir.join("config.json"))?;
+        let ck = Checkpoint::open(dir, cfg.quantization.as_ref().map(|q| q.weight_block_size))?;
+        Ok(Self::from_checkpoint(cfg, &ck, CpuRuntime::new(pool), progress)?)
+    }
+
+    pub fn from_checkpoint(cfg: ModelConfig, ck: &Checkpoint, cpu: CpuRuntime, progress: &mut dyn FnMut(usize, usize)) -> Result<Self, CheckpointError> {
         let d = cfg.hidden_size;
         let (vocab_rows, file) = ck.rows_of("model.embed_tokens.weight")?;
         if vocab_rows != cfg.vocab_size {
@@ -237,6 +326,7 @@ impl Model {
             })
             .count();
         Ok(Model {
+            cpu,
             norm: ck.vector("model.norm.weight", &[d])?,
             embed,
             lm_head,
@@ -262,11 +352,15 @@ impl Model {
             },
             None => QProj::Plain(ck.linear(&format!("{a}.q_proj"), h * cfg.qk_head_dim(), d)?),
         };
+        let dkv = cfg.qk_nope_head_dim + cfg.v_head_dim;
+        let kv_b = ck.linear(&format!("{a}.kv_b_proj"), h * dkv, cfg.kv_lora_rank)?;
+        let kv_b_key_t = (0..h).map(|head| transpose_rows(&kv_b.view(), head * dkv..head * dkv + cfg.qk_nope_head_dim)).collect();
         let attn = Attention {
             q,
             kv_a: ck.linear(&format!("{a}.kv_a_proj_with_mqa"), cfg.kv_entry_dim(), d)?,
             kv_a_norm: ck.vector(&format!("{a}.kv_a_layernorm.weight"), &[cfg.kv_lora_rank])?,
-            kv_b: ck.linear(&format!("{a}.kv_b_proj"), h * (cfg.qk_nope_head_dim + cfg.v_head_dim), cfg.kv_lora_rank)?,
+            kv_b,
+            kv_b_key_t,
             o: ck.linear(&format!("{a}.o_proj"), d, h * cfg.v_head_dim)?,
         };
         let ffn = if cfg.is_moe_layer(l) {
@@ -335,8 +429,8 @@ impl Model {
             add_residual(&mut h, &a, precision);
             let x = norm_rows(&h, &layer.post_attention_norm, cfg.rms_norm_eps, precision);
             let f = match &layer.ffn {
-                Ffn::Dense(mlp) => mlp.forward(&x, n, precision),
-                Ffn::Moe(moe) => moe.forward(&x, n, d, &self.router, precision),
+                Ffn::Dense(mlp) => mlp.forward(&self.cpu, &x, n, precision),
+                Ffn::Moe(moe) => moe.forward(&self.cpu, &x, n, d, &self.router, precision),
             };
             add_residual(&mut h, &f, precision);
         }
@@ -348,7 +442,11 @@ impl Model {
         };
         let x = norm_rows(rows, &self.norm, cfg.rms_norm_eps, precision);
         let mut logits = vec![0.0; (x.len() / d) * cfg.vocab_size];
-        matmul(&self.lm_head.view(), &x, x.len() / d, &mut logits);
+        match precision {
+            Precision::F32 => matmul(&self.lm_head.view(), &x, x.len() / d, &mut logits),
+            // Logits stay F32: the sampler and logprobs want the accumulated values.
+            Precision::Bf16 => par_matmul(&self.cpu.pool, self.cpu.isa, &self.lm_head.view(), &x, x.len() / d, &mut logits, &mut self.cpu.scratch().linear),
+        }
         Ok(logits)
     }
 
@@ -363,13 +461,13 @@ impl Model {
 
         let mut q = match &at.q {
             QProj::Lora { a, norm, b } => {
-                let qa = linear(a, x, n, p);
+                let qa = self.cpu.linear(a, x, n, p);
                 let qa = norm_rows(&qa, norm, cfg.rms_norm_eps, p);
-                linear(b, &qa, n, p)
+                self.cpu.linear(b, &qa, n, p)
             }
-            QProj::Plain(w) => linear(w, x, n, p),
+            QProj::Plain(w) => self.cpu.linear(w, x, n, p),
         };
-        let kv = linear(&at.kv_a, x, n, p);
+        let kv = self.cpu.linear(&at.kv_a, x, n, p);
         let (mut cos, mut sin) = (vec![0.0; dr / 2], vec![0.0; dr / 2]);
         for i in 0..n {
             self.rope.cos_sin(start + i, &mut cos, &mut sin);
@@ -386,12 +484,12 @@ impl Model {
         }
 
         let mut out = vec![0.0f32; n * heads * dv];
-        if n == 1 {
-            self.attend_absorbed(at, layer, &q, pool, table, start, &mut out, p);
-        } else {
-            self.attend_expanded(at, layer, &q, pool, table, start, &mut out, p);
+        match (n, p) {
+            (1, Precision::Bf16) => self.attend_absorbed_bf16(at, layer, &q, pool, table, start, &mut out),
+            (1, Precision::F32) => self.attend_absorbed(at, layer, &q, pool, table, start, &mut out, p),
+            _ => self.attend_expanded(at, layer, &q, pool, table, start, &mut out, p),
         }
-        linear(&at.o, &out, n, p)
+        self.cpu.linear(&at.o, &out, n, p)
     }
 
     /// Prefill form: expand every cached latent into per-head keys and values
@@ -407,26 +505,32 @@ impl Model {
         for t in 0..ctx {
             latents.extend_from_slice(&pool.entry(table, layer, t)[..dc]);
         }
-        let kvb = linear(&at.kv_b, &latents, ctx, p); // [ctx, heads * (dn + dv)]
-        let mut scores = vec![0.0f32; ctx];
-        for i in 0..n {
-            let pos = start + i;
-            for h in 0..heads {
+        let kvb = self.cpu.linear(&at.kv_b, &latents, ctx, p); // [ctx, heads * (dn + dv)]
+        let k_pe: Vec<&[f32]> = (0..ctx).map(|t| &pool.entry(table, layer, t)[dc..]).collect();
+        let isa = self.cpu.isa;
+        // The reference path keeps its plain scalar dot product.
+        let dot = |a: &[f32], b: &[f32]| if p == Precision::F32 { dot(a, b) } else { duplex_kernels::cpu::gemv::dot_f32(isa, a, b) };
+        let out = SharedSlice::new(out);
+        // Heads are independent: one task each.
+        self.cpu.pool.parallel_for(heads, &|h| {
+            let mut scores = vec![0.0f32; ctx];
+            for i in 0..n {
+                let pos = start + i;
                 let qh = &q[(i * heads + h) * dq..(i * heads + h + 1) * dq];
                 for (t, s) in scores[..=pos].iter_mut().enumerate() {
                     let k_nope = &kvb[t * heads * dkv + h * dkv..][..dn];
-                    let k_pe = &pool.entry(table, layer, t)[dc..];
-                    *s = (dot(&qh[..dn], k_nope) + dot(&qh[dn..], k_pe)) * self.softmax_scale;
+                    *s = (dot(&qh[..dn], k_nope) + dot(&qh[dn..], k_pe[t])) * self.softmax_scale;
                 }
                 softmax(&mut scores[..=pos]);
-                let o = &mut out[(i * heads + h) * dv..(i * heads + h + 1) * dv];
+                // SAFETY: head h of token i is written by this task only.
+                let o = unsafe { out.slice_mut((i * heads + h) * dv, dv) };
                 for (t, &w) in scores[..=pos].iter().enumerate() {
                     let v = &kvb[t * heads * dkv + h * dkv + dn..][..dv];
                     o.iter_mut().zip(v).for_each(|(a, b)| *a += w * b);
                 }
                 p.round(o);
             }
-        }
+        });
     }
 
     /// Decode form: fold `kv_b_proj` into the query (`q_nope · W_k`) and the
@@ -464,5 +568,48 @@ impl Model {
                 p.round(o);
             }
         }
+    }
+
+    /// The absorbed form on the BF16 path: per-head GEMVs against the
+    /// transposed key bands, the attention kernel over the paged latents, and
+    /// per-head GEMVs against the value bands, each spread over the pool.
+    #[allow(clippy::too_many_arguments)]
+    fn attend_absorbed_bf16(&self, at: &Attention, layer: usize, q: &[f32], pool: &KvPool, table: &BlockTable, start: usize, out: &mut [f32]) {
+        let cfg = &self.cfg;
+        let (heads, dn, dr, dv, dc) = (cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank);
+        let (dq, dkv, ctx) = (dn + dr, dn + dv, start + 1);
+        let (cpu, isa) = (&self.cpu, self.cpu.isa);
+        let mut q_latent = vec![0.0f32; heads * dc];
+        let q_pe: Vec<f32> = q.chunks(dq).flat_map(|h| h[dn..].iter().copied()).collect();
+        {
+            let ql = SharedSlice::new(&mut q_latent);
+            cpu.pool.parallel_for(heads, &|h| {
+                let mut x = vec![0u16; dn];
+                f32_to_bf16(isa, &q[h * dq..h * dq + dn], &mut x);
+                // SAFETY: head h writes only its own row of q_latent.
+                let dst = unsafe { ql.slice_mut(h * dc, dc) };
+                matmul_bf16(isa, &at.kv_b_key_t[h].view(), 0..dc, &x, 1, dst);
+                duplex_kernels::round_bf16_slice(dst);
+            });
+        }
+        let blocks: Vec<&[f32]> = table.blocks[..ctx.div_ceil(pool.block_size())].iter().map(|&b| pool.layer_block(b, layer)).collect();
+        let cache = LatentCache { blocks: &blocks, block_size: pool.block_size(), dc, dr };
+        let mut ctx_latent = vec![0.0f32; heads * dc];
+        {
+            let mut scratch = cpu.scratch();
+            scratch.scores.resize(heads * ctx, 0.0);
+            decode_attention(&cpu.pool, isa, cache, ctx, &q_latent, &q_pe, self.softmax_scale, &mut scratch.scores, &mut ctx_latent);
+        }
+        duplex_kernels::round_bf16_slice(&mut ctx_latent);
+        let mut ctx_bf16 = vec![0u16; heads * dc];
+        f32_to_bf16(isa, &ctx_latent, &mut ctx_bf16);
+        let kv_b = at.kv_b.view();
+        let o = SharedSlice::new(out);
+        cpu.pool.parallel_for(heads, &|h| {
+            // SAFETY: head h writes only its own output columns.
+            let dst = unsafe { o.slice_mut(h * dv, dv) };
+            matmul_bf16(isa, &kv_b, h * dkv + dn..h * dkv + dkv, &ctx_bf16[h * dc..(h + 1) * dc], 1, dst);
+            duplex_kernels::round_bf16_slice(dst);
+        });
     }
 }

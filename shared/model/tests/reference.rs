@@ -119,3 +119,25 @@ fn bf16_logits_within_reference_bf16_error() {
         assert!(agree >= p.bf16_top1 - 0.05, "prompt {i}: top-1 agreement {agree}");
     }
 }
+
+/// The BF16 decode path (absorbed attention, SIMD kernels) stays as close to
+/// transformers as the BF16 prefill path does.
+#[test]
+fn bf16_decode_from_cache_tracks_reference() {
+    let m = model();
+    let vocab = m.cfg.vocab_size;
+    for (i, p) in prompts().iter().enumerate().take(2) {
+        let mut pool = pool(m);
+        let mut table = BlockTable::default();
+        let mut got = vec![];
+        for &t in &p.input_ids {
+            got.extend(m.forward(&mut pool, &mut table, &[t], Precision::Bf16, Logits::Last).unwrap());
+        }
+        let mean = got.iter().zip(&p.logits).map(|(a, b)| (a - b).abs()).sum::<f32>() / got.len() as f32;
+        let rows = p.input_ids.len();
+        let agree = (0..rows).filter(|&r| argmax(&got[r * vocab..(r + 1) * vocab]) == argmax(&p.logits[r * vocab..(r + 1) * vocab])).count() as f32 / rows as f32;
+        println!("prompt {i}: bf16 decode mean |Δlogit| = {mean:.4}, top-1 agreement {agree:.3}");
+        assert!(mean <= 2.0 * p.bf16_mean_abs_diff, "prompt {i}: mean {mean}");
+        assert!(agree >= p.bf16_top1 - 0.05, "prompt {i}: top-1 agreement {agree}");
+    }
+}

@@ -1,0 +1,126 @@
+//! Kernel benchmarks, each quoted against the machine's measured DRAM read
+//! bandwidth from the same run (machines are shared and noisy, so absolute
+//! numbers mean little; ratios to a limit measured alongside do).
+
+use crate::cpu::{bandwidth::read_bytes, isa::Isa};
+use crate::moe::{moe_forward, ExpertCall, ExpertWeights, MoeScratch};
+use crate::parallel_linear::{par_matmul, LinearScratch};
+use crate::pool::ThreadPool;
+use crate::shared::SharedSlice;
+use crate::{WeightFormat, WeightView};
+use std::time::Instant;
+
+/// Best-of-`passes` read bandwidth in bytes/s over `buf`, read by `threads`
+/// pool threads in equal contiguous parts.
+pub fn read_bandwidth(pool: &ThreadPool, isa: Isa, buf: &[u8], threads: usize, passes: usize) -> f64 {
+    let threads = threads.clamp(1, pool.threads());
+    let part = buf.len() / threads;
+    let mut best = 0.0f64;
+    for _ in 0..passes {
+        let sink = std::sync::atomic::AtomicU64::new(0);
+        let t0 = Instant::now();
+        if threads == 1 {
+            sink.fetch_add(read_bytes(isa, buf), std::sync::atomic::Ordering::Relaxed);
+        } else {
+            pool.parallel_for(threads, &|i| {
+                let v = read_bytes(isa, &buf[i * part..(i + 1) * part]);
+                sink.fetch_add(v, std::sync::atomic::Ordering::Relaxed);
+            });
+        }
+        let dt = t0.elapsed().as_secs_f64();
+        std::hint::black_box(sink.into_inner());
+        best = best.max((part * threads) as f64 / dt);
+    }
+    best
+}
+
+/// A buffer of `len` bytes of FP8 codes with moderate values (no NaN), filled
+/// in parallel so that large buffers are quick to make.
+pub fn random_fp8(pool: &ThreadPool, len: usize, seed: u64) -> Vec<u8> {
+    let mut buf = vec![0u8; len];
+    const CHUNK: usize = 1 << 20;
+    let shared = SharedSlice::new(&mut buf);
+    pool.parallel_for(len.div_ceil(CHUNK), &|c| {
+        let start = c * CHUNK;
+        // SAFETY: chunk c is written by this task only.
+        let dst = unsafe { shared.slice_mut(start, CHUNK.min(len - start)) };
+        let mut state = (seed ^ (c as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15)) | 1;
+        for b in dst.iter_mut() {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            *b = (state as u8 & 0x80) | ((state >> 8) as u8 % 0x50);
+        }
+    });
+    buf
+}
+
+/// An FP8 `[rows, cols]` matrix at `offset` in a big buffer, 128×128 scales.
+pub fn fp8_view<'a>(buf: &'a [u8], offset: usize, rows: usize, cols: usize, scales: &'a [f32]) -> WeightView<'a> {
+    WeightView { rows, cols, format: WeightFormat::Fp8E4m3 { block: [128, 128] }, data: &buf[offset..offset + rows * cols], scales: &scales[..rows.div_ceil(128) * cols.div_ceil(128)] }
+}
+
+/// Bytes/s of a batch-1 FP8 GEMV of shape `rows × cols` on the whole pool,
+/// cycling through as many distinct matrices as fit in `buf`, so that every
+/// call reads its weights from DRAM. Best of `passes` sweeps.
+pub fn gemv_bandwidth(pool: &ThreadPool, isa: Isa, buf: &[u8], rows: usize, cols: usize, passes: usize) -> f64 {
+    let size = rows * cols;
+    let count = buf.len() / size;
+    assert!(count > 0, "buffer smaller than one matrix");
+    let scales = vec![0.01f32; rows.div_ceil(128) * cols.div_ceil(128)];
+    let x: Vec<f32> = (0..cols).map(|i| ((i % 17) as f32 - 8.0) / 8.0).collect();
+    let mut out = vec![0.0f32; rows];
+    let mut scratch = LinearScratch::default();
+    let mut best = 0.0f64;
+    for _ in 0..passes {
+        let t0 = Instant::now();
+        for m in 0..count {
+            let w = fp8_view(buf, m * size, rows, cols, &scales);
+            par_matmul(pool, isa, &w, &x, 1, &mut out, &mut scratch);
+        }
+        best = best.max((count * (size + scales.len() * 4)) as f64 / t0.elapsed().as_secs_f64());
+    }
+    std::hint::black_box(&out);
+    best
+}
+
+/// Bytes/s of a whole batch-1 MoE layer: `active` routed experts plus
+/// `shared` shared experts of `hidden → inter → hidden`, through
+/// [`moe_forward`], cycling through distinct layers' weights in `buf`.
+pub fn moe_layer_bandwidth(pool: &ThreadPool, isa: Isa, buf: &[u8], hidden: usize, inter: usize, active: usize, shared: usize, passes: usize) -> f64 {
+    let mat = hidden * inter;
+    let experts_per_layer = active + shared;
+    let layer_bytes = 3 * mat * experts_per_layer;
+    let layers = buf.len() / layer_bytes;
+    assert!(layers > 0, "buffer smaller than one MoE layer");
+    let scales = vec![0.01f32; hidden.div_ceil(128) * inter.div_ceil(128)];
+    let x: Vec<f32> = (0..hidden).map(|i| ((i % 13) as f32 - 6.0) / 6.0).collect();
+    let tokens: Vec<(usize, f32)> = vec![(0, 0.25)];
+    let mut out = vec![0.0f32; hidden];
+    let mut scratch = MoeScratch::default();
+    let mut best = 0.0f64;
+    for _ in 0..passes {
+        let t0 = Instant::now();
+        for l in 0..layers {
+            let calls: Vec<ExpertCall> = (0..experts_per_layer)
+                .map(|e| {
+                    let base = l * layer_bytes + e * 3 * mat;
+                    ExpertCall {
+                        weights: ExpertWeights {
+                            gate: fp8_view(buf, base, inter, hidden, &scales),
+                            up: fp8_view(buf, base + mat, inter, hidden, &scales),
+                            down: fp8_view(buf, base + 2 * mat, hidden, inter, &scales),
+                        },
+                        tokens: &tokens,
+                        node: e % pool.nodes(),
+                    }
+                })
+                .collect();
+            moe_forward(pool, isa, &calls, &x, hidden, &mut out, &mut scratch);
+        }
+        let bytes = layers * (layer_bytes + 3 * experts_per_layer * scales.len() * 4);
+        best = best.max(bytes as f64 / t0.elapsed().as_secs_f64());
+    }
+    std::hint::black_box(&out);
+    best
+}

@@ -1,0 +1,457 @@
+//! Linear layers with BF16 activations: `out = x · Wᵀ` over FP8 (block-scaled)
+//! or BF16 weights, dispatched to the SIMD level asked for.
+//!
+//! Decode (a handful of tokens) is memory-bound: the weights are streamed
+//! once, every token's dot product is taken against each decoded weight
+//! vector while it is in registers, and each scale block's sum is multiplied
+//! by its scale once ("post-scaling", as `linear::matmul_rows` does).
+//! Prefill (many tokens) is compute-bound: a band of rows is decoded once into
+//! an L2-resident BF16 tile and reused by every token group.
+//!
+//! Levels (see [`Isa`]):
+//! - `Avx512Bf16`: FP8 → BF16 with integer ops, `vdpbf16ps` into f32.
+//! - `Avx512`: FP8 → f32 with integer ops, FMA.
+//! - `Avx2`: FP8 → f16 (exact shift) → f32 via F16C, FMA.
+//! - `Portable`: the scalar reference, `linear::matmul_rows`.
+//!
+//! F16 and F32 weights always take the portable path.
+//!
+//! Numerics: products are exact and accumulated in f32, so results differ
+//! from the reference only by summation order. One deliberate exception: the
+//! fused FP8 decode kernels (`n ≤ 8`, SIMD levels) read the two NaN codes
+//! (`0x7f`, `0xff`) as ±480 instead of NaN; valid checkpoints never contain
+//! them, and the exact paths (portable, and the prefill tile decode on
+//! AVX-512) do keep them NaN.
+
+use super::isa::Isa;
+use super::pack::{bf16_to_f32, AlignedBuf};
+use crate::linear::{WeightFormat, WeightView};
+use std::ops::Range;
+
+pub use super::vector::{axpy_f32, dot_f32};
+
+/// `out[i · rows.len() + j] = Σ_c W[rows.start + j, c] · x[i · cols + c]` for
+/// `n` tokens of BF16 activations `x` (`[n, cols]` bit patterns).
+///
+/// Works for every weight format and any shape; FP8 may have any block size
+/// (multiples of 64 columns, like DeepSeek's 128, avoid masked tails).
+pub fn matmul_bf16(isa: Isa, w: &WeightView, rows: Range<usize>, x: &[u16], n: usize, out: &mut [f32]) {
+    let (cols, m) = (w.cols, rows.len());
+    assert!(rows.start <= rows.end && rows.end <= w.rows, "matmul_bf16: rows {rows:?} out of 0..{}", w.rows);
+    assert_eq!(x.len(), n * cols, "matmul_bf16: input is not [n, cols]");
+    assert_eq!(out.len(), n * m, "matmul_bf16: output is not [n, rows]");
+    let bpe = w.format.bytes_per_element();
+    assert!(w.data.len() >= w.rows * cols * bpe, "matmul_bf16: weight data too short");
+    if let WeightFormat::Fp8E4m3 { block } = w.format {
+        assert!(block[0] > 0 && block[1] > 0, "matmul_bf16: zero block size");
+        let grid = w.rows.div_ceil(block[0]) * cols.div_ceil(block[1]);
+        assert!(w.scales.len() >= grid, "matmul_bf16: {} scales, need {grid}", w.scales.len());
+    }
+    if m == 0 || n == 0 {
+        return;
+    }
+    match (isa.usable(), w.format) {
+        (Isa::Portable, _) | (_, WeightFormat::F16 | WeightFormat::F32) => portable(w, rows, x, n, out),
+        #[cfg(target_arch = "x86_64")]
+        (isa, _) => {
+            let job = Job::new(w);
+            // SAFETY: `usable()` vouches for the CPU features, and the checks
+            // above for every row, column and scale the kernels touch.
+            unsafe { x86_dispatch(isa, &job, rows, x, n, out) }
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        _ => portable(w, rows, x, n, out),
+    }
+}
+
+/// The scalar reference on BF16-rounded activations.
+fn portable(w: &WeightView, rows: Range<usize>, x: &[u16], n: usize, out: &mut [f32]) {
+    let xf: Vec<f32> = x.iter().map(|&b| bf16_to_f32(b)).collect();
+    crate::linear::matmul_rows(w, rows, &xf, n, out);
+}
+
+/// The weight matrix as the SIMD kernels see it. BF16 weights are one block
+/// per row with no scales.
+pub(super) struct Job<'a> {
+    pub data: &'a [u8],
+    pub cols: usize,
+    pub fp8: bool,
+    /// `[rows per scale block, columns per scale block]`.
+    pub block: [usize; 2],
+    pub col_blocks: usize,
+    scales: &'a [f32],
+}
+
+impl<'a> Job<'a> {
+    fn new(w: &WeightView<'a>) -> Self {
+        let (fp8, block) = match w.format {
+            WeightFormat::Fp8E4m3 { block } => (true, block),
+            _ => (false, [w.rows.max(1), w.cols.max(1)]),
+        };
+        Job { data: w.data, cols: w.cols, fp8, block, col_blocks: w.cols.div_ceil(block[1]), scales: w.scales }
+    }
+
+    /// The scales of row `r`, one per column block (a single 1 for BF16).
+    /// Kernels fetch this once per row: the division by the block height
+    /// must stay out of the block loop.
+    #[inline]
+    pub fn scale_row(&self, r: usize) -> &'a [f32] {
+        if self.fp8 {
+            let start = (r / self.block[0]) * self.col_blocks;
+            &self.scales[start..start + self.col_blocks]
+        } else {
+            &[1.0]
+        }
+    }
+
+    /// Columns `[start, start + len)` of block `cb`.
+    #[inline]
+    pub fn block_cols(&self, cb: usize) -> (usize, usize) {
+        let start = cb * self.block[1];
+        (start, self.block[1].min(self.cols - start))
+    }
+}
+
+/// FP8 codes with their BF16 bit patterns, pre-multiplied by 2⁸ like every
+/// SIMD decode here (so scales are applied with a 2⁻⁸ factor). Exact,
+/// NaN codes included. Used to decode prefill tiles on the AVX2 level.
+pub(super) static E4M3_BF16_X256: [u16; 256] = {
+    let mut t = [0u16; 256];
+    let mut i = 0;
+    while i < 256 {
+        t[i] = ((crate::fp8::e4m3_to_f32(i as u8) * 256.0).to_bits() >> 16) as u16;
+        i += 1;
+    }
+    t
+};
+
+/// Post-scale factor undoing the 2⁸ of every SIMD FP8 decode.
+pub(super) const UNBIAS: f32 = 1.0 / 256.0;
+
+/// Above this many tokens a call decodes each row band once into a BF16 tile
+/// instead of decoding on the fly per token group.
+pub(super) const FUSED_MAX_TOKENS: usize = 8;
+
+/// Rows decoded per prefill tile: 16 rows × 7168 columns of BF16 is 224 KiB,
+/// comfortably L2-resident next to a token group's activations.
+pub(super) const TILE_ROWS: usize = 16;
+
+/// Rows of BF16 weights: row `r` starts at `base + (r - first) · stride` bytes.
+#[derive(Clone, Copy)]
+pub(super) struct Bf16Rows {
+    pub base: *const u8,
+    pub stride: usize,
+    pub first: usize,
+    /// Multiplies every block scale (2⁻⁸ for decoded FP8 tiles).
+    pub scale_mul: f32,
+}
+
+impl Bf16Rows {
+    /// # Safety
+    /// `r` is one of the rows this view was made for.
+    #[inline(always)]
+    pub unsafe fn row(&self, r: usize) -> *const u8 {
+        // SAFETY: per the contract the row lies inside the tile or matrix.
+        unsafe { self.base.add((r - self.first) * self.stride) }
+    }
+}
+
+/// Decodes FP8 rows `rows` into a tile of BF16 × 2⁸, `stride` values per row.
+pub(super) type TileDecoder = unsafe fn(job: &Job, rows: Range<usize>, tile: &mut [u16], stride: usize);
+
+/// Run `per_band` over bands of `TILE_ROWS` rows: for FP8, each band is first
+/// decoded into a BF16 tile; BF16 weights are used in place.
+///
+/// # Safety
+/// `decode`'s CPU features are present; `rows` inside the matrix.
+pub(super) unsafe fn for_each_tile(
+    job: &Job,
+    rows: Range<usize>,
+    decode: TileDecoder,
+    mut per_band: impl FnMut(Range<usize>, Bf16Rows),
+) {
+    // Tile rows start 64-byte aligned so full-width loads don't split lines.
+    let stride = job.cols.div_ceil(32) * 32;
+    let mut tile = AlignedBuf::<u16>::zeroed(if job.fp8 { TILE_ROWS * stride } else { 0 });
+    let mut r = rows.start;
+    while r < rows.end {
+        let band = r..(r + TILE_ROWS).min(rows.end);
+        let view = if job.fp8 {
+            // SAFETY: forwarded; the tile holds TILE_ROWS rows of `stride`.
+            unsafe { decode(job, band.clone(), tile.as_mut_slice(), stride) };
+            Bf16Rows { base: tile.as_slice().as_ptr().cast(), stride: 2 * stride, first: band.start, scale_mul: UNBIAS }
+        } else {
+            Bf16Rows { base: job.data.as_ptr(), stride: 2 * job.cols, first: 0, scale_mul: 1.0 }
+        };
+        per_band(band.clone(), view);
+        r = band.end;
+    }
+}
+
+/// [`TileDecoder`] by table lookup, for levels without a vector decode.
+pub(super) fn decode_tile_portable(job: &Job, rows: Range<usize>, tile: &mut [u16], stride: usize) {
+    for (i, r) in rows.enumerate() {
+        let src = &job.data[r * job.cols..(r + 1) * job.cols];
+        for (d, &c) in tile[i * stride..].iter_mut().zip(src) {
+            *d = E4M3_BF16_X256[c as usize];
+        }
+    }
+}
+
+/// A kernel that produces `R` rows × `N` tokens of output at a time.
+pub(super) trait RowKernel {
+    /// Outputs for rows `r0..r0 + R`, tokens `t0..t0 + N`, as `[row][token]`.
+    ///
+    /// # Safety
+    /// The kernel's CPU features are present, and the rows and tokens are
+    /// inside the problem the kernel was built for.
+    unsafe fn rows<const R: usize, const N: usize>(&self, r0: usize, t0: usize) -> [[f32; N]; R];
+}
+
+/// Run `k` over `rows` for tokens `t0..t0 + N`, `R` rows at a time, writing
+/// `out[t · m + (r - first)]`.
+///
+/// # Safety
+/// As for [`RowKernel::rows`].
+pub(super) unsafe fn band<K: RowKernel, const R: usize, const N: usize>(
+    k: &K,
+    rows: Range<usize>,
+    first: usize,
+    t0: usize,
+    out: &mut [f32],
+    m: usize,
+) {
+    let mut store = |r0: usize, res: &[[f32; N]]| {
+        for (dr, row) in res.iter().enumerate() {
+            for (t, &v) in row.iter().enumerate() {
+                out[(t0 + t) * m + r0 + dr - first] = v;
+            }
+        }
+    };
+    let mut r = rows.start;
+    while r + R <= rows.end {
+        // SAFETY: forwarded; r..r + R lies inside `rows`.
+        store(r, &unsafe { k.rows::<R, N>(r, t0) });
+        r += R;
+    }
+    while r < rows.end {
+        // SAFETY: as above for the single leftover rows.
+        store(r, &unsafe { k.rows::<1, N>(r, t0) });
+        r += 1;
+    }
+}
+
+/// Split `n` tokens into groups of at most `$group` and run `band` with the
+/// rows-per-step chosen for each group size (register budget: R·N pairs of
+/// accumulators).
+macro_rules! token_groups {
+    ($k:expr, $rows:expr, $first:expr, $n:expr, $out:expr, $m:expr, $group:literal, { $($nt:literal => $r:literal),* $(,)? }) => {{
+        let mut t0 = 0;
+        while t0 < $n {
+            let nt = ($n - t0).min($group);
+            match nt {
+                $($nt => super::gemv::band::<_, $r, $nt>($k, $rows.clone(), $first, t0, $out, $m),)*
+                _ => unreachable!(),
+            }
+            t0 += nt;
+        }
+    }};
+}
+pub(super) use token_groups;
+
+#[cfg(target_arch = "x86_64")]
+unsafe fn x86_dispatch(isa: Isa, job: &Job, rows: Range<usize>, x: &[u16], n: usize, out: &mut [f32]) {
+    use super::{gemv_avx2 as avx2, gemv_avx512 as avx512};
+    // SAFETY (all arms): the caller checked `isa` against the CPU and the
+    // shapes against the data.
+    unsafe {
+        match isa {
+            Isa::Avx512Bf16 => avx512::run_bf16(job, rows, x, n, out),
+            Isa::Avx512 => avx512::run_f32(job, rows, x, n, out),
+            _ => avx2::run(job, rows, x, n, out),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cpu::isa;
+    use proptest::prelude::*;
+
+    /// A random problem: weights, activations and a row band.
+    #[derive(Debug, Clone)]
+    struct Case {
+        rows: usize,
+        cols: usize,
+        n: usize,
+        format: WeightFormat,
+        data: Vec<u8>,
+        scales: Vec<f32>,
+        x: Vec<u16>,
+        band: Range<usize>,
+    }
+
+    fn fp8_code() -> impl Strategy<Value = u8> {
+        // All codes but the two NaNs, with the subnormal/zero codes (which
+        // take the kernels' exact fallback) over-represented.
+        prop_oneof![
+            4 => any::<u8>().prop_filter("NaN", |c| c & 0x7f != 0x7f),
+            1 => (0u8..8, any::<bool>()).prop_map(|(m, s)| m | (s as u8) << 7),
+        ]
+    }
+
+    fn case(max_rows: usize, max_cols: usize, max_n: usize) -> impl Strategy<Value = Case> {
+        let fmt = prop_oneof![
+            3 => Just(WeightFormat::Fp8E4m3 { block: [128, 128] }),
+            1 => Just(WeightFormat::Fp8E4m3 { block: [64, 32] }),
+            1 => (1usize..70, 1usize..200).prop_map(|(a, b)| WeightFormat::Fp8E4m3 { block: [a, b] }),
+            1 => Just(WeightFormat::Bf16),
+        ];
+        (1..=max_rows, 1..=max_cols, 1..=max_n, fmt).prop_flat_map(|(rows, cols, n, format)| {
+            let data = match format {
+                WeightFormat::Bf16 => prop::collection::vec(-2.0f32..2.0, rows * cols)
+                    .prop_map(|v| v.into_iter().flat_map(|f| half::bf16::from_f32(f).to_le_bytes()).collect())
+                    .boxed(),
+                _ => prop::collection::vec(fp8_code(), rows * cols).boxed(),
+            };
+            let nscales = match format {
+                WeightFormat::Fp8E4m3 { block } => rows.div_ceil(block[0]) * cols.div_ceil(block[1]),
+                _ => 0,
+            };
+            (
+                Just((rows, cols, n, format)),
+                data,
+                prop::collection::vec(0.001f32..2.0, nscales),
+                prop::collection::vec(-4.0f32..4.0, n * cols),
+                (0..=rows, 0..=rows),
+            )
+                .prop_map(|((rows, cols, n, format), data, scales, x, (a, b))| Case {
+                    rows,
+                    cols,
+                    n,
+                    format,
+                    data,
+                    scales,
+                    x: x.into_iter().map(|f| half::bf16::from_f32(f).to_bits()).collect(),
+                    band: a.min(b)..a.max(b),
+                })
+        })
+    }
+
+    /// Compare every level against the reference, with a tolerance relative
+    /// to the sum of the terms' magnitudes (only the summation order differs).
+    fn check(c: &Case) -> Result<(), TestCaseError> {
+        let w = WeightView { rows: c.rows, cols: c.cols, format: c.format, data: &c.data, scales: &c.scales };
+        let m = c.band.len();
+        let xf: Vec<f32> = c.x.iter().map(|&b| bf16_to_f32(b)).collect();
+        let mut want = vec![0.0; c.n * m];
+        crate::linear::matmul_rows(&w, c.band.clone(), &xf, c.n, &mut want);
+        // Σ|terms|, from |W| (scales applied) times |x|.
+        let mut row = vec![0.0f32; c.cols];
+        let mut mag = vec![0.0f64; c.n * m];
+        for (j, r) in c.band.clone().enumerate() {
+            w.decode_row(r, &mut row);
+            for i in 0..c.n {
+                mag[i * m + j] = (0..c.cols).map(|k| (row[k] as f64 * xf[i * c.cols + k] as f64).abs()).sum();
+            }
+        }
+        for isa in isa::supported() {
+            let mut got = vec![f32::NAN; c.n * m];
+            matmul_bf16(isa, &w, c.band.clone(), &c.x, c.n, &mut got);
+            for k in 0..c.n * m {
+                let err = (got[k] as f64 - want[k] as f64).abs();
+                prop_assert!(
+                    err <= 1e-5 * mag[k] + 1e-30,
+                    "{isa} {:?} {}x{} n={} band {:?}: out[{k}] = {} want {} (|terms| {})",
+                    c.format, c.rows, c.cols, c.n, c.band, got[k], want[k], mag[k]
+                );
+            }
+        }
+        Ok(())
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(96))]
+        #[test]
+        fn matches_reference_small_batch(c in case(300, 600, 9)) {
+            check(&c)?;
+        }
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(24))]
+        #[test]
+        fn matches_reference_large_batch(c in case(60, 400, 20).prop_filter("prefill", |c| c.n > FUSED_MAX_TOKENS)) {
+            check(&c)?;
+        }
+    }
+
+    /// Shapes the model really uses, including DeepSeek's 128 × 128 blocks
+    /// with full and partial edges.
+    #[test]
+    fn deepseek_like_shapes() {
+        let mut seed = 0x9e3779b97f4a7c15u64;
+        let mut next = move || {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            seed
+        };
+        for &(rows, cols, n) in &[(130usize, 512usize, 1usize), (64, 7168 / 4, 3), (200, 300, 8), (33, 640, 17), (16, 128, 32)] {
+            let data: Vec<u8> = (0..rows * cols).map(|_| (next() >> 56) as u8).map(|c| if c & 0x7f == 0x7f { 0x38 } else { c }).collect();
+            let scales: Vec<f32> = (0..rows.div_ceil(128) * cols.div_ceil(128)).map(|i| 0.01 + (i % 5) as f32 * 0.3).collect();
+            let x: Vec<u16> = (0..n * cols).map(|_| half::bf16::from_f32(((next() >> 40) as f32 / (1u64 << 24) as f32) - 0.5).to_bits()).collect();
+            let c = Case { rows, cols, n, format: WeightFormat::Fp8E4m3 { block: [128, 128] }, data, scales, x, band: 0..rows };
+            check(&c).unwrap();
+        }
+    }
+
+    /// The exact decode paths keep the two NaN codes NaN: the portable
+    /// reference and the prefill tiles of the AVX-512 levels.
+    #[test]
+    fn nan_codes_give_nan_on_exact_paths() {
+        let (rows, cols, n) = (3, 70, FUSED_MAX_TOKENS + 1);
+        for nan in [0x7fu8, 0xff] {
+            let mut data = vec![0x38u8; rows * cols];
+            data[cols + 5] = nan; // row 1
+            let scales = vec![1.0f32; 1];
+            let w = WeightView { rows, cols, format: WeightFormat::Fp8E4m3 { block: [128, 128] }, data: &data, scales: &scales };
+            let x = vec![half::bf16::from_f32(0.5).to_bits(); n * cols];
+            let levels = isa::supported().into_iter().filter(|&i| i == Isa::Portable || i >= Isa::Avx512);
+            for isa in levels {
+                let mut out = vec![0.0; n * rows];
+                matmul_bf16(isa, &w, 0..rows, &x, n, &mut out);
+                for t in 0..n {
+                    assert!(out[t * rows + 1].is_nan(), "{isa}: token {t} should be NaN");
+                    assert_eq!(out[t * rows], 35.0, "{isa}: token {t}, row 0");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn bf16_table_is_exact() {
+        for c in 0..=255u8 {
+            let want = crate::fp8::E4M3_TABLE[c as usize] * 256.0;
+            let got = bf16_to_f32(E4M3_BF16_X256[c as usize]);
+            assert!(got == want || (got.is_nan() && want.is_nan()), "code {c:#04x}");
+        }
+    }
+
+    #[test]
+    fn empty_shapes() {
+        let data = [0u8; 0];
+        let w = WeightView { rows: 0, cols: 5, format: WeightFormat::Bf16, data: &data, scales: &[] };
+        for isa in isa::supported() {
+            matmul_bf16(isa, &w, 0..0, &[0; 10], 2, &mut []);
+        }
+        // Zero columns: every output is an empty sum.
+        let w = WeightView { rows: 3, cols: 0, format: WeightFormat::Fp8E4m3 { block: [128, 128] }, data: &data, scales: &[] };
+        for isa in isa::supported() {
+            let mut out = vec![1.0; 6];
+            matmul_bf16(isa, &w, 0..3, &[], 2, &mut out);
+            assert_eq!(out, [0.0; 6], "{isa}");
+        }
+    }
+}

@@ -1,0 +1,580 @@
+//! AVX-512 GEMV kernels: `Avx512Bf16` (`vdpbf16ps`) and `Avx512` (f32 FMA).
+//!
+//! # FP8 → BF16 with integer ops
+//! An E4M3 magnitude `eeee.mmm` shifted left by 4 lines up with BF16's
+//! exponent and mantissa; OR-ing in exponent bit 7 (`0x4000`) rebiases it, so
+//! `0x4000 | mag << 4` is the value × 2⁸ for every normal code (e ≥ 1). The
+//! 2⁻⁸ is folded into the block scale. The sign must move from bit 11 to 15.
+//! Both fall out of one arithmetic shift plus one `vpternlogd`:
+//! a 64-byte load viewed as 32 words has the odd bytes in the high halves;
+//! `sraw 4` puts each odd byte's sign in bits 15..11 and magnitude in 10..4,
+//! and `(v & 0x87f0) | 0x4000` finishes the BF16 value. Even bytes take one
+//! extra `sllw 8`. So 64 codes cost 5 ALU ops, and the activations are
+//! packed in the same odd/even order (see `pack`).
+//!
+//! Exponent-0 codes (zero and the subnormals) decode wrongly this way. They
+//! are rare in real weights (~1e-4 of codes), so one `vptestnmb` per load
+//! looks for them and only the loads that have any take the exact decode:
+//! the same shift trick on zero-extended codes, with the exponent-0 lanes
+//! replaced from a table indexed by the mantissa (`vpermw`) and the sign
+//! OR-ed back. The branch is almost never taken on checkpoint weights;
+//! random bytes (6% such codes) take it on most loads and run ~2× slower.
+//! Both decodes read the two NaN codes as ±480.
+//!
+//! The `Avx512` level splits the same BF16 words into f32 lanes (BF16 is the
+//! top half of an f32) — four lane classes per 64 codes — and uses FMA.
+
+use super::gemv::{for_each_tile, token_groups, Bf16Rows, Job, RowKernel, E4M3_BF16_X256, FUSED_MAX_TOKENS, UNBIAS};
+use super::pack::{bf16_to_f32, Packed};
+use std::arch::x86_64::*;
+use std::array;
+use std::ops::Range;
+
+// ---------------------------------------------------------------------------
+// Decoding
+
+/// Reinterpret 32 BF16 bit patterns as the dot-product operand type.
+#[inline(always)]
+fn bh(v: __m512i) -> __m512bh {
+    // SAFETY: both are 64-byte plain vectors; every bit pattern is valid.
+    unsafe { std::mem::transmute::<__m512i, __m512bh>(v) }
+}
+
+/// Fast decode of 64 codes (a raw 64-byte load) to two vectors of BF16 × 2⁸:
+/// the odd bytes, then the even bytes. Exponent-0 codes come out wrong.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw")]
+fn fast_odd_even(raw: __m512i) -> (__m512i, __m512i) {
+    let keep = _mm512_set1_epi16(0x87f0u16 as i16);
+    let bias = _mm512_set1_epi16(0x4000);
+    // (a & b) | c
+    let odd = _mm512_ternarylogic_epi32::<0xea>(_mm512_srai_epi16::<4>(raw), keep, bias);
+    let even = _mm512_ternarylogic_epi32::<0xea>(_mm512_srai_epi16::<4>(_mm512_slli_epi16::<8>(raw)), keep, bias);
+    (odd, even)
+}
+
+/// Which of the (`valid`) bytes of `raw` are zero or subnormal codes.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw")]
+fn exponent_zero(raw: __m512i, valid: u64) -> u64 {
+    _mm512_mask_testn_epi8_mask(valid, raw, _mm512_set1_epi8(0x78))
+}
+
+/// Exact BF16 × 2⁸ of 32 codes zero-extended in 16-bit lanes, except that
+/// NaN codes read as ±480 like [`fast_odd_even`]: the fast decode's
+/// magnitude, with exponent-0 lanes replaced from the table of `m/8 · 2⁻⁶ · 2⁸`
+/// (`vpermw` indexes by the low 5 bits, which are `00mmm` for these codes).
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw")]
+fn exact_words(codes: __m512i) -> __m512i {
+    // SAFETY: the table has 256 entries; entries 0..8 are the subnormals × 2⁸.
+    let subnormals = unsafe { _mm512_loadu_si512(E4M3_BF16_X256.as_ptr().cast()) };
+    let mag = _mm512_ternarylogic_epi32::<0xea>(
+        _mm512_slli_epi16::<4>(codes),
+        _mm512_set1_epi16(0x07f0),
+        _mm512_set1_epi16(0x4000),
+    );
+    let zero_exp = _mm512_testn_epi16_mask(codes, _mm512_set1_epi16(0x78));
+    let mag = _mm512_mask_permutexvar_epi16(mag, zero_exp, codes, subnormals);
+    // a | (b & c): the code's sign bit, moved to bit 15.
+    _mm512_ternarylogic_epi32::<0xf8>(mag, _mm512_slli_epi16::<8>(codes), _mm512_set1_epi16(0x8000u16 as i16))
+}
+
+/// Exact version of [`fast_odd_even`], for loads holding exponent-0 codes.
+#[cold]
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw")]
+fn exact_odd_even(raw: __m512i) -> (__m512i, __m512i) {
+    (exact_words(_mm512_srli_epi16::<8>(raw)), exact_words(_mm512_and_si512(raw, _mm512_set1_epi16(0xff))))
+}
+
+/// The full decode table, magnitudes 0..128 × 2⁸ as BF16, in four vectors.
+#[derive(Clone, Copy)]
+struct Lut([__m512i; 4]);
+
+impl Lut {
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    fn load() -> Lut {
+        // SAFETY: the table has 256 entries; we read the first 128.
+        Lut(array::from_fn(|i| unsafe { _mm512_loadu_si512(E4M3_BF16_X256.as_ptr().add(32 * i).cast()) }))
+    }
+
+    /// Exact BF16 × 2⁸ for 32 codes held zero-extended in 16-bit lanes,
+    /// subnormals and NaN included (for prefill tiles, where the decode is
+    /// amortised over many tokens).
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw")]
+    fn decode(&self, codes: __m512i) -> __m512i {
+        let [t0, t1, t2, t3] = self.0;
+        let low = _mm512_permutex2var_epi16(t0, codes, t1); // magnitudes 0..64 by bits 5..0
+        let high = _mm512_permutex2var_epi16(t2, codes, t3); // 64..128
+        let mag = _mm512_mask_blend_epi16(_mm512_test_epi16_mask(codes, _mm512_set1_epi16(0x40)), low, high);
+        // a | (b & c): the code's sign bit, moved to bit 15.
+        _mm512_ternarylogic_epi32::<0xf8>(mag, _mm512_slli_epi16::<8>(codes), _mm512_set1_epi16(0x8000u16 as i16))
+    }
+}
+
+/// The f32 lane classes of 64 codes from their odd/even BF16 words: a BF16
+/// value is the top half of its f32, so the high words of each dword are one
+/// class and the low words (shifted up) another. Order: bytes 4i+3, 4i+1,
+/// 4i+2, 4i (see [`C4_ORDER`]).
+#[inline]
+#[target_feature(enable = "avx512f")]
+fn classes_from_words(odd: __m512i, even: __m512i) -> [__m512; 4] {
+    let high = _mm512_set1_epi32(0xffff_0000u32 as i32);
+    [
+        _mm512_castsi512_ps(_mm512_and_si512(odd, high)),
+        _mm512_castsi512_ps(_mm512_slli_epi32::<16>(odd)),
+        _mm512_castsi512_ps(_mm512_and_si512(even, high)),
+        _mm512_castsi512_ps(_mm512_slli_epi32::<16>(even)),
+    ]
+}
+
+/// Fast decode of 64 codes straight to the four f32 classes (× 2⁸): the
+/// ternlog masks and rebiases in the f32 layout, so the low-word classes
+/// need only their shift. Exponent-0 codes come out wrong.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw")]
+fn fast_classes(raw: __m512i) -> [__m512; 4] {
+    let keep = _mm512_set1_epi32(0x87f0_0000u32 as i32);
+    let bias = _mm512_set1_epi32(0x4000_0000);
+    let odd = _mm512_srai_epi16::<4>(raw);
+    let even = _mm512_srai_epi16::<4>(_mm512_slli_epi16::<8>(raw));
+    let f = |v: __m512i| _mm512_castsi512_ps(_mm512_ternarylogic_epi32::<0xea>(v, keep, bias));
+    [f(odd), f(_mm512_slli_epi32::<16>(odd)), f(even), f(_mm512_slli_epi32::<16>(even))]
+}
+
+/// Column of slot `j` in a 64-code chunk for the BF16 kernels: odd bytes,
+/// then even bytes (the order of [`fast_odd_even`]).
+fn odd_even_slot(j: usize) -> usize {
+    if j < 32 {
+        2 * j + 1
+    } else {
+        2 * (j - 32)
+    }
+}
+
+/// Byte class of each 16-lane quarter of [`fast_classes`].
+const C4_ORDER: [usize; 4] = [3, 1, 2, 0];
+
+fn class_slot(j: usize) -> usize {
+    4 * (j % 16) + C4_ORDER[j / 16]
+}
+
+/// Column of slot `j` in a 32-column chunk of BF16 weights split into f32:
+/// even columns (low words), then odd (high words).
+fn even_odd_slot(j: usize) -> usize {
+    if j < 16 {
+        2 * j
+    } else {
+        2 * (j - 16) + 1
+    }
+}
+
+#[inline(always)]
+fn tail_mask64(len: usize) -> u64 {
+    if len >= 64 {
+        !0
+    } else {
+        (1u64 << len) - 1
+    }
+}
+
+#[inline(always)]
+fn tail_mask32(len: usize) -> u32 {
+    if len >= 32 {
+        !0
+    } else {
+        (1u32 << len) - 1
+    }
+}
+
+/// Load up to 64 bytes; masked-off bytes read as zero and are not accessed.
+///
+/// # Safety
+/// `p .. p + len` must be readable.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw")]
+unsafe fn load_bytes(p: *const u8, len: usize) -> __m512i {
+    // SAFETY: per the contract; a full load reads exactly 64 bytes.
+    unsafe {
+        if len >= 64 {
+            _mm512_loadu_si512(p.cast())
+        } else {
+            _mm512_maskz_loadu_epi8(tail_mask64(len), p.cast())
+        }
+    }
+}
+
+/// Horizontal sums of the per-row, per-token accumulators.
+#[inline]
+#[target_feature(enable = "avx512f")]
+fn reduce<const R: usize, const N: usize>(acc: &[[__m512; N]; R]) -> [[f32; N]; R] {
+    array::from_fn(|r| array::from_fn(|t| _mm512_reduce_add_ps(acc[r][t])))
+}
+
+// ---------------------------------------------------------------------------
+// Fused FP8 decode + dot (n ≤ FUSED_MAX_TOKENS)
+
+struct FusedBf16<'a> {
+    job: &'a Job<'a>,
+    x: &'a Packed<u16>,
+}
+
+impl RowKernel for FusedBf16<'_> {
+    unsafe fn rows<const R: usize, const N: usize>(&self, r0: usize, t0: usize) -> [[f32; N]; R] {
+        // SAFETY: forwarded from the caller.
+        unsafe { fused_bf16::<R, N>(self.job, self.x, r0, t0) }
+    }
+}
+
+/// # Safety
+/// AVX512-BF16 present; rows `r0..r0 + R` and tokens `t0..t0 + N` in range.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16")]
+unsafe fn fused_bf16<const R: usize, const N: usize>(job: &Job, x: &Packed<u16>, r0: usize, t0: usize) -> [[f32; N]; R] {
+    // With few independent sums, split each into two chains (odd and even
+    // bytes) so the dot-product latency is hidden.
+    let second = usize::from(R * N <= 4);
+    // SAFETY: row r0 + r < rows, so its `cols` bytes are inside `data`.
+    let row: [*const u8; R] = array::from_fn(|r| unsafe { job.data.as_ptr().add((r0 + r) * job.cols) });
+    let scales: [&[f32]; R] = array::from_fn(|r| job.scale_row(r0 + r));
+    let mut total = [[_mm512_setzero_ps(); N]; R];
+    for cb in 0..job.col_blocks {
+        let (k0, width) = job.block_cols(cb);
+        let mut acc = [[[_mm512_setzero_ps(); 2]; N]; R];
+        for q in 0..width.div_ceil(64) {
+            let len = (width - 64 * q).min(64);
+            // SAFETY: the packed chunk holds 64 u16 (32 odd, then 32 even).
+            let xo: [__m512bh; N] = array::from_fn(|t| bh(unsafe { _mm512_load_si512(x.chunk(t0 + t, cb, q).cast()) }));
+            let xe: [__m512bh; N] = array::from_fn(|t| bh(unsafe { _mm512_load_si512(x.chunk(t0 + t, cb, q).add(32).cast()) }));
+            for r in 0..R {
+                // SAFETY: columns k0 + 64q .. + len are inside the row.
+                let raw = unsafe { load_bytes(row[r].add(k0 + 64 * q), len) };
+                let (odd, even) =
+                    if exponent_zero(raw, tail_mask64(len)) == 0 { fast_odd_even(raw) } else { exact_odd_even(raw) };
+                for t in 0..N {
+                    acc[r][t][0] = _mm512_dpbf16_ps(acc[r][t][0], bh(odd), xo[t]);
+                    acc[r][t][second] = _mm512_dpbf16_ps(acc[r][t][second], bh(even), xe[t]);
+                }
+            }
+        }
+        for r in 0..R {
+            let s = _mm512_set1_ps(scales[r][cb] * UNBIAS);
+            for t in 0..N {
+                total[r][t] = _mm512_fmadd_ps(_mm512_add_ps(acc[r][t][0], acc[r][t][1]), s, total[r][t]);
+            }
+        }
+    }
+    reduce(&total)
+}
+
+struct FusedF32<'a> {
+    job: &'a Job<'a>,
+    x: &'a Packed<f32>,
+}
+
+impl RowKernel for FusedF32<'_> {
+    unsafe fn rows<const R: usize, const N: usize>(&self, r0: usize, t0: usize) -> [[f32; N]; R] {
+        // SAFETY: forwarded from the caller.
+        unsafe { fused_f32::<R, N>(self.job, self.x, r0, t0) }
+    }
+}
+
+/// [`fused_bf16`] for CPUs without BF16 dot products: f32 lanes and FMA.
+///
+/// # Safety
+/// AVX-512 F/BW/VL present; rows and tokens in range.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,fma")]
+unsafe fn fused_f32<const R: usize, const N: usize>(job: &Job, x: &Packed<f32>, r0: usize, t0: usize) -> [[f32; N]; R] {
+    let second = usize::from(R * N <= 4);
+    // SAFETY: row r0 + r < rows, so its `cols` bytes are inside `data`.
+    let row: [*const u8; R] = array::from_fn(|r| unsafe { job.data.as_ptr().add((r0 + r) * job.cols) });
+    let scales: [&[f32]; R] = array::from_fn(|r| job.scale_row(r0 + r));
+    let mut total = [[_mm512_setzero_ps(); N]; R];
+    for cb in 0..job.col_blocks {
+        let (k0, width) = job.block_cols(cb);
+        let mut acc = [[[_mm512_setzero_ps(); 2]; N]; R];
+        for q in 0..width.div_ceil(64) {
+            let len = (width - 64 * q).min(64);
+            for r in 0..R {
+                // SAFETY: columns k0 + 64q .. + len are inside the row.
+                let raw = unsafe { load_bytes(row[r].add(k0 + 64 * q), len) };
+                let w = if exponent_zero(raw, tail_mask64(len)) == 0 {
+                    fast_classes(raw)
+                } else {
+                    let (odd, even) = exact_odd_even(raw);
+                    classes_from_words(odd, even)
+                };
+                for t in 0..N {
+                    let c = x.chunk(t0 + t, cb, q);
+                    for (i, &wi) in w.iter().enumerate() {
+                        // SAFETY: the packed chunk holds 64 f32.
+                        let xv = unsafe { _mm512_load_ps(c.add(16 * i)) };
+                        let a = if i % 2 == 0 { 0 } else { second };
+                        acc[r][t][a] = _mm512_fmadd_ps(wi, xv, acc[r][t][a]);
+                    }
+                }
+            }
+        }
+        for r in 0..R {
+            let s = _mm512_set1_ps(scales[r][cb] * UNBIAS);
+            for t in 0..N {
+                total[r][t] = _mm512_fmadd_ps(_mm512_add_ps(acc[r][t][0], acc[r][t][1]), s, total[r][t]);
+            }
+        }
+    }
+    reduce(&total)
+}
+
+// ---------------------------------------------------------------------------
+// BF16 weights (BF16 checkpoints, and FP8 rows decoded into prefill tiles)
+
+struct Bf16Dot<'a> {
+    job: &'a Job<'a>,
+    w: Bf16Rows,
+    x: &'a Packed<u16>,
+}
+
+impl RowKernel for Bf16Dot<'_> {
+    unsafe fn rows<const R: usize, const N: usize>(&self, r0: usize, t0: usize) -> [[f32; N]; R] {
+        // SAFETY: forwarded from the caller.
+        unsafe { bf16_weights_dot::<R, N>(self.job, self.w, self.x, r0, t0) }
+    }
+}
+
+/// # Safety
+/// AVX512-BF16 present; rows in the view, tokens in range.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16")]
+unsafe fn bf16_weights_dot<const R: usize, const N: usize>(
+    job: &Job,
+    w: Bf16Rows,
+    x: &Packed<u16>,
+    r0: usize,
+    t0: usize,
+) -> [[f32; N]; R] {
+    let chains = if R * N <= 4 { 2 } else { 1 };
+    // SAFETY: rows r0..r0 + R are in the view.
+    let row: [*const u8; R] = array::from_fn(|r| unsafe { w.row(r0 + r) });
+    let scales: [&[f32]; R] = array::from_fn(|r| job.scale_row(r0 + r));
+    let mut total = [[_mm512_setzero_ps(); N]; R];
+    for cb in 0..job.col_blocks {
+        let (k0, width) = job.block_cols(cb);
+        let mut acc = [[[_mm512_setzero_ps(); 2]; N]; R];
+        for q in 0..width.div_ceil(32) {
+            let mask = tail_mask32(width - 32 * q);
+            // SAFETY: the packed chunk holds 32 u16.
+            let xv: [__m512bh; N] = array::from_fn(|t| bh(unsafe { _mm512_load_si512(x.chunk(t0 + t, cb, q).cast()) }));
+            for r in 0..R {
+                // SAFETY: masked lanes stay inside the block of this row.
+                let wv = bh(unsafe { _mm512_maskz_loadu_epi16(mask, row[r].add(2 * (k0 + 32 * q)).cast()) });
+                for t in 0..N {
+                    let a = q % chains;
+                    acc[r][t][a] = _mm512_dpbf16_ps(acc[r][t][a], wv, xv[t]);
+                }
+            }
+        }
+        for r in 0..R {
+            let s = _mm512_set1_ps(scales[r][cb] * w.scale_mul);
+            for t in 0..N {
+                total[r][t] = _mm512_fmadd_ps(_mm512_add_ps(acc[r][t][0], acc[r][t][1]), s, total[r][t]);
+            }
+        }
+    }
+    reduce(&total)
+}
+
+struct Bf16Fma<'a> {
+    job: &'a Job<'a>,
+    w: Bf16Rows,
+    x: &'a Packed<f32>,
+}
+
+impl RowKernel for Bf16Fma<'_> {
+    unsafe fn rows<const R: usize, const N: usize>(&self, r0: usize, t0: usize) -> [[f32; N]; R] {
+        // SAFETY: forwarded from the caller.
+        unsafe { bf16_weights_fma::<R, N>(self.job, self.w, self.x, r0, t0) }
+    }
+}
+
+/// # Safety
+/// AVX-512 F/BW/VL present; rows in the view, tokens in range.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,fma")]
+unsafe fn bf16_weights_fma<const R: usize, const N: usize>(
+    job: &Job,
+    w: Bf16Rows,
+    x: &Packed<f32>,
+    r0: usize,
+    t0: usize,
+) -> [[f32; N]; R] {
+    let high = _mm512_set1_epi32(0xffff_0000u32 as i32);
+    let second = usize::from(R * N <= 4);
+    // SAFETY: rows r0..r0 + R are in the view.
+    let row: [*const u8; R] = array::from_fn(|r| unsafe { w.row(r0 + r) });
+    let scales: [&[f32]; R] = array::from_fn(|r| job.scale_row(r0 + r));
+    let mut total = [[_mm512_setzero_ps(); N]; R];
+    for cb in 0..job.col_blocks {
+        let (k0, width) = job.block_cols(cb);
+        let mut acc = [[[_mm512_setzero_ps(); 2]; N]; R];
+        for q in 0..width.div_ceil(32) {
+            let mask = tail_mask32(width - 32 * q);
+            for r in 0..R {
+                // SAFETY: masked lanes stay inside the block of this row.
+                let wv = unsafe { _mm512_maskz_loadu_epi16(mask, row[r].add(2 * (k0 + 32 * q)).cast()) };
+                let even = _mm512_castsi512_ps(_mm512_slli_epi32::<16>(wv));
+                let odd = _mm512_castsi512_ps(_mm512_and_si512(wv, high));
+                for t in 0..N {
+                    let c = x.chunk(t0 + t, cb, q);
+                    // SAFETY: the packed chunk holds 32 f32 (even, then odd columns).
+                    let (xe, xo) = unsafe { (_mm512_load_ps(c), _mm512_load_ps(c.add(16))) };
+                    acc[r][t][0] = _mm512_fmadd_ps(even, xe, acc[r][t][0]);
+                    acc[r][t][second] = _mm512_fmadd_ps(odd, xo, acc[r][t][second]);
+                }
+            }
+        }
+        for r in 0..R {
+            let s = _mm512_set1_ps(scales[r][cb] * w.scale_mul);
+            for t in 0..N {
+                total[r][t] = _mm512_fmadd_ps(_mm512_add_ps(acc[r][t][0], acc[r][t][1]), s, total[r][t]);
+            }
+        }
+    }
+    reduce(&total)
+}
+
+// ---------------------------------------------------------------------------
+// Prefill tiles
+
+/// Decode FP8 rows `rows` exactly into `tile` (BF16 × 2⁸, `stride` u16 per row).
+///
+/// # Safety
+/// AVX-512 F/BW/VL present; `rows` inside the matrix; `tile` holds
+/// `rows.len() · stride` values with `stride ≥ cols`.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+unsafe fn decode_tile(job: &Job, rows: Range<usize>, tile: &mut [u16], stride: usize) {
+    let lut = Lut::load();
+    for (i, r) in rows.enumerate() {
+        // SAFETY: row r is inside `data`; the tile row holds `stride ≥ cols` values.
+        let (src, dst) = unsafe { (job.data.as_ptr().add(r * job.cols), tile.as_mut_ptr().add(i * stride)) };
+        for k in (0..job.cols).step_by(32) {
+            let mask = tail_mask32(job.cols - k);
+            // SAFETY: masked lanes stay inside the row and the tile row.
+            unsafe {
+                let codes = _mm512_cvtepu8_epi16(_mm256_maskz_loadu_epi8(mask, src.add(k).cast()));
+                _mm512_mask_storeu_epi16(dst.add(k).cast(), mask, lut.decode(codes));
+            }
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------
+// Entry points
+
+/// `matmul_bf16` at the `Avx512Bf16` level.
+///
+/// # Safety
+/// AVX512-BF16 present; shapes checked by the caller.
+pub(super) unsafe fn run_bf16(job: &Job, rows: Range<usize>, x: &[u16], n: usize, out: &mut [f32]) {
+    let (m, first, b1) = (rows.len(), rows.start, job.block[1]);
+    if job.fp8 && n <= FUSED_MAX_TOKENS {
+        let x = Packed::new(x, n, job.cols, b1, 64, odd_even_slot, |v| v);
+        let k = FusedBf16 { job, x: &x };
+        // SAFETY: forwarded.
+        unsafe { token_groups!(&k, rows, first, n, out, m, 8, {1 => 8, 2 => 4, 3 => 2, 4 => 2, 5 => 1, 6 => 1, 7 => 1, 8 => 1}) };
+    } else {
+        let x = Packed::new(x, n, job.cols, b1, 32, |j| j, |v| v);
+        // SAFETY: forwarded.
+        unsafe {
+            for_each_tile(job, rows, decode_tile, |band, w| {
+                let k = Bf16Dot { job, w, x: &x };
+                token_groups!(&k, band, first, n, out, m, 8, {1 => 4, 2 => 4, 3 => 2, 4 => 2, 5 => 1, 6 => 1, 7 => 1, 8 => 1});
+            })
+        };
+    }
+}
+
+/// `matmul_bf16` at the `Avx512` level.
+///
+/// # Safety
+/// AVX-512 F/BW/VL present; shapes checked by the caller.
+pub(super) unsafe fn run_f32(job: &Job, rows: Range<usize>, x: &[u16], n: usize, out: &mut [f32]) {
+    let (m, first, b1) = (rows.len(), rows.start, job.block[1]);
+    if job.fp8 && n <= FUSED_MAX_TOKENS {
+        let x = Packed::new(x, n, job.cols, b1, 64, class_slot, bf16_to_f32);
+        let k = FusedF32 { job, x: &x };
+        // SAFETY: forwarded.
+        unsafe { token_groups!(&k, rows, first, n, out, m, 8, {1 => 8, 2 => 4, 3 => 2, 4 => 2, 5 => 1, 6 => 1, 7 => 1, 8 => 1}) };
+    } else {
+        let x = Packed::new(x, n, job.cols, b1, 32, even_odd_slot, bf16_to_f32);
+        // SAFETY: forwarded.
+        unsafe {
+            for_each_tile(job, rows, decode_tile, |band, w| {
+                let k = Bf16Fma { job, w, x: &x };
+                token_groups!(&k, band, first, n, out, m, 8, {1 => 4, 2 => 4, 3 => 2, 4 => 2, 5 => 1, 6 => 1, 7 => 1, 8 => 1});
+            })
+        };
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cpu::isa::{self, Isa};
+
+    /// Every decoder against the scalar table, for all 256 codes: the fast
+    /// one for nonzero exponents, the fused fallback for all (NaN as ±480),
+    /// the tile decode for all (NaN as NaN).
+    #[test]
+    fn decoders_agree_with_the_table() {
+        if isa::hardware() < Isa::Avx512 {
+            return;
+        }
+        let bytes: Vec<u8> = (0..=255u8).collect();
+        // SAFETY: AVX-512 checked above.
+        unsafe { check_decoders(&bytes) };
+    }
+
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+    unsafe fn check_decoders(bytes: &[u8]) {
+        let table = |c: u8| crate::fp8::E4M3_TABLE[c as usize] * 256.0;
+        // The fused kernels' reading of a code: NaN codes are ±480.
+        let fused = |c: u8| if c & 0x7f == 0x7f { 480.0 * 256.0 * if c & 0x80 != 0 { -1.0 } else { 1.0 } } else { table(c) };
+        let store16 = |v: __m512i| {
+            let mut out = [0u16; 32];
+            // SAFETY: 64 writable bytes.
+            unsafe { _mm512_storeu_si512(out.as_mut_ptr().cast(), v) };
+            out.map(bf16_to_f32)
+        };
+        let lut = Lut::load();
+        for chunk in bytes.chunks(64) {
+            // SAFETY: 64 readable bytes.
+            let raw = unsafe { _mm512_loadu_si512(chunk.as_ptr().cast()) };
+            let (fo, fe) = fast_odd_even(raw);
+            let (xo, xe) = exact_odd_even(raw);
+            let (fast, exact) = ([store16(fo), store16(fe)], [store16(xo), store16(xe)]);
+            let mut classes = [[0f32; 16]; 4];
+            for (dst, v) in classes.iter_mut().zip(fast_classes(raw)) {
+                // SAFETY: 16 writable f32.
+                unsafe { _mm512_storeu_ps(dst.as_mut_ptr(), v) };
+            }
+            for (j, &c) in chunk.iter().enumerate() {
+                let half = 1 - j % 2; // odd bytes come first
+                assert_eq!(exact[half][j / 2], fused(c), "exact {c:#04x}");
+                if c & 0x78 != 0 {
+                    assert_eq!(fast[half][j / 2], fused(c), "fast {c:#04x}");
+                    let class = C4_ORDER.iter().position(|&k| k == j % 4).unwrap();
+                    assert_eq!(classes[class][j / 4], fused(c), "class {c:#04x}");
+                }
+            }
+            // The tile decode, on zero-extended codes.
+            for half in 0..2 {
+                // SAFETY: 32 readable bytes.
+                let codes = _mm512_cvtepu8_epi16(unsafe { _mm256_loadu_si256(chunk.as_ptr().add(32 * half).cast()) });
+                for (j, v) in store16(lut.decode(codes)).into_iter().enumerate() {
+                    let c = chunk[32 * half + j];
+                    assert!(v == table(c) || (v.is_nan() && table(c).is_nan()), "tile {c:#04x}");
+                }
+            }
+        }
+    }
+}

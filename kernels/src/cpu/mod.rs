@@ -1,0 +1,29 @@
+//! Explicit SIMD kernels for decode on CPU, one file per concern.
+//!
+//! Every entry point takes an [`Isa`] level (normally [`isa::detect()`]) and
+//! clamps it to what the CPU supports, so they are safe to call with any
+//! level; all `unsafe` SIMD code stays inside this module. The portable level
+//! is the scalar reference in `crate::linear`, which the tests compare every
+//! other level against.
+//!
+//! - [`isa`]: level detection and the `DUPLEX_ISA` override.
+//! - [`gemv`]: FP8/BF16 linear layers with BF16 activations (the hot path),
+//!   plus the f32 `dot`/`axpy` used by attention.
+//! - [`convert`]: f32 → BF16 rounding of activations.
+//! - [`bandwidth`]: a streaming read, to measure what "memory-bound" means here.
+
+pub mod bandwidth;
+pub mod convert;
+pub mod gemv;
+#[cfg(target_arch = "x86_64")]
+mod gemv_avx2;
+#[cfg(target_arch = "x86_64")]
+mod gemv_avx512;
+pub mod isa;
+mod pack;
+mod vector;
+
+pub use bandwidth::read_bytes;
+pub use convert::f32_to_bf16;
+pub use gemv::{axpy_f32, dot_f32, matmul_bf16};
+pub use isa::Isa;

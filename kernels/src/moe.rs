@@ -1,0 +1,294 @@
+//! Mixture-of-experts FFN on the worker pool, with the fine-grained
+//! parallelism of §3.5 of the cloud-grade-SLO paper.
+//!
+//! Each expert is `down(silu(gate·x) ⊙ up·x)`. Stage 1 slices every active
+//! expert's gate and up projections along M into tiles (never crossing a
+//! scale block) and fuses the SiLU·up combine into the same task. A
+//! per-expert countdown lets that expert's down-projection tiles (stage 2)
+//! start as soon as its own stage-1 tiles are done; there is no barrier
+//! between the stages. All tasks of a node sit in one list, stage 1 first, so
+//! a thread that reaches a stage-2 task waits only for tiles that running
+//! threads have already claimed. Shared experts are simply experts that every
+//! token uses with weight 1, on the same pool.
+//!
+//! NUMA: each expert is placed on a node and only that node's threads touch
+//! its weights; every node leaves per-expert partial outputs that one last
+//! parallel pass reduces into the result.
+
+use crate::cpu::{convert::f32_to_bf16, gemv::matmul_bf16, isa::Isa};
+use crate::pool::ThreadPool;
+use crate::shared::SharedSlice;
+use crate::WeightView;
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+/// The three projections of one expert.
+#[derive(Clone, Copy, Debug)]
+pub struct ExpertWeights<'a> {
+    pub gate: WeightView<'a>,
+    pub up: WeightView<'a>,
+    pub down: WeightView<'a>,
+}
+
+/// One expert's share of a batch.
+#[derive(Clone, Copy, Debug)]
+pub struct ExpertCall<'a> {
+    pub weights: ExpertWeights<'a>,
+    /// `(token row, combine weight)` pairs.
+    pub tokens: &'a [(usize, f32)],
+    /// The NUMA node that holds this expert's weights.
+    pub node: usize,
+}
+
+/// Buffers reused across calls, so the hot path does not allocate once they
+/// have grown to the largest batch seen.
+#[derive(Default)]
+pub struct MoeScratch {
+    xs: Vec<u16>,
+    h: Vec<u16>,
+    y: Vec<f32>,
+    tile_out: Vec<f32>,
+    pending: Vec<AtomicUsize>,
+    layout: Vec<Layout>,
+    tasks: Vec<Vec<Task>>,
+}
+
+#[derive(Clone, Copy, Default)]
+struct Layout {
+    xs: usize,
+    h: usize,
+    y: usize,
+}
+
+#[derive(Clone, Copy)]
+enum Task {
+    GateUp { call: usize, rows: (usize, usize) },
+    Down { call: usize, rows: (usize, usize) },
+}
+
+/// Rows per task: one scale block for FP8 (tiles must not cross one), and a
+/// similar amount of work for other formats.
+fn tile_rows(w: &WeightView) -> usize {
+    match w.format {
+        crate::WeightFormat::Fp8E4m3 { block } => block[0],
+        _ => 64,
+    }
+}
+
+fn tiles(rows: usize, tile: usize) -> impl Iterator<Item = (usize, usize)> {
+    (0..rows.div_ceil(tile)).map(move |i| (i * tile, ((i + 1) * tile).min(rows)))
+}
+
+/// Largest `n_tokens × tile` output any task produces, for per-thread buffers.
+fn max_tile_out(calls: &[ExpertCall]) -> usize {
+    calls
+        .iter()
+        .map(|c| c.tokens.len() * tile_rows(&c.weights.gate).max(tile_rows(&c.weights.down)))
+        .max()
+        .unwrap_or(0)
+}
+
+/// `out[t] = Σ_calls weight · expert(x[t])` for a batch `x` (`[n, d]`, F32).
+/// `out` is overwritten.
+pub fn moe_forward(pool: &ThreadPool, isa: Isa, calls: &[ExpertCall], x: &[f32], d: usize, out: &mut [f32], scratch: &mut MoeScratch) {
+    let n = x.len() / d.max(1);
+    assert_eq!(out.len(), n * d, "moe_forward: out is not [n, d]");
+    let s = scratch;
+    // Lay out every expert's gathered input, hidden and output rows.
+    s.layout.clear();
+    let (mut xs_len, mut h_len, mut y_len) = (0, 0, 0);
+    for c in calls {
+        assert_eq!(c.weights.gate.cols, d, "expert gate width");
+        assert_eq!(c.weights.down.rows, d, "expert down height");
+        s.layout.push(Layout { xs: xs_len, h: h_len, y: y_len });
+        xs_len += c.tokens.len() * d;
+        h_len += c.tokens.len() * c.weights.gate.rows;
+        y_len += c.tokens.len() * d;
+    }
+    s.xs.resize(xs_len, 0);
+    s.h.resize(h_len, 0);
+    s.y.resize(y_len, 0.0);
+    for (c, l) in calls.iter().zip(&s.layout) {
+        for (j, &(t, _)) in c.tokens.iter().enumerate() {
+            f32_to_bf16(isa, &x[t * d..(t + 1) * d], &mut s.xs[l.xs + j * d..l.xs + (j + 1) * d]);
+        }
+    }
+
+    // Task lists per node: all gate/up tiles first, then all down tiles.
+    let nodes = pool.nodes();
+    s.tasks.resize_with(nodes, Vec::new);
+    s.tasks.iter_mut().for_each(|t| t.clear());
+    s.pending.resize_with(calls.len().max(s.pending.len()), || AtomicUsize::new(0));
+    for (i, c) in calls.iter().enumerate() {
+        let node = c.node % nodes;
+        let before = s.tasks[node].len();
+        s.tasks[node].extend(tiles(c.weights.gate.rows, tile_rows(&c.weights.gate)).map(|rows| Task::GateUp { call: i, rows }));
+        s.pending[i].store(s.tasks[node].len() - before, Ordering::Relaxed);
+    }
+    for (i, c) in calls.iter().enumerate() {
+        s.tasks[c.node % nodes].extend(tiles(d, tile_rows(&c.weights.down)).map(|rows| Task::Down { call: i, rows }));
+    }
+
+    let per_thread = max_tile_out(calls) * 2;
+    s.tile_out.resize(per_thread * pool.threads(), 0.0);
+    let h = SharedSlice::new(&mut s.h);
+    let y = SharedSlice::new(&mut s.y);
+    let tile_out = SharedSlice::new(&mut s.tile_out);
+    let (tasks, pending, layout, xs) = (&s.tasks, &s.pending, &s.layout, &s.xs);
+    let counts: Vec<usize> = tasks.iter().map(|t| t.len()).collect();
+    pool.parallel_for_nodes(&counts, &|node, t| {
+        // SAFETY: each thread has its own slot of the tile buffer, and a
+        // thread runs one task at a time.
+        let slot = crate::pool::thread_index();
+        let buf = unsafe { tile_out.slice_mut(slot * per_thread, per_thread) };
+        match tasks[node][t] {
+            Task::GateUp { call, rows: (r0, r1) } => {
+                let c = &calls[call];
+                let l = layout[call];
+                let (ne, inter, m) = (c.tokens.len(), c.weights.gate.rows, r1 - r0);
+                let xs_e = &xs[l.xs..l.xs + ne * d];
+                let (g, u) = buf.split_at_mut(ne * m);
+                matmul_bf16(isa, &c.weights.gate, r0..r1, xs_e, ne, g);
+                matmul_bf16(isa, &c.weights.up, r0..r1, xs_e, ne, &mut u[..ne * m]);
+                crate::elementwise::silu_mul(g, &u[..ne * m]);
+                for j in 0..ne {
+                    // SAFETY: tile (r0..r1) of token row j of this expert is written by this task only.
+                    let dst = unsafe { h.slice_mut(l.h + j * inter + r0, m) };
+                    f32_to_bf16(isa, &g[j * m..(j + 1) * m], dst);
+                }
+                pending[call].fetch_sub(1, Ordering::Release);
+            }
+            Task::Down { call, rows: (r0, r1) } => {
+                let c = &calls[call];
+                let l = layout[call];
+                let (ne, inter, m) = (c.tokens.len(), c.weights.gate.rows, r1 - r0);
+                // The per-expert barrier: this expert's hidden rows must be complete.
+                while pending[call].load(Ordering::Acquire) != 0 {
+                    std::hint::spin_loop();
+                }
+                // SAFETY: all writers of this expert's hidden rows have finished (Acquire above).
+                let h_e = unsafe { h.slice(l.h, ne * inter) };
+                let o = &mut buf[..ne * m];
+                matmul_bf16(isa, &c.weights.down, r0..r1, h_e, ne, o);
+                for j in 0..ne {
+                    // SAFETY: tile (r0..r1) of token row j of this expert is written by this task only.
+                    let dst = unsafe { y.slice_mut(l.y + j * d + r0, m) };
+                    dst.copy_from_slice(&o[j * m..(j + 1) * m]);
+                }
+            }
+        }
+    });
+
+    // Reduce the experts' partial outputs, in parallel over column chunks.
+    let out_shared = SharedSlice::new(out);
+    let y = &s.y;
+    let layout = &s.layout;
+    const CHUNK: usize = 512;
+    let chunks = d.div_ceil(CHUNK);
+    pool.parallel_for(chunks, &|ci| {
+        let (c0, c1) = (ci * CHUNK, ((ci + 1) * CHUNK).min(d));
+        for t in 0..n {
+            // SAFETY: columns c0..c1 of row t are written by this task only.
+            unsafe { out_shared.slice_mut(t * d + c0, c1 - c0) }.fill(0.0);
+        }
+        for (c, l) in calls.iter().zip(layout) {
+            for (j, &(t, w)) in c.tokens.iter().enumerate() {
+                // SAFETY: as above.
+                let o = unsafe { out_shared.slice_mut(t * d + c0, c1 - c0) };
+                let src = &y[l.y + j * d + c0..l.y + j * d + c1];
+                o.iter_mut().zip(src).for_each(|(a, b)| *a += w * b);
+            }
+        }
+    });
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::linear::matmul;
+    use crate::pool::PoolConfig;
+    use crate::WeightFormat;
+
+    struct Owned {
+        rows: usize,
+        cols: usize,
+        data: Vec<u8>,
+        scales: Vec<f32>,
+    }
+
+    impl Owned {
+        fn random(rows: usize, cols: usize, seed: u64) -> Self {
+            let mut state = seed.wrapping_mul(0x9E3779B97F4A7C15) | 1;
+            let mut next = || {
+                state ^= state << 13;
+                state ^= state >> 7;
+                state ^= state << 17;
+                state
+            };
+            // Codes of moderate magnitude (|v| ≤ 2), never NaN.
+            let data = (0..rows * cols).map(|_| (next() as u8 & 0x80) | (next() as u8 % 0x40)).collect();
+            let scales = (0..rows.div_ceil(128) * cols.div_ceil(128)).map(|i| 0.01 + 0.001 * (i % 7) as f32).collect();
+            Owned { rows, cols, data, scales }
+        }
+        fn view(&self) -> WeightView<'_> {
+            WeightView { rows: self.rows, cols: self.cols, format: WeightFormat::Fp8E4m3 { block: [128, 128] }, data: &self.data, scales: &self.scales }
+        }
+    }
+
+    /// Plain reference: bf16-rounded inputs, F32 everywhere else.
+    fn reference(experts: &[(ExpertWeights, Vec<(usize, f32)>)], x: &[f32], d: usize) -> Vec<f32> {
+        let n = x.len() / d;
+        let mut out = vec![0.0; n * d];
+        for (w, tokens) in experts {
+            for &(t, weight) in tokens {
+                let xt: Vec<f32> = x[t * d..(t + 1) * d].iter().map(|v| crate::round_bf16(*v)).collect();
+                let mut g = vec![0.0; w.gate.rows];
+                let mut u = vec![0.0; w.gate.rows];
+                matmul(&w.gate, &xt, 1, &mut g);
+                matmul(&w.up, &xt, 1, &mut u);
+                crate::elementwise::silu_mul(&mut g, &u);
+                crate::round_bf16_slice(&mut g);
+                let mut y = vec![0.0; d];
+                matmul(&w.down, &g, 1, &mut y);
+                out[t * d..(t + 1) * d].iter_mut().zip(&y).for_each(|(o, v)| *o += weight * v);
+            }
+        }
+        out
+    }
+
+    fn check(pool: &ThreadPool, d: usize, inter: usize, n: usize) {
+        let owned: Vec<[Owned; 3]> = (0..5)
+            .map(|e| [Owned::random(inter, d, 3 * e + 1), Owned::random(inter, d, 3 * e + 2), Owned::random(d, inter, 3 * e + 3)])
+            .collect();
+        let weights: Vec<ExpertWeights> = owned.iter().map(|[g, u, dn]| ExpertWeights { gate: g.view(), up: u.view(), down: dn.view() }).collect();
+        // Expert e takes tokens t with t % (e + 1) == 0; expert 4 is "shared" (all tokens, weight 1).
+        let assignment: Vec<Vec<(usize, f32)>> = (0..5)
+            .map(|e| if e == 4 { (0..n).map(|t| (t, 1.0)).collect() } else { (0..n).filter(|t| t % (e + 1) == 0).map(|t| (t, 0.3 + 0.1 * e as f32)).collect() })
+            .collect();
+        let x: Vec<f32> = (0..n * d).map(|i| ((i * 37 % 101) as f32 - 50.0) / 50.0).collect();
+        let calls: Vec<ExpertCall> = weights.iter().zip(&assignment).enumerate().map(|(e, (w, t))| ExpertCall { weights: *w, tokens: t, node: e }).collect();
+        let mut out = vec![f32::NAN; n * d];
+        let mut scratch = MoeScratch::default();
+        for isa in crate::cpu::isa::supported() {
+            moe_forward(pool, isa, &calls, &x, d, &mut out, &mut scratch);
+            let want = reference(&weights.iter().copied().zip(assignment.clone()).collect::<Vec<_>>(), &x, d);
+            let scale = want.iter().map(|v| v.abs()).fold(0.0f32, f32::max).max(1e-6);
+            for (a, b) in out.iter().zip(&want) {
+                assert!((a - b).abs() <= 2e-2 * scale, "{isa:?}: {a} vs {b}");
+            }
+        }
+    }
+
+    #[test]
+    fn matches_reference_on_one_node() {
+        let pool = ThreadPool::new(&PoolConfig::single_node(2));
+        check(&pool, 256, 320, 1);
+        check(&pool, 200, 128, 3);
+    }
+
+    #[test]
+    fn matches_reference_on_two_simulated_nodes() {
+        let pool = ThreadPool::new(&PoolConfig { threads_per_node: vec![1, 1], pin: false });
+        check(&pool, 256, 320, 2);
+        check(&pool, 384, 200, 5);
+    }
+}
