@@ -11,7 +11,10 @@ use duplex_model::generation::{sampling_defaults, Engine, GenerationParams};
 use duplex_model::synth::{self, SynthConfig, WriteOptions};
 use duplex_model::tokenizer::ChatMessage;
 use duplex_model::{BlockTable, Logits, Model, Precision};
+use duplex_kernels::pool::PoolConfig;
 use indicatif::{ProgressBar, ProgressStyle};
+
+mod bench;
 use std::io::Write;
 use std::path::{Path, PathBuf};
 
@@ -33,6 +36,65 @@ enum Command {
     Logits(LogitsArgs),
     /// Write a synthetic DeepSeek-V3 checkpoint (random weights, real layout), or print its plan.
     Synth(SynthArgs),
+    /// Benchmark the CPU kernels against the measured DRAM read bandwidth.
+    BenchKernels(BenchKernelsArgs),
+    /// Benchmark end-to-end decode and prefill of a model against its roofline.
+    Bench(BenchArgs),
+}
+
+#[derive(Args)]
+struct PoolArgs {
+    /// Worker threads (default: every core).
+    #[arg(long)]
+    threads: Option<usize>,
+    /// Split the threads into this many NUMA nodes (simulated on one-node machines).
+    #[arg(long, default_value_t = 1)]
+    numa_nodes: usize,
+}
+
+impl PoolArgs {
+    fn config(&self) -> Result<PoolConfig> {
+        let threads = self.threads.unwrap_or_else(|| std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1));
+        if threads == 0 || self.numa_nodes == 0 || self.numa_nodes > threads {
+            bail!("--threads must be positive and at least --numa-nodes ({} threads, {} nodes)", threads, self.numa_nodes);
+        }
+        let per = threads / self.numa_nodes;
+        let mut threads_per_node = vec![per; self.numa_nodes];
+        threads_per_node[0] += threads - per * self.numa_nodes;
+        Ok(PoolConfig { threads_per_node, pin: true })
+    }
+}
+
+#[derive(Args)]
+struct BenchKernelsArgs {
+    #[command(flatten)]
+    pool: PoolArgs,
+    /// Size of the weight buffer streamed through the kernels, in MiB (keep it far above L3).
+    #[arg(long, default_value_t = 1536)]
+    buffer_mib: usize,
+    /// Best of this many passes.
+    #[arg(long, default_value_t = 5)]
+    passes: usize,
+}
+
+#[derive(Args)]
+struct BenchArgs {
+    #[command(flatten)]
+    model: ModelArgs,
+    #[command(flatten)]
+    pool: PoolArgs,
+    /// Contexts at which to measure decode.
+    #[arg(long, value_delimiter = ',', default_value = "512,4096")]
+    contexts: Vec<usize>,
+    /// Decode steps timed at each context.
+    #[arg(long, default_value_t = 32)]
+    decode_tokens: usize,
+    /// Prompt lengths at which to measure prefill.
+    #[arg(long, value_delimiter = ',', default_value = "512,2048")]
+    prefill: Vec<usize>,
+    /// Buffer for the bandwidth measurement, in MiB.
+    #[arg(long, default_value_t = 1536)]
+    buffer_mib: usize,
 }
 
 #[derive(Args)]
@@ -189,6 +251,8 @@ fn run(cli: Cli) -> Result<()> {
         Command::Generate(args) => generate(args),
         Command::Logits(args) => logits(args),
         Command::Synth(args) => synth(args),
+        Command::BenchKernels(args) => bench::kernels(args),
+        Command::Bench(args) => bench::end_to_end(args),
     }
 }
 

@@ -390,6 +390,33 @@ impl Model {
         })
     }
 
+    /// Bytes of weights one decode step reads for one token: every non-expert
+    /// weight (attention, dense MLPs, norms, router), one embedding row, the
+    /// LM head, the shared experts and `num_experts_per_tok` routed experts
+    /// per MoE layer (FP8 scales included). Divided into the measured read
+    /// bandwidth, it gives the decode roofline.
+    pub fn activated_bytes_per_token(&self) -> usize {
+        let mlp = |m: &Mlp| m.gate.stored_bytes() + m.up.stored_bytes() + m.down.stored_bytes();
+        let mut total = self.embed.stored_bytes() / self.cfg.vocab_size + self.lm_head.stored_bytes() + self.norm.len() * 4;
+        for layer in &self.layers {
+            let a = &layer.attn;
+            total += match &a.q {
+                QProj::Lora { a, norm, b } => a.stored_bytes() + norm.len() * 4 + b.stored_bytes(),
+                QProj::Plain(w) => w.stored_bytes(),
+            };
+            total += a.kv_a.stored_bytes() + a.kv_a_norm.len() * 4 + a.kv_b.stored_bytes() + a.o.stored_bytes();
+            total += (layer.input_norm.len() + layer.post_attention_norm.len()) * 4;
+            total += match &layer.ffn {
+                Ffn::Dense(m) => mlp(m),
+                Ffn::Moe(moe) => {
+                    let routed = moe.experts.first().map(mlp).unwrap_or(0) * self.cfg.num_experts_per_tok;
+                    moe.router.stored_bytes() + moe.shared.as_ref().map(mlp).unwrap_or(0) + routed
+                }
+            };
+        }
+        total
+    }
+
     /// A KV pool shaped for this model.
     pub fn new_kv_pool(&self, n_blocks: usize, block_size: usize) -> KvPool {
         KvPool::new(n_blocks, block_size, self.cfg.num_hidden_layers, self.cfg.kv_entry_dim())

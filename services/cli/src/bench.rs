@@ -1,0 +1,123 @@
+//! `duplex bench-kernels` and `duplex bench`: performance as ratios to limits
+//! measured in the same run. Machines are shared and noisy, so a number is
+//! only quoted next to the DRAM read bandwidth measured alongside it.
+
+use crate::{load_progress, BenchArgs, BenchKernelsArgs};
+use anyhow::{bail, Result};
+use duplex_kernels::bench::{gemv_bandwidth, moe_layer_bandwidth, random_fp8, read_bandwidth};
+use duplex_kernels::cpu::isa::{self, Isa};
+use duplex_kernels::pool::ThreadPool;
+use duplex_model::{BlockTable, Logits, Model};
+use std::time::Instant;
+
+const GB: f64 = 1e9;
+
+fn row(name: &str, bytes_per_s: f64, limit: f64) {
+    println!("| {name} | {:.1} | {:.2} |", bytes_per_s / GB, bytes_per_s / limit);
+}
+
+/// Read bandwidth on one thread and on all, best of `passes`, over a fresh buffer.
+fn measure_bandwidth(pool: &ThreadPool, isa: Isa, mib: usize, passes: usize) -> (Vec<u8>, f64, f64) {
+    let buf = random_fp8(pool, mib << 20, 1);
+    let one = read_bandwidth(pool, isa, &buf, 1, passes);
+    let all = read_bandwidth(pool, isa, &buf, pool.threads(), passes);
+    (buf, one, all)
+}
+
+pub fn kernels(args: BenchKernelsArgs) -> Result<()> {
+    let pool = ThreadPool::new(&args.pool.config()?);
+    let isa = isa::detect();
+    let passes = args.passes.max(1);
+    println!(
+        "ISA {}, {} threads in {} node(s), {} MiB buffer, best of {passes} passes\n",
+        isa.name(),
+        pool.threads(),
+        pool.nodes(),
+        args.buffer_mib
+    );
+    let (buf, one, all) = measure_bandwidth(&pool, isa, args.buffer_mib, passes);
+    println!("| measurement | GB/s | fraction of read bandwidth ({} threads) |", pool.threads());
+    println!("| --- | --- | --- |");
+    row("DRAM read, 1 thread", one, all);
+    row(&format!("DRAM read, {} threads", pool.threads()), all, all);
+    // DeepSeek-V3 expert shapes: gate/up are 7168 → 2048, down is 2048 → 7168.
+    for (name, rows, cols) in [("FP8 GEMV 7168→2048 (gate/up), batch 1", 2048, 7168), ("FP8 GEMV 2048→7168 (down), batch 1", 7168, 2048)] {
+        row(name, gemv_bandwidth(&pool, isa, &buf, rows, cols, passes), all);
+    }
+    row(
+        "MoE layer, V3 dims (8 routed + 1 shared experts), batch 1",
+        moe_layer_bandwidth(&pool, isa, &buf, 7168, 2048, 8, 1, passes),
+        all,
+    );
+    Ok(())
+}
+
+/// Token ids for synthetic prompts: deterministic, spread over the tokenizer range.
+fn prompt(len: usize, vocab: usize) -> Vec<u32> {
+    (0..len).map(|i| ((i * 7919 + 13) % vocab.min(2048)) as u32).collect()
+}
+
+fn argmax(row: &[f32]) -> u32 {
+    row.iter().enumerate().fold((0, f32::NEG_INFINITY), |best, (i, &v)| if v > best.1 { (i, v) } else { best }).0 as u32
+}
+
+pub fn end_to_end(args: BenchArgs) -> Result<()> {
+    let dir = &args.model.model;
+    let precision = args.model.dtype;
+    let (bar, mut progress) = load_progress(dir);
+    let model = Model::load_with(dir, &args.pool.config()?, &mut progress)?;
+    bar.finish_and_clear();
+    let cfg = &model.cfg;
+    let max = args.contexts.iter().map(|c| c + args.decode_tokens).chain(args.prefill.iter().copied()).max().unwrap_or(0);
+    if max > cfg.max_position_embeddings {
+        bail!("benchmark needs {max} positions but the model allows {}", cfg.max_position_embeddings);
+    }
+    let (pool, isa) = (&model.cpu.pool, model.cpu.isa);
+    let (buf, _, bandwidth) = measure_bandwidth(pool, isa, args.buffer_mib, 5);
+    drop(buf);
+    let activated = model.activated_bytes_per_token();
+    let roofline = bandwidth / activated as f64;
+    println!(
+        "{}: {} layers, hidden {}, {} experts (top {}), dtype {precision:?}, ISA {}, {} threads",
+        dir.display(),
+        cfg.num_hidden_layers,
+        cfg.hidden_size,
+        cfg.n_routed_experts,
+        cfg.num_experts_per_tok,
+        isa.name(),
+        pool.threads()
+    );
+    println!(
+        "read bandwidth {:.1} GB/s; activated bytes per token {:.1} MB; decode roofline {:.1} tokens/s\n",
+        bandwidth / GB,
+        activated as f64 / 1e6,
+        roofline
+    );
+    println!("| measurement | tokens/s | fraction of roofline |");
+    println!("| --- | --- | --- |");
+    let chunk = 512;
+    for &ctx in &args.contexts {
+        let mut kv = model.new_kv_pool((ctx + args.decode_tokens).div_ceil(16), 16);
+        let mut table = BlockTable::default();
+        let mut logits = vec![];
+        for c in prompt(ctx, cfg.vocab_size).chunks(chunk) {
+            logits = model.forward(&mut kv, &mut table, c, precision, Logits::Last)?;
+        }
+        let t0 = Instant::now();
+        for _ in 0..args.decode_tokens {
+            logits = model.forward(&mut kv, &mut table, &[argmax(&logits)], precision, Logits::Last)?;
+        }
+        let tps = args.decode_tokens as f64 / t0.elapsed().as_secs_f64();
+        println!("| decode, batch 1, context {ctx} | {tps:.2} | {:.2} |", tps / roofline);
+    }
+    for &len in &args.prefill {
+        let mut kv = model.new_kv_pool(len.div_ceil(16), 16);
+        let mut table = BlockTable::default();
+        let t0 = Instant::now();
+        for c in prompt(len, cfg.vocab_size).chunks(chunk) {
+            model.forward(&mut kv, &mut table, c, precision, Logits::Last)?;
+        }
+        println!("| prefill, {len} tokens | {:.1} | |", len as f64 / t0.elapsed().as_secs_f64());
+    }
+    Ok(())
+}
