@@ -98,46 +98,64 @@ fn f32_greedy_continuations_match_transformers() {
     }
 }
 
+/// Mean |Δlogit| against the reference and top-1 agreement, over all rows.
+fn compare(got: &[f32], want: &[f32], vocab: usize) -> (f32, f32) {
+    let mean = got.iter().zip(want).map(|(a, b)| (a - b).abs()).sum::<f32>() / got.len() as f32;
+    let rows = got.len() / vocab;
+    let agree = (0..rows).filter(|&r| argmax(&got[r * vocab..(r + 1) * vocab]) == argmax(&want[r * vocab..(r + 1) * vocab])).count();
+    (mean, agree as f32 / rows as f32)
+}
+
+fn check_bf16(label: &str, p: &Prompt, got: &[f32], vocab: usize) {
+    let (mean, agree) = compare(got, &p.logits, vocab);
+    println!(
+        "{label}: bf16 mean |Δlogit| = {mean:.4} (limit {:.4}), top-1 agreement {agree:.3} (floor {:.3})",
+        2.0 * p.bf16_mean_abs_diff,
+        p.bf16_top1 - 0.05
+    );
+    assert!(mean <= 2.0 * p.bf16_mean_abs_diff, "{label}: mean {mean}");
+    assert!(agree >= p.bf16_top1 - 0.05, "{label}: top-1 agreement {agree}");
+}
+
 #[test]
 fn bf16_logits_within_reference_bf16_error() {
     let m = model();
-    let vocab = m.cfg.vocab_size;
     for (i, p) in prompts().iter().enumerate() {
         let got = teacher_forced(m, &p.input_ids, Precision::Bf16);
-        let mean = got.iter().zip(&p.logits).map(|(a, b)| (a - b).abs()).sum::<f32>() / got.len() as f32;
-        let rows = p.input_ids.len();
-        let agree = (0..rows)
-            .filter(|&r| argmax(&got[r * vocab..(r + 1) * vocab]) == argmax(&p.logits[r * vocab..(r + 1) * vocab]))
-            .count() as f32
-            / rows as f32;
-        println!(
-            "prompt {i}: bf16 mean |Δlogit| = {mean:.4} (limit {:.4}), top-1 agreement {agree:.3} (floor {:.3})",
-            2.0 * p.bf16_mean_abs_diff,
-            p.bf16_top1 - 0.05
-        );
-        assert!(mean <= 2.0 * p.bf16_mean_abs_diff, "prompt {i}: mean {mean}");
-        assert!(agree >= p.bf16_top1 - 0.05, "prompt {i}: top-1 agreement {agree}");
+        check_bf16(&format!("prompt {i}"), p, &got, m.cfg.vocab_size);
+    }
+}
+
+/// Every SIMD level this CPU can run gives the same quality (the kernels'
+/// own property tests check each level exactly against the scalar code).
+#[test]
+fn bf16_logits_at_every_isa_level() {
+    for isa in duplex_kernels::cpu::isa::supported() {
+        let mut m = Model::load(&fixture(), &mut |_, _| {}).unwrap();
+        m.cpu.isa = isa;
+        for (i, p) in prompts().iter().enumerate().take(2) {
+            let got = teacher_forced(&m, &p.input_ids, Precision::Bf16);
+            check_bf16(&format!("{isa:?}, prompt {i}"), p, &got, m.cfg.vocab_size);
+        }
     }
 }
 
 /// The BF16 decode path (absorbed attention, SIMD kernels) stays as close to
-/// transformers as the BF16 prefill path does.
+/// transformers as the BF16 prefill path does, at every SIMD level.
 #[test]
 fn bf16_decode_from_cache_tracks_reference() {
-    let m = model();
-    let vocab = m.cfg.vocab_size;
-    for (i, p) in prompts().iter().enumerate().take(2) {
-        let mut pool = pool(m);
-        let mut table = BlockTable::default();
-        let mut got = vec![];
-        for &t in &p.input_ids {
-            got.extend(m.forward(&mut pool, &mut table, &[t], Precision::Bf16, Logits::Last).unwrap());
+    let prompts = prompts();
+    for isa in duplex_kernels::cpu::isa::supported() {
+        let mut m = Model::load(&fixture(), &mut |_, _| {}).unwrap();
+        m.cpu.isa = isa;
+        for (i, p) in prompts.iter().enumerate().take(2) {
+            let mut pool = pool(&m);
+            let mut table = BlockTable::default();
+            let mut got = vec![];
+            for &t in &p.input_ids {
+                got.extend(m.forward(&mut pool, &mut table, &[t], Precision::Bf16, Logits::Last).unwrap());
+            }
+            check_bf16(&format!("{isa:?}, prompt {i}, decode"), p, &got, m.cfg.vocab_size);
         }
-        let mean = got.iter().zip(&p.logits).map(|(a, b)| (a - b).abs()).sum::<f32>() / got.len() as f32;
-        let rows = p.input_ids.len();
-        let agree = (0..rows).filter(|&r| argmax(&got[r * vocab..(r + 1) * vocab]) == argmax(&p.logits[r * vocab..(r + 1) * vocab])).count() as f32 / rows as f32;
-        println!("prompt {i}: bf16 decode mean |Δlogit| = {mean:.4}, top-1 agreement {agree:.3}");
-        assert!(mean <= 2.0 * p.bf16_mean_abs_diff, "prompt {i}: mean {mean}");
-        assert!(agree >= p.bf16_top1 - 0.05, "prompt {i}: top-1 agreement {agree}");
     }
 }
