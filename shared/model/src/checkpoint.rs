@@ -136,7 +136,7 @@ impl Checkpoint {
             return Err(CheckpointError::NoWeights { dir: dir.to_path_buf() });
         };
 
-        let mut shards = Vec::with_capacity(shard_names.len());
+        let mut shards: Vec<Shard> = Vec::with_capacity(shard_names.len());
         let mut tensors = HashMap::new();
         for (i, name) in shard_names.iter().enumerate() {
             let path = dir.join(name);
@@ -149,10 +149,14 @@ impl Checkpoint {
             let data_start = 8 + header_len;
             for (tensor, info) in metadata.tensors() {
                 let (s, e) = info.data_offsets;
-                tensors.insert(
-                    tensor,
-                    TensorEntry { shard: i, dtype: info.dtype, shape: info.shape.clone(), range: data_start + s..data_start + e },
-                );
+                let entry = TensorEntry { shard: i, dtype: info.dtype, shape: info.shape.clone(), range: data_start + s..data_start + e };
+                if let Some(other) = tensors.insert(tensor.clone(), entry) {
+                    return Err(CheckpointError::BadShard {
+                        file: path,
+                        // Earlier shards are already in `shards`; a JSON header cannot repeat a name.
+                        message: format!("tensor {tensor} also appears in {}", shards[other.shard].path.display()),
+                    });
+                }
             }
             shards.push(Shard { path, map: Arc::new(map) });
         }

@@ -24,6 +24,8 @@ pub struct Yarn {
     pub beta_slow: f64,
     pub mscale: f64,
     pub mscale_all_dim: f64,
+    /// An explicit cos/sin scale, which overrides the one derived from mscale.
+    pub attention_factor: Option<f64>,
 }
 
 /// FP8 block quantisation as declared by `quantization_config`.
@@ -393,6 +395,10 @@ fn parse_yarn(v: &serde_json::Value, max_pos: usize) -> Result<Yarn, String> {
         beta_slow: Some(num("beta_slow", 1.0)?).filter(|b| *b != 0.0).unwrap_or(1.0),
         mscale: num("mscale", 1.0)?,
         mscale_all_dim: num("mscale_all_dim", 0.0)?,
+        attention_factor: match v.get("attention_factor") {
+            None | Some(serde_json::Value::Null) => None,
+            Some(_) => Some(num("attention_factor", 1.0)?),
+        },
     };
     if y.beta_fast < 0.0 || y.beta_slow < 0.0 {
         return Err("rope_scaling.beta_fast and beta_slow must be positive".into());

@@ -26,7 +26,9 @@ pub fn inverse_frequencies(cfg: &ModelConfig) -> (Vec<f32>, f32) {
     let Some(y) = &cfg.rope_scaling else {
         return (pos_freqs.iter().map(|p| 1.0 / p).collect(), 1.0);
     };
-    let attention_factor = if y.mscale != 0.0 && y.mscale_all_dim != 0.0 {
+    let attention_factor = if let Some(f) = y.attention_factor {
+        f
+    } else if y.mscale != 0.0 && y.mscale_all_dim != 0.0 {
         yarn_get_mscale(y.factor, y.mscale) / yarn_get_mscale(y.factor, y.mscale_all_dim)
     } else {
         yarn_get_mscale(y.factor, 1.0)
@@ -117,13 +119,13 @@ mod tests {
 
     #[test]
     fn yarn_matches_reference_deepseek_v3_style() {
-        check(Yarn { factor: 40.0, original_max_position_embeddings: 4096, beta_fast: 32.0, beta_slow: 1.0, mscale: 1.0, mscale_all_dim: 1.0 });
-        check(Yarn { factor: 4.0, original_max_position_embeddings: 256, beta_fast: 32.0, beta_slow: 1.0, mscale: 1.0, mscale_all_dim: 1.0 });
+        check(Yarn { factor: 40.0, original_max_position_embeddings: 4096, beta_fast: 32.0, beta_slow: 1.0, mscale: 1.0, mscale_all_dim: 1.0, attention_factor: None });
+        check(Yarn { factor: 4.0, original_max_position_embeddings: 256, beta_fast: 32.0, beta_slow: 1.0, mscale: 1.0, mscale_all_dim: 1.0, attention_factor: None });
     }
 
     #[test]
     fn yarn_with_equal_betas_like_kimi_k2() {
-        let y = Yarn { factor: 32.0, original_max_position_embeddings: 4096, beta_fast: 1.0, beta_slow: 1.0, mscale: 1.0, mscale_all_dim: 1.0 };
+        let y = Yarn { factor: 32.0, original_max_position_embeddings: 4096, beta_fast: 1.0, beta_slow: 1.0, mscale: 1.0, mscale_all_dim: 1.0, attention_factor: None };
         check(y.clone());
         let (inv, _) = inverse_frequencies(&cfg(Some(y)));
         assert!(inv.iter().all(|f| f.is_finite() && *f > 0.0));
@@ -134,7 +136,7 @@ mod tests {
         let plain = inverse_frequencies(&cfg(None));
         assert_eq!(plain.1, 1.0);
         assert!((plain.0[0] - 1.0).abs() < 1e-7);
-        let y = Yarn { factor: 1.0, original_max_position_embeddings: 256, beta_fast: 32.0, beta_slow: 1.0, mscale: 1.0, mscale_all_dim: 1.0 };
+        let y = Yarn { factor: 1.0, original_max_position_embeddings: 256, beta_fast: 32.0, beta_slow: 1.0, mscale: 1.0, mscale_all_dim: 1.0, attention_factor: None };
         let (inv, af) = inverse_frequencies(&cfg(Some(y)));
         assert_eq!(af, 1.0);
         for (a, b) in inv.iter().zip(&plain.0) {
@@ -143,8 +145,14 @@ mod tests {
     }
 
     #[test]
+    fn explicit_attention_factor_wins() {
+        let y = Yarn { factor: 40.0, original_max_position_embeddings: 4096, beta_fast: 32.0, beta_slow: 1.0, mscale: 1.0, mscale_all_dim: 0.0, attention_factor: Some(1.25) };
+        assert_eq!(inverse_frequencies(&cfg(Some(y))).1, 1.25);
+    }
+
+    #[test]
     fn softmax_scale_has_mscale_squared() {
-        let c = cfg(Some(Yarn { factor: 40.0, original_max_position_embeddings: 4096, beta_fast: 32.0, beta_slow: 1.0, mscale: 1.0, mscale_all_dim: 1.0 }));
+        let c = cfg(Some(Yarn { factor: 40.0, original_max_position_embeddings: 4096, beta_fast: 32.0, beta_slow: 1.0, mscale: 1.0, mscale_all_dim: 1.0, attention_factor: None }));
         let m = 0.1 * 40f64.ln() + 1.0;
         let want = (c.qk_head_dim() as f64).powf(-0.5) * m * m;
         assert!((c.softmax_scale() as f64 - want).abs() < 1e-6);

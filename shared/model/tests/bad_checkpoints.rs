@@ -128,6 +128,14 @@ fn tensor_in_index_but_absent_from_its_shard() {
 }
 
 #[test]
+fn tensor_stored_in_two_shards() {
+    let c = copy_fixture();
+    let dup = read_tensors(&c.path(SHARD1)).into_iter().find(|t| t.name == "model.norm.weight").unwrap();
+    c.edit_shard(SHARD2, |ts| ts.push(dup));
+    assert_mentions(&c.load_err(), &["model.norm.weight", SHARD1, SHARD2]);
+}
+
+#[test]
 fn index_points_tensor_at_the_wrong_shard() {
     let c = copy_fixture();
     c.edit_json(INDEX, |v| v["weight_map"][L3_O] = SHARD1.into());
@@ -188,7 +196,7 @@ fn unsupported_weight_dtypes() {
         c.edit_shard(SHARD1, |ts| {
             let t = tensor(ts, L0_Q_A);
             t.dtype = dtype;
-            t.data = t.data.iter().flat_map(|&b| std::iter::repeat(b).take(size)).collect();
+            t.data = t.data.iter().flat_map(|&b| vec![b; size]).collect();
         });
         assert_mentions(&c.load_err(), &[L0_Q_A, SHARD1, name]);
     }
