@@ -51,20 +51,33 @@ pub fn decode_attention(
     assert!(scores.len() >= heads * ctx, "decode_attention: scores scratch too small");
     let scores = SharedSlice::new(scores);
     let out = SharedSlice::new(out);
-    pool.parallel_for(heads, &|h| {
-        let ql = &q_latent[h * dc..(h + 1) * dc];
-        let qp = &q_pe[h * dr..(h + 1) * dr];
-        // SAFETY: head h owns scores[h*ctx..] and out[h*dc..] in this region.
-        let s = unsafe { scores.slice_mut(h * ctx, ctx) };
-        let o = unsafe { out.slice_mut(h * dc, dc) };
-        for (t, st) in s.iter_mut().enumerate() {
-            let e = cache.entry(t);
-            *st = (dot_f32(isa, ql, &e[..dc]) + dot_f32(isa, qp, &e[dc..])) * scale;
+    // Heads in contiguous groups, one group per thread: every cached entry
+    // is then loaded once per thread and reused, from L1, by all of the
+    // group's heads, instead of being streamed again for every head.
+    let groups = pool.threads().min(heads).max(1);
+    let per = heads.div_ceil(groups);
+    pool.parallel_for(groups, &|g| {
+        let heads = g * per..((g + 1) * per).min(heads);
+        if heads.is_empty() {
+            return;
         }
-        softmax(s);
+        // SAFETY: this group owns the scores and outputs of its heads.
+        let s = unsafe { scores.slice_mut(heads.start * ctx, heads.len() * ctx) };
+        let o = unsafe { out.slice_mut(heads.start * dc, heads.len() * dc) };
+        for t in 0..ctx {
+            let e = cache.entry(t);
+            for (j, h) in heads.clone().enumerate() {
+                let score = dot_f32(isa, &q_latent[h * dc..(h + 1) * dc], &e[..dc]) + dot_f32(isa, &q_pe[h * dr..(h + 1) * dr], &e[dc..]);
+                s[j * ctx + t] = score * scale;
+            }
+        }
+        s.chunks_mut(ctx).for_each(softmax);
         o.fill(0.0);
-        for (t, &w) in s.iter().enumerate() {
-            axpy_f32(isa, w, &cache.entry(t)[..dc], o);
+        for t in 0..ctx {
+            let c = &cache.entry(t)[..dc];
+            for (j, oh) in o.chunks_mut(dc).enumerate() {
+                axpy_f32(isa, s[j * ctx + t], c, oh);
+            }
         }
     });
 }
