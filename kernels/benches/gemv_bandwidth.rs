@@ -1,15 +1,15 @@
-//! Single-thread FP8 GEMV bandwidth against a plain streaming read.
+//! Single-thread FP8 GEMV bandwidth against a streaming read.
 //!
 //! `cargo bench -p duplex-kernels --bench gemv_bandwidth [-- [LEVEL...] [n1]]`
 //! (`LEVEL`: only these ISA levels; `n1`: skip the batched shapes).
 //!
 //! Streams 40 different DeepSeek-V3-shaped FP8 matrices (~590 MB, far beyond
-//! any L3) through `matmul_bf16` for one token and reports the weight bytes
-//! per second next to `read_bytes` over the same buffer, for every ISA level
-//! this CPU supports. Both are best-of-N wall-clock passes, interleaved so
-//! that background load affects them alike. Extra lines show the batched
-//! decode and prefill shapes (reported as weight bytes per second too, i.e.
-//! how far they are from the bandwidth bound, not FLOPs).
+//! any L3) through `matmul_bf16` for one token and reports weight bytes per
+//! second next to `read_bytes` over the same buffer, for every ISA level this
+//! CPU supports. Passes of the two alternate, so that background load hits
+//! both alike, and are timed by thread CPU time (the machines are shared);
+//! the median and best of the passes are shown. Extra lines show batched
+//! decode and prefill, as weight bytes per second and MACs per second.
 
 use duplex_kernels::cpu::{isa, matmul_bf16, read_bytes, Isa};
 use duplex_kernels::{WeightFormat, WeightView};
@@ -18,7 +18,7 @@ use std::hint::black_box;
 use std::time::Instant;
 
 const MATRICES: usize = 40;
-const PASSES: usize = 5;
+const PASSES: usize = 7;
 
 /// xorshift64*: deterministic, dependency-free.
 struct Rng(u64);
@@ -31,12 +31,13 @@ impl Rng {
     }
 }
 
-/// A 64-byte aligned byte buffer (what a loader that repacks weights gives).
-fn aligned_bytes(len: usize, rng: &mut Rng) -> (Vec<u8>, usize) {
+/// A 64-byte aligned buffer of FP8 codes (what a loader that repacks weights
+/// gives), distributed like a block-scaled checkpoint: almost every code has
+/// a nonzero exponent (~1e-4 zero or subnormal), no NaN.
+fn weights(len: usize, rng: &mut Rng) -> (Vec<u8>, usize) {
     let mut v = vec![0u8; len + 64];
     let off = v.as_ptr().align_offset(64);
     for b in &mut v[off..off + len] {
-        // Real FP8 weights: almost all codes normal, ~1e-4 zero/subnormal.
         let r = rng.next();
         let mut c = (r >> 56) as u8;
         if c & 0x78 == 0 && (r & 0xffff) > 6 {
@@ -50,13 +51,8 @@ fn aligned_bytes(len: usize, rng: &mut Rng) -> (Vec<u8>, usize) {
     (v, off)
 }
 
-fn gbps(bytes: usize, secs: f64) -> f64 {
-    bytes as f64 / secs / 1e9
-}
-
-/// Seconds this thread has been on a CPU. Colleagues' builds share the
-/// machine; thread CPU time (unlike wall time) does not count the slices in
-/// which this thread was descheduled.
+/// Seconds this thread has been on a CPU: unlike wall time, not counting
+/// slices in which other processes ran instead.
 #[cfg(target_os = "linux")]
 fn thread_seconds() -> f64 {
     #[repr(C)]
@@ -81,23 +77,28 @@ fn thread_seconds() -> f64 {
     START.get_or_init(Instant::now).elapsed().as_secs_f64()
 }
 
-/// Time `f` by thread CPU time.
-fn timed(f: impl FnOnce()) -> f64 {
+/// GB/s for `bytes` moved by `f`.
+fn rate(bytes: usize, f: impl FnOnce()) -> f64 {
     let t = thread_seconds();
     f();
-    thread_seconds() - t
+    bytes as f64 / (thread_seconds() - t) / 1e9
+}
+
+/// (median, best).
+fn summary(mut v: Vec<f64>) -> (f64, f64) {
+    v.sort_by(f64::total_cmp);
+    (v[v.len() / 2], v[v.len() - 1])
 }
 
 fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let only: Vec<Isa> = args.iter().filter_map(|a| a.parse().ok()).collect();
     let batched = !args.iter().any(|a| a == "n1");
-    let shapes: Vec<(usize, usize)> = vec![(2048, 7168), (7168, 2048)];
     let mut rng = Rng(0x1234_5678_9abc_def1);
     println!("ISA levels on this CPU: {:?} (detect() = {})", isa::supported(), isa::detect());
-    for (rows, cols) in shapes {
+    for (rows, cols) in [(2048usize, 7168usize), (7168, 2048)] {
         let size = rows * cols;
-        let (buf, off) = aligned_bytes(size * MATRICES, &mut rng);
+        let (buf, off) = weights(size * MATRICES, &mut rng);
         let all = &buf[off..off + size * MATRICES];
         let scales: Vec<f32> = (0..rows.div_ceil(128) * cols.div_ceil(128)).map(|i| 1e-3 * (1 + i % 7) as f32).collect();
         let view = |m: usize| WeightView {
@@ -107,51 +108,49 @@ fn main() {
             data: &all[m * size..(m + 1) * size],
             scales: &scales,
         };
-        println!("\n{rows} x {cols} FP8 [128,128], {MATRICES} matrices = {:.0} MB, single thread", (size * MATRICES) as f64 / 1e6);
+        let x: Vec<u16> = (0..cols).map(|i| half::bf16::from_f32((i % 17) as f32 * 0.1 - 0.8).to_bits()).collect();
+        println!("\n{rows} x {cols} FP8 [128,128], {MATRICES} matrices = {:.0} MB, one thread", all.len() as f64 / 1e6);
         for isa in isa::supported().into_iter().rev().filter(|i| only.is_empty() || only.contains(i)) {
             let passes = if isa == Isa::Portable { 1 } else { PASSES };
-            let x: Vec<u16> = (0..cols).map(|i| half::bf16::from_f32((i % 17) as f32 * 0.1 - 0.8).to_bits()).collect();
             let mut out = vec![0f32; rows];
-            let (mut best_read, mut best_gemv) = (0f64, 0f64);
+            let (mut read, mut gemv) = (vec![], vec![]);
             for _ in 0..passes {
-                let secs = timed(|| {
+                read.push(rate(all.len(), || {
                     black_box(read_bytes(isa, all));
-                });
-                best_read = best_read.max(gbps(all.len(), secs));
-                let secs = timed(|| {
+                }));
+                gemv.push(rate(all.len(), || {
                     for m in 0..MATRICES {
                         matmul_bf16(isa, &view(m), 0..rows, &x, 1, &mut out);
                         black_box(&out);
                     }
-                });
-                best_gemv = best_gemv.max(gbps(all.len(), secs));
+                }));
             }
+            let ((gm, gb), (rm, rb)) = (summary(gemv), summary(read));
             println!(
-                "  {:<11} n=1: gemv {:6.2} GB/s   read_bytes {:6.2} GB/s   ratio {:5.1}%",
+                "  {:<11} n=1  gemv {gm:5.1} GB/s (best {gb:5.1})   read_bytes {rm:5.1} (best {rb:5.1})   ratio {:3.0}% (best/best {:3.0}%)",
                 isa.name(),
-                best_gemv,
-                best_read,
-                100.0 * best_gemv / best_read
+                100.0 * gm / rm,
+                100.0 * gb / rb
             );
             if isa == Isa::Portable || !batched {
                 continue;
             }
-            // Batched decode and prefill: weight bytes per second over fewer matrices.
             for n in [2usize, 4, 8, 16, 64] {
                 let xs: Vec<u16> = (0..n).flat_map(|_| x.iter().copied()).collect();
                 let mut out = vec![0f32; n * rows];
                 let mats = (MATRICES * 4 / n).clamp(2, MATRICES);
-                let mut best = 0f64;
-                for _ in 0..2 {
-                    let secs = timed(|| {
-                        for m in 0..mats {
-                            matmul_bf16(isa, &view(m), 0..rows, &xs, n, &mut out);
-                            black_box(&out);
-                        }
-                    });
-                    best = best.max(gbps(mats * size, secs));
-                }
-                println!("  {:<11} n={n:<2} {:6.2} GB/s of weights ({:6.1} GMAC/s)", "", best, best * n as f64);
+                let runs: Vec<f64> = (0..3)
+                    .map(|_| {
+                        rate(mats * size, || {
+                            for m in 0..mats {
+                                matmul_bf16(isa, &view(m), 0..rows, &xs, n, &mut out);
+                                black_box(&out);
+                            }
+                        })
+                    })
+                    .collect();
+                let (med, _) = summary(runs);
+                println!("  {:<11} n={n:<3} {med:5.2} GB/s of weights = {:5.1} GMAC/s", "", med * n as f64);
             }
         }
     }

@@ -24,7 +24,6 @@
 //! AVX-512) do keep them NaN.
 
 use super::isa::Isa;
-use super::pack::{bf16_to_f32, AlignedBuf};
 use crate::linear::{WeightFormat, WeightView};
 use std::ops::Range;
 
@@ -54,7 +53,7 @@ pub fn matmul_bf16(isa: Isa, w: &WeightView, rows: Range<usize>, x: &[u16], n: u
         (Isa::Portable, _) | (_, WeightFormat::F16 | WeightFormat::F32) => portable(w, rows, x, n, out),
         #[cfg(target_arch = "x86_64")]
         (isa, _) => {
-            let job = Job::new(w);
+            let job = super::kernel::Job::new(w);
             // SAFETY: `usable()` vouches for the CPU features, and the checks
             // above for every row, column and scale the kernels touch.
             unsafe { x86_dispatch(isa, &job, rows, x, n, out) }
@@ -64,203 +63,20 @@ pub fn matmul_bf16(isa: Isa, w: &WeightView, rows: Range<usize>, x: &[u16], n: u
     }
 }
 
+/// BF16 bits to f32 (exact).
+#[inline]
+pub(super) fn bf16_to_f32(b: u16) -> f32 {
+    f32::from_bits((b as u32) << 16)
+}
+
 /// The scalar reference on BF16-rounded activations.
 fn portable(w: &WeightView, rows: Range<usize>, x: &[u16], n: usize, out: &mut [f32]) {
     let xf: Vec<f32> = x.iter().map(|&b| bf16_to_f32(b)).collect();
     crate::linear::matmul_rows(w, rows, &xf, n, out);
 }
 
-/// The weight matrix as the SIMD kernels see it. BF16 weights are one block
-/// per row with no scales.
-pub(super) struct Job<'a> {
-    pub data: &'a [u8],
-    pub cols: usize,
-    pub fp8: bool,
-    /// `[rows per scale block, columns per scale block]`.
-    pub block: [usize; 2],
-    pub col_blocks: usize,
-    scales: &'a [f32],
-}
-
-impl<'a> Job<'a> {
-    fn new(w: &WeightView<'a>) -> Self {
-        let (fp8, block) = match w.format {
-            WeightFormat::Fp8E4m3 { block } => (true, block),
-            _ => (false, [w.rows.max(1), w.cols.max(1)]),
-        };
-        Job { data: w.data, cols: w.cols, fp8, block, col_blocks: w.cols.div_ceil(block[1]), scales: w.scales }
-    }
-
-    /// The scales of row `r`, one per column block (a single 1 for BF16).
-    /// Kernels fetch this once per row: the division by the block height
-    /// must stay out of the block loop.
-    #[inline]
-    pub fn scale_row(&self, r: usize) -> &'a [f32] {
-        if self.fp8 {
-            let start = (r / self.block[0]) * self.col_blocks;
-            &self.scales[start..start + self.col_blocks]
-        } else {
-            &[1.0]
-        }
-    }
-
-    /// Columns `[start, start + len)` of block `cb`.
-    #[inline]
-    pub fn block_cols(&self, cb: usize) -> (usize, usize) {
-        let start = cb * self.block[1];
-        (start, self.block[1].min(self.cols - start))
-    }
-}
-
-/// FP8 codes with their BF16 bit patterns, pre-multiplied by 2⁸ like every
-/// SIMD decode here (so scales are applied with a 2⁻⁸ factor). Exact,
-/// NaN codes included. Used to decode prefill tiles on the AVX2 level.
-pub(super) static E4M3_BF16_X256: [u16; 256] = {
-    let mut t = [0u16; 256];
-    let mut i = 0;
-    while i < 256 {
-        t[i] = ((crate::fp8::e4m3_to_f32(i as u8) * 256.0).to_bits() >> 16) as u16;
-        i += 1;
-    }
-    t
-};
-
-/// Post-scale factor undoing the 2⁸ of every SIMD FP8 decode.
-pub(super) const UNBIAS: f32 = 1.0 / 256.0;
-
-/// Above this many tokens a call decodes each row band once into a BF16 tile
-/// instead of decoding on the fly per token group.
-pub(super) const FUSED_MAX_TOKENS: usize = 8;
-
-/// Rows decoded per prefill tile: 16 rows × 7168 columns of BF16 is 224 KiB,
-/// comfortably L2-resident next to a token group's activations.
-pub(super) const TILE_ROWS: usize = 16;
-
-/// Rows of BF16 weights: row `r` starts at `base + (r - first) · stride` bytes.
-#[derive(Clone, Copy)]
-pub(super) struct Bf16Rows {
-    pub base: *const u8,
-    pub stride: usize,
-    pub first: usize,
-    /// Multiplies every block scale (2⁻⁸ for decoded FP8 tiles).
-    pub scale_mul: f32,
-}
-
-impl Bf16Rows {
-    /// # Safety
-    /// `r` is one of the rows this view was made for.
-    #[inline(always)]
-    pub unsafe fn row(&self, r: usize) -> *const u8 {
-        // SAFETY: per the contract the row lies inside the tile or matrix.
-        unsafe { self.base.add((r - self.first) * self.stride) }
-    }
-}
-
-/// Decodes FP8 rows `rows` into a tile of BF16 × 2⁸, `stride` values per row.
-pub(super) type TileDecoder = unsafe fn(job: &Job, rows: Range<usize>, tile: &mut [u16], stride: usize);
-
-/// Run `per_band` over bands of `TILE_ROWS` rows: for FP8, each band is first
-/// decoded into a BF16 tile; BF16 weights are used in place.
-///
-/// # Safety
-/// `decode`'s CPU features are present; `rows` inside the matrix.
-pub(super) unsafe fn for_each_tile(
-    job: &Job,
-    rows: Range<usize>,
-    decode: TileDecoder,
-    mut per_band: impl FnMut(Range<usize>, Bf16Rows),
-) {
-    // Tile rows start 64-byte aligned so full-width loads don't split lines.
-    let stride = job.cols.div_ceil(32) * 32;
-    let mut tile = AlignedBuf::<u16>::zeroed(if job.fp8 { TILE_ROWS * stride } else { 0 });
-    let mut r = rows.start;
-    while r < rows.end {
-        let band = r..(r + TILE_ROWS).min(rows.end);
-        let view = if job.fp8 {
-            // SAFETY: forwarded; the tile holds TILE_ROWS rows of `stride`.
-            unsafe { decode(job, band.clone(), tile.as_mut_slice(), stride) };
-            Bf16Rows { base: tile.as_slice().as_ptr().cast(), stride: 2 * stride, first: band.start, scale_mul: UNBIAS }
-        } else {
-            Bf16Rows { base: job.data.as_ptr(), stride: 2 * job.cols, first: 0, scale_mul: 1.0 }
-        };
-        per_band(band.clone(), view);
-        r = band.end;
-    }
-}
-
-/// [`TileDecoder`] by table lookup, for levels without a vector decode.
-pub(super) fn decode_tile_portable(job: &Job, rows: Range<usize>, tile: &mut [u16], stride: usize) {
-    for (i, r) in rows.enumerate() {
-        let src = &job.data[r * job.cols..(r + 1) * job.cols];
-        for (d, &c) in tile[i * stride..].iter_mut().zip(src) {
-            *d = E4M3_BF16_X256[c as usize];
-        }
-    }
-}
-
-/// A kernel that produces `R` rows × `N` tokens of output at a time.
-pub(super) trait RowKernel {
-    /// Outputs for rows `r0..r0 + R`, tokens `t0..t0 + N`, as `[row][token]`.
-    ///
-    /// # Safety
-    /// The kernel's CPU features are present, and the rows and tokens are
-    /// inside the problem the kernel was built for.
-    unsafe fn rows<const R: usize, const N: usize>(&self, r0: usize, t0: usize) -> [[f32; N]; R];
-}
-
-/// Run `k` over `rows` for tokens `t0..t0 + N`, `R` rows at a time, writing
-/// `out[t · m + (r - first)]`.
-///
-/// # Safety
-/// As for [`RowKernel::rows`].
-pub(super) unsafe fn band<K: RowKernel, const R: usize, const N: usize>(
-    k: &K,
-    rows: Range<usize>,
-    first: usize,
-    t0: usize,
-    out: &mut [f32],
-    m: usize,
-) {
-    let mut store = |r0: usize, res: &[[f32; N]]| {
-        for (dr, row) in res.iter().enumerate() {
-            for (t, &v) in row.iter().enumerate() {
-                out[(t0 + t) * m + r0 + dr - first] = v;
-            }
-        }
-    };
-    let mut r = rows.start;
-    while r + R <= rows.end {
-        // SAFETY: forwarded; r..r + R lies inside `rows`.
-        store(r, &unsafe { k.rows::<R, N>(r, t0) });
-        r += R;
-    }
-    while r < rows.end {
-        // SAFETY: as above for the single leftover rows.
-        store(r, &unsafe { k.rows::<1, N>(r, t0) });
-        r += 1;
-    }
-}
-
-/// Split `n` tokens into groups of at most `$group` and run `band` with the
-/// rows-per-step chosen for each group size (register budget: R·N pairs of
-/// accumulators).
-macro_rules! token_groups {
-    ($k:expr, $rows:expr, $first:expr, $n:expr, $out:expr, $m:expr, $group:literal, { $($nt:literal => $r:literal),* $(,)? }) => {{
-        let mut t0 = 0;
-        while t0 < $n {
-            let nt = ($n - t0).min($group);
-            match nt {
-                $($nt => super::gemv::band::<_, $r, $nt>($k, $rows.clone(), $first, t0, $out, $m),)*
-                _ => unreachable!(),
-            }
-            t0 += nt;
-        }
-    }};
-}
-pub(super) use token_groups;
-
 #[cfg(target_arch = "x86_64")]
-unsafe fn x86_dispatch(isa: Isa, job: &Job, rows: Range<usize>, x: &[u16], n: usize, out: &mut [f32]) {
+unsafe fn x86_dispatch(isa: Isa, job: &super::kernel::Job, rows: Range<usize>, x: &[u16], n: usize, out: &mut [f32]) {
     use super::{gemv_avx2 as avx2, gemv_avx512 as avx512};
     // SAFETY (all arms): the caller checked `isa` against the CPU and the
     // shapes against the data.
@@ -278,6 +94,11 @@ mod tests {
     use super::*;
     use crate::cpu::isa;
     use proptest::prelude::*;
+
+    /// Token counts above this take the prefill path on the SIMD levels.
+    const FUSED_MAX_TOKENS: usize = 8;
+    #[cfg(target_arch = "x86_64")]
+    const _: () = assert!(FUSED_MAX_TOKENS == crate::cpu::kernel::FUSED_MAX_TOKENS);
 
     /// A random problem: weights, activations and a row band.
     #[derive(Debug, Clone)]
@@ -427,15 +248,6 @@ mod tests {
                     assert_eq!(out[t * rows], 35.0, "{isa}: token {t}, row 0");
                 }
             }
-        }
-    }
-
-    #[test]
-    fn bf16_table_is_exact() {
-        for c in 0..=255u8 {
-            let want = crate::fp8::E4M3_TABLE[c as usize] * 256.0;
-            let got = bf16_to_f32(E4M3_BF16_X256[c as usize]);
-            assert!(got == want || (got.is_nan() && want.is_nan()), "code {c:#04x}");
         }
     }
 

@@ -8,8 +8,15 @@
 //! code this misreads is NaN (as ±480). Without AVX-512 masked loads, partial
 //! chunks are copied into a zeroed stack buffer.
 
-use super::gemv::{decode_tile_portable, for_each_tile, token_groups, Bf16Rows, Job, RowKernel, FUSED_MAX_TOKENS};
-use super::pack::{bf16_to_f32, Packed};
+// The kernels index several fixed-size register arrays ([row][token]) in
+// lockstep; index loops say that more plainly than zipped iterators.
+#![allow(clippy::needless_range_loop)]
+
+use super::kernel::{
+    decode_tile_portable, for_each_tile, prefetch_ahead, token_groups, Bf16Rows, Job, RowKernel, FUSED_MAX_TOKENS,
+};
+use super::gemv::bf16_to_f32;
+use super::pack::Packed;
 use std::arch::x86_64::*;
 use std::array;
 use std::ops::Range;
@@ -54,19 +61,19 @@ struct Fused<'a> {
 }
 
 impl RowKernel for Fused<'_> {
-    unsafe fn rows<const R: usize, const N: usize>(&self, r0: usize, t0: usize) -> [[f32; N]; R] {
+    unsafe fn rows<const R: usize, const N: usize>(&self, rows: [usize; R], t0: usize) -> [[f32; N]; R] {
         // SAFETY: forwarded from the caller.
-        unsafe { fused::<R, N>(self.job, self.x, r0, t0) }
+        unsafe { fused::<R, N>(self.job, self.x, rows, t0) }
     }
 }
 
 /// # Safety
-/// AVX2/FMA/F16C present; rows `r0..r0 + R` and tokens `t0..t0 + N` in range.
+/// AVX2/FMA/F16C present; `rows` and tokens `t0..t0 + N` in range.
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn fused<const R: usize, const N: usize>(job: &Job, x: &Packed<f32>, r0: usize, t0: usize) -> [[f32; N]; R] {
-    // SAFETY: row r0 + r < rows, so its `cols` bytes are inside `data`.
-    let row: [*const u8; R] = array::from_fn(|r| unsafe { job.data.as_ptr().add((r0 + r) * job.cols) });
-    let scales: [&[f32]; R] = array::from_fn(|r| job.scale_row(r0 + r));
+unsafe fn fused<const R: usize, const N: usize>(job: &Job, x: &Packed<f32>, rows: [usize; R], t0: usize) -> [[f32; N]; R] {
+    // SAFETY: every row is < the matrix's rows, so its `cols` bytes are inside `data`.
+    let row: [*const u8; R] = rows.map(|r| unsafe { job.data.as_ptr().add(r * job.cols) });
+    let scales: [&[f32]; R] = rows.map(|r| job.scale_row(r));
     let mut total = [[_mm256_setzero_ps(); N]; R];
     for cb in 0..job.col_blocks {
         let (k0, width) = job.block_cols(cb);
@@ -74,6 +81,9 @@ unsafe fn fused<const R: usize, const N: usize>(job: &Job, x: &Packed<f32>, r0: 
         for q in 0..width.div_ceil(16) {
             let len = width - 16 * q;
             for r in 0..R {
+                if q % 4 == 0 {
+                    prefetch_ahead(row[r], k0 + 16 * q);
+                }
                 // SAFETY: columns k0 + 16q .. + min(len, 16) are inside the row.
                 let codes = unsafe {
                     let p = row[r].add(k0 + 16 * q);
@@ -109,9 +119,9 @@ struct Bf16Fma<'a> {
 }
 
 impl RowKernel for Bf16Fma<'_> {
-    unsafe fn rows<const R: usize, const N: usize>(&self, r0: usize, t0: usize) -> [[f32; N]; R] {
+    unsafe fn rows<const R: usize, const N: usize>(&self, rows: [usize; R], t0: usize) -> [[f32; N]; R] {
         // SAFETY: forwarded from the caller.
-        unsafe { bf16_weights::<R, N>(self.job, self.w, self.x, r0, t0) }
+        unsafe { bf16_weights::<R, N>(self.job, self.w, self.x, rows, t0) }
     }
 }
 
@@ -125,13 +135,13 @@ unsafe fn bf16_weights<const R: usize, const N: usize>(
     job: &Job,
     w: Bf16Rows,
     x: &Packed<f32>,
-    r0: usize,
+    rows: [usize; R],
     t0: usize,
 ) -> [[f32; N]; R] {
     let high = _mm256_set1_epi32(0xffff_0000u32 as i32);
-    // SAFETY: rows r0..r0 + R are in the view.
-    let row: [*const u8; R] = array::from_fn(|r| unsafe { w.row(r0 + r) });
-    let scales: [&[f32]; R] = array::from_fn(|r| job.scale_row(r0 + r));
+    // SAFETY: the rows are in the view.
+    let row: [*const u8; R] = rows.map(|r| unsafe { w.row(r) });
+    let scales: [&[f32]; R] = rows.map(|r| job.scale_row(r));
     let mut total = [[_mm256_setzero_ps(); N]; R];
     for cb in 0..job.col_blocks {
         let (k0, width) = job.block_cols(cb);
@@ -139,6 +149,9 @@ unsafe fn bf16_weights<const R: usize, const N: usize>(
         for q in 0..width.div_ceil(16) {
             let len = width - 16 * q;
             for r in 0..R {
+                if q % 2 == 0 {
+                    prefetch_ahead(row[r], 2 * (k0 + 16 * q));
+                }
                 // SAFETY: values k0 + 16q .. + min(len, 16) are inside the row.
                 let wv = unsafe {
                     let p = row[r].add(2 * (k0 + 16 * q));
@@ -168,28 +181,21 @@ unsafe fn bf16_weights<const R: usize, const N: usize>(
     array::from_fn(|r| array::from_fn(|t| hsum(total[r][t])))
 }
 
-fn even_odd_slot(j: usize) -> usize {
-    if j < 8 {
-        2 * j
-    } else {
-        2 * (j - 8) + 1
-    }
-}
-
 /// `matmul_bf16` at the `Avx2` level. Token groups are at most 4: sixteen
 /// ymm registers hold R·N pairs of accumulators plus the decoded weights.
 ///
 /// # Safety
 /// AVX2/FMA/F16C present; shapes checked by the caller.
+#[target_feature(enable = "avx2,fma,f16c")]
 pub(super) unsafe fn run(job: &Job, rows: Range<usize>, x: &[u16], n: usize, out: &mut [f32]) {
     let (m, first, b1) = (rows.len(), rows.start, job.block[1]);
     if job.fp8 && n <= FUSED_MAX_TOKENS {
-        let x = Packed::new(x, n, job.cols, b1, 16, |j| j, bf16_to_f32);
+        let x = Packed::new::<16, 1>(x, n, job.cols, b1, [0], bf16_to_f32);
         let k = Fused { job, x: &x };
         // SAFETY: forwarded.
         unsafe { token_groups!(&k, rows, first, n, out, m, 4, {1 => 4, 2 => 2, 3 => 1, 4 => 1}) };
     } else {
-        let x = Packed::new(x, n, job.cols, b1, 16, even_odd_slot, bf16_to_f32);
+        let x = Packed::new::<16, 2>(x, n, job.cols, b1, [0, 1], bf16_to_f32);
         // SAFETY: forwarded.
         unsafe {
             for_each_tile(job, rows, decode_tile_portable, |band, w| {

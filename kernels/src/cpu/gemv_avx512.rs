@@ -12,20 +12,28 @@
 //! extra `sllw 8`. So 64 codes cost 5 ALU ops, and the activations are
 //! packed in the same odd/even order (see `pack`).
 //!
-//! Exponent-0 codes (zero and the subnormals) decode wrongly this way. They
-//! are rare in real weights (~1e-4 of codes), so one `vptestnmb` per load
-//! looks for them and only the loads that have any take the exact decode:
-//! the same shift trick on zero-extended codes, with the exponent-0 lanes
-//! replaced from a table indexed by the mantissa (`vpermw`) and the sign
-//! OR-ed back. The branch is almost never taken on checkpoint weights;
-//! random bytes (6% such codes) take it on most loads and run ~2× slower.
-//! Both decodes read the two NaN codes as ±480.
+//! Exponent-0 codes (zero and the subnormals) decode wrongly this way. In a
+//! block-scaled checkpoint they are rare (values under 2⁻⁶ of a scale that
+//! maps the block's maximum to 448: of order 1e-4 of the codes), so one
+//! `vptestnmb` per load looks for them and only loads that have any take the
+//! exact decode: the same shift trick on zero-extended codes, with the
+//! exponent-0 lanes replaced from a table indexed by the mantissa (`vpermw`)
+//! and the sign OR-ed back. On checkpoint weights the branch is almost never
+//! taken; uniformly random bytes (1/16 such codes) take it on nearly every
+//! load and run ~1.5× slower. Both decodes read the two NaN codes as ±480.
 //!
 //! The `Avx512` level splits the same BF16 words into f32 lanes (BF16 is the
 //! top half of an f32) — four lane classes per 64 codes — and uses FMA.
 
-use super::gemv::{for_each_tile, token_groups, Bf16Rows, Job, RowKernel, E4M3_BF16_X256, FUSED_MAX_TOKENS, UNBIAS};
-use super::pack::{bf16_to_f32, Packed};
+// The kernels index several fixed-size register arrays ([row][token]) in
+// lockstep; index loops say that more plainly than zipped iterators.
+#![allow(clippy::needless_range_loop)]
+
+use super::kernel::{
+    for_each_tile, prefetch_ahead, token_groups, Bf16Rows, Job, RowKernel, E4M3_BF16_X256, FUSED_MAX_TOKENS, UNBIAS,
+};
+use super::gemv::bf16_to_f32;
+use super::pack::Packed;
 use std::arch::x86_64::*;
 use std::array;
 use std::ops::Range;
@@ -81,7 +89,8 @@ fn exact_words(codes: __m512i) -> __m512i {
 }
 
 /// Exact version of [`fast_odd_even`], for loads holding exponent-0 codes.
-#[cold]
+/// (Inlined, not `#[cold]`: a call per load would make weights full of such
+/// codes several times slower instead of ~2×.)
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw")]
 fn exact_odd_even(raw: __m512i) -> (__m512i, __m512i) {
@@ -145,32 +154,8 @@ fn fast_classes(raw: __m512i) -> [__m512; 4] {
     [f(odd), f(_mm512_slli_epi32::<16>(odd)), f(even), f(_mm512_slli_epi32::<16>(even))]
 }
 
-/// Column of slot `j` in a 64-code chunk for the BF16 kernels: odd bytes,
-/// then even bytes (the order of [`fast_odd_even`]).
-fn odd_even_slot(j: usize) -> usize {
-    if j < 32 {
-        2 * j + 1
-    } else {
-        2 * (j - 32)
-    }
-}
-
 /// Byte class of each 16-lane quarter of [`fast_classes`].
 const C4_ORDER: [usize; 4] = [3, 1, 2, 0];
-
-fn class_slot(j: usize) -> usize {
-    4 * (j % 16) + C4_ORDER[j / 16]
-}
-
-/// Column of slot `j` in a 32-column chunk of BF16 weights split into f32:
-/// even columns (low words), then odd (high words).
-fn even_odd_slot(j: usize) -> usize {
-    if j < 16 {
-        2 * j
-    } else {
-        2 * (j - 16) + 1
-    }
-}
 
 #[inline(always)]
 fn tail_mask64(len: usize) -> u64 {
@@ -223,22 +208,22 @@ struct FusedBf16<'a> {
 }
 
 impl RowKernel for FusedBf16<'_> {
-    unsafe fn rows<const R: usize, const N: usize>(&self, r0: usize, t0: usize) -> [[f32; N]; R] {
+    unsafe fn rows<const R: usize, const N: usize>(&self, rows: [usize; R], t0: usize) -> [[f32; N]; R] {
         // SAFETY: forwarded from the caller.
-        unsafe { fused_bf16::<R, N>(self.job, self.x, r0, t0) }
+        unsafe { fused_bf16::<R, N>(self.job, self.x, rows, t0) }
     }
 }
 
 /// # Safety
-/// AVX512-BF16 present; rows `r0..r0 + R` and tokens `t0..t0 + N` in range.
+/// AVX512-BF16 present; `rows` and tokens `t0..t0 + N` in range.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16")]
-unsafe fn fused_bf16<const R: usize, const N: usize>(job: &Job, x: &Packed<u16>, r0: usize, t0: usize) -> [[f32; N]; R] {
+unsafe fn fused_bf16<const R: usize, const N: usize>(job: &Job, x: &Packed<u16>, rows: [usize; R], t0: usize) -> [[f32; N]; R] {
     // With few independent sums, split each into two chains (odd and even
     // bytes) so the dot-product latency is hidden.
     let second = usize::from(R * N <= 4);
-    // SAFETY: row r0 + r < rows, so its `cols` bytes are inside `data`.
-    let row: [*const u8; R] = array::from_fn(|r| unsafe { job.data.as_ptr().add((r0 + r) * job.cols) });
-    let scales: [&[f32]; R] = array::from_fn(|r| job.scale_row(r0 + r));
+    // SAFETY: every row is < the matrix's rows, so its `cols` bytes are inside `data`.
+    let row: [*const u8; R] = rows.map(|r| unsafe { job.data.as_ptr().add(r * job.cols) });
+    let scales: [&[f32]; R] = rows.map(|r| job.scale_row(r));
     let mut total = [[_mm512_setzero_ps(); N]; R];
     for cb in 0..job.col_blocks {
         let (k0, width) = job.block_cols(cb);
@@ -250,6 +235,7 @@ unsafe fn fused_bf16<const R: usize, const N: usize>(job: &Job, x: &Packed<u16>,
             let xe: [__m512bh; N] = array::from_fn(|t| bh(unsafe { _mm512_load_si512(x.chunk(t0 + t, cb, q).add(32).cast()) }));
             for r in 0..R {
                 // SAFETY: columns k0 + 64q .. + len are inside the row.
+                prefetch_ahead(row[r], k0 + 64 * q);
                 let raw = unsafe { load_bytes(row[r].add(k0 + 64 * q), len) };
                 let (odd, even) =
                     if exponent_zero(raw, tail_mask64(len)) == 0 { fast_odd_even(raw) } else { exact_odd_even(raw) };
@@ -275,9 +261,9 @@ struct FusedF32<'a> {
 }
 
 impl RowKernel for FusedF32<'_> {
-    unsafe fn rows<const R: usize, const N: usize>(&self, r0: usize, t0: usize) -> [[f32; N]; R] {
+    unsafe fn rows<const R: usize, const N: usize>(&self, rows: [usize; R], t0: usize) -> [[f32; N]; R] {
         // SAFETY: forwarded from the caller.
-        unsafe { fused_f32::<R, N>(self.job, self.x, r0, t0) }
+        unsafe { fused_f32::<R, N>(self.job, self.x, rows, t0) }
     }
 }
 
@@ -286,11 +272,11 @@ impl RowKernel for FusedF32<'_> {
 /// # Safety
 /// AVX-512 F/BW/VL present; rows and tokens in range.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,fma")]
-unsafe fn fused_f32<const R: usize, const N: usize>(job: &Job, x: &Packed<f32>, r0: usize, t0: usize) -> [[f32; N]; R] {
+unsafe fn fused_f32<const R: usize, const N: usize>(job: &Job, x: &Packed<f32>, rows: [usize; R], t0: usize) -> [[f32; N]; R] {
     let second = usize::from(R * N <= 4);
-    // SAFETY: row r0 + r < rows, so its `cols` bytes are inside `data`.
-    let row: [*const u8; R] = array::from_fn(|r| unsafe { job.data.as_ptr().add((r0 + r) * job.cols) });
-    let scales: [&[f32]; R] = array::from_fn(|r| job.scale_row(r0 + r));
+    // SAFETY: every row is < the matrix's rows, so its `cols` bytes are inside `data`.
+    let row: [*const u8; R] = rows.map(|r| unsafe { job.data.as_ptr().add(r * job.cols) });
+    let scales: [&[f32]; R] = rows.map(|r| job.scale_row(r));
     let mut total = [[_mm512_setzero_ps(); N]; R];
     for cb in 0..job.col_blocks {
         let (k0, width) = job.block_cols(cb);
@@ -299,6 +285,7 @@ unsafe fn fused_f32<const R: usize, const N: usize>(job: &Job, x: &Packed<f32>, 
             let len = (width - 64 * q).min(64);
             for r in 0..R {
                 // SAFETY: columns k0 + 64q .. + len are inside the row.
+                prefetch_ahead(row[r], k0 + 64 * q);
                 let raw = unsafe { load_bytes(row[r].add(k0 + 64 * q), len) };
                 let w = if exponent_zero(raw, tail_mask64(len)) == 0 {
                     fast_classes(raw)
@@ -337,9 +324,9 @@ struct Bf16Dot<'a> {
 }
 
 impl RowKernel for Bf16Dot<'_> {
-    unsafe fn rows<const R: usize, const N: usize>(&self, r0: usize, t0: usize) -> [[f32; N]; R] {
+    unsafe fn rows<const R: usize, const N: usize>(&self, rows: [usize; R], t0: usize) -> [[f32; N]; R] {
         // SAFETY: forwarded from the caller.
-        unsafe { bf16_weights_dot::<R, N>(self.job, self.w, self.x, r0, t0) }
+        unsafe { bf16_weights_dot::<R, N>(self.job, self.w, self.x, rows, t0) }
     }
 }
 
@@ -350,13 +337,13 @@ unsafe fn bf16_weights_dot<const R: usize, const N: usize>(
     job: &Job,
     w: Bf16Rows,
     x: &Packed<u16>,
-    r0: usize,
+    rows: [usize; R],
     t0: usize,
 ) -> [[f32; N]; R] {
     let chains = if R * N <= 4 { 2 } else { 1 };
-    // SAFETY: rows r0..r0 + R are in the view.
-    let row: [*const u8; R] = array::from_fn(|r| unsafe { w.row(r0 + r) });
-    let scales: [&[f32]; R] = array::from_fn(|r| job.scale_row(r0 + r));
+    // SAFETY: the rows are in the view.
+    let row: [*const u8; R] = rows.map(|r| unsafe { w.row(r) });
+    let scales: [&[f32]; R] = rows.map(|r| job.scale_row(r));
     let mut total = [[_mm512_setzero_ps(); N]; R];
     for cb in 0..job.col_blocks {
         let (k0, width) = job.block_cols(cb);
@@ -366,6 +353,7 @@ unsafe fn bf16_weights_dot<const R: usize, const N: usize>(
             // SAFETY: the packed chunk holds 32 u16.
             let xv: [__m512bh; N] = array::from_fn(|t| bh(unsafe { _mm512_load_si512(x.chunk(t0 + t, cb, q).cast()) }));
             for r in 0..R {
+                prefetch_ahead(row[r], 2 * (k0 + 32 * q));
                 // SAFETY: masked lanes stay inside the block of this row.
                 let wv = bh(unsafe { _mm512_maskz_loadu_epi16(mask, row[r].add(2 * (k0 + 32 * q)).cast()) });
                 for t in 0..N {
@@ -391,9 +379,9 @@ struct Bf16Fma<'a> {
 }
 
 impl RowKernel for Bf16Fma<'_> {
-    unsafe fn rows<const R: usize, const N: usize>(&self, r0: usize, t0: usize) -> [[f32; N]; R] {
+    unsafe fn rows<const R: usize, const N: usize>(&self, rows: [usize; R], t0: usize) -> [[f32; N]; R] {
         // SAFETY: forwarded from the caller.
-        unsafe { bf16_weights_fma::<R, N>(self.job, self.w, self.x, r0, t0) }
+        unsafe { bf16_weights_fma::<R, N>(self.job, self.w, self.x, rows, t0) }
     }
 }
 
@@ -404,14 +392,14 @@ unsafe fn bf16_weights_fma<const R: usize, const N: usize>(
     job: &Job,
     w: Bf16Rows,
     x: &Packed<f32>,
-    r0: usize,
+    rows: [usize; R],
     t0: usize,
 ) -> [[f32; N]; R] {
     let high = _mm512_set1_epi32(0xffff_0000u32 as i32);
     let second = usize::from(R * N <= 4);
-    // SAFETY: rows r0..r0 + R are in the view.
-    let row: [*const u8; R] = array::from_fn(|r| unsafe { w.row(r0 + r) });
-    let scales: [&[f32]; R] = array::from_fn(|r| job.scale_row(r0 + r));
+    // SAFETY: the rows are in the view.
+    let row: [*const u8; R] = rows.map(|r| unsafe { w.row(r) });
+    let scales: [&[f32]; R] = rows.map(|r| job.scale_row(r));
     let mut total = [[_mm512_setzero_ps(); N]; R];
     for cb in 0..job.col_blocks {
         let (k0, width) = job.block_cols(cb);
@@ -419,6 +407,7 @@ unsafe fn bf16_weights_fma<const R: usize, const N: usize>(
         for q in 0..width.div_ceil(32) {
             let mask = tail_mask32(width - 32 * q);
             for r in 0..R {
+                prefetch_ahead(row[r], 2 * (k0 + 32 * q));
                 // SAFETY: masked lanes stay inside the block of this row.
                 let wv = unsafe { _mm512_maskz_loadu_epi16(mask, row[r].add(2 * (k0 + 32 * q)).cast()) };
                 let even = _mm512_castsi512_ps(_mm512_slli_epi32::<16>(wv));
@@ -474,15 +463,17 @@ unsafe fn decode_tile(job: &Job, rows: Range<usize>, tile: &mut [u16], stride: u
 ///
 /// # Safety
 /// AVX512-BF16 present; shapes checked by the caller.
+// (The features also let the activation packing inlined here vectorise.)
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16")]
 pub(super) unsafe fn run_bf16(job: &Job, rows: Range<usize>, x: &[u16], n: usize, out: &mut [f32]) {
     let (m, first, b1) = (rows.len(), rows.start, job.block[1]);
     if job.fp8 && n <= FUSED_MAX_TOKENS {
-        let x = Packed::new(x, n, job.cols, b1, 64, odd_even_slot, |v| v);
+        let x = Packed::new::<64, 2>(x, n, job.cols, b1, [1, 0], |v| v);
         let k = FusedBf16 { job, x: &x };
         // SAFETY: forwarded.
-        unsafe { token_groups!(&k, rows, first, n, out, m, 8, {1 => 8, 2 => 4, 3 => 2, 4 => 2, 5 => 1, 6 => 1, 7 => 1, 8 => 1}) };
+        unsafe { token_groups!(&k, rows, first, n, out, m, 8, {1 => 4, 2 => 4, 3 => 2, 4 => 2, 5 => 1, 6 => 1, 7 => 1, 8 => 1}) };
     } else {
-        let x = Packed::new(x, n, job.cols, b1, 32, |j| j, |v| v);
+        let x = Packed::new::<32, 1>(x, n, job.cols, b1, [0], |v| v);
         // SAFETY: forwarded.
         unsafe {
             for_each_tile(job, rows, decode_tile, |band, w| {
@@ -497,15 +488,16 @@ pub(super) unsafe fn run_bf16(job: &Job, rows: Range<usize>, x: &[u16], n: usize
 ///
 /// # Safety
 /// AVX-512 F/BW/VL present; shapes checked by the caller.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,fma")]
 pub(super) unsafe fn run_f32(job: &Job, rows: Range<usize>, x: &[u16], n: usize, out: &mut [f32]) {
     let (m, first, b1) = (rows.len(), rows.start, job.block[1]);
     if job.fp8 && n <= FUSED_MAX_TOKENS {
-        let x = Packed::new(x, n, job.cols, b1, 64, class_slot, bf16_to_f32);
+        let x = Packed::new::<64, 4>(x, n, job.cols, b1, C4_ORDER, bf16_to_f32);
         let k = FusedF32 { job, x: &x };
         // SAFETY: forwarded.
-        unsafe { token_groups!(&k, rows, first, n, out, m, 8, {1 => 8, 2 => 4, 3 => 2, 4 => 2, 5 => 1, 6 => 1, 7 => 1, 8 => 1}) };
+        unsafe { token_groups!(&k, rows, first, n, out, m, 8, {1 => 4, 2 => 4, 3 => 2, 4 => 2, 5 => 1, 6 => 1, 7 => 1, 8 => 1}) };
     } else {
-        let x = Packed::new(x, n, job.cols, b1, 32, even_odd_slot, bf16_to_f32);
+        let x = Packed::new::<32, 2>(x, n, job.cols, b1, [0, 1], bf16_to_f32);
         // SAFETY: forwarded.
         unsafe {
             for_each_tile(job, rows, decode_tile, |band, w| {

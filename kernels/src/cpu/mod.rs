@@ -20,6 +20,9 @@ mod gemv_avx2;
 #[cfg(target_arch = "x86_64")]
 mod gemv_avx512;
 pub mod isa;
+#[cfg(target_arch = "x86_64")]
+mod kernel;
+#[cfg(target_arch = "x86_64")]
 mod pack;
 mod vector;
 

@@ -66,36 +66,52 @@ pub(super) struct Packed<T: Pod> {
 
 impl<T: Pod> Packed<T> {
     /// Pack `x` (`n` rows of `cols` BF16 values) with column blocks `block`
-    /// wide, `chunk` slots per chunk, slot `j` taking column `perm(j)` of its
-    /// chunk, each value converted by `conv`.
-    pub fn new(
+    /// wide and `CHUNK` slots per chunk, each value converted by `conv`.
+    /// A chunk is `K` classes of `CHUNK / K` slots: slot `i` of class `c`
+    /// holds column `K · i + order[c]` of the chunk.
+    #[inline]
+    pub fn new<const CHUNK: usize, const K: usize>(
         x: &[u16],
         n: usize,
         cols: usize,
         block: usize,
-        chunk: usize,
-        perm: impl Fn(usize) -> usize,
+        order: [usize; K],
         conv: impl Fn(u16) -> T,
     ) -> Self {
-        debug_assert!(block > 0 && chunk > 0 && x.len() == n * cols);
-        let cpb = block.div_ceil(chunk);
-        let stride = cols.div_ceil(block) * cpb * chunk;
-        let perm: Vec<usize> = (0..chunk).map(perm).collect();
+        debug_assert!(block > 0 && CHUNK.is_multiple_of(K) && x.len() == n * cols);
+        debug_assert!(order.iter().all(|&o| o < K));
+        let per_class = CHUNK / K;
+        let cpb = block.div_ceil(CHUNK);
+        let stride = cols.div_ceil(block) * cpb * CHUNK;
         let mut buf = AlignedBuf::<T>::zeroed(n * stride);
         let dst = buf.as_mut_slice();
         for (t, xt) in x.chunks_exact(cols.max(1)).take(n).enumerate() {
             for (cb, xb) in xt.chunks(block).enumerate() {
-                for (q, xc) in xb.chunks(chunk).enumerate() {
-                    let base = t * stride + (cb * cpb + q) * chunk;
-                    for (j, &src) in perm.iter().enumerate() {
-                        if let Some(&v) = xc.get(src) {
-                            dst[base + j] = conv(v);
+                for (q, xc) in xb.chunks(CHUNK).enumerate() {
+                    let base = t * stride + (cb * cpb + q) * CHUNK;
+                    let out = &mut dst[base..base + CHUNK];
+                    match <&[u16; CHUNK]>::try_from(xc) {
+                        // The common case, written as a de-interleave of
+                        // groups of K so that it compiles to shuffles.
+                        Ok(full) => {
+                            for (i, group) in full.chunks_exact(K).enumerate() {
+                                for (c, &o) in order.iter().enumerate() {
+                                    out[c * per_class + i] = conv(group[o]);
+                                }
+                            }
+                        }
+                        // The block's last, partial chunk: the rest stays zero.
+                        Err(_) => {
+                            for (col, &v) in xc.iter().enumerate() {
+                                let c = order.iter().position(|&o| o == col % K).unwrap_or(0);
+                                out[c * per_class + col / K] = conv(v);
+                            }
                         }
                     }
                 }
             }
         }
-        Self { buf, stride, chunk, cpb }
+        Self { buf, stride, chunk: CHUNK, cpb }
     }
 
     #[cfg(test)]
@@ -115,12 +131,6 @@ impl<T: Pod> Packed<T> {
     }
 }
 
-/// BF16 bits to f32 (exact).
-#[inline]
-pub(super) fn bf16_to_f32(b: u16) -> f32 {
-    f32::from_bits((b as u32) << 16)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -129,7 +139,7 @@ mod tests {
     fn layout_places_and_pads() {
         // 2 tokens, 5 columns, blocks of 3, chunks of 2 reversed.
         let x: Vec<u16> = (1..=10).collect();
-        let p = Packed::new(&x, 2, 5, 3, 2, |j| 1 - j, |v| v);
+        let p = Packed::new::<2, 2>(&x, 2, 5, 3, [1, 0], |v| v);
         assert_eq!(p.chunks_per_block(), 2);
         let all = p.buf.as_slice();
         // token 0: block 0 = cols 0..3 -> chunks [1,0] [_,2]; block 1 = cols 3..5 -> [4,3] [pad].
@@ -137,5 +147,9 @@ mod tests {
         assert_eq!(&all[8..], &[7, 6, 0, 8, 10, 9, 0, 0]);
         assert_eq!(p.chunk(1, 1, 0) as usize % 2, 0);
         assert_eq!(all.as_ptr() as usize % 64, 0);
+        // Four classes of two in a chunk of 8, with a partial last chunk.
+        let x: Vec<u16> = (0..11).collect();
+        let p = Packed::new::<8, 4>(&x, 1, 11, 11, [3, 1, 2, 0], |v| v);
+        assert_eq!(p.buf.as_slice(), &[3, 7, 1, 5, 2, 6, 0, 4, 0, 0, 9, 0, 10, 0, 8, 0]);
     }
 }
