@@ -14,7 +14,9 @@ use super::isa::Isa;
 /// a single thread's bandwidth is bounded by how many misses it has in
 /// flight, and the hardware prefetchers track streams, so several streams
 /// move more bytes per second than one (here ~16 GB/s against ~11 GB/s).
-/// The GEMV kernels read several rows at once, so this is the fair bar.
+/// The GEMV kernels read several rows at once, so this is the fair bar. Like
+/// them, each stream also prefetches [`PREFETCH`] bytes ahead, which on this
+/// class of machine moves more bytes than the hardware prefetchers alone.
 pub fn read_bytes(isa: Isa, buf: &[u8]) -> u64 {
     let done = match isa.usable() {
         Isa::Portable => (0, 0),
@@ -43,9 +45,12 @@ pub fn read_bytes(isa: Isa, buf: &[u8]) -> u64 {
 /// Interleaved streams per [`read_bytes`] call.
 pub const STREAMS: usize = 8;
 
+/// Software prefetch distance per stream, in bytes.
+pub const PREFETCH: usize = 1024;
+
 #[cfg(target_arch = "x86_64")]
 mod x86 {
-    use super::STREAMS;
+    use super::{PREFETCH, STREAMS};
     use std::arch::x86_64::*;
 
     /// Returns (bytes consumed, checksum of them): the first
@@ -57,8 +62,12 @@ mod x86 {
         let mut acc = [_mm512_setzero_si512(); STREAMS];
         for i in (0..part).step_by(64) {
             for (s, a) in acc.iter_mut().enumerate() {
-                // SAFETY: s · part + i + 64 <= STREAMS · part <= buf.len().
-                let v = unsafe { _mm512_loadu_si512(p.add(s * part + i).cast()) };
+                // SAFETY: s · part + i + 64 <= STREAMS · part <= buf.len(); a
+                // prefetch past the end is a hint and never faults.
+                let v = unsafe {
+                    _mm_prefetch(p.wrapping_add(s * part + i + PREFETCH).cast(), _MM_HINT_T0);
+                    _mm512_loadu_si512(p.add(s * part + i).cast())
+                };
                 *a = _mm512_xor_si512(*a, v);
             }
         }
@@ -75,6 +84,7 @@ mod x86 {
             for (s, a) in acc.iter_mut().enumerate() {
                 // SAFETY: s · part + i + 64 <= STREAMS · part <= buf.len().
                 let (lo, hi) = unsafe {
+                    _mm_prefetch(p.wrapping_add(s * part + i + PREFETCH).cast(), _MM_HINT_T0);
                     let q = p.add(s * part + i);
                     (_mm256_loadu_si256(q.cast()), _mm256_loadu_si256(q.add(32).cast()))
                 };
