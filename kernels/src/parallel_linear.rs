@@ -31,9 +31,9 @@ pub fn par_matmul(pool: &ThreadPool, isa: Isa, w: &WeightView, x: &[f32], n: usi
     scratch.x.resize(x.len(), 0);
     f32_to_bf16(isa, x, &mut scratch.x);
     let xb = &scratch.x;
+    let tile = tile_rows(w, pool.threads());
     if n == 1 {
         // One token: each tile's output is already contiguous in `out`.
-        let tile = tile_rows(w, pool.threads());
         let out = SharedSlice::new(out);
         pool.parallel_for(w.rows.div_ceil(tile), &|t| {
             let (r0, r1) = (t * tile, ((t + 1) * tile).min(w.rows));
@@ -44,7 +44,6 @@ pub fn par_matmul(pool: &ThreadPool, isa: Isa, w: &WeightView, x: &[f32], n: usi
     }
     // Several tokens: tiles are computed into their own buffers, then
     // scattered into the token-major output.
-    let tile = tile_rows(w, pool.threads());
     let n_tiles = w.rows.div_ceil(tile);
     scratch.tiles.resize(n_tiles * tile * n, 0.0);
     let tiles = SharedSlice::new(&mut scratch.tiles);

@@ -513,7 +513,7 @@ impl Model {
         let mut out = vec![0.0f32; n * heads * dv];
         match (n, p) {
             (1, Precision::Bf16) => self.attend_absorbed_bf16(at, layer, &q, pool, table, start, &mut out),
-            (1, Precision::F32) => self.attend_absorbed(at, layer, &q, pool, table, start, &mut out, p),
+            (1, Precision::F32) => self.attend_absorbed_f32(at, layer, &q, pool, table, start, &mut out),
             _ => self.attend_expanded(at, layer, &q, pool, table, start, &mut out, p),
         }
         self.cpu.linear(&at.o, &out, n, p)
@@ -564,7 +564,7 @@ impl Model {
     /// output (`W_v · Σ p·c`), so attention runs directly over the cached
     /// latents and per-head keys and values are never materialised.
     #[allow(clippy::too_many_arguments)]
-    fn attend_absorbed(&self, at: &Attention, layer: usize, q: &[f32], pool: &KvPool, table: &BlockTable, start: usize, out: &mut [f32], p: Precision) {
+    fn attend_absorbed_f32(&self, at: &Attention, layer: usize, q: &[f32], pool: &KvPool, table: &BlockTable, start: usize, out: &mut [f32]) {
         let cfg = &self.cfg;
         let (heads, dn, dr, dv, dc) = (cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank);
         let (dq, dkv) = (dn + dr, dn + dv);
@@ -578,7 +578,6 @@ impl Model {
             for h in 0..heads {
                 let qh = &q[(i * heads + h) * dq..(i * heads + h + 1) * dq];
                 matmul_t_rows(&kv_b, h * dkv..h * dkv + dn, &qh[..dn], &mut q_latent);
-                p.round(&mut q_latent);
                 for (t, s) in scores[..=pos].iter_mut().enumerate() {
                     let e = pool.entry(table, layer, t);
                     *s = (dot(&q_latent, &e[..dc]) + dot(&qh[dn..], &e[dc..])) * self.softmax_scale;
@@ -589,10 +588,8 @@ impl Model {
                     let c = &pool.entry(table, layer, t)[..dc];
                     ctx_latent.iter_mut().zip(c).for_each(|(a, b)| *a += w * b);
                 }
-                p.round(&mut ctx_latent);
                 let o = &mut out[(i * heads + h) * dv..(i * heads + h + 1) * dv];
                 matmul_rows(&kv_b, h * dkv + dn..h * dkv + dkv, &ctx_latent, 1, o);
-                p.round(o);
             }
         }
     }
