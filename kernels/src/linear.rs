@@ -195,7 +195,7 @@ pub fn transpose_rows(w: &WeightView, rows: Range<usize>) -> OwnedWeight {
     let (m, n) = (rows.len(), w.cols);
     let bpe = w.format.bytes_per_element();
     match w.format {
-        WeightFormat::Fp8E4m3 { block: [b0, b1] } if rows.start % b0 == 0 => {
+        WeightFormat::Fp8E4m3 { block: [b0, b1] } if rows.start.is_multiple_of(b0) => {
             let mut data = vec![0u8; m * n];
             for (j, r) in rows.clone().enumerate() {
                 for c in 0..n {

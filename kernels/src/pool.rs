@@ -35,8 +35,20 @@ impl PoolConfig {
 
     /// One node using every core this process may run on, pinned.
     pub fn all_cores() -> Self {
-        let n = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
-        PoolConfig { threads_per_node: vec![n], pin: true }
+        Self::split(0, 1).expect("one node always fits")
+    }
+
+    /// `threads` pinned threads (0: every core) split as evenly as possible
+    /// into `nodes` NUMA nodes (simulated on a one-node machine).
+    pub fn split(threads: usize, nodes: usize) -> Result<Self, String> {
+        let threads = if threads == 0 { std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1) } else { threads };
+        if nodes == 0 || nodes > threads {
+            return Err(format!("threads must be at least the number of NUMA nodes, and nodes at least 1 ({threads} threads, {nodes} nodes)"));
+        }
+        let per = threads / nodes;
+        let mut threads_per_node = vec![per; nodes];
+        threads_per_node[0] += threads - per * nodes;
+        Ok(PoolConfig { threads_per_node, pin: true })
     }
 }
 

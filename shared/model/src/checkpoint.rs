@@ -170,6 +170,44 @@ impl Checkpoint {
         Ok(Checkpoint { shards, tensors, fp8_block })
     }
 
+    /// A checkpoint whose tensors lie in one mapping that something else laid
+    /// out (a shared weight segment), at `data_start + offsets`. `source`
+    /// names the mapping in errors. Every range is checked against the
+    /// mapping and against its dtype and shape.
+    pub fn from_mapping(
+        source: PathBuf,
+        map: Arc<Mmap>,
+        data_start: usize,
+        tensors: impl IntoIterator<Item = (String, safetensors::tensor::TensorInfo)>,
+        fp8_block: Option<[usize; 2]>,
+    ) -> Result<Self, CheckpointError> {
+        let mut entries = HashMap::new();
+        for (name, info) in tensors {
+            let (s, e) = info.data_offsets;
+            let range = data_start.saturating_add(s)..data_start.saturating_add(e);
+            let elements = info.shape.iter().try_fold(1usize, |acc, &d| acc.checked_mul(d));
+            let expected = elements.and_then(|n| n.checked_mul(info.dtype.size()));
+            if s > e || range.end > map.len() || expected != Some(e - s) {
+                return Err(CheckpointError::BadShard {
+                    file: source,
+                    message: format!("tensor {name} has data range {s}..{e}, which does not fit the mapping or its {:?} {:?}", info.dtype, info.shape),
+                });
+            }
+            entries.insert(name, TensorEntry { shard: 0, dtype: info.dtype, shape: info.shape, range });
+        }
+        Ok(Checkpoint { shards: vec![Shard { path: source, map }], tensors: entries, fp8_block })
+    }
+
+    /// Every tensor as stored, for copying the checkpoint elsewhere.
+    pub fn raw_tensors(&self) -> impl Iterator<Item = (&str, Dtype, &[usize], &[u8])> {
+        self.tensors.iter().map(|(name, t)| (name.as_str(), t.dtype, t.shape.as_slice(), &self.shards[t.shard].map[t.range.clone()]))
+    }
+
+    /// The files this checkpoint was read from.
+    pub fn files(&self) -> impl Iterator<Item = &Path> {
+        self.shards.iter().map(|s| s.path.as_path())
+    }
+
     pub fn contains(&self, name: &str) -> bool {
         self.tensors.contains_key(name)
     }

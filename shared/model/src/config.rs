@@ -270,7 +270,7 @@ impl ModelConfig {
         if self.q_lora_rank == Some(0) {
             return Err("q_lora_rank must be positive or null".into());
         }
-        if self.qk_rope_head_dim % 2 != 0 || self.qk_rope_head_dim > 512 {
+        if !self.qk_rope_head_dim.is_multiple_of(2) || self.qk_rope_head_dim > 512 {
             return Err(format!("qk_rope_head_dim must be even and at most 512, got {}", self.qk_rope_head_dim));
         }
         if self.first_k_dense_replace > 0 && self.intermediate_size == 0 {
@@ -284,7 +284,7 @@ impl ModelConfig {
             if self.num_experts_per_tok == 0 || self.num_experts_per_tok > e {
                 return Err(format!("num_experts_per_tok must be in 1..={e}, got {}", self.num_experts_per_tok));
             }
-            if self.n_group == 0 || e % self.n_group != 0 {
+            if self.n_group == 0 || !e.is_multiple_of(self.n_group) {
                 return Err(format!("n_group ({}) must divide n_routed_experts ({e})", self.n_group));
             }
             if self.topk_group == 0 || self.topk_group > self.n_group {
@@ -312,7 +312,7 @@ impl ModelConfig {
 
     /// Whether layer `layer` uses a mixture of experts (else a dense MLP).
     pub fn is_moe_layer(&self, layer: usize) -> bool {
-        self.n_routed_experts > 0 && layer >= self.first_k_dense_replace && layer % self.moe_layer_freq == 0
+        self.n_routed_experts > 0 && layer >= self.first_k_dense_replace && layer.is_multiple_of(self.moe_layer_freq)
     }
 
     fn has_moe_layers(&self) -> bool {

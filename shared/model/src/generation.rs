@@ -8,6 +8,7 @@
 use crate::kv_cache::{BlockTable, KvPool};
 use crate::model::{ForwardError, LoadError, Logits, Model, Precision};
 use crate::sampling::{SampledToken, Sampler, SamplingError, SamplingParams};
+use crate::stop::StopStrings;
 use crate::tokenizer::{IncrementalDecoder, Tokenizer, TokenizerError};
 use std::path::Path;
 use std::time::{Duration, Instant};
@@ -153,60 +154,6 @@ pub fn sampling_defaults(dir: &Path) -> SamplingParams {
     p
 }
 
-/// Holds back text that might be the start of a stop string, and finds stop
-/// strings that span token boundaries.
-struct StopStrings<'a> {
-    stops: &'a [String],
-    /// Generated text so far (after the last emitted byte, held-back text).
-    text: String,
-    emitted: usize,
-}
-
-impl<'a> StopStrings<'a> {
-    fn new(stops: &'a [String]) -> Self {
-        StopStrings { stops, text: String::new(), emitted: 0 }
-    }
-
-    /// Add decoded text; returns the text now safe to emit and whether a stop
-    /// string was hit (in which case the text is cut before it).
-    fn push(&mut self, delta: &str) -> (String, bool) {
-        let search_from = self.emitted;
-        self.text.push_str(delta);
-        let hit = self
-            .stops
-            .iter()
-            .filter_map(|s| self.text[search_from..].find(s.as_str()).map(|i| search_from + i))
-            .min();
-        if let Some(cut) = hit {
-            self.text.truncate(cut);
-            return (self.take(cut), true);
-        }
-        // Keep back the longest suffix that is a proper prefix of a stop string.
-        let held = self
-            .stops
-            .iter()
-            .flat_map(|s| (1..s.len()).filter(|&k| s.is_char_boundary(k)).map(move |k| &s[..k]))
-            .filter(|p| self.text[self.emitted..].ends_with(p))
-            .map(|p| p.len())
-            .max()
-            .unwrap_or(0);
-        let upto = self.text.len() - held;
-        (self.take(upto), false)
-    }
-
-    fn take(&mut self, upto: usize) -> String {
-        let out = self.text[self.emitted..upto].to_string();
-        self.emitted = upto;
-        out
-    }
-
-    /// At the end: everything not yet emitted.
-    fn finish(&mut self) -> String {
-        let end = self.text.len();
-        self.take(end)
-    }
-}
-
 pub struct Engine {
     pub model: Model,
     pub tokenizer: Tokenizer,
@@ -274,7 +221,7 @@ impl Engine {
             eos.extend(&self.model.cfg.eos_token_ids);
         }
         let mut decoder = IncrementalDecoder::with_prompt(&self.tokenizer, prompt);
-        let mut stops = StopStrings::new(&params.stop);
+        let mut stops = StopStrings::new(params.stop.clone());
         let mut tokens = vec![];
         let mut text = String::new();
         let mut ttft = Duration::ZERO;
@@ -307,46 +254,5 @@ impl Engine {
         }
         let decode_time = start.elapsed() - ttft;
         Ok(Generation { tokens, text, finish_reason, prompt_tokens: prompt.len(), ttft, decode_time })
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn run(stops: &[&str], deltas: &[&str]) -> (String, bool) {
-        let stops: Vec<String> = stops.iter().map(|s| s.to_string()).collect();
-        let mut s = StopStrings::new(&stops);
-        let mut out = String::new();
-        for d in deltas {
-            let (t, hit) = s.push(d);
-            out.push_str(&t);
-            if hit {
-                return (out, true);
-            }
-        }
-        out.push_str(&s.finish());
-        (out, false)
-    }
-
-    #[test]
-    fn stop_string_across_deltas_is_cut() {
-        assert_eq!(run(&["END"], &["hello E", "N", "D more"]), ("hello ".into(), true));
-        assert_eq!(run(&["\n\n", "xyz"], &["a\n", "\nb"]), ("a".into(), true));
-    }
-
-    #[test]
-    fn held_back_prefix_is_released_when_it_diverges() {
-        let stops = vec!["END".to_string()];
-        let mut s = StopStrings::new(&stops);
-        assert_eq!(s.push("abc E"), ("abc ".into(), false));
-        assert_eq!(s.push("Nx"), ("ENx".into(), false));
-        assert_eq!(run(&["END"], &["a", "EN"]), ("aEN".into(), false));
-    }
-
-    #[test]
-    fn multibyte_stop_strings() {
-        assert_eq!(run(&["世界"], &["你好世", "界!"]), ("你好".into(), true));
-        assert_eq!(run(&["🙂"], &["ok 🙂 no"]), ("ok ".into(), true));
     }
 }

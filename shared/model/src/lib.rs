@@ -14,9 +14,15 @@ pub mod model;
 pub mod moe;
 pub mod rope;
 pub mod sampling;
+pub mod stop;
 pub mod synth;
 pub mod tokenizer;
 
+/// The tiny DeepSeek-V3 checkpoint bundled with the sources: every command's
+/// default model, so that a fresh clone runs without a download.
+pub const BUNDLED_MODEL: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../../tests/fixtures/tiny-dsv3");
+
 pub use config::ModelConfig;
 pub use kv_cache::{BlockTable, KvPool};
-pub use model::{Logits, Model, Precision};
+pub use model::{ForwardTimings, Logits, Model, Precision, SeqInput};
+pub use stop::StopStrings;

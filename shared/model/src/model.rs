@@ -21,6 +21,7 @@ use duplex_kernels::pool::{PoolConfig, ThreadPool};
 use duplex_kernels::shared::SharedSlice;
 use std::path::Path;
 use std::sync::Mutex;
+use std::time::{Duration, Instant};
 
 /// The numeric path, chosen at run time.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
@@ -66,8 +67,34 @@ pub enum ForwardError {
     TokenOutOfRange { id: u32, vocab: usize },
     #[error("position {pos} exceeds the model's maximum of {max} positions")]
     TooLong { pos: usize, max: usize },
+    #[error("a sequence in the batch has no new tokens")]
+    EmptySequence,
     #[error(transparent)]
     Kv(#[from] KvError),
+}
+
+/// One sequence's part of a batched forward pass: its cache and new tokens.
+pub struct SeqInput<'a> {
+    pub table: &'a mut BlockTable,
+    pub tokens: &'a [u32],
+}
+
+/// Where a forward pass spent its time, summed over layers.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct ForwardTimings {
+    pub attention: Duration,
+    /// Dense MLPs and MoE layers.
+    pub ffn: Duration,
+}
+
+/// A sequence's rows within a batch.
+struct Segment<'a> {
+    table: &'a BlockTable,
+    /// Position of its first new token.
+    start: usize,
+    n: usize,
+    /// Index of its first row in the batch.
+    row: usize,
 }
 
 /// Which rows of logits a forward pass returns.
@@ -432,42 +459,79 @@ impl Model {
         precision: Precision,
         want: Logits,
     ) -> Result<Vec<f32>, ForwardError> {
-        let cfg = &self.cfg;
-        let (n, d, start) = (tokens.len(), cfg.hidden_size, table.len);
-        if n == 0 {
+        if tokens.is_empty() {
             return Ok(vec![]);
         }
-        if let Some(&id) = tokens.iter().find(|&&t| t as usize >= cfg.vocab_size) {
-            return Err(ForwardError::TokenOutOfRange { id, vocab: cfg.vocab_size });
-        }
-        if start + n > cfg.max_position_embeddings {
-            return Err(ForwardError::TooLong { pos: start + n, max: cfg.max_position_embeddings });
-        }
-        pool.reserve(table, start + n)?;
+        self.forward_batch(pool, &mut [SeqInput { table, tokens }], precision, want, &mut ForwardTimings::default())
+    }
 
-        let mut h = vec![0.0f32; n * d];
-        for (row, &t) in h.chunks_mut(d).zip(tokens) {
+    /// Run the new tokens of several sequences as one batch, as continuous
+    /// batching does: every weight is read once for all rows, and only
+    /// attention is computed per sequence, over its own blocks. Returns the
+    /// logits rows of every token (`Logits::All`) or of each sequence's last
+    /// token (`Logits::Last`), in order. Adds the time spent in attention and
+    /// in the MLP/MoE to `timings`.
+    pub fn forward_batch(
+        &self,
+        pool: &mut KvPool,
+        seqs: &mut [SeqInput],
+        precision: Precision,
+        want: Logits,
+        timings: &mut ForwardTimings,
+    ) -> Result<Vec<f32>, ForwardError> {
+        let cfg = &self.cfg;
+        let d = cfg.hidden_size;
+        for seq in seqs.iter_mut() {
+            if seq.tokens.is_empty() {
+                return Err(ForwardError::EmptySequence);
+            }
+            if let Some(&id) = seq.tokens.iter().find(|&&t| t as usize >= cfg.vocab_size) {
+                return Err(ForwardError::TokenOutOfRange { id, vocab: cfg.vocab_size });
+            }
+            let end = seq.table.len + seq.tokens.len();
+            if end > cfg.max_position_embeddings {
+                return Err(ForwardError::TooLong { pos: end, max: cfg.max_position_embeddings });
+            }
+            pool.reserve(seq.table, end)?;
+        }
+        let mut segments = Vec::with_capacity(seqs.len());
+        let mut rows = 0;
+        for seq in seqs.iter() {
+            segments.push(Segment { table: &*seq.table, start: seq.table.len, n: seq.tokens.len(), row: rows });
+            rows += seq.tokens.len();
+        }
+
+        let mut h = vec![0.0f32; rows * d];
+        for (row, &t) in h.chunks_mut(d).zip(seqs.iter().flat_map(|s| s.tokens)) {
             self.embed.view().decode_row(t as usize, row);
         }
         precision.round(&mut h);
         for (l, layer) in self.layers.iter().enumerate() {
+            let started = Instant::now();
             let x = norm_rows(&h, &layer.input_norm, cfg.rms_norm_eps, precision);
-            let a = self.attention(&layer.attn, l, &x, pool, table, start, precision);
+            let a = self.attention(&layer.attn, l, &x, pool, &segments, precision);
             add_residual(&mut h, &a, precision);
+            let attention_done = Instant::now();
             let x = norm_rows(&h, &layer.post_attention_norm, cfg.rms_norm_eps, precision);
             let f = match &layer.ffn {
-                Ffn::Dense(mlp) => mlp.forward(&self.cpu, &x, n, precision),
-                Ffn::Moe(moe) => moe.forward(&self.cpu, &x, n, d, &self.router, precision),
+                Ffn::Dense(mlp) => mlp.forward(&self.cpu, &x, rows, precision),
+                Ffn::Moe(moe) => moe.forward(&self.cpu, &x, rows, d, &self.router, precision),
             };
             add_residual(&mut h, &f, precision);
+            timings.attention += attention_done - started;
+            timings.ffn += attention_done.elapsed();
         }
-        table.len = start + n;
+        let last_rows: Vec<usize> = segments.iter().map(|s| s.row + s.n - 1).collect();
+        drop(segments);
+        for seq in seqs.iter_mut() {
+            seq.table.len += seq.tokens.len();
+        }
 
-        let rows = match want {
-            Logits::All => &h[..],
-            Logits::Last => &h[(n - 1) * d..],
+        let out_rows: Vec<f32> = match want {
+            Logits::All => h,
+            Logits::Last => last_rows.iter().flat_map(|&r| h[r * d..(r + 1) * d].iter().copied()).collect(),
         };
-        let x = norm_rows(rows, &self.norm, cfg.rms_norm_eps, precision);
+        let x = norm_rows(&out_rows, &self.norm, cfg.rms_norm_eps, precision);
         let mut logits = vec![0.0; (x.len() / d) * cfg.vocab_size];
         match precision {
             Precision::F32 => matmul(&self.lm_head.view(), &x, x.len() / d, &mut logits),
@@ -477,10 +541,10 @@ impl Model {
         Ok(logits)
     }
 
-    /// MLA for `x` (`[n, hidden]`, positions `start..start + n`): write the
-    /// new latents to the cache, attend causally, project out.
-    #[allow(clippy::too_many_arguments)]
-    fn attention(&self, at: &Attention, layer: usize, x: &[f32], pool: &mut KvPool, table: &BlockTable, start: usize, p: Precision) -> Vec<f32> {
+    /// MLA for `x` (`[rows, hidden]`, the rows of `segments` one after the
+    /// other): write the new latents to each sequence's cache, attend
+    /// causally within each sequence, project out.
+    fn attention(&self, at: &Attention, layer: usize, x: &[f32], pool: &mut KvPool, segments: &[Segment], p: Precision) -> Vec<f32> {
         let cfg = &self.cfg;
         let n = x.len() / cfg.hidden_size;
         let (heads, dn, dr, dv, dc) = (cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank);
@@ -496,25 +560,32 @@ impl Model {
         };
         let kv = self.cpu.linear(&at.kv_a, x, n, p);
         let (mut cos, mut sin) = (vec![0.0; dr / 2], vec![0.0; dr / 2]);
-        for i in 0..n {
-            self.rope.cos_sin(start + i, &mut cos, &mut sin);
-            for hq in q[i * heads * dq..(i + 1) * heads * dq].chunks_mut(dq) {
-                rope(&mut hq[dn..], &cos, &sin, cfg.rope_interleave);
-                p.round(&mut hq[dn..]);
+        for seg in segments {
+            for i in 0..seg.n {
+                let (row, pos) = (seg.row + i, seg.start + i);
+                self.rope.cos_sin(pos, &mut cos, &mut sin);
+                for hq in q[row * heads * dq..(row + 1) * heads * dq].chunks_mut(dq) {
+                    rope(&mut hq[dn..], &cos, &sin, cfg.rope_interleave);
+                    p.round(&mut hq[dn..]);
+                }
+                let kv_i = &kv[row * (dc + dr)..(row + 1) * (dc + dr)];
+                let entry = pool.entry_mut(seg.table, layer, pos);
+                rms_norm(&kv_i[..dc], &at.kv_a_norm, cfg.rms_norm_eps, &mut entry[..dc]);
+                entry[dc..].copy_from_slice(&kv_i[dc..]);
+                rope(&mut entry[dc..], &cos, &sin, cfg.rope_interleave);
+                p.round(entry);
             }
-            let kv_i = &kv[i * (dc + dr)..(i + 1) * (dc + dr)];
-            let entry = pool.entry_mut(table, layer, start + i);
-            rms_norm(&kv_i[..dc], &at.kv_a_norm, cfg.rms_norm_eps, &mut entry[..dc]);
-            entry[dc..].copy_from_slice(&kv_i[dc..]);
-            rope(&mut entry[dc..], &cos, &sin, cfg.rope_interleave);
-            p.round(entry);
         }
 
         let mut out = vec![0.0f32; n * heads * dv];
-        match (n, p) {
-            (1, Precision::Bf16) => self.attend_absorbed_bf16(at, layer, &q, pool, table, start, &mut out),
-            (1, Precision::F32) => self.attend_absorbed_f32(at, layer, &q, pool, table, start, &mut out),
-            _ => self.attend_expanded(at, layer, &q, pool, table, start, &mut out, p),
+        for seg in segments {
+            let q = &q[seg.row * heads * dq..(seg.row + seg.n) * heads * dq];
+            let out = &mut out[seg.row * heads * dv..(seg.row + seg.n) * heads * dv];
+            match (seg.n, p) {
+                (1, Precision::Bf16) => self.attend_absorbed_bf16(at, layer, q, pool, seg.table, seg.start, out),
+                (1, Precision::F32) => self.attend_absorbed_f32(at, layer, q, pool, seg.table, seg.start, out),
+                _ => self.attend_expanded(at, layer, q, pool, seg.table, seg.start, out, p),
+            }
         }
         self.cpu.linear(&at.o, &out, n, p)
     }

@@ -152,11 +152,18 @@ pub struct SampledToken {
 }
 
 /// Samples one sequence's tokens. It keeps the state the penalties need and a
-/// seeded RNG, so a request with a seed reproduces its output exactly.
+/// seed, so a request with a seed reproduces its output exactly.
+///
+/// The draw for the `n`-th generated token uses its own ChaCha stream `n` of
+/// the seed, so the random numbers depend only on (seed, position): a
+/// sequence whose first token was sampled by one worker and the rest by
+/// another ([`Sampler::resume`]) samples exactly what one worker would have.
 #[derive(Clone, Debug)]
 pub struct Sampler {
     params: SamplingParams,
-    rng: ChaCha8Rng,
+    seed: u64,
+    /// Tokens generated so far: the stream of the next draw.
+    step: u64,
     /// Distinct prompt tokens; the repetition penalty covers them, presence
     /// and frequency penalties do not.
     prompt: HashSet<u32>,
@@ -172,17 +179,25 @@ impl Sampler {
     /// Validates `params` and starts a sequence whose prompt is `prompt`.
     pub fn new(params: SamplingParams, prompt: &[u32]) -> Result<Self, SamplingError> {
         params.validate()?;
-        let rng = match params.seed {
-            Some(seed) => ChaCha8Rng::seed_from_u64(seed),
-            None => ChaCha8Rng::from_entropy(),
-        };
+        let seed = params.seed.unwrap_or_else(rand::random);
         Ok(Self {
             params,
-            rng,
+            seed,
+            step: 0,
             prompt: prompt.iter().copied().collect(),
             counts: HashMap::new(),
             candidates: Vec::new(),
         })
+    }
+
+    /// A sampler that continues a sequence after `generated` tokens were
+    /// sampled elsewhere with the same parameters (and seed).
+    pub fn resume(params: SamplingParams, prompt: &[u32], generated: &[u32]) -> Result<Self, SamplingError> {
+        let mut sampler = Self::new(params, prompt)?;
+        for &id in generated {
+            sampler.record(id);
+        }
+        Ok(sampler)
     }
 
     /// The validated parameters this sampler runs with.
@@ -317,7 +332,10 @@ impl Sampler {
         // way, so `r < total` ensures a hit; zero weights are never chosen.
         // The best token (weight 1) survives every filter: `total >= 1`.
         let total: f64 = cands.iter().map(|&(_, w)| f64::from(w)).sum();
-        let r = self.rng.gen::<f64>() * total;
+        let mut rng = ChaCha8Rng::seed_from_u64(self.seed);
+        // The record() of this token advances `step` after the draw.
+        rng.set_stream(self.step);
+        let r = rng.gen::<f64>() * total;
         let mut acc = 0.0f64;
         for &(id, w) in cands.iter() {
             acc += f64::from(w);
@@ -365,6 +383,7 @@ impl Sampler {
     }
 
     fn record(&mut self, id: u32) {
+        self.step += 1;
         *self.counts.entry(id).or_insert(0) += 1;
     }
 }
@@ -462,6 +481,20 @@ fn nucleus(cands: &mut Vec<(u32, f32)>, top_p: f32) {
 
 #[cfg(test)]
 mod tests {
+
+    #[test]
+    fn resumed_sampler_continues_the_same_stream() {
+        let params = SamplingParams { temperature: 1.3, top_k: 50, repetition_penalty: 1.2, presence_penalty: 0.4, seed: Some(7), ..SamplingParams::default() };
+        let rows: Vec<Vec<f32>> = (0..12).map(|i| (0..300).map(|j| (((i * 31 + j * 17) % 97) as f32) * 0.05).collect()).collect();
+        let prompt = [3, 5, 8];
+        let mut one = Sampler::new(params.clone(), &prompt).unwrap();
+        let all: Vec<u32> = rows.iter().map(|r| one.sample(r).id).collect();
+        let mut first = Sampler::new(params.clone(), &prompt).unwrap();
+        let head: Vec<u32> = rows[..4].iter().map(|r| first.sample(r).id).collect();
+        let mut rest = Sampler::resume(params, &prompt, &head).unwrap();
+        let tail: Vec<u32> = rows[4..].iter().map(|r| rest.sample(r).id).collect();
+        assert_eq!([head, tail].concat(), all);
+    }
     use super::*;
     use proptest::prelude::*;
 

@@ -883,7 +883,7 @@ fn write_shard(
         offset = end;
     }
     let mut text = Value::Object(header).to_string();
-    text.extend(std::iter::repeat(' ').take(text.len().next_multiple_of(8) - text.len()));
+    text.extend(std::iter::repeat_n(' ', text.len().next_multiple_of(8) - text.len()));
     let mut w = BufWriter::with_capacity(CHUNK, File::create(path)?);
     w.write_all(&(text.len() as u64).to_le_bytes())?;
     w.write_all(text.as_bytes())?;
