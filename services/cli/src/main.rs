@@ -15,11 +15,11 @@ use duplex_kernels::pool::PoolConfig;
 use indicatif::{ProgressBar, ProgressStyle};
 
 mod bench;
+mod serve;
 use std::io::Write;
 use std::path::{Path, PathBuf};
 
-/// The tiny DeepSeek-V3 checkpoint bundled with the repository.
-const BUNDLED_MODEL: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../../tests/fixtures/tiny-dsv3");
+use duplex_model::BUNDLED_MODEL;
 
 #[derive(Parser)]
 #[command(name = "duplex", version, about = "Duplex: DeepSeek-V3-family inference on one workstation")]
@@ -40,6 +40,14 @@ enum Command {
     BenchKernels(BenchKernelsArgs),
     /// Benchmark end-to-end decode and prefill of a model against its roofline.
     Bench(BenchArgs),
+    /// Serve a model: start the router and both workers, restart them if they die.
+    Serve(serve::ServeArgs),
+    /// Run the router alone (`duplex serve` starts it).
+    Router(duplex_router::config::RouterArgs),
+    /// Run the prefill worker alone (`duplex serve` starts it).
+    Prefill(duplex_prefill::config::PrefillArgs),
+    /// Run the decode worker alone (`duplex serve` starts it).
+    Decode(duplex_decode::config::DecodeArgs),
 }
 
 #[derive(Args)]
@@ -54,14 +62,10 @@ struct PoolArgs {
 
 impl PoolArgs {
     fn config(&self) -> Result<PoolConfig> {
-        let threads = self.threads.unwrap_or_else(|| std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1));
-        if threads == 0 || self.numa_nodes == 0 || self.numa_nodes > threads {
-            bail!("--threads must be positive and at least --numa-nodes ({} threads, {} nodes)", threads, self.numa_nodes);
+        if self.threads == Some(0) {
+            bail!("--threads must be positive");
         }
-        let per = threads / self.numa_nodes;
-        let mut threads_per_node = vec![per; self.numa_nodes];
-        threads_per_node[0] += threads - per * self.numa_nodes;
-        Ok(PoolConfig { threads_per_node, pin: true })
+        PoolConfig::split(self.threads.unwrap_or(0), self.numa_nodes).map_err(|e| anyhow::anyhow!("--threads/--numa-nodes: {e}"))
     }
 }
 
@@ -246,9 +250,17 @@ fn main() {
     }
 }
 
+fn block_on(service: impl std::future::Future<Output = Result<()>>) -> Result<()> {
+    tokio::runtime::Runtime::new()?.block_on(service)
+}
+
 fn run(cli: Cli) -> Result<()> {
     match cli.command {
         Command::Generate(args) => generate(args),
+        Command::Serve(args) => serve::run(args),
+        Command::Router(args) => block_on(duplex_router::run(args.resolve()?)),
+        Command::Prefill(args) => block_on(duplex_prefill::run(args.resolve()?)),
+        Command::Decode(args) => block_on(duplex_decode::run(args.resolve()?)),
         Command::Logits(args) => logits(args),
         Command::Synth(args) => synth(args),
         Command::BenchKernels(args) => bench::kernels(args),

@@ -1,0 +1,77 @@
+//! Between the worker protocol's messages and the engine's types. Messages
+//! arrive from another process: nothing here trusts them (`SamplingParams`
+//! are validated by whoever builds a `Sampler`).
+
+use crate::worker;
+use duplex_model::sampling::{SampledToken, SamplingParams};
+use duplex_model::BlockTable;
+
+impl From<&worker::Sampling> for SamplingParams {
+    fn from(s: &worker::Sampling) -> Self {
+        SamplingParams {
+            temperature: s.temperature,
+            top_k: s.top_k as usize,
+            top_p: s.top_p,
+            min_p: s.min_p,
+            repetition_penalty: s.repetition_penalty,
+            presence_penalty: s.presence_penalty,
+            frequency_penalty: s.frequency_penalty,
+            seed: Some(s.seed),
+            logprobs: s.top_logprobs.map(|n| n as usize),
+        }
+    }
+}
+
+impl From<&SamplingParams> for worker::Sampling {
+    /// A request without a seed must have been given one by the caller; `0`
+    /// stands in otherwise.
+    fn from(p: &SamplingParams) -> Self {
+        worker::Sampling {
+            temperature: p.temperature,
+            top_k: p.top_k.min(u32::MAX as usize) as u32,
+            top_p: p.top_p,
+            min_p: p.min_p,
+            repetition_penalty: p.repetition_penalty,
+            presence_penalty: p.presence_penalty,
+            frequency_penalty: p.frequency_penalty,
+            seed: p.seed.unwrap_or(0),
+            top_logprobs: p.logprobs.map(|n| n.min(u32::MAX as usize) as u32),
+        }
+    }
+}
+
+impl From<&SampledToken> for worker::SampledToken {
+    fn from(t: &SampledToken) -> Self {
+        worker::SampledToken {
+            id: t.id,
+            logprob: t.logprob,
+            top_logprobs: t.top_logprobs.iter().map(|&(id, logprob)| worker::TopLogprob { id, logprob }).collect(),
+        }
+    }
+}
+
+impl From<&worker::SampledToken> for SampledToken {
+    fn from(t: &worker::SampledToken) -> Self {
+        SampledToken { id: t.id, logprob: t.logprob, top_logprobs: t.top_logprobs.iter().map(|t| (t.id, t.logprob)).collect() }
+    }
+}
+
+impl worker::KvLease {
+    /// The lease's blocks as an empty block table (nothing written yet).
+    pub fn table(&self) -> BlockTable {
+        BlockTable { blocks: self.blocks.clone(), len: 0 }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sampling_round_trips() {
+        let p = SamplingParams { temperature: 0.7, top_k: 40, top_p: 0.9, min_p: 0.05, repetition_penalty: 1.1, presence_penalty: 0.5, frequency_penalty: -0.5, seed: Some(99), logprobs: Some(3) };
+        assert_eq!(SamplingParams::from(&worker::Sampling::from(&p)), p);
+        let t = SampledToken { id: 5, logprob: -0.25, top_logprobs: vec![(5, -0.25), (9, -1.5)] };
+        assert_eq!(SampledToken::from(&worker::SampledToken::from(&t)), t);
+    }
+}

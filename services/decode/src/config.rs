@@ -1,0 +1,130 @@
+//! The decode worker's settings: defaults, the `[decode]` section of the
+//! TOML config file, then command-line flags.
+
+use serde::{Deserialize, Serialize};
+use std::path::PathBuf;
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct DecodeConfig {
+    /// Checkpoint directory (config.json, safetensors, tokenizer).
+    pub model: PathBuf,
+    pub host: String,
+    /// Internal gRPC port the router calls.
+    pub port: u16,
+    /// Port of this process's Prometheus `/metrics`; 0 turns it off.
+    pub metrics_port: u16,
+    /// tmpfs directory holding the shared weight and KV segments.
+    pub shm_dir: PathBuf,
+    /// Prefix of the segment names, so several servers can share a machine.
+    pub instance: String,
+    /// Longest prompt plus output; 0 means the model's maximum.
+    pub context_length: usize,
+    /// KV pool size in blocks of 16 tokens; 0 sizes it for `max_batch_size`
+    /// sequences at full context.
+    pub kv_blocks: usize,
+    /// Sequences decoded together in one step (continuous batching).
+    pub max_batch_size: usize,
+    /// Prompt tokens prefilled per step, shared by the sequences still in
+    /// prefill; decoding sequences always take part in every step.
+    pub prefill_chunk_tokens: usize,
+    /// Numeric path: `bf16` (the fast one) or `f32` (the scalar reference,
+    /// whose results do not depend on how requests are batched).
+    pub dtype: String,
+    /// Compute threads; 0 means every core.
+    pub threads: usize,
+    /// NUMA nodes the thread pool is split into.
+    pub numa_nodes: usize,
+}
+
+impl DecodeConfig {
+    pub fn precision(&self) -> anyhow::Result<duplex_model::Precision> {
+        self.dtype.parse().map_err(|e: String| anyhow::anyhow!("dtype: {e}"))
+    }
+}
+
+impl Default for DecodeConfig {
+    fn default() -> Self {
+        DecodeConfig {
+            model: PathBuf::from(duplex_model::BUNDLED_MODEL),
+            host: "127.0.0.1".into(),
+            port: 50061,
+            metrics_port: 9161,
+            shm_dir: duplex_ipc::default_shm_dir(),
+            instance: "duplex".into(),
+            context_length: 0,
+            kv_blocks: 0,
+            max_batch_size: 6,
+            prefill_chunk_tokens: 256,
+            dtype: "bf16".into(),
+            threads: 0,
+            numa_nodes: 1,
+        }
+    }
+}
+
+/// Command-line flags: each overrides the config file, which overrides the
+/// defaults.
+#[derive(Clone, Debug, Default, clap::Args)]
+pub struct DecodeArgs {
+    /// TOML config file; its `[decode]` section applies here.
+    #[arg(long)]
+    pub config: Option<PathBuf>,
+    /// Checkpoint directory [default: the bundled tiny model].
+    #[arg(long)]
+    pub model: Option<PathBuf>,
+    /// Address to listen on [default: 127.0.0.1].
+    #[arg(long)]
+    pub host: Option<String>,
+    /// Internal gRPC port [default: 50061].
+    #[arg(long)]
+    pub port: Option<u16>,
+    /// Prometheus /metrics port, 0 for none [default: 9161].
+    #[arg(long)]
+    pub metrics_port: Option<u16>,
+    /// Directory of the shared-memory segments [default: $DUPLEX_SHM_DIR or /dev/shm].
+    #[arg(long)]
+    pub shm_dir: Option<PathBuf>,
+    /// Prefix of the shared segments' names [default: duplex].
+    #[arg(long)]
+    pub instance: Option<String>,
+    /// Longest prompt plus output [default: the model's maximum].
+    #[arg(long)]
+    pub context_length: Option<usize>,
+    /// KV pool size in 16-token blocks [default: max-batch-size full contexts].
+    #[arg(long)]
+    pub kv_blocks: Option<usize>,
+    /// Sequences per decode step [default: 6].
+    #[arg(long)]
+    pub max_batch_size: Option<usize>,
+    /// Prompt tokens prefilled per step [default: 256].
+    #[arg(long)]
+    pub prefill_chunk_tokens: Option<usize>,
+    /// Numeric path: bf16 or f32 [default: bf16].
+    #[arg(long)]
+    pub dtype: Option<String>,
+    /// Compute threads [default: every core].
+    #[arg(long)]
+    pub threads: Option<usize>,
+    /// NUMA nodes to split the threads into [default: 1].
+    #[arg(long)]
+    pub numa_nodes: Option<usize>,
+}
+
+impl DecodeArgs {
+    pub fn resolve(self) -> anyhow::Result<DecodeConfig> {
+        let mut c: DecodeConfig = match &self.config {
+            Some(path) => duplex_telemetry::process::load_section(path, "decode")?,
+            None => DecodeConfig::default(),
+        };
+        macro_rules! take {
+            ($($field:ident),*) => { $(if let Some(v) = self.$field { c.$field = v; })* };
+        }
+        take!(model, host, port, metrics_port, shm_dir, instance, context_length, kv_blocks, max_batch_size, prefill_chunk_tokens, dtype, threads, numa_nodes);
+        if c.max_batch_size == 0 || c.prefill_chunk_tokens == 0 {
+            anyhow::bail!("max_batch_size and prefill_chunk_tokens must be at least 1");
+        }
+        c.precision()?;
+        Ok(c)
+    }
+}

@@ -1,0 +1,133 @@
+//! Allocation of the shared KV pool, which the decode worker owns.
+//!
+//! Sequences reserve blocks as they are admitted. For a long prompt the
+//! router first takes a *lease*: blocks reserved under the request's id and
+//! lent to the prefill worker, which writes the prompt's KV into them in
+//! place. Admission then takes the lease over; a lease that is never admitted
+//! is freed by `FreeKv` (or `Cancel`). Leases carry the pool's epoch, so one
+//! granted before a restart of this worker is refused afterwards.
+
+use duplex_model::kv_cache::KvError;
+use duplex_model::{BlockTable, KvPool};
+use duplex_proto::worker::KvLease;
+use std::collections::HashMap;
+use tonic::Status;
+
+pub struct KvAllocator {
+    pool: KvPool,
+    epoch: u64,
+    leases: HashMap<String, BlockTable>,
+}
+
+impl KvAllocator {
+    pub fn new(pool: KvPool, epoch: u64) -> Self {
+        KvAllocator { pool, epoch, leases: HashMap::new() }
+    }
+
+    pub fn lease(&mut self, request_id: &str, tokens: usize) -> Result<KvLease, Status> {
+        if tokens == 0 {
+            return Err(Status::invalid_argument("a KV lease needs at least one token"));
+        }
+        if self.leases.contains_key(request_id) {
+            return Err(Status::already_exists(format!("request {request_id} already holds a KV lease")));
+        }
+        let mut table = BlockTable::default();
+        self.pool.reserve(&mut table, tokens).map_err(|e| Status::resource_exhausted(e.to_string()))?;
+        let lease = KvLease { pool_epoch: self.epoch, request_id: request_id.to_string(), blocks: table.blocks.clone() };
+        self.leases.insert(request_id.to_string(), table);
+        Ok(lease)
+    }
+
+    /// Free a lease that will not be admitted; false if there is none.
+    pub fn free_lease(&mut self, request_id: &str) -> bool {
+        match self.leases.remove(request_id) {
+            Some(mut table) => {
+                self.pool.release(&mut table);
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// Take over the lease of `request_id`, whose first `filled` positions
+    /// the prefill worker has written.
+    pub fn take_lease(&mut self, request_id: &str, lease: &KvLease, filled: usize) -> Result<BlockTable, Status> {
+        if lease.pool_epoch != self.epoch {
+            return Err(Status::failed_precondition(format!(
+                "KV lease of request {request_id} is from pool epoch {}, but the pool is now epoch {} (the decode worker restarted)",
+                lease.pool_epoch, self.epoch
+            )));
+        }
+        match self.leases.get(request_id) {
+            Some(t) if t.blocks == lease.blocks && filled <= self.pool.capacity(t) => {}
+            Some(_) => return Err(Status::invalid_argument(format!("KV lease of request {request_id} does not match the blocks granted, or is too small for its prompt"))),
+            None => return Err(Status::failed_precondition(format!("request {request_id} holds no KV lease"))),
+        }
+        let mut table = self.leases.remove(request_id).expect("checked above");
+        table.len = filled;
+        Ok(table)
+    }
+
+    pub fn reserve(&mut self, table: &mut BlockTable, len: usize) -> Result<(), KvError> {
+        self.pool.reserve(table, len)
+    }
+
+    pub fn release(&mut self, table: &mut BlockTable) {
+        self.pool.release(table);
+    }
+
+    pub fn blocks_for(&self, positions: usize) -> usize {
+        positions.div_ceil(self.pool.block_size())
+    }
+
+    pub fn used_blocks(&self) -> usize {
+        self.pool.total_blocks() - self.pool.free_blocks()
+    }
+
+    pub fn total_blocks(&self) -> usize {
+        self.pool.total_blocks()
+    }
+
+    pub fn block_size(&self) -> usize {
+        self.pool.block_size()
+    }
+
+    pub fn epoch(&self) -> u64 {
+        self.epoch
+    }
+
+    pub fn pool_mut(&mut self) -> &mut KvPool {
+        &mut self.pool
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tonic::Code;
+
+    #[test]
+    fn leases_are_granted_taken_over_and_freed() {
+        let mut kv = KvAllocator::new(KvPool::new(8, 16, 2, 4), 7);
+        let lease = kv.lease("a", 40).unwrap();
+        assert_eq!((lease.blocks.len(), lease.pool_epoch, kv.used_blocks()), (3, 7, 3));
+        assert_eq!(kv.lease("a", 1).unwrap_err().code(), Code::AlreadyExists);
+        assert_eq!(kv.lease("b", 16 * 6).unwrap_err().code(), Code::ResourceExhausted);
+        assert_eq!(kv.lease("b", 0).unwrap_err().code(), Code::InvalidArgument);
+
+        let stale = KvLease { pool_epoch: 6, ..lease.clone() };
+        assert_eq!(kv.take_lease("a", &stale, 40).unwrap_err().code(), Code::FailedPrecondition);
+        let forged = KvLease { blocks: vec![5, 6, 7], ..lease.clone() };
+        assert_eq!(kv.take_lease("a", &forged, 40).unwrap_err().code(), Code::InvalidArgument);
+        assert_eq!(kv.take_lease("a", &lease, 49).unwrap_err().code(), Code::InvalidArgument);
+        let mut table = kv.take_lease("a", &lease, 40).unwrap();
+        assert_eq!(table.len, 40);
+        assert!(!kv.free_lease("a"), "the lease became the sequence's table");
+        kv.release(&mut table);
+        assert_eq!(kv.used_blocks(), 0);
+
+        kv.lease("c", 5).unwrap();
+        assert!(kv.free_lease("c"));
+        assert_eq!(kv.used_blocks(), 0);
+    }
+}

@@ -1,0 +1,72 @@
+//! duplex-decode: the decode worker.
+//!
+//! It maps the shared weights, creates the shared KV pool (whose allocation
+//! it owns), and runs continuous batching: decoding sequences and chunked
+//! prefill of short prompts in the same steps, plus sequences whose long
+//! prompts the prefill worker ran into KV blocks leased from here. The
+//! router talks to it over the `DecodeWorker` gRPC service.
+
+pub mod batcher;
+pub mod config;
+pub mod kv_alloc;
+pub mod server;
+
+use anyhow::Context;
+use batcher::{Batcher, Limits};
+pub use config::DecodeConfig;
+use duplex_ipc::{KvGeometry, KvSegment};
+use duplex_kernels::pool::PoolConfig;
+use duplex_proto::worker::decode_worker_server::DecodeWorkerServer;
+use kv_alloc::KvAllocator;
+use duplex_proto::stats::StatsCell;
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Instant;
+use tokio::net::TcpListener;
+
+/// Serve on `listener` until `shutdown` resolves. Loads the model first; the
+/// router sees the worker as ready once `Stats` answers.
+pub async fn serve(config: DecodeConfig, listener: TcpListener, shutdown: impl Future<Output = ()> + Send + 'static) -> anyhow::Result<()> {
+    let cfg = config.clone();
+    let (batcher, stats, vocab, context) = tokio::task::spawn_blocking(move || start_engine(&cfg)).await??;
+    let (commands, receiver) = std::sync::mpsc::channel();
+    std::thread::Builder::new().name("decode-engine".into()).spawn(move || batcher.run(receiver))?;
+    let service = server::DecodeService::new(commands, stats, vocab, context);
+    tracing::info!("decode worker serving on {}", listener.local_addr()?);
+    tonic::transport::Server::builder()
+        .add_service(DecodeWorkerServer::new(service))
+        .serve_with_incoming_shutdown(tokio_stream::wrappers::TcpListenerStream::new(listener), shutdown)
+        .await?;
+    Ok(())
+}
+
+/// Bind, export metrics, serve until Ctrl-C or SIGTERM.
+pub async fn run(config: DecodeConfig) -> anyhow::Result<()> {
+    duplex_telemetry::init_logging();
+    if config.metrics_port != 0 {
+        duplex_telemetry::install(Some((config.host.parse::<std::net::IpAddr>()?, config.metrics_port).into()))?;
+    }
+    let listener = TcpListener::bind((config.host.as_str(), config.port)).await.with_context(|| format!("cannot listen on {}:{}", config.host, config.port))?;
+    serve(config, listener, duplex_telemetry::process::shutdown_signal()).await
+}
+
+fn start_engine(cfg: &DecodeConfig) -> anyhow::Result<(Batcher, Arc<StatsCell>, usize, usize)> {
+    let started = Instant::now();
+    let pool = PoolConfig::split(cfg.threads, cfg.numa_nodes).map_err(|e| anyhow::anyhow!("threads/numa_nodes: {e}"))?;
+    let (model, store, provenance) = duplex_ipc::open_shared_model(&cfg.shm_dir, &cfg.instance, &cfg.model, &pool)?;
+    tracing::info!("weight segment {} {provenance:?} and model loaded in {:.3} s ({} bytes)", store.path().display(), started.elapsed().as_secs_f64(), store.size_bytes());
+    metrics::gauge!(duplex_telemetry::WEIGHT_SEGMENT_BYTES).set(store.size_bytes() as f64);
+    let max_context = model.cfg.max_position_embeddings;
+    let context_length = if cfg.context_length == 0 { max_context } else { cfg.context_length.min(max_context) };
+    let block_size = duplex_model::generation::KV_BLOCK_SIZE;
+    let n_blocks = if cfg.kv_blocks == 0 { cfg.max_batch_size.max(1) * context_length.div_ceil(block_size) } else { cfg.kv_blocks };
+    let geometry = KvGeometry { n_blocks, block_size, n_layers: model.cfg.num_hidden_layers, entry_dim: model.cfg.kv_entry_dim() };
+    let segment = KvSegment::create(&cfg.shm_dir, &duplex_ipc::kv_segment_name(&cfg.instance), geometry)?;
+    let epoch = segment.epoch();
+    tracing::info!("KV segment {}: {n_blocks} blocks of {block_size} tokens, epoch {epoch}", segment.path().display());
+    let kv = KvAllocator::new(segment.into_pool(true)?, epoch);
+    let limits = Limits { context_length, max_batch_size: cfg.max_batch_size.max(1), prefill_chunk_tokens: cfg.prefill_chunk_tokens.max(1) };
+    let vocab = model.cfg.vocab_size;
+    let stats = Arc::new(StatsCell::new(context_length, store.fingerprint().to_string()));
+    Ok((Batcher::new(model, kv, limits, cfg.precision()?, stats.clone()), stats, vocab, context_length))
+}

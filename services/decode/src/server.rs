@@ -1,0 +1,119 @@
+//! The `DecodeWorker` gRPC service: checks each message, then hands it to the
+//! engine thread and relays the answer. Async lives here; compute lives in
+//! the batcher.
+
+use crate::batcher::{Admission, Command, Prefilled};
+use duplex_proto::worker::decode_worker_server::DecodeWorker;
+use duplex_proto::worker::{
+    AllocateKvRequest, CancelRequest, CancelResponse, DecodeEvent, DecodeRequest, FreeKvRequest, FreeKvResponse, KvLease, StatsRequest, WorkerStats,
+};
+use duplex_proto::stats::StatsCell;
+use std::sync::mpsc::Sender;
+use std::sync::Arc;
+use std::time::Instant;
+use tokio::sync::{mpsc, oneshot};
+use tokio_stream::wrappers::UnboundedReceiverStream;
+use tonic::{Request, Response, Status};
+
+pub struct DecodeService {
+    commands: Sender<Command>,
+    stats: Arc<StatsCell>,
+    vocab_size: usize,
+    context_length: usize,
+}
+
+impl DecodeService {
+    pub fn new(commands: Sender<Command>, stats: Arc<StatsCell>, vocab_size: usize, context_length: usize) -> Self {
+        DecodeService { commands, stats, vocab_size, context_length }
+    }
+
+    fn send(&self, command: Command) -> Result<(), Status> {
+        self.commands.send(command).map_err(|_| Status::unavailable("the decode engine has stopped"))
+    }
+
+    async fn ask<T>(&self, make: impl FnOnce(oneshot::Sender<T>) -> Command) -> Result<T, Status> {
+        let (reply, answer) = oneshot::channel();
+        self.send(make(reply))?;
+        answer.await.map_err(|_| Status::unavailable("the decode engine has stopped"))
+    }
+
+    fn admission(&self, r: DecodeRequest, events: crate::batcher::EventSender) -> Result<Admission, Status> {
+        if r.request_id.is_empty() {
+            return Err(Status::invalid_argument("request_id is empty"));
+        }
+        if r.prompt.is_empty() {
+            return Err(Status::invalid_argument("prompt is empty"));
+        }
+        if let Some(id) = r.prompt.iter().find(|&&t| t as usize >= self.vocab_size) {
+            return Err(Status::invalid_argument(format!("prompt token {id} is outside the vocabulary of {}", self.vocab_size)));
+        }
+        if r.prompt.len() >= self.context_length {
+            return Err(Status::invalid_argument(format!("prompt has {} tokens; the context length is {}", r.prompt.len(), self.context_length)));
+        }
+        if r.max_tokens == 0 {
+            return Err(Status::invalid_argument("max_tokens must be at least 1"));
+        }
+        let sampling = r.sampling.as_ref().ok_or_else(|| Status::invalid_argument("sampling is missing"))?;
+        let prefilled = match r.prefilled {
+            None => None,
+            Some(p) => {
+                let lease = p.lease.ok_or_else(|| Status::invalid_argument("prefilled.lease is missing"))?;
+                let first_token = p.first_token.ok_or_else(|| Status::invalid_argument("prefilled.first_token is missing"))?;
+                if first_token.id as usize >= self.vocab_size {
+                    return Err(Status::invalid_argument(format!("first token {} is outside the vocabulary", first_token.id)));
+                }
+                Some(Prefilled { lease, first_token })
+            }
+        };
+        Ok(Admission {
+            request_id: r.request_id,
+            prompt: r.prompt,
+            sampling: sampling.into(),
+            max_tokens: r.max_tokens as usize,
+            stop_token_ids: r.stop_token_ids.into_iter().collect(),
+            prefilled,
+            events,
+            arrived: Instant::now(),
+        })
+    }
+}
+
+#[tonic::async_trait]
+impl DecodeWorker for DecodeService {
+    async fn allocate_kv(&self, request: Request<AllocateKvRequest>) -> Result<Response<KvLease>, Status> {
+        let r = request.into_inner();
+        if r.request_id.is_empty() {
+            return Err(Status::invalid_argument("request_id is empty"));
+        }
+        let lease = self.ask(|reply| Command::AllocateKv { request_id: r.request_id, tokens: r.tokens as usize, reply }).await??;
+        Ok(Response::new(lease))
+    }
+
+    async fn free_kv(&self, request: Request<FreeKvRequest>) -> Result<Response<FreeKvResponse>, Status> {
+        let request_id = request.into_inner().request_id;
+        self.ask(|reply| Command::FreeKv { request_id, reply }).await?;
+        Ok(Response::new(FreeKvResponse {}))
+    }
+
+    type DecodeStream = UnboundedReceiverStream<Result<DecodeEvent, Status>>;
+
+    /// The stream ends with a `finished` event or an error status. When the
+    /// caller drops it, the engine notices at its next step and frees the
+    /// sequence's blocks.
+    async fn decode(&self, request: Request<DecodeRequest>) -> Result<Response<Self::DecodeStream>, Status> {
+        let (events, stream) = mpsc::unbounded_channel();
+        let admission = self.admission(request.into_inner(), events)?;
+        self.send(Command::Admit(Box::new(admission)))?;
+        Ok(Response::new(UnboundedReceiverStream::new(stream)))
+    }
+
+    async fn cancel(&self, request: Request<CancelRequest>) -> Result<Response<CancelResponse>, Status> {
+        let request_id = request.into_inner().request_id;
+        let found = self.ask(|reply| Command::Cancel { request_id, reply }).await?;
+        Ok(Response::new(CancelResponse { found }))
+    }
+
+    async fn stats(&self, _: Request<StatsRequest>) -> Result<Response<WorkerStats>, Status> {
+        Ok(Response::new(self.stats.snapshot()))
+    }
+}

@@ -1,0 +1,175 @@
+//! The prefill engine: one thread owns the model and runs prompts one at a
+//! time, first come first served, into KV blocks lent by the decode worker.
+//!
+//! Between chunks of a prompt it takes the commands that have arrived
+//! (cancellation, new jobs to queue), and it drops a job whose caller has
+//! gone. A cancel of the running job is answered only once the engine has
+//! stopped writing into the job's blocks, so the caller may then free them.
+
+use duplex_ipc::KvSegment;
+use duplex_model::sampling::{Sampler, SamplingParams};
+use duplex_model::{KvPool, Logits, Model, Precision};
+use duplex_proto::stats::StatsCell;
+use duplex_proto::worker::{KvLease, PrefillResponse, SampledToken as WireToken};
+use duplex_telemetry as names;
+use std::collections::VecDeque;
+use std::path::PathBuf;
+use std::sync::mpsc::Receiver;
+use std::sync::Arc;
+use std::time::Instant;
+use tokio::sync::oneshot;
+use tonic::Status;
+
+pub struct Job {
+    pub request_id: String,
+    pub prompt: Vec<u32>,
+    pub sampling: SamplingParams,
+    pub lease: KvLease,
+    pub reply: oneshot::Sender<Result<PrefillResponse, Status>>,
+    pub arrived: Instant,
+}
+
+pub enum Command {
+    Prefill(Job),
+    Cancel { request_id: String, reply: oneshot::Sender<bool> },
+}
+
+/// The job being run.
+struct Current {
+    request_id: String,
+    cancelled: bool,
+    /// Cancels waiting for the job to stop writing.
+    waiters: Vec<oneshot::Sender<bool>>,
+}
+
+/// Where the shared KV segment is, and the mapping of it in use.
+pub struct KvSource {
+    pub shm_dir: PathBuf,
+    pub name: String,
+    attached: Option<(KvPool, u64)>,
+}
+
+impl KvSource {
+    pub fn new(shm_dir: PathBuf, name: String) -> Self {
+        KvSource { shm_dir, name, attached: None }
+    }
+
+    /// The pool of epoch `epoch`: the decode worker makes a new segment when
+    /// it restarts, so map it again when a lease names another epoch.
+    fn pool(&mut self, epoch: u64) -> Result<&mut KvPool, Status> {
+        if self.attached.as_ref().is_none_or(|(_, e)| *e != epoch) {
+            self.attached = None;
+            let segment = KvSegment::attach(&self.shm_dir, &self.name).map_err(|e| Status::unavailable(format!("cannot map the KV pool: {e}")))?;
+            let found = segment.epoch();
+            if found != epoch {
+                return Err(Status::failed_precondition(format!("KV lease is for pool epoch {epoch}, but the pool is now epoch {found} (the decode worker restarted)")));
+            }
+            let pool = segment.into_pool(false).map_err(|e| Status::unavailable(e.to_string()))?;
+            self.attached = Some((pool, found));
+        }
+        Ok(&mut self.attached.as_mut().expect("attached above").0)
+    }
+
+}
+
+pub struct Engine {
+    model: Model,
+    kv: KvSource,
+    chunk_tokens: usize,
+    precision: Precision,
+    stats: Arc<StatsCell>,
+    queue: VecDeque<Job>,
+    current: Option<Current>,
+}
+
+impl Engine {
+    pub fn new(model: Model, kv: KvSource, chunk_tokens: usize, precision: Precision, stats: Arc<StatsCell>) -> Self {
+        Engine { model, kv, chunk_tokens: chunk_tokens.max(1), precision, stats, queue: VecDeque::new(), current: None }
+    }
+
+    pub fn run(mut self, commands: Receiver<Command>) {
+        loop {
+            if self.queue.is_empty() {
+                match commands.recv() {
+                    Ok(c) => self.handle(c),
+                    Err(_) => return,
+                }
+            }
+            self.drain(&commands);
+            if let Some(job) = self.queue.pop_front() {
+                self.run_job(job, &commands);
+            }
+        }
+    }
+
+    fn drain(&mut self, commands: &Receiver<Command>) {
+        while let Ok(c) = commands.try_recv() {
+            self.handle(c);
+        }
+        metrics::gauge!(names::PREFILL_QUEUE).set(self.queue.len() as f64);
+        StatsCell::set(&self.stats.waiting, self.queue.len());
+        StatsCell::set(&self.stats.running, self.current.is_some() as usize);
+    }
+
+    fn handle(&mut self, command: Command) {
+        match command {
+            Command::Prefill(job) => self.queue.push_back(job),
+            Command::Cancel { request_id, reply } => {
+                if let Some(current) = self.current.as_mut().filter(|c| c.request_id == request_id) {
+                    current.cancelled = true;
+                    current.waiters.push(reply); // answered when the job stops
+                    return;
+                }
+                let queued = self.queue.len();
+                self.queue.retain(|j| j.request_id != request_id);
+                let _ = reply.send(queued != self.queue.len());
+            }
+        }
+    }
+
+    fn run_job(&mut self, job: Job, commands: &Receiver<Command>) {
+        if job.reply.is_closed() {
+            return; // the caller gave up while the job queued
+        }
+        self.current = Some(Current { request_id: job.request_id.clone(), cancelled: false, waiters: vec![] });
+        let result = self.prefill(&job, commands);
+        for waiter in self.current.take().map(|c| c.waiters).unwrap_or_default() {
+            let _ = waiter.send(true);
+        }
+        let _ = job.reply.send(result);
+    }
+
+    fn prefill(&mut self, job: &Job, commands: &Receiver<Command>) -> Result<PrefillResponse, Status> {
+        let started = Instant::now();
+        let mut sampler = Sampler::new(job.sampling.clone(), &job.prompt).map_err(|e| Status::invalid_argument(e.to_string()))?;
+        let mut table = job.lease.table();
+        {
+            let pool = self.kv.pool(job.lease.pool_epoch)?;
+            self.stats.pool_epoch.store(job.lease.pool_epoch, std::sync::atomic::Ordering::Relaxed);
+            pool.check_table(&table).map_err(|e| Status::invalid_argument(e.to_string()))?;
+            if pool.capacity(&table) < job.prompt.len() {
+                return Err(Status::invalid_argument(format!("the KV lease holds {} positions, fewer than the prompt's {}", pool.capacity(&table), job.prompt.len())));
+            }
+        }
+        let mut logits = vec![];
+        for chunk in job.prompt.chunks(self.chunk_tokens) {
+            self.drain(commands);
+            if job.reply.is_closed() || self.current.as_ref().is_some_and(|c| c.cancelled) {
+                return Err(Status::cancelled("prefill cancelled"));
+            }
+            let pool = self.kv.pool(job.lease.pool_epoch)?;
+            logits = self.model.forward(pool, &mut table, chunk, self.precision, Logits::Last).map_err(|e| Status::invalid_argument(e.to_string()))?;
+        }
+        let token = sampler.sample(&logits);
+        let seconds = started.elapsed().as_secs_f64();
+        let n = job.prompt.len() as f64;
+        metrics::counter!(names::PREFILL_TOKENS, "worker" => "prefill").increment(job.prompt.len() as u64);
+        metrics::histogram!(names::PREFILL_TIME, "worker" => "prefill").record(seconds);
+        metrics::histogram!(names::PREFILL_THROUGHPUT, "worker" => "prefill").record(n / seconds.max(1e-9));
+        Ok(PrefillResponse {
+            first_token: Some(WireToken::from(&token)),
+            queue_seconds: (started - job.arrived).as_secs_f64(),
+            prefill_seconds: seconds,
+        })
+    }
+}

@@ -1,0 +1,126 @@
+//! The public gRPC API, `duplex.v1.Generation`: proto messages in, one
+//! `GenerationRequest` through the router, proto events out.
+
+use crate::error::Error;
+use crate::generate::{count_refused, Event, Router};
+use crate::request::{Prompt, RequestOptions};
+use duplex_model::tokenizer::ChatMessage;
+use duplex_proto::v1::generation_server::Generation;
+use duplex_proto::v1::{
+    self, generate_request, generate_response, tokenize_request, GenerateRequest, GenerateResponse, ModelInfoRequest, ModelInfoResponse,
+    TokenizeRequest, TokenizeResponse,
+};
+use futures::{Stream, StreamExt};
+use std::pin::Pin;
+use std::sync::Arc;
+use tonic::{Request, Response, Status};
+
+pub struct GrpcApi {
+    router: Arc<Router>,
+}
+
+impl GrpcApi {
+    pub fn new(router: Arc<Router>) -> Self {
+        GrpcApi { router }
+    }
+}
+
+#[tonic::async_trait]
+impl Generation for GrpcApi {
+    type GenerateStream = Pin<Box<dyn Stream<Item = Result<GenerateResponse, Status>> + Send>>;
+
+    async fn generate(&self, request: Request<GenerateRequest>) -> Result<Response<Self::GenerateStream>, Status> {
+        let r = request.into_inner();
+        let prompt = match r.prompt {
+            Some(generate_request::Prompt::Text(text)) => Prompt::Text(text),
+            Some(generate_request::Prompt::Tokens(t)) => Prompt::Tokens(t.ids),
+            Some(generate_request::Prompt::Chat(c)) => Prompt::Chat(chat(c)),
+            None => {
+                let e = Error::invalid("prompt", "prompt is required: set one of text, tokens or chat");
+                count_refused(&e);
+                return Err(e.into());
+            }
+        };
+        let (req, permit) = self.router.admit(&prompt, options(r.model, r.sampling.unwrap_or_default(), r.stopping.unwrap_or_default()))?;
+        let events = self.router.generate(req, permit).map(|event| event.map(response).map_err(Status::from));
+        Ok(Response::new(Box::pin(events)))
+    }
+
+    async fn tokenize(&self, request: Request<TokenizeRequest>) -> Result<Response<TokenizeResponse>, Status> {
+        let ids = match request.into_inner().input {
+            // Empty text is a fine thing to tokenize, unlike to generate from.
+            Some(tokenize_request::Input::Text(text)) => {
+                self.router.model.tokenizer.encode(&text).map_err(|e| Error::invalid("text", e.to_string()))?
+            }
+            Some(tokenize_request::Input::Chat(c)) => self.router.model.tokenize(&Prompt::Chat(chat(c)))?,
+            None => return Err(Error::invalid("input", "input is required: set text or chat").into()),
+        };
+        Ok(Response::new(TokenizeResponse { ids }))
+    }
+
+    async fn model_info(&self, _: Request<ModelInfoRequest>) -> Result<Response<ModelInfoResponse>, Status> {
+        let model = &self.router.model;
+        let readiness = self.router.workers.readiness();
+        let context_length = match readiness.limits() {
+            Ok(limits) => model.context_length(&limits),
+            Err(_) => model.context_length,
+        };
+        Ok(Response::new(ModelInfoResponse {
+            model: model.name.clone(),
+            vocab_size: model.vocab_size as u32,
+            context_length: context_length as u32,
+            prefill_worker_threshold: self.router.prefill_threshold(),
+            weights_fingerprint: readiness.decode.map(|s| s.weights_fingerprint).unwrap_or_default(),
+        }))
+    }
+}
+
+fn chat(c: v1::ChatMessages) -> Vec<ChatMessage> {
+    c.messages.into_iter().map(|m| ChatMessage { role: m.role, content: m.content }).collect()
+}
+
+fn options(model: String, s: v1::SamplingParameters, stopping: v1::StoppingCriteria) -> RequestOptions {
+    RequestOptions {
+        model: Some(model),
+        temperature: s.temperature,
+        top_k: s.top_k,
+        top_p: s.top_p,
+        min_p: s.min_p,
+        repetition_penalty: s.repetition_penalty,
+        presence_penalty: s.presence_penalty,
+        frequency_penalty: s.frequency_penalty,
+        seed: s.seed,
+        // 0 is the proto's "unset".
+        max_tokens: (stopping.max_tokens > 0).then_some(stopping.max_tokens),
+        stop: stopping.stop,
+        stop_token_ids: stopping.stop_token_ids,
+        ignore_eos: stopping.ignore_eos,
+        logprobs: s.logprobs,
+        top_logprobs: s.top_logprobs,
+    }
+}
+
+fn response(event: Event) -> GenerateResponse {
+    let event = match event {
+        Event::Token(t) => generate_response::Event::Token(v1::Token {
+            id: t.id,
+            text: t.text,
+            logprob: t.logprob,
+            top_logprobs: t.top_logprobs.into_iter().map(|p| v1::TopLogprob { id: p.id, logprob: p.logprob, text: p.text }).collect(),
+        }),
+        // `f.text` is empty unless a worker stopped unexpectedly; the proto
+        // has no place for text without a token, so it is dropped here.
+        Event::Finished(f) => generate_response::Event::Finished(v1::Finished {
+            finish_reason: f.reason.as_str().into(),
+            usage: Some(v1::Usage { prompt_tokens: f.prompt_tokens, completion_tokens: f.completion_tokens }),
+            timings: Some(v1::Timings {
+                queue_seconds: f.timings.queue.as_secs_f64(),
+                time_to_first_token_seconds: f.timings.time_to_first_token.as_secs_f64(),
+                mean_time_per_output_token_seconds: f.timings.mean_time_per_output_token.as_secs_f64(),
+                total_seconds: f.timings.total.as_secs_f64(),
+                prefill_path: f.timings.path.as_str().into(),
+            }),
+        }),
+    };
+    GenerateResponse { event: Some(event) }
+}

@@ -1,0 +1,597 @@
+//! The OpenAI-compatible HTTP API (axum): `/v1/completions`,
+//! `/v1/chat/completions` (streamed as server-sent events or not),
+//! `/v1/models`, plus `/health` and `/metrics`.
+//!
+//! Requests and responses follow OpenAI's shapes closely enough for the
+//! official clients to work unmodified: unknown fields are ignored, and
+//! every error is OpenAI's `{"error": {message, type, param, code}}`.
+
+use crate::error::Error;
+use crate::generate::{count_refused, Event, Finished, Router, Token};
+use crate::request::{Prompt, RequestOptions};
+use axum::body::Bytes;
+use axum::extract::{DefaultBodyLimit, FromRequest, Request, State};
+use axum::http::{header, StatusCode};
+use axum::response::sse::{KeepAlive, Sse};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::Json;
+use duplex_model::sampling::MAX_LOGPROBS;
+use duplex_model::tokenizer::{ChatMessage, Tokenizer};
+use duplex_telemetry as names;
+use metrics::counter;
+use futures::StreamExt;
+use metrics_exporter_prometheus::PrometheusHandle;
+use serde::de::DeserializeOwned;
+use serde::Deserialize;
+use serde_json::{json, Value};
+use std::convert::Infallible;
+use std::sync::Arc;
+use std::time::{SystemTime, UNIX_EPOCH};
+
+/// Long prompts sent as token-id arrays are large; axum's 2 MB default is not enough.
+const MAX_BODY_BYTES: usize = 64 << 20;
+
+#[derive(Clone)]
+struct App {
+    router: Arc<Router>,
+    metrics: PrometheusHandle,
+    started: u64,
+}
+
+pub fn routes(router: Arc<Router>, metrics: PrometheusHandle) -> axum::Router {
+    let app = App { router, metrics, started: unix_now() };
+    axum::Router::new()
+        .route("/v1/completions", post(completions))
+        .route("/v1/chat/completions", post(chat_completions))
+        .route("/v1/models", get(models))
+        .route("/health", get(health))
+        .route("/metrics", get(metrics_text))
+        .fallback(|| async { ApiError::new(StatusCode::NOT_FOUND, "invalid_request_error", "no such endpoint") })
+        .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
+        .with_state(app)
+}
+
+// ---------------------------------------------------------------- errors
+
+/// OpenAI's error body, with its HTTP status.
+#[derive(Debug)]
+pub struct ApiError {
+    status: StatusCode,
+    kind: &'static str,
+    message: String,
+    param: Option<String>,
+    code: Option<&'static str>,
+}
+
+impl ApiError {
+    fn new(status: StatusCode, kind: &'static str, message: impl Into<String>) -> Self {
+        ApiError { status, kind, message: message.into(), param: None, code: None }
+    }
+
+    fn invalid(param: Option<String>, message: impl Into<String>) -> Self {
+        ApiError { param, ..ApiError::new(StatusCode::BAD_REQUEST, "invalid_request_error", message) }
+    }
+
+    fn body(&self) -> Value {
+        json!({"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}})
+    }
+}
+
+impl From<Error> for ApiError {
+    fn from(e: Error) -> Self {
+        let message = e.to_string();
+        match e {
+            Error::Invalid { param, .. } => ApiError::invalid(param.map(Into::into), message),
+            Error::ModelNotFound { .. } => ApiError {
+                param: Some("model".into()),
+                code: Some("model_not_found"),
+                ..ApiError::new(StatusCode::NOT_FOUND, "invalid_request_error", message)
+            },
+            Error::Overloaded(_) => ApiError::new(StatusCode::TOO_MANY_REQUESTS, "rate_limit_error", message),
+            Error::Unavailable(_) => ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "service_unavailable_error", message),
+            Error::Internal(_) => ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "server_error", message),
+        }
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        (self.status, Json(self.body())).into_response()
+    }
+}
+
+/// A JSON body whose every rejection (too large, not UTF-8, malformed, a
+/// field of the wrong type) is an OpenAI error naming the field.
+struct JsonBody<T>(T);
+
+impl<S: Send + Sync, T: DeserializeOwned> FromRequest<S> for JsonBody<T> {
+    type Rejection = ApiError;
+
+    async fn from_request(req: Request, state: &S) -> Result<Self, ApiError> {
+        let parsed = Self::parse(req, state).await;
+        if parsed.is_err() {
+            counter!(names::REQUESTS, "outcome" => "invalid").increment(1);
+        }
+        parsed
+    }
+}
+
+impl<T: DeserializeOwned> JsonBody<T> {
+    async fn parse<S: Send + Sync>(req: Request, state: &S) -> Result<Self, ApiError> {
+        let bytes = Bytes::from_request(req, state).await.map_err(|e| ApiError::new(e.status(), "invalid_request_error", e.body_text()))?;
+        let text = std::str::from_utf8(&bytes).map_err(|e| ApiError::invalid(None, format!("the request body is not valid UTF-8: {e}")))?;
+        let mut de = serde_json::Deserializer::from_str(text);
+        let value = serde_path_to_error::deserialize(&mut de).map_err(|e| {
+            let path = e.path().to_string();
+            let inner = e.into_inner();
+            // A syntax error is the body's; a type error is the field's.
+            match (inner.classify(), path.as_str()) {
+                (serde_json::error::Category::Data, p) if p != "." => ApiError::invalid(Some(path.clone()), format!("invalid `{path}`: {inner}")),
+                _ => ApiError::invalid(None, format!("the request body is not valid JSON: {inner}")),
+            }
+        })?;
+        de.end().map_err(|e| ApiError::invalid(None, format!("the request body is not valid JSON: {e}")))?;
+        Ok(JsonBody(value))
+    }
+}
+
+// ---------------------------------------------------------------- requests
+
+/// The body of both generation endpoints; each reads the fields it knows.
+/// Every field is optional (and may be null), and unknown ones are ignored,
+/// as OpenAI clients send plenty of them.
+#[derive(Debug, Default, Deserialize)]
+#[serde(default)]
+struct ApiRequest {
+    model: Option<String>,
+    /// Completions: a string, an array of token ids, or a one-element array of either.
+    prompt: Option<Value>,
+    /// Chat: messages with string content or an array of text parts.
+    messages: Option<Vec<ApiMessage>>,
+    max_tokens: Option<u32>,
+    max_completion_tokens: Option<u32>,
+    temperature: Option<f32>,
+    top_p: Option<f32>,
+    /// -1 (vLLM's "off") and 0 both disable the filter.
+    top_k: Option<i64>,
+    min_p: Option<f32>,
+    repetition_penalty: Option<f32>,
+    presence_penalty: Option<f32>,
+    frequency_penalty: Option<f32>,
+    seed: Option<u64>,
+    /// A string or an array of strings.
+    stop: Option<Value>,
+    stop_token_ids: Option<Vec<u32>>,
+    ignore_eos: Option<bool>,
+    /// Completions: how many top logprobs (an integer); chat: a bool.
+    logprobs: Option<Value>,
+    /// Chat: how many top logprobs.
+    top_logprobs: Option<u32>,
+    n: Option<u32>,
+    best_of: Option<u32>,
+    echo: Option<bool>,
+    suffix: Option<String>,
+    stream: Option<bool>,
+    stream_options: Option<StreamOptions>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(default)]
+struct StreamOptions {
+    include_usage: Option<bool>,
+}
+
+#[derive(Debug, Deserialize)]
+struct ApiMessage {
+    role: String,
+    #[serde(default)]
+    content: Option<Value>,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Kind {
+    Completion,
+    Chat,
+}
+
+impl ApiRequest {
+    /// The options common to both endpoints; `logprobs` as resolved by the caller.
+    fn options(&self, logprobs: bool, top_logprobs: Option<u32>) -> Result<RequestOptions, Error> {
+        if self.n.is_some_and(|n| n != 1) {
+            return Err(Error::invalid("n", "n must be 1: this server returns one choice per request"));
+        }
+        let top_k = match self.top_k {
+            None => None,
+            Some(-1 | 0) => Some(0),
+            Some(k) if k > 0 => Some(u32::try_from(k).unwrap_or(u32::MAX)),
+            Some(k) => return Err(Error::invalid("top_k", format!("top_k must be -1 or 0 (off) or positive, got {k}"))),
+        };
+        let stop = match &self.stop {
+            None | Some(Value::Null) => vec![],
+            Some(Value::String(s)) => vec![s.clone()],
+            Some(Value::Array(items)) => items
+                .iter()
+                .map(|s| s.as_str().map(String::from))
+                .collect::<Option<Vec<_>>>()
+                .ok_or_else(|| Error::invalid("stop", "stop must be a string or an array of strings"))?,
+            Some(_) => return Err(Error::invalid("stop", "stop must be a string or an array of strings")),
+        };
+        Ok(RequestOptions {
+            model: self.model.clone(),
+            temperature: self.temperature,
+            top_k,
+            top_p: self.top_p,
+            min_p: self.min_p,
+            repetition_penalty: self.repetition_penalty,
+            presence_penalty: self.presence_penalty,
+            frequency_penalty: self.frequency_penalty,
+            seed: self.seed,
+            max_tokens: self.max_completion_tokens.or(self.max_tokens),
+            stop,
+            stop_token_ids: self.stop_token_ids.clone().unwrap_or_default(),
+            ignore_eos: self.ignore_eos.unwrap_or(false),
+            logprobs,
+            top_logprobs,
+        })
+    }
+
+    fn include_usage(&self) -> bool {
+        self.stream_options.as_ref().and_then(|o| o.include_usage).unwrap_or(false)
+    }
+}
+
+async fn completions(State(app): State<App>, JsonBody(body): JsonBody<ApiRequest>) -> Result<Response, ApiError> {
+    let (prompt, opts) = completion_request(&body).inspect_err(count_refused)?;
+    app.respond(Kind::Completion, prompt, opts, &body).await
+}
+
+async fn chat_completions(State(app): State<App>, JsonBody(body): JsonBody<ApiRequest>) -> Result<Response, ApiError> {
+    let (prompt, opts) = chat_request(&body).inspect_err(count_refused)?;
+    app.respond(Kind::Chat, prompt, opts, &body).await
+}
+
+fn completion_request(body: &ApiRequest) -> Result<(Prompt, RequestOptions), Error> {
+    if body.echo == Some(true) {
+        return Err(Error::invalid("echo", "echo is not supported"));
+    }
+    if body.best_of.is_some_and(|b| b > 1) {
+        return Err(Error::invalid("best_of", "best_of is not supported; it must be 1"));
+    }
+    if body.suffix.as_ref().is_some_and(|s| !s.is_empty()) {
+        return Err(Error::invalid("suffix", "suffix is not supported"));
+    }
+    let prompt = completion_prompt(body.prompt.as_ref())?;
+    let (logprobs, top) = match &body.logprobs {
+        None | Some(Value::Null) => (false, None),
+        Some(Value::Bool(b)) => (*b, None),
+        Some(Value::Number(n)) => match n.as_u64() {
+            Some(n) if n as usize <= MAX_LOGPROBS => (true, Some(n as u32)),
+            _ => return Err(Error::invalid("logprobs", format!("logprobs must be an integer in 0..={MAX_LOGPROBS}, got {n}"))),
+        },
+        Some(_) => return Err(Error::invalid("logprobs", "logprobs must be an integer")),
+    };
+    Ok((prompt, body.options(logprobs, top)?))
+}
+
+fn chat_request(body: &ApiRequest) -> Result<(Prompt, RequestOptions), Error> {
+    let messages = chat_messages(body.messages.as_deref())?;
+    let logprobs = match &body.logprobs {
+        None | Some(Value::Null) => false,
+        Some(Value::Bool(b)) => *b,
+        Some(_) => return Err(Error::invalid("logprobs", "logprobs must be true or false")),
+    };
+    Ok((Prompt::Chat(messages), body.options(logprobs, body.top_logprobs)?))
+}
+
+fn completion_prompt(prompt: Option<&Value>) -> Result<Prompt, Error> {
+    let bad = || Error::invalid("prompt", "prompt must be a string or an array of token ids");
+    match prompt {
+        None | Some(Value::Null) => Err(Error::invalid("prompt", "prompt is required")),
+        Some(Value::String(s)) => Ok(Prompt::Text(s.clone())),
+        Some(Value::Array(items)) if items.iter().all(Value::is_number) => {
+            let ids = items.iter().map(|v| v.as_u64().and_then(|id| u32::try_from(id).ok()));
+            Ok(Prompt::Tokens(ids.collect::<Option<_>>().ok_or_else(bad)?))
+        }
+        // A batch of one, as clients that always send batches do.
+        Some(Value::Array(items)) if items.len() == 1 => match &items[0] {
+            one @ Value::String(_) => completion_prompt(Some(one)),
+            one @ Value::Array(ids) if ids.iter().all(Value::is_number) => completion_prompt(Some(one)),
+            _ => Err(bad()),
+        },
+        Some(Value::Array(_)) => Err(Error::invalid("prompt", "batches of prompts are not supported; send one prompt per request")),
+        Some(_) => Err(bad()),
+    }
+}
+
+fn chat_messages(messages: Option<&[ApiMessage]>) -> Result<Vec<ChatMessage>, Error> {
+    let messages = messages.ok_or_else(|| Error::invalid("messages", "messages is required"))?;
+    let mut out = Vec::with_capacity(messages.len());
+    for (i, m) in messages.iter().enumerate() {
+        let content = match &m.content {
+            None | Some(Value::Null) => String::new(),
+            Some(Value::String(s)) => s.clone(),
+            Some(Value::Array(parts)) => {
+                let mut texts = vec![];
+                for (j, part) in parts.iter().enumerate() {
+                    match (part.get("type").and_then(Value::as_str), part.get("text").and_then(Value::as_str)) {
+                        (Some("text"), Some(text)) => texts.push(text),
+                        (kind, _) => {
+                            let kind = kind.unwrap_or("none");
+                            let message = format!("messages[{i}].content[{j}]: only parts of type `text` with a string `text` are supported, got type `{kind}`");
+                            return Err(Error::invalid("messages", message));
+                        }
+                    }
+                }
+                // As vLLM joins text parts.
+                texts.join("\n")
+            }
+            Some(_) => return Err(Error::invalid("messages", format!("messages[{i}].content must be a string or an array of text parts"))),
+        };
+        out.push(ChatMessage { role: m.role.clone(), content });
+    }
+    Ok(out)
+}
+
+// ---------------------------------------------------------------- responses
+
+/// The fixed parts of one response, and its JSON shapes.
+struct Reply {
+    kind: Kind,
+    id: String,
+    created: u64,
+    model: String,
+    include_usage: bool,
+}
+
+impl Reply {
+    fn envelope(&self, object: &str, choices: Value) -> Value {
+        let mut v = json!({"id": self.id, "object": object, "created": self.created, "model": self.model, "choices": choices});
+        if self.include_usage {
+            // OpenAI: with include_usage, every chunk has `usage`, null but the last.
+            v["usage"] = Value::Null;
+        }
+        v
+    }
+
+    /// One streamed chunk: text, logprobs of its tokens, maybe the finish reason.
+    fn chunk(&self, text: Option<&str>, logprobs: Value, finish_reason: Option<&str>) -> Value {
+        match self.kind {
+            Kind::Completion => {
+                let choice = json!({"index": 0, "text": text.unwrap_or(""), "logprobs": logprobs, "finish_reason": finish_reason});
+                self.envelope("text_completion", json!([choice]))
+            }
+            Kind::Chat => {
+                let delta = match text {
+                    Some(t) => json!({"content": t}),
+                    None => json!({}),
+                };
+                let choice = json!({"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason});
+                self.envelope("chat.completion.chunk", json!([choice]))
+            }
+        }
+    }
+
+    fn role_chunk(&self) -> Value {
+        let choice = json!({"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": null, "finish_reason": null});
+        self.envelope("chat.completion.chunk", json!([choice]))
+    }
+
+    fn usage_chunk(&self, f: &Finished) -> Value {
+        let object = if self.kind == Kind::Chat { "chat.completion.chunk" } else { "text_completion" };
+        json!({"id": self.id, "object": object, "created": self.created, "model": self.model, "choices": [], "usage": usage(f)})
+    }
+
+    fn full(&self, text: String, logprobs: Value, f: &Finished) -> Value {
+        let reason = f.reason.as_str();
+        let (object, choice) = match self.kind {
+            Kind::Completion => ("text_completion", json!({"index": 0, "text": text, "logprobs": logprobs, "finish_reason": reason})),
+            Kind::Chat => {
+                let message = json!({"role": "assistant", "content": text});
+                ("chat.completion", json!({"index": 0, "message": message, "logprobs": logprobs, "finish_reason": reason}))
+            }
+        };
+        json!({"id": self.id, "object": object, "created": self.created, "model": self.model, "choices": [choice], "usage": usage(f)})
+    }
+
+    /// Logprobs of `tokens` in this endpoint's shape, or null when the
+    /// request did not ask for them. `offset`: characters of completion text
+    /// before the first of them (the completions API reports text offsets).
+    fn logprobs(&self, tok: &Tokenizer, tokens: &[Token], mut offset: usize) -> Value {
+        if tokens.first().is_none_or(|t| t.logprob.is_none()) {
+            return Value::Null;
+        }
+        let lp = |t: &Token| t.logprob.unwrap_or(f32::NAN);
+        match self.kind {
+            Kind::Completion => {
+                let mut offsets = vec![];
+                for t in tokens {
+                    offsets.push(offset);
+                    offset += t.text.chars().count();
+                }
+                let top: Vec<Value> =
+                    tokens.iter().map(|t| Value::Object(t.top_logprobs.iter().map(|p| (p.text.clone(), json!(p.logprob))).collect())).collect();
+                json!({
+                    "tokens": tokens.iter().map(|t| tok.decode(&[t.id])).collect::<Vec<_>>(),
+                    "token_logprobs": tokens.iter().map(lp).collect::<Vec<_>>(),
+                    "top_logprobs": top,
+                    "text_offset": offsets,
+                })
+            }
+            Kind::Chat => {
+                let entry = |text: String, logprob: f32| json!({"token": text, "logprob": logprob, "bytes": text.as_bytes()});
+                let content: Vec<Value> = tokens
+                    .iter()
+                    .map(|t| {
+                        let mut e = entry(tok.decode(&[t.id]), lp(t));
+                        e["top_logprobs"] = t.top_logprobs.iter().map(|p| entry(p.text.clone(), p.logprob)).collect();
+                        e
+                    })
+                    .collect();
+                json!({"content": content})
+            }
+        }
+    }
+}
+
+fn usage(f: &Finished) -> Value {
+    json!({"prompt_tokens": f.prompt_tokens, "completion_tokens": f.completion_tokens, "total_tokens": f.prompt_tokens + f.completion_tokens})
+}
+
+impl App {
+    async fn respond(&self, kind: Kind, prompt: Prompt, opts: RequestOptions, body: &ApiRequest) -> Result<Response, ApiError> {
+        let (req, permit) = self.router.admit(&prompt, opts)?;
+        let prefix = if kind == Kind::Chat { "chatcmpl" } else { "cmpl" };
+        let reply = Reply { kind, id: format!("{prefix}-{}", req.id), created: unix_now(), model: self.router.model.name.clone(), include_usage: body.include_usage() };
+        let mut events = self.router.generate(req, permit);
+        // Wait for the first event before answering, so that a request the
+        // workers refuse outright gets its own status rather than a 200
+        // stream that carries an error.
+        let first = match events.next().await {
+            Some(Ok(event)) => event,
+            Some(Err(e)) => return Err(e.into()),
+            None => return Err(Error::Internal("the request ended without an event".into()).into()),
+        };
+        let events = futures::stream::iter([Ok(first)]).chain(events);
+        if body.stream == Some(true) {
+            Ok(self.stream(reply, events))
+        } else {
+            self.collect(reply, events).await
+        }
+    }
+
+    fn stream(&self, reply: Reply, mut events: impl futures::Stream<Item = Result<Event, Error>> + Send + Unpin + 'static) -> Response {
+        let router = self.router.clone();
+        let sse = |v: Value| Ok::<_, Infallible>(axum::response::sse::Event::default().data(v.to_string()));
+        let body = async_stream::stream! {
+            if reply.kind == Kind::Chat {
+                yield sse(reply.role_chunk());
+            }
+            let mut offset = 0;
+            while let Some(event) = events.next().await {
+                match event {
+                    Ok(Event::Token(t)) => {
+                        // Tokens that complete no text (held back, special)
+                        // are worth a chunk only for their logprobs.
+                        if t.text.is_empty() && t.logprob.is_none() {
+                            continue;
+                        }
+                        let logprobs = reply.logprobs(&router.model.tokenizer, std::slice::from_ref(&t), offset);
+                        offset += t.text.chars().count();
+                        let text = (reply.kind == Kind::Completion || !t.text.is_empty()).then_some(t.text.as_str());
+                        yield sse(reply.chunk(text, logprobs, None));
+                    }
+                    Ok(Event::Finished(f)) => {
+                        let text = (reply.kind == Kind::Completion || !f.text.is_empty()).then_some(f.text.as_str());
+                        yield sse(reply.chunk(text, Value::Null, Some(f.reason.as_str())));
+                        if reply.include_usage {
+                            yield sse(reply.usage_chunk(&f));
+                        }
+                    }
+                    Err(e) => {
+                        yield sse(ApiError::from(e).body());
+                        break;
+                    }
+                }
+            }
+            yield Ok(axum::response::sse::Event::default().data("[DONE]"));
+        };
+        Sse::new(body).keep_alive(KeepAlive::default()).into_response()
+    }
+
+    async fn collect(&self, reply: Reply, mut events: impl futures::Stream<Item = Result<Event, Error>> + Unpin) -> Result<Response, ApiError> {
+        let mut text = String::new();
+        let mut tokens = vec![];
+        while let Some(event) = events.next().await {
+            match event? {
+                Event::Token(t) => {
+                    text.push_str(&t.text);
+                    if t.logprob.is_some() {
+                        tokens.push(t);
+                    }
+                }
+                Event::Finished(f) => {
+                    let logprobs = reply.logprobs(&self.router.model.tokenizer, &tokens, 0);
+                    text.push_str(&f.text);
+                    return Ok(Json(reply.full(text, logprobs, &f)).into_response());
+                }
+            }
+        }
+        Err(Error::Internal("the request ended without finishing".into()).into())
+    }
+}
+
+// ---------------------------------------------------------------- the rest
+
+async fn models(State(app): State<App>) -> Json<Value> {
+    let router = &app.router;
+    let context = match router.workers.readiness().limits() {
+        Ok(limits) => router.model.context_length(&limits),
+        Err(_) => router.model.context_length,
+    };
+    Json(json!({
+        "object": "list",
+        "data": [{"id": router.model.name, "object": "model", "created": app.started, "owned_by": "duplex", "max_model_len": context}],
+    }))
+}
+
+/// 200 while both workers answer their Stats, 503 otherwise.
+async fn health(State(app): State<App>) -> Response {
+    match app.router.workers.readiness().check() {
+        Ok(()) => Json(json!({"status": "ok"})).into_response(),
+        Err(e) => ApiError::from(e).into_response(),
+    }
+}
+
+async fn metrics_text(State(app): State<App>) -> impl IntoResponse {
+    ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], app.metrics.render())
+}
+
+fn unix_now() -> u64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn prompts_in_every_accepted_shape() {
+        let p = |v: Value| completion_prompt(Some(&v));
+        assert!(matches!(p(json!("hi")), Ok(Prompt::Text(t)) if t == "hi"));
+        assert!(matches!(p(json!([1, 2])), Ok(Prompt::Tokens(t)) if t == [1, 2]));
+        assert!(matches!(p(json!(["hi"])), Ok(Prompt::Text(t)) if t == "hi"));
+        assert!(matches!(p(json!([[3]])), Ok(Prompt::Tokens(t)) if t == [3]));
+        for bad in [json!(["a", "b"]), json!([[1], [2]]), json!([-1]), json!({"x": 1}), json!([[["x"]]])] {
+            let e = p(bad.clone()).unwrap_err();
+            assert!(matches!(e, Error::Invalid { param: Some("prompt"), .. }), "{bad}: {e:?}");
+        }
+        assert!(completion_prompt(None).is_err());
+    }
+
+    #[test]
+    fn chat_content_parts() {
+        let msgs: Vec<ApiMessage> = serde_json::from_value(json!([
+            {"role": "system", "content": "s"},
+            {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+            {"role": "assistant", "content": null},
+        ]))
+        .unwrap();
+        let out = chat_messages(Some(&msgs)).unwrap();
+        assert_eq!(out.iter().map(|m| m.content.as_str()).collect::<Vec<_>>(), ["s", "a\nb", ""]);
+        let msgs: Vec<ApiMessage> = serde_json::from_value(json!([{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}])).unwrap();
+        let e = chat_messages(Some(&msgs)).unwrap_err();
+        assert!(e.to_string().contains("image_url"), "{e}");
+    }
+
+    #[test]
+    fn options_check_n_stop_and_top_k() {
+        let req = |v: Value| serde_json::from_value::<ApiRequest>(v).unwrap();
+        let opts = req(json!({"stop": "x", "top_k": -1, "max_tokens": 5, "max_completion_tokens": 7, "user": "ignored"})).options(false, None).unwrap();
+        assert_eq!((opts.stop, opts.top_k, opts.max_tokens), (vec!["x".to_string()], Some(0), Some(7)));
+        let e = req(json!({"n": 2})).options(false, None).unwrap_err();
+        assert!(matches!(e, Error::Invalid { param: Some("n"), .. }), "{e:?}");
+        assert!(req(json!({"stop": [1]})).options(false, None).is_err());
+        assert!(req(json!({"top_k": -2})).options(false, None).is_err());
+    }
+}

@@ -1,0 +1,231 @@
+//! The router's settings: defaults, the `[router]` section of the TOML
+//! config file, then command-line flags.
+
+use serde::{Deserialize, Serialize};
+use std::path::PathBuf;
+use std::time::Duration;
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct RouterConfig {
+    /// Checkpoint directory; the router reads its tokenizer and configs only.
+    pub model: PathBuf,
+    /// The name clients use; defaults to the model directory's last component.
+    pub served_model_name: Option<String>,
+    pub host: String,
+    /// OpenAI-compatible HTTP API, `/health` and `/metrics`.
+    pub http_port: u16,
+    /// Public gRPC API (`duplex.v1.Generation`, health, reflection).
+    pub grpc_port: u16,
+    pub decode_worker: String,
+    pub prefill_worker: String,
+    /// Prompts with at least this many tokens go to the prefill worker;
+    /// shorter ones are chunk-prefilled by the decode worker.
+    pub prefill_threshold_tokens: u32,
+    /// Requests in flight at once; beyond this the router answers 429 /
+    /// RESOURCE_EXHAUSTED instead of queueing without bound.
+    pub max_pending_requests: usize,
+    /// `max_tokens` of a request that does not set it.
+    pub default_max_tokens: u32,
+    /// Deadline of the short unary worker calls (AllocateKv, FreeKv, Cancel,
+    /// Stats) and of connecting to a worker.
+    pub worker_timeout_seconds: f64,
+    /// Deadline of one Prefill call: a long prompt on a CPU takes minutes.
+    pub prefill_timeout_seconds: f64,
+}
+
+impl Default for RouterConfig {
+    fn default() -> Self {
+        RouterConfig {
+            model: PathBuf::from(duplex_model::BUNDLED_MODEL),
+            served_model_name: None,
+            host: "127.0.0.1".into(),
+            http_port: 8000,
+            grpc_port: 50051,
+            decode_worker: "http://127.0.0.1:50061".into(),
+            prefill_worker: "http://127.0.0.1:50071".into(),
+            prefill_threshold_tokens: 2048,
+            max_pending_requests: 64,
+            default_max_tokens: 256,
+            worker_timeout_seconds: 10.0,
+            prefill_timeout_seconds: 600.0,
+        }
+    }
+}
+
+/// A setting out of range.
+#[derive(Debug, thiserror::Error)]
+#[error("invalid router setting: {0}")]
+pub struct ConfigError(String);
+
+/// Command-line flags: each overrides the config file, which overrides the
+/// defaults.
+#[derive(Clone, Debug, Default, clap::Args)]
+pub struct RouterArgs {
+    /// TOML config file; its `[router]` section applies here.
+    #[arg(long)]
+    pub config: Option<PathBuf>,
+    /// Checkpoint directory (tokenizer and configs) [default: the bundled tiny model].
+    #[arg(long)]
+    pub model: Option<PathBuf>,
+    /// Model name clients use [default: the model directory's name].
+    #[arg(long)]
+    pub served_model_name: Option<String>,
+    /// Address to listen on [default: 127.0.0.1].
+    #[arg(long)]
+    pub host: Option<String>,
+    /// OpenAI-compatible HTTP port [default: 8000].
+    #[arg(long)]
+    pub http_port: Option<u16>,
+    /// Public gRPC port [default: 50051].
+    #[arg(long)]
+    pub grpc_port: Option<u16>,
+    /// Decode worker address [default: http://127.0.0.1:50061].
+    #[arg(long)]
+    pub decode_worker: Option<String>,
+    /// Prefill worker address [default: http://127.0.0.1:50071].
+    #[arg(long)]
+    pub prefill_worker: Option<String>,
+    /// Prompts of at least this many tokens go to the prefill worker [default: 2048].
+    #[arg(long)]
+    pub prefill_threshold_tokens: Option<u32>,
+    /// Requests in flight at once; more are refused with 429 [default: 64].
+    #[arg(long)]
+    pub max_pending_requests: Option<usize>,
+    /// max_tokens of requests that do not set it [default: 256].
+    #[arg(long)]
+    pub default_max_tokens: Option<u32>,
+    /// Deadline of short worker calls and of connecting, in seconds [default: 10].
+    #[arg(long)]
+    pub worker_timeout_seconds: Option<f64>,
+    /// Deadline of one prefill, in seconds [default: 600].
+    #[arg(long)]
+    pub prefill_timeout_seconds: Option<f64>,
+}
+
+impl RouterArgs {
+    pub fn resolve(self) -> anyhow::Result<RouterConfig> {
+        let mut c: RouterConfig = match &self.config {
+            Some(path) => duplex_telemetry::process::load_section(path, "router")?,
+            None => RouterConfig::default(),
+        };
+        macro_rules! take {
+            ($($field:ident),*) => { $(if let Some(v) = self.$field { c.$field = v; })* };
+        }
+        take!(model, host, http_port, grpc_port, decode_worker, prefill_worker, prefill_threshold_tokens, max_pending_requests, default_max_tokens, worker_timeout_seconds, prefill_timeout_seconds);
+        if self.served_model_name.is_some() {
+            c.served_model_name = self.served_model_name;
+        }
+        c.validate()?;
+        Ok(c)
+    }
+}
+
+impl RouterConfig {
+    /// The model name clients must use (or may leave out).
+    pub fn served_model_name(&self) -> String {
+        self.served_model_name.clone().unwrap_or_else(|| {
+            let name = self.model.file_name().map(|n| n.to_string_lossy().into_owned());
+            name.unwrap_or_else(|| self.model.display().to_string())
+        })
+    }
+
+    /// Rejects values that would make the router misbehave rather than fail.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        let positive = |name: &str, v: f64| {
+            if v.is_finite() && v > 0.0 {
+                Ok(())
+            } else {
+                Err(ConfigError(format!("{name} must be a positive number of seconds, got {v}")))
+            }
+        };
+        positive("worker_timeout_seconds", self.worker_timeout_seconds)?;
+        positive("prefill_timeout_seconds", self.prefill_timeout_seconds)?;
+        if self.max_pending_requests == 0 {
+            return Err(ConfigError("max_pending_requests must be at least 1".into()));
+        }
+        if self.default_max_tokens == 0 {
+            return Err(ConfigError("default_max_tokens must be at least 1".into()));
+        }
+        Ok(())
+    }
+
+    pub fn worker_timeout(&self) -> Duration {
+        Duration::from_secs_f64(self.worker_timeout_seconds)
+    }
+
+    pub fn prefill_timeout(&self) -> Duration {
+        Duration::from_secs_f64(self.prefill_timeout_seconds)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn defaults() {
+        let c = RouterConfig::default();
+        assert_eq!(c.served_model_name(), "tiny-dsv3");
+        assert!(c.model.join("tokenizer.json").exists(), "{}", c.model.display());
+        assert_eq!((c.http_port, c.grpc_port, c.prefill_threshold_tokens), (8000, 50051, 2048));
+        c.validate().unwrap();
+    }
+
+    #[test]
+    fn readme_documents_every_key() {
+        let readme = include_str!("../README.md");
+        let config = RouterConfig { served_model_name: Some("x".into()), ..Default::default() };
+        let value = serde_json::to_value(config).unwrap();
+        for key in value.as_object().unwrap().keys() {
+            assert!(readme.contains(&format!("| `{key}` |")), "README.md has no row for `{key}`");
+        }
+    }
+
+    /// `RouterArgs` parsed from a command line, with `toml` as the config file.
+    fn resolve(toml: &str, flags: &[&str]) -> Result<RouterConfig, String> {
+        use clap::Parser;
+        #[derive(clap::Parser)]
+        struct Cli {
+            #[command(flatten)]
+            args: RouterArgs,
+        }
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("duplex.toml");
+        std::fs::write(&path, toml).unwrap();
+        let argv = ["duplex-router", "--config", path.to_str().unwrap()].into_iter().chain(flags.iter().copied());
+        Cli::parse_from(argv).args.resolve().map_err(|e| format!("{e:#}"))
+    }
+
+    #[test]
+    fn reads_router_section_and_flags_win() {
+        let file = "[router]\nhttp_port = 9000\ngrpc_port = 9001\nserved_model_name = \"dsv3\"\n[decode]\nanything = 1\n[prefill]\nx = \"y\"\n";
+        let c = resolve(file, &[]).unwrap();
+        assert_eq!((c.http_port, c.grpc_port, c.served_model_name()), (9000, 9001, "dsv3".into()));
+        assert_eq!(c.decode_worker, RouterConfig::default().decode_worker);
+        let c = resolve(file, &["--http-port", "9100", "--served-model-name", "m"]).unwrap();
+        assert_eq!((c.http_port, c.grpc_port, c.served_model_name()), (9100, 9001, "m".into()));
+        assert_eq!(resolve("", &[]).unwrap(), RouterConfig::default());
+        assert!(resolve("", &["--worker-timeout-seconds", "0"]).unwrap_err().contains("worker_timeout_seconds"));
+    }
+
+    #[test]
+    fn unknown_keys_are_named() {
+        let err = resolve("[router]\nhttp_prot = 1\n", &[]).unwrap_err();
+        assert!(err.contains("http_prot") && err.contains("duplex.toml"), "{err}");
+        let err = resolve("[routr]\n", &[]).unwrap_err();
+        assert!(err.contains("routr"), "{err}");
+        let err = resolve("[router]\nhttp_port = \"x\"\n", &[]).unwrap_err();
+        assert!(err.contains("http_port"), "{err}");
+    }
+
+    #[test]
+    fn every_key_has_a_flag() {
+        let config = RouterConfig { served_model_name: Some("x".into()), ..Default::default() };
+        let value = serde_json::to_value(config).unwrap();
+        let flags: Vec<String> = <RouterArgs as clap::Args>::augment_args(clap::Command::new("x")).get_arguments().filter_map(|a| a.get_long().map(String::from)).collect();
+        for key in value.as_object().unwrap().keys() {
+            assert!(flags.contains(&key.replace('_', "-")), "no flag for {key}");
+        }
+    }
+}

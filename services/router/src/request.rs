@@ -1,0 +1,366 @@
+//! The one internal request type both front doors build, and its
+//! validation: every check a client can fail happens here, before any
+//! worker sees the request, and names the field to blame.
+
+use crate::config::RouterConfig;
+use crate::error::Error;
+use duplex_model::generation::sampling_defaults;
+use duplex_model::sampling::{SamplingError, SamplingParams, MAX_LOGPROBS};
+use duplex_model::tokenizer::{ChatMessage, Tokenizer, TokenizerError};
+use duplex_model::ModelConfig;
+use duplex_proto::worker;
+use std::time::Instant;
+
+/// What to continue, as the client gave it.
+#[derive(Clone, Debug)]
+pub enum Prompt {
+    /// Plain text; BOS is added as the tokenizer config says.
+    Text(String),
+    /// Token ids, used as they are.
+    Tokens(Vec<u32>),
+    /// Chat messages, rendered with the chat template and the generation prompt.
+    Chat(Vec<ChatMessage>),
+}
+
+/// The client's options in front-door-neutral terms; `None` takes the
+/// model's (sampling) or the server's (max_tokens) default.
+#[derive(Clone, Debug, Default)]
+pub struct RequestOptions {
+    pub model: Option<String>,
+    pub temperature: Option<f32>,
+    pub top_k: Option<u32>,
+    pub top_p: Option<f32>,
+    pub min_p: Option<f32>,
+    pub repetition_penalty: Option<f32>,
+    pub presence_penalty: Option<f32>,
+    pub frequency_penalty: Option<f32>,
+    pub seed: Option<u64>,
+    pub max_tokens: Option<u32>,
+    pub stop: Vec<String>,
+    pub stop_token_ids: Vec<u32>,
+    pub ignore_eos: bool,
+    /// Return each chosen token's logprob.
+    pub logprobs: bool,
+    /// Also return this many most likely tokens per position.
+    pub top_logprobs: Option<u32>,
+}
+
+/// A validated request, ready for the workers.
+#[derive(Clone, Debug)]
+pub struct GenerationRequest {
+    pub id: String,
+    pub prompt: Vec<u32>,
+    /// Client values over the model's defaults; `seed` is always set.
+    pub sampling: SamplingParams,
+    /// Drawn at random when the client gave none, so that both workers
+    /// sample the same stream.
+    pub seed: u64,
+    /// Already capped to what the context and the KV pool can hold.
+    pub max_tokens: u32,
+    pub stop: Vec<String>,
+    /// The client's stop ids plus EOS (unless it ignores EOS).
+    pub stop_token_ids: Vec<u32>,
+    pub logprobs: bool,
+    pub top_logprobs: u32,
+    pub arrival: Instant,
+}
+
+impl GenerationRequest {
+    /// The sampling settings in the worker protocol's terms.
+    pub fn worker_sampling(&self) -> worker::Sampling {
+        let p = &self.sampling;
+        worker::Sampling {
+            temperature: p.temperature,
+            top_k: u32::try_from(p.top_k).unwrap_or(u32::MAX),
+            top_p: p.top_p,
+            min_p: p.min_p,
+            repetition_penalty: p.repetition_penalty,
+            presence_penalty: p.presence_penalty,
+            frequency_penalty: p.frequency_penalty,
+            seed: self.seed,
+            top_logprobs: (self.top_logprobs > 0).then_some(self.top_logprobs),
+        }
+    }
+
+    /// Whether generation ends after the `n`-th generated token `id`, as the
+    /// decode worker decides it (a stop token, or `max_tokens`).
+    pub fn ends_with(&self, n: usize, id: u32) -> bool {
+        self.stop_token_ids.contains(&id) || n >= self.max_tokens as usize
+    }
+}
+
+/// What the workers report about their capacity (from the decode worker's
+/// Stats), which bounds what a request may ask.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct WorkerLimits {
+    /// The decode worker's context length (0: not reported).
+    pub context_length: u32,
+    /// Tokens the KV pool can ever hold: `kv_blocks_total * kv_block_size`.
+    pub kv_tokens: u64,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum LoadError {
+    #[error(transparent)]
+    Tokenizer(#[from] TokenizerError),
+    #[error(transparent)]
+    Config(#[from] duplex_model::config::ConfigError),
+}
+
+/// The served model, as far as the router needs it: tokenizer, defaults and
+/// limits. The router never loads weights.
+pub struct ServedModel {
+    pub name: String,
+    pub tokenizer: Tokenizer,
+    /// Sampling defaults from `generation_config.json`.
+    pub defaults: SamplingParams,
+    /// Rows of the embedding table: every valid input id is below it.
+    pub vocab_size: usize,
+    /// `max_position_embeddings`.
+    pub context_length: usize,
+    pub eos_token_ids: Vec<u32>,
+    pub default_max_tokens: u32,
+}
+
+impl ServedModel {
+    pub fn load(config: &RouterConfig) -> Result<Self, LoadError> {
+        let dir = &config.model;
+        let tokenizer = Tokenizer::from_dir(dir)?;
+        let model = ModelConfig::from_file(&dir.join("config.json"))?;
+        let mut eos_token_ids = tokenizer.eos_token_ids().to_vec();
+        for id in &model.eos_token_ids {
+            if !eos_token_ids.contains(id) {
+                eos_token_ids.push(*id);
+            }
+        }
+        Ok(ServedModel {
+            name: config.served_model_name(),
+            defaults: sampling_defaults(dir),
+            vocab_size: model.vocab_size,
+            context_length: model.max_position_embeddings,
+            eos_token_ids,
+            tokenizer,
+            default_max_tokens: config.default_max_tokens,
+        })
+    }
+
+    /// The longest prompt plus output a request can have.
+    pub fn context_length(&self, limits: &WorkerLimits) -> usize {
+        match limits.context_length {
+            0 => self.context_length,
+            n => self.context_length.min(n as usize),
+        }
+    }
+
+    /// Turns a prompt into token ids.
+    pub fn tokenize(&self, prompt: &Prompt) -> Result<Vec<u32>, Error> {
+        let tok = &self.tokenizer;
+        let ids = match prompt {
+            Prompt::Text(text) if text.is_empty() => return Err(Error::invalid("prompt", "prompt must not be empty")),
+            Prompt::Text(text) => tok.encode(text).map_err(|e| Error::invalid("prompt", e.to_string()))?,
+            Prompt::Tokens(ids) => {
+                if let Some((i, id)) = ids.iter().enumerate().find(|(_, &id)| id as usize >= self.vocab_size) {
+                    let message = format!("prompt token {id} at position {i} is outside the vocabulary (0..{})", self.vocab_size);
+                    return Err(Error::invalid("prompt", message));
+                }
+                ids.clone()
+            }
+            Prompt::Chat(messages) if messages.is_empty() => return Err(Error::invalid("messages", "messages must not be empty")),
+            Prompt::Chat(messages) => {
+                let text = tok.apply_chat_template(messages, true).map_err(|e| match e {
+                    TokenizerError::NoChatTemplate { .. } => Error::invalid("messages", "this model has no chat template; send a plain prompt instead"),
+                    e => Error::invalid("messages", e.to_string()),
+                })?;
+                tok.encode_raw(&text).map_err(|e| Error::invalid("messages", e.to_string()))?
+            }
+        };
+        if ids.is_empty() {
+            return Err(Error::invalid("prompt", "prompt must not be empty"));
+        }
+        Ok(ids)
+    }
+
+    /// Validates a request and resolves every default.
+    pub fn request(&self, prompt: &Prompt, opts: RequestOptions, limits: &WorkerLimits) -> Result<GenerationRequest, Error> {
+        let arrival = Instant::now();
+        if let Some(asked) = opts.model.filter(|m| !m.is_empty() && *m != self.name) {
+            return Err(Error::ModelNotFound { asked, served: self.name.clone() });
+        }
+        if opts.max_tokens == Some(0) {
+            return Err(Error::invalid("max_tokens", "max_tokens must be at least 1"));
+        }
+        let top_logprobs = opts.top_logprobs.unwrap_or(0);
+        if top_logprobs as usize > MAX_LOGPROBS {
+            return Err(Error::invalid("top_logprobs", format!("top_logprobs must be at most {MAX_LOGPROBS}, got {top_logprobs}")));
+        }
+        if opts.stop.iter().any(String::is_empty) {
+            return Err(Error::invalid("stop", "stop strings must not be empty"));
+        }
+
+        let mut sampling = self.defaults.clone();
+        let overrides = [
+            (&mut sampling.temperature, opts.temperature),
+            (&mut sampling.top_p, opts.top_p),
+            (&mut sampling.min_p, opts.min_p),
+            (&mut sampling.repetition_penalty, opts.repetition_penalty),
+            (&mut sampling.presence_penalty, opts.presence_penalty),
+            (&mut sampling.frequency_penalty, opts.frequency_penalty),
+        ];
+        for (field, value) in overrides {
+            if let Some(v) = value {
+                *field = v;
+            }
+        }
+        if let Some(k) = opts.top_k {
+            sampling.top_k = k as usize;
+        }
+        let seed = opts.seed.unwrap_or_else(rand::random);
+        sampling.seed = Some(seed);
+        sampling.logprobs = (top_logprobs > 0).then_some(top_logprobs as usize);
+        sampling.validate().map_err(sampling_error)?;
+
+        let prompt = self.tokenize(prompt)?;
+        let context = self.context_length(limits);
+        if prompt.len() >= context {
+            let message = format!("the prompt has {} tokens; the context length is {context}, which must leave room for at least one generated token", prompt.len());
+            return Err(Error::invalid("prompt", message));
+        }
+        let kv_tokens = usize::try_from(limits.kv_tokens).unwrap_or(usize::MAX);
+        if prompt.len() + 1 > kv_tokens {
+            let message = format!("the prompt has {} tokens, but the KV cache can hold at most {kv_tokens} tokens of one request (prompt plus output)", prompt.len());
+            return Err(Error::invalid("prompt", message));
+        }
+        // A request may ask for more than fits; it then ends with "length"
+        // where the context (or the KV pool) is full.
+        let room = (context - prompt.len()).min(kv_tokens - prompt.len());
+        let max_tokens = opts.max_tokens.unwrap_or(self.default_max_tokens).min(u32::try_from(room).unwrap_or(u32::MAX));
+
+        let mut stop_token_ids = opts.stop_token_ids;
+        if !opts.ignore_eos {
+            for &id in &self.eos_token_ids {
+                if !stop_token_ids.contains(&id) {
+                    stop_token_ids.push(id);
+                }
+            }
+        }
+        Ok(GenerationRequest {
+            id: uuid::Uuid::new_v4().simple().to_string(),
+            prompt,
+            sampling,
+            seed,
+            max_tokens,
+            stop: opts.stop,
+            stop_token_ids,
+            logprobs: opts.logprobs || top_logprobs > 0,
+            top_logprobs,
+            arrival,
+        })
+    }
+}
+
+/// The field a sampling error blames; its message already names it.
+fn sampling_error(e: SamplingError) -> Error {
+    let param = match e {
+        SamplingError::Temperature(_) => "temperature",
+        SamplingError::TopP(_) => "top_p",
+        SamplingError::MinP(_) => "min_p",
+        SamplingError::RepetitionPenalty(_) => "repetition_penalty",
+        SamplingError::PresencePenalty(_) => "presence_penalty",
+        SamplingError::FrequencyPenalty(_) => "frequency_penalty",
+        SamplingError::Logprobs(_) => "top_logprobs",
+    };
+    Error::invalid(param, e.to_string())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const LIMITS: WorkerLimits = WorkerLimits { context_length: 0, kv_tokens: 1 << 20 };
+
+    fn model() -> ServedModel {
+        ServedModel::load(&RouterConfig::default()).unwrap()
+    }
+
+    fn text(s: &str) -> Prompt {
+        Prompt::Text(s.into())
+    }
+
+    fn invalid_param(r: Result<GenerationRequest, Error>) -> &'static str {
+        match r.unwrap_err() {
+            Error::Invalid { param: Some(p), .. } => p,
+            e => panic!("not an invalid-argument error: {e:?}"),
+        }
+    }
+
+    #[test]
+    fn resolves_defaults_seed_and_eos() {
+        let m = model();
+        let r = m.request(&text("Hello"), RequestOptions::default(), &LIMITS).unwrap();
+        assert_eq!(r.prompt[0], 0, "BOS added");
+        // generation_config.json: temperature 0.6, top_p 0.95.
+        assert_eq!((r.sampling.temperature, r.sampling.top_p), (0.6, 0.95));
+        assert_eq!(r.sampling.seed, Some(r.seed));
+        assert_eq!(r.max_tokens, 256);
+        assert_eq!(r.stop_token_ids, vec![1]);
+        assert!(!r.logprobs);
+
+        let opts = RequestOptions { temperature: Some(0.0), seed: Some(7), stop_token_ids: vec![5, 1], max_tokens: Some(5000), ..Default::default() };
+        let r = m.request(&text("Hello"), opts, &LIMITS).unwrap();
+        assert_eq!((r.sampling.temperature, r.seed), (0.0, 7));
+        assert_eq!(r.stop_token_ids, vec![5, 1]);
+        assert_eq!(r.max_tokens as usize, 1024 - r.prompt.len(), "capped to the context");
+
+        let opts = RequestOptions { ignore_eos: true, top_logprobs: Some(3), ..Default::default() };
+        let r = m.request(&text("Hello"), opts, &LIMITS).unwrap();
+        assert!(r.stop_token_ids.is_empty());
+        assert!(r.logprobs);
+        assert_eq!(r.worker_sampling().top_logprobs, Some(3));
+    }
+
+    #[test]
+    fn every_bad_input_names_its_field() {
+        let m = model();
+        let opts = RequestOptions::default;
+        assert_eq!(invalid_param(m.request(&text(""), opts(), &LIMITS)), "prompt");
+        assert_eq!(invalid_param(m.request(&Prompt::Tokens(vec![]), opts(), &LIMITS)), "prompt");
+        assert_eq!(invalid_param(m.request(&Prompt::Tokens(vec![5, 999_999]), opts(), &LIMITS)), "prompt");
+        assert_eq!(invalid_param(m.request(&Prompt::Chat(vec![]), opts(), &LIMITS)), "messages");
+        assert_eq!(invalid_param(m.request(&Prompt::Tokens(vec![5; 1024]), opts(), &LIMITS)), "prompt");
+        let small = WorkerLimits { context_length: 0, kv_tokens: 10 };
+        assert_eq!(invalid_param(m.request(&Prompt::Tokens(vec![5; 10]), opts(), &small)), "prompt");
+        let bad = [
+            (RequestOptions { temperature: Some(-1.0), ..opts() }, "temperature"),
+            (RequestOptions { top_p: Some(f32::NAN), ..opts() }, "top_p"),
+            (RequestOptions { presence_penalty: Some(3.0), ..opts() }, "presence_penalty"),
+            (RequestOptions { top_logprobs: Some(21), ..opts() }, "top_logprobs"),
+            (RequestOptions { max_tokens: Some(0), ..opts() }, "max_tokens"),
+            (RequestOptions { stop: vec![String::new()], ..opts() }, "stop"),
+        ];
+        for (o, field) in bad {
+            let e = m.request(&text("hi"), o, &LIMITS).unwrap_err();
+            assert!(matches!(&e, Error::Invalid { param: Some(p), .. } if *p == field), "{field}: {e:?}");
+            assert!(e.to_string().contains(field), "{e}");
+        }
+        let e = m.request(&text("hi"), RequestOptions { model: Some("gpt-4".into()), ..opts() }, &LIMITS).unwrap_err();
+        assert!(matches!(e, Error::ModelNotFound { .. }), "{e:?}");
+        assert!(m.request(&text("hi"), RequestOptions { model: Some("tiny-dsv3".into()), ..opts() }, &LIMITS).is_ok());
+    }
+
+    #[test]
+    fn worker_context_length_caps_the_model() {
+        let m = model();
+        let limits = WorkerLimits { context_length: 16, kv_tokens: 1 << 20 };
+        assert_eq!(invalid_param(m.request(&Prompt::Tokens(vec![5; 16]), RequestOptions::default(), &limits)), "prompt");
+        let r = m.request(&Prompt::Tokens(vec![5; 10]), RequestOptions::default(), &limits).unwrap();
+        assert_eq!(r.max_tokens, 6);
+    }
+
+    #[test]
+    fn chat_uses_the_template() {
+        let m = model();
+        let chat = Prompt::Chat(vec![ChatMessage { role: "user".into(), content: "Hi there".into() }]);
+        let ids = m.tokenize(&chat).unwrap();
+        assert_eq!((ids[0], ids[1], *ids.last().unwrap()), (0, 2, 3));
+    }
+}

@@ -1,0 +1,537 @@
+//! The router end to end, through both front doors, against mock workers.
+
+mod common;
+
+use common::{sse_data, start, Mock, MockConfig, TIMEOUT};
+use duplex_model::tokenizer::Tokenizer;
+use duplex_proto::v1::{generate_request, generate_response, GenerateRequest, GenerateResponse, SamplingParameters, StoppingCriteria, TokenIds};
+use duplex_model::BUNDLED_MODEL;
+use serde_json::{json, Value};
+use std::path::Path;
+use std::time::Duration;
+use tokio::time::timeout;
+use tonic::Code;
+
+fn tokens_request(ids: Vec<u32>, max_tokens: u32) -> GenerateRequest {
+    GenerateRequest {
+        prompt: Some(generate_request::Prompt::Tokens(TokenIds { ids })),
+        stopping: Some(StoppingCriteria { max_tokens, ignore_eos: true, ..Default::default() }),
+        ..Default::default()
+    }
+}
+
+/// Every message of a Generate stream, or the status it ended with.
+async fn generate_all(router: &common::TestRouter, req: GenerateRequest) -> Result<Vec<GenerateResponse>, tonic::Status> {
+    let run = async {
+        let mut stream = router.grpc_client().await.generate(req).await?.into_inner();
+        let mut out = vec![];
+        while let Some(msg) = stream.message().await? {
+            out.push(msg);
+        }
+        Ok(out)
+    };
+    timeout(TIMEOUT, run).await.expect("Generate timed out")
+}
+
+fn token_ids(msgs: &[GenerateResponse]) -> Vec<u32> {
+    msgs.iter()
+        .filter_map(|m| match &m.event {
+            Some(generate_response::Event::Token(t)) => Some(t.id),
+            _ => None,
+        })
+        .collect()
+}
+
+fn finished(msgs: &[GenerateResponse]) -> &duplex_proto::v1::Finished {
+    match msgs.last().and_then(|m| m.event.as_ref()) {
+        Some(generate_response::Event::Finished(f)) => f,
+        other => panic!("the stream did not end with finished: {other:?}"),
+    }
+}
+
+async fn json_of(resp: reqwest::Response) -> (u16, Value) {
+    let status = resp.status().as_u16();
+    (status, resp.json().await.unwrap())
+}
+
+/// A request that must work, to show the server still serves.
+async fn assert_serves(router: &common::TestRouter) {
+    let msgs = generate_all(router, tokens_request(vec![5, 6, 7], 2)).await.unwrap();
+    assert_eq!(token_ids(&msgs), [3, 4]);
+}
+
+#[tokio::test]
+async fn grpc_generate_streams_every_token_then_finished() {
+    let router = start(MockConfig::default(), |_| {}).await;
+    let mut req = tokens_request(vec![5, 6, 7], 5);
+    req.sampling = Some(SamplingParameters { logprobs: true, top_logprobs: Some(2), ..Default::default() });
+    let msgs = generate_all(&router, req).await.unwrap();
+    assert_eq!(token_ids(&msgs), [3, 4, 5, 6, 7]);
+    let Some(generate_response::Event::Token(t)) = &msgs[0].event else { panic!() };
+    assert_eq!((t.logprob, t.top_logprobs.len()), (Some(-0.5), 2));
+    let f = finished(&msgs);
+    assert_eq!(f.finish_reason, "length");
+    let usage = f.usage.unwrap();
+    assert_eq!((usage.prompt_tokens, usage.completion_tokens), (3, 5));
+    let timings = f.timings.as_ref().unwrap();
+    assert_eq!(timings.prefill_path, "decode");
+    assert!(timings.total_seconds >= timings.time_to_first_token_seconds && timings.queue_seconds > 0.0, "{timings:?}");
+
+    let r = router.mock.record();
+    assert_eq!(r.decodes.len(), 1);
+    assert!(r.allocs.is_empty() && r.prefills.is_empty());
+    let d = &r.decodes[0];
+    assert!(d.prefilled.is_none());
+    assert_eq!((d.prompt.as_slice(), d.max_tokens), ([5, 6, 7].as_slice(), 5));
+    assert_eq!(d.sampling.unwrap().top_logprobs, Some(2));
+    assert_eq!(r.streams_finished.len(), 1, "{r:#?}");
+}
+
+#[tokio::test]
+async fn stop_token_ends_with_stop_and_text_round_trips() {
+    let tok = Tokenizer::from_dir(Path::new(BUNDLED_MODEL)).unwrap();
+    let mut script = tok.encode_raw("Hello there, world").unwrap();
+    script.push(1); // EOS
+    let router = start(MockConfig { script: script.clone(), ..Default::default() }, |_| {}).await;
+    let req = GenerateRequest { prompt: Some(generate_request::Prompt::Text("Hi".into())), ..Default::default() };
+    let msgs = generate_all(&router, req).await.unwrap();
+    assert_eq!(token_ids(&msgs), script);
+    let text: String = msgs
+        .iter()
+        .filter_map(|m| match &m.event {
+            Some(generate_response::Event::Token(t)) => Some(t.text.as_str()),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(text, "Hello there, world");
+    assert_eq!(finished(&msgs).finish_reason, "stop");
+    let r = router.mock.record();
+    assert_eq!(r.decodes[0].stop_token_ids, [1], "EOS is a stop token");
+    assert_eq!(r.decodes[0].prompt[0], 0, "BOS added to text prompts");
+}
+
+#[tokio::test]
+async fn http_completions_streamed_equals_non_streamed() {
+    let router = start(MockConfig::default(), |_| {}).await;
+    let body = json!({"model": "tiny-dsv3", "prompt": "Hello world", "max_tokens": 8, "seed": 3, "ignore_eos": true, "user": "extra fields are ignored"});
+    let (status, full) = json_of(router.post("/v1/completions", body.clone()).await).await;
+    assert_eq!(status, 200, "{full}");
+    assert_eq!(full["object"], "text_completion");
+    assert_eq!(full["model"], "tiny-dsv3");
+    assert!(full["id"].as_str().unwrap().starts_with("cmpl-") && full["created"].is_u64());
+    assert_eq!(full["choices"][0]["index"], 0);
+    assert_eq!(full["choices"][0]["finish_reason"], "length");
+    assert_eq!(full["usage"]["completion_tokens"], 8);
+    assert_eq!(full["usage"]["total_tokens"], full["usage"]["prompt_tokens"].as_u64().unwrap() + 8);
+    let text = full["choices"][0]["text"].as_str().unwrap();
+    assert!(!text.is_empty());
+
+    let mut streamed = body.clone();
+    streamed["stream"] = json!(true);
+    streamed["stream_options"] = json!({"include_usage": true});
+    let resp = router.post("/v1/completions", streamed).await;
+    assert_eq!(resp.status(), 200);
+    assert!(resp.headers()["content-type"].to_str().unwrap().starts_with("text/event-stream"));
+    let data = sse_data(&resp.text().await.unwrap());
+    assert_eq!(data.last().unwrap(), "[DONE]");
+    let chunks: Vec<Value> = data[..data.len() - 1].iter().map(|d| serde_json::from_str(d).unwrap()).collect();
+    let concatenated: String = chunks.iter().filter_map(|c| c["choices"].get(0).map(|ch| ch["text"].as_str().unwrap().to_string())).collect();
+    assert_eq!(concatenated, text);
+    assert!(chunks.iter().all(|c| c["object"] == "text_completion" && c["id"].is_string()));
+    let last_choice = &chunks[chunks.len() - 2]["choices"][0];
+    assert_eq!(last_choice["finish_reason"], "length");
+    let usage = chunks.last().unwrap();
+    assert_eq!(usage["choices"], json!([]));
+    assert_eq!(usage["usage"]["completion_tokens"], 8);
+
+    // Token-id prompts and completions logprobs (ids 10.. decode to distinct text).
+    let (status, v) = json_of(router.post("/v1/completions", json!({"prompt": vec![5; 10], "max_tokens": 3, "logprobs": 2, "ignore_eos": true})).await).await;
+    assert_eq!(status, 200, "{v}");
+    let lp = &v["choices"][0]["logprobs"];
+    assert_eq!(lp["tokens"].as_array().unwrap().len(), 3);
+    assert_eq!(lp["token_logprobs"], json!([-0.5, -0.5, -0.5]));
+    assert_eq!(lp["top_logprobs"][0].as_object().unwrap().len(), 2);
+    assert_eq!(lp["text_offset"][0], 0);
+}
+
+#[tokio::test]
+async fn http_chat_streamed_and_not() {
+    let router = start(MockConfig::default(), |_| {}).await;
+    let body = json!({
+        "model": "tiny-dsv3",
+        "messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": [{"type": "text", "text": "Hi"}]}],
+        "max_completion_tokens": 6, "ignore_eos": true, "logprobs": true, "top_logprobs": 2,
+    });
+    let (status, full) = json_of(router.post("/v1/chat/completions", body.clone()).await).await;
+    assert_eq!(status, 200, "{full}");
+    assert_eq!(full["object"], "chat.completion");
+    assert!(full["id"].as_str().unwrap().starts_with("chatcmpl-"));
+    let choice = &full["choices"][0];
+    assert_eq!(choice["message"]["role"], "assistant");
+    assert_eq!(choice["finish_reason"], "length");
+    let content = choice["message"]["content"].as_str().unwrap();
+    let lp = choice["logprobs"]["content"].as_array().unwrap();
+    assert_eq!(lp.len(), 6);
+    assert_eq!(lp[0]["top_logprobs"].as_array().unwrap().len(), 2);
+    assert!(lp[0]["bytes"].is_array());
+    // The chat template ran: BOS, the system text, <｜User｜>, ..., <｜Assistant｜>.
+    let prompt = router.mock.record().decodes[0].prompt.clone();
+    assert_eq!((prompt[0], *prompt.last().unwrap()), (0, 3));
+
+    let mut streamed = body.clone();
+    streamed["stream"] = json!(true);
+    let data = sse_data(&router.post("/v1/chat/completions", streamed).await.text().await.unwrap());
+    assert_eq!(data.last().unwrap(), "[DONE]");
+    let chunks: Vec<Value> = data[..data.len() - 1].iter().map(|d| serde_json::from_str(d).unwrap()).collect();
+    assert_eq!(chunks[0]["choices"][0]["delta"]["role"], "assistant");
+    assert!(chunks.iter().all(|c| c["object"] == "chat.completion.chunk"));
+    let text: String = chunks.iter().filter_map(|c| c["choices"][0]["delta"]["content"].as_str()).collect();
+    assert_eq!(text, content);
+    assert_eq!(chunks.last().unwrap()["choices"][0]["finish_reason"], "length");
+    assert!(chunks[1]["choices"][0]["logprobs"]["content"].is_array());
+}
+
+#[tokio::test]
+async fn long_prompts_go_through_the_prefill_worker() {
+    let router = start(MockConfig::default(), |c| c.prefill_threshold_tokens = 32).await;
+    let prompt: Vec<u32> = (10..50).collect(); // 40 tokens
+    let msgs = generate_all(&router, tokens_request(prompt.clone(), 4)).await.unwrap();
+    assert_eq!(token_ids(&msgs), [40, 41, 42, 43], "the prefill worker's token comes first");
+    let f = finished(&msgs);
+    assert_eq!(f.timings.as_ref().unwrap().prefill_path, "prefill");
+    assert_eq!(f.usage.unwrap().completion_tokens, 4);
+    {
+        let r = router.mock.record();
+        assert_eq!((r.allocs.len(), r.prefills.len(), r.decodes.len()), (1, 1, 1), "{r:#?}");
+        let (alloc, prefill, decode) = (&r.allocs[0], &r.prefills[0], &r.decodes[0]);
+        assert_eq!(alloc.tokens, 40);
+        assert_eq!(prefill.prompt, prompt);
+        let lease = prefill.lease.as_ref().unwrap();
+        assert_eq!(lease.blocks.len(), 3);
+        let prefilled = decode.prefilled.as_ref().expect("Decode carries the prefilled lease");
+        assert_eq!(prefilled.lease.as_ref(), Some(lease));
+        assert_eq!(prefilled.first_token.as_ref().unwrap().id, 40);
+        assert_eq!(prefill.sampling.unwrap().seed, decode.sampling.unwrap().seed, "both workers sample one stream");
+        assert!(r.leases.is_empty() && r.frees.is_empty(), "{r:#?}");
+    }
+
+    // One token: the prefill worker's answer is all; the lease is freed.
+    let msgs = generate_all(&router, tokens_request(prompt.clone(), 1)).await.unwrap();
+    assert_eq!(token_ids(&msgs), [40]);
+    assert_eq!(finished(&msgs).finish_reason, "length");
+    router.wait_for("FreeKv", |r| r.frees.len() == 1).await;
+    let r = router.mock.record();
+    assert_eq!(r.decodes.len(), 1, "no Decode for a request that is already done");
+    assert!(r.leases.is_empty());
+}
+
+#[tokio::test]
+async fn stop_strings_across_tokens() {
+    let tok = Tokenizer::from_dir(Path::new(BUNDLED_MODEL)).unwrap();
+    let script = tok.encode_raw("one two ENDING three four five").unwrap();
+    let router = start(MockConfig { script, token_delay: Duration::from_millis(5), ..Default::default() }, |_| {}).await;
+    let req = GenerateRequest {
+        prompt: Some(generate_request::Prompt::Text("x".into())),
+        stopping: Some(StoppingCriteria { max_tokens: 50, stop: vec!["END".into()], ..Default::default() }),
+        ..Default::default()
+    };
+    let msgs = generate_all(&router, req).await.unwrap();
+    let text: String = msgs
+        .iter()
+        .filter_map(|m| match &m.event {
+            Some(generate_response::Event::Token(t)) => Some(t.text.as_str()),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(text, "one two ");
+    assert_eq!(finished(&msgs).finish_reason, "stop");
+    router.wait_for("the decode stream to be dropped", |r| r.streams_cancelled.len() == 1).await;
+
+    let (status, v) = json_of(router.post("/v1/completions", json!({"prompt": "x", "stop": ["two", "four"], "max_tokens": 50})).await).await;
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(v["choices"][0]["text"], "one ");
+    assert_eq!(v["choices"][0]["finish_reason"], "stop");
+}
+
+#[tokio::test]
+async fn cancelling_a_stream_cancels_the_decode() {
+    let router = start(MockConfig { token_delay: Duration::from_millis(50), ..Default::default() }, |_| {}).await;
+    // gRPC: read two tokens, then hang up.
+    let mut client = router.grpc_client().await;
+    let mut stream = client.generate(tokens_request(vec![5, 6], 500)).await.unwrap().into_inner();
+    for _ in 0..2 {
+        timeout(TIMEOUT, stream.message()).await.unwrap().unwrap().unwrap();
+    }
+    drop(stream);
+    router.wait_for("the gRPC client's cancel to reach the worker", |r| r.streams_cancelled.len() == 1).await;
+
+    // HTTP: read the first chunk of an SSE stream, then hang up.
+    let mut resp = router.post("/v1/completions", json!({"prompt": [5, 6], "max_tokens": 500, "stream": true, "ignore_eos": true})).await;
+    timeout(TIMEOUT, resp.chunk()).await.unwrap().unwrap().unwrap();
+    drop(resp);
+    router.wait_for("the HTTP client's cancel to reach the worker", |r| r.streams_cancelled.len() == 2).await;
+    assert!(router.mock.record().streams_finished.is_empty());
+    assert_serves(&router).await;
+}
+
+#[tokio::test]
+async fn cancelling_during_prefill_cancels_it_and_frees_the_lease() {
+    let router = start(MockConfig { prefill_delay: Duration::from_secs(30), ..Default::default() }, |c| c.prefill_threshold_tokens = 32).await;
+    let req = tokens_request((0..100).collect(), 10);
+    let stream = router.grpc_client().await.generate(req).await.unwrap().into_inner();
+    router.wait_for("the Prefill call", |r| r.prefills.len() == 1).await;
+    drop(stream);
+    router.wait_for("Cancel and FreeKv", |r| r.prefill_cancels.len() == 1 && r.frees.len() == 1).await;
+    let r = router.mock.record();
+    assert_eq!(r.prefill_cancels[0], r.allocs[0].request_id);
+    assert_eq!(r.frees[0], r.allocs[0].request_id);
+    assert!(r.leases.is_empty() && r.decodes.is_empty(), "{r:#?}");
+}
+
+#[tokio::test]
+async fn overload_is_refused_with_a_message() {
+    let router = start(MockConfig { token_delay: Duration::from_millis(50), ..Default::default() }, |c| c.max_pending_requests = 1).await;
+    let mut client = router.grpc_client().await;
+    let mut first = client.generate(tokens_request(vec![5], 500)).await.unwrap().into_inner();
+    timeout(TIMEOUT, first.message()).await.unwrap().unwrap().unwrap();
+
+    let status = generate_all(&router, tokens_request(vec![5], 5)).await.unwrap_err();
+    assert_eq!(status.code(), Code::ResourceExhausted);
+    assert!(status.message().contains("capacity"), "{}", status.message());
+    let (status, v) = json_of(router.post("/v1/completions", json!({"prompt": "hi"})).await).await;
+    assert_eq!(status, 429);
+    assert!(v["error"]["message"].as_str().unwrap().contains("capacity"), "{v}");
+
+    drop(first);
+    router.wait_for("the first request to end", |r| r.streams_cancelled.len() == 1).await;
+    // The permit is released when the request's task ends, just after.
+    timeout(TIMEOUT, async {
+        while generate_all(&router, tokens_request(vec![5, 6, 7], 2)).await.is_err() {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    })
+    .await
+    .unwrap();
+}
+
+#[tokio::test]
+async fn bad_http_requests_get_clear_errors() {
+    let router = start(MockConfig::default(), |_| {}).await;
+    let long: Vec<u32> = vec![5; 2000];
+    let cases = [
+        ("/v1/completions", json!({"prompt": ""}), 400, Some("prompt"), "empty"),
+        ("/v1/completions", json!({"prompt": []}), 400, Some("prompt"), "empty"),
+        ("/v1/completions", json!({"max_tokens": 3}), 400, Some("prompt"), "required"),
+        ("/v1/completions", json!({"prompt": long}), 400, Some("prompt"), "context length"),
+        ("/v1/completions", json!({"prompt": "hi", "temperature": -1}), 400, Some("temperature"), "temperature"),
+        ("/v1/completions", json!({"prompt": "hi", "temperature": "hot"}), 400, Some("temperature"), "temperature"),
+        ("/v1/completions", json!({"prompt": "hi", "n": 2}), 400, Some("n"), "n must be 1"),
+        ("/v1/completions", json!({"prompt": "hi", "echo": true}), 400, Some("echo"), "echo"),
+        ("/v1/completions", json!({"prompt": "hi", "best_of": 3}), 400, Some("best_of"), "best_of"),
+        ("/v1/completions", json!({"prompt": "hi", "logprobs": 21}), 400, Some("logprobs"), "logprobs"),
+        ("/v1/completions", json!({"prompt": "hi", "max_tokens": 0}), 400, Some("max_tokens"), "max_tokens"),
+        ("/v1/completions", json!({"prompt": ["a", "b"]}), 400, Some("prompt"), "batches"),
+        ("/v1/completions", json!({"prompt": "hi", "model": "gpt-4"}), 404, Some("model"), "gpt-4"),
+        ("/v1/chat/completions", json!({"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 21}), 400, Some("top_logprobs"), "top_logprobs"),
+        ("/v1/chat/completions", json!({"messages": []}), 400, Some("messages"), "empty"),
+        ("/v1/chat/completions", json!({"prompt": "hi"}), 400, Some("messages"), "required"),
+        ("/v1/chat/completions", json!({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}), 400, Some("messages"), "image_url"),
+    ];
+    for (path, body, want_status, param, needle) in cases {
+        let (status, v) = json_of(router.post(path, body.clone()).await).await;
+        assert_eq!(status, want_status, "{body}: {v}");
+        let err = &v["error"];
+        assert_eq!(err["param"].as_str(), param, "{body}: {v}");
+        assert!(err["message"].as_str().unwrap().contains(needle), "{body}: {v}");
+        assert!(err["type"].is_string() && err.get("code").is_some(), "{v}");
+    }
+    let raw = |body: &'static [u8]| {
+        let url = format!("{}/v1/completions", router.http);
+        async move { reqwest::Client::new().post(url).header("content-type", "application/json").body(body).send().await.unwrap() }
+    };
+    let (status, v) = json_of(raw(b"{\"prompt\": \"\xff\xfe\"}").await).await;
+    assert_eq!(status, 400);
+    assert!(v["error"]["message"].as_str().unwrap().contains("UTF-8"), "{v}");
+    let (status, v) = json_of(raw(b"{\"prompt\": ").await).await;
+    assert_eq!(status, 400);
+    assert!(v["error"]["message"].as_str().unwrap().contains("JSON"), "{v}");
+    let (status, _) = json_of(raw(b"{\"prompt\": \"hi\"} trailing").await).await;
+    assert_eq!(status, 400);
+    assert!(router.mock.record().decodes.is_empty(), "no bad request reached a worker");
+    assert_serves(&router).await;
+}
+
+#[tokio::test]
+async fn bad_grpc_requests_get_clear_errors() {
+    let router = start(MockConfig::default(), |_| {}).await;
+    let text = |s: &str| Some(generate_request::Prompt::Text(s.into()));
+    let cases = [
+        (GenerateRequest { prompt: text(""), ..Default::default() }, Code::InvalidArgument, "empty"),
+        (GenerateRequest::default(), Code::InvalidArgument, "prompt"),
+        (tokens_request(vec![5; 1024], 1), Code::InvalidArgument, "context length"),
+        (tokens_request(vec![3_000_000], 1), Code::InvalidArgument, "vocabulary"),
+        (GenerateRequest { model: "other".into(), prompt: text("hi"), ..Default::default() }, Code::NotFound, "other"),
+        (
+            GenerateRequest { prompt: text("hi"), sampling: Some(SamplingParameters { temperature: Some(f32::NAN), ..Default::default() }), ..Default::default() },
+            Code::InvalidArgument,
+            "temperature",
+        ),
+        (
+            GenerateRequest { prompt: text("hi"), sampling: Some(SamplingParameters { top_logprobs: Some(21), ..Default::default() }), ..Default::default() },
+            Code::InvalidArgument,
+            "top_logprobs",
+        ),
+    ];
+    for (req, code, needle) in cases {
+        let status = generate_all(&router, req.clone()).await.unwrap_err();
+        assert_eq!(status.code(), code, "{req:?}: {status:?}");
+        assert!(status.message().contains(needle), "{req:?}: {status:?}");
+    }
+    assert_serves(&router).await;
+}
+
+#[tokio::test]
+async fn worker_failure_mid_stream_ends_the_request_promptly() {
+    let router = start(MockConfig { fail_after: Some(3), ..Default::default() }, |_| {}).await;
+    let mut client = router.grpc_client().await;
+    let mut stream = client.generate(tokens_request(vec![5], 10)).await.unwrap().into_inner();
+    let mut tokens = 0;
+    let status = loop {
+        match timeout(TIMEOUT, stream.message()).await.expect("no hang") {
+            Ok(Some(_)) => tokens += 1,
+            Ok(None) => panic!("the stream ended without an error"),
+            Err(status) => break status,
+        }
+    };
+    assert_eq!(tokens, 3);
+    assert_eq!(status.code(), Code::Unavailable);
+    assert!(status.message().contains("decode worker failed"), "{status:?}");
+
+    // Streamed HTTP: the error arrives as an OpenAI error event, then [DONE].
+    let body = router.post("/v1/completions", json!({"prompt": [5], "max_tokens": 10, "stream": true, "ignore_eos": true})).await.text().await.unwrap();
+    let data = sse_data(&body);
+    assert_eq!(data.last().unwrap(), "[DONE]");
+    let err: Value = serde_json::from_str(&data[data.len() - 2]).unwrap();
+    assert!(err["error"]["message"].as_str().unwrap().contains("decode worker failed"), "{err}");
+    // Not streamed: 503.
+    let (status, _) = json_of(router.post("/v1/completions", json!({"prompt": [5], "max_tokens": 10, "ignore_eos": true})).await).await;
+    assert_eq!(status, 503);
+}
+
+#[tokio::test]
+async fn worker_death_mid_stream_ends_the_request_and_health() {
+    let mut router = start(MockConfig { token_delay: Duration::from_millis(50), ..Default::default() }, |_| {}).await;
+    let mut client = router.grpc_client().await;
+    let mut stream = client.generate(tokens_request(vec![5], 500)).await.unwrap().into_inner();
+    timeout(TIMEOUT, stream.message()).await.unwrap().unwrap().unwrap();
+    router.mock.kill();
+    let status = timeout(TIMEOUT, async {
+        loop {
+            match stream.message().await {
+                Ok(Some(_)) => continue,
+                Ok(None) => panic!("the stream ended without an error"),
+                Err(status) => break status,
+            }
+        }
+    })
+    .await
+    .expect("the request hung after the worker died");
+    assert_eq!(status.code(), Code::Unavailable, "{status:?}");
+    timeout(TIMEOUT, async {
+        while router.health().await != 503 {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    })
+    .await
+    .expect("health stays 200 after the worker died");
+    let status = generate_all(&router, tokens_request(vec![5], 2)).await.unwrap_err();
+    assert_eq!(status.code(), Code::Unavailable);
+}
+
+#[tokio::test]
+async fn health_follows_the_workers() {
+    use tonic_health::pb::{health_check_response::ServingStatus, health_client::HealthClient, HealthCheckRequest};
+    // Listeners that accept nothing yet: the workers are "starting".
+    let decode = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let prefill = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let placeholder = Mock::start(MockConfig::default());
+    let mut config = common::router_config(&placeholder);
+    config.decode_worker = format!("http://{}", decode.local_addr().unwrap());
+    config.prefill_worker = format!("http://{}", prefill.local_addr().unwrap());
+    config.worker_timeout_seconds = 0.3;
+    let router = common::spawn_router(placeholder, config).await;
+
+    let grpc_status = || async {
+        let channel = tonic::transport::Endpoint::from_shared(router.grpc.clone()).unwrap().connect().await.unwrap();
+        let mut health = HealthClient::new(channel);
+        let req = HealthCheckRequest { service: "duplex.v1.Generation".into() };
+        health.check(req).await.unwrap().into_inner().status()
+    };
+    tokio::time::sleep(Duration::from_millis(1200)).await;
+    assert_eq!(router.health().await, 503);
+    assert_eq!(grpc_status().await, ServingStatus::NotServing);
+    let (status, v) = json_of(router.post("/v1/completions", json!({"prompt": "hi"})).await).await;
+    assert_eq!(status, 503);
+    assert!(v["error"]["message"].as_str().unwrap().contains("not ready"), "{v}");
+
+    let _workers = Mock::start_on(decode, prefill, MockConfig::default());
+    router.wait_ready().await;
+    assert_eq!(grpc_status().await, ServingStatus::Serving);
+}
+
+#[tokio::test]
+async fn short_prompts_are_served_while_the_prefill_worker_is_down() {
+    let router = start(MockConfig::default(), |c| c.prefill_threshold_tokens = 32).await;
+    router.mock.configure(|c| c.prefill_down = true);
+    timeout(TIMEOUT, async {
+        while router.health().await != 503 {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    })
+    .await
+    .expect("health ignores the prefill worker");
+    assert_serves(&router).await;
+    let status = generate_all(&router, tokens_request((0..40).collect(), 2)).await.unwrap_err();
+    assert_eq!(status.code(), Code::Unavailable);
+    assert!(status.message().contains("prefill worker is not ready"), "{status:?}");
+    assert!(router.mock.record().allocs.is_empty());
+}
+
+#[tokio::test]
+async fn metrics_models_model_info_and_tokenize() {
+    let router = start(MockConfig::default(), |_| {}).await;
+    assert_serves(&router).await;
+    let text = reqwest::get(format!("{}/metrics", router.http)).await.unwrap().text().await.unwrap();
+    for name in [duplex_telemetry::TIME_TO_FIRST_TOKEN, duplex_telemetry::E2E_REQUEST_LATENCY] {
+        assert!(text.contains(&format!("{name}_bucket")), "{name} missing from:\n{text}");
+    }
+    assert!(text.contains(duplex_telemetry::REQUESTS), "{text}");
+
+    let v: Value = reqwest::get(format!("{}/v1/models", router.http)).await.unwrap().json().await.unwrap();
+    assert_eq!(v["object"], "list");
+    assert_eq!(v["data"][0]["id"], "tiny-dsv3");
+    assert_eq!(v["data"][0]["object"], "model");
+
+    let mut client = router.grpc_client().await;
+    let info = client.model_info(duplex_proto::v1::ModelInfoRequest {}).await.unwrap().into_inner();
+    assert_eq!((info.model.as_str(), info.vocab_size, info.context_length), ("tiny-dsv3", 2112, 1024));
+    assert_eq!((info.prefill_worker_threshold, info.weights_fingerprint.as_str()), (32, "mock-fingerprint"));
+    let tokenize = |input| duplex_proto::v1::TokenizeRequest { input: Some(input) };
+    let ids = client.tokenize(tokenize(duplex_proto::v1::tokenize_request::Input::Text("Hello".into()))).await.unwrap().into_inner().ids;
+    assert_eq!(ids[0], 0);
+    let err = client.tokenize(duplex_proto::v1::TokenizeRequest { input: None }).await.unwrap_err();
+    assert_eq!(err.code(), Code::InvalidArgument);
+}
+
+/// The official `openai` Python client, unmodified (needs `pip install openai`).
+#[tokio::test]
+#[ignore = "needs python3 with the openai package"]
+async fn openai_python_client() {
+    let router = start(MockConfig::default(), |_| {}).await;
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/openai_client.py");
+    let out = tokio::process::Command::new("python3").arg(script).arg(&router.http).output();
+    let out = timeout(TIMEOUT * 3, out).await.unwrap().expect("python3 runs");
+    let (stdout, stderr) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(out.status.success(), "{stdout}\n{stderr}");
+    assert!(stdout.contains("ok"), "{stdout}\n{stderr}");
+}

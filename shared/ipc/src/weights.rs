@@ -1,0 +1,447 @@
+//! The weight store: the model's weights, once, in a named segment.
+//!
+//! Layout (integers little-endian):
+//!
+//! | offset | field |
+//! | --- | --- |
+//! | 0 | magic `DUPLEXW1` |
+//! | 8 | format version (u32) |
+//! | 12 | complete flag (u32, 1 = complete), written last |
+//! | 16 | checkpoint fingerprint, 64 hex bytes |
+//! | 80 | sha256 of config.json, 64 hex bytes |
+//! | 144 | directory offset, directory length (u64 each) |
+//! | 160 | data offset (page-aligned), total length (u64 each) |
+//! | 176 | directory: JSON `{name: TensorInfo}`, offsets relative to the data offset |
+//! | data offset | tensor data, every tensor 64-byte aligned |
+//!
+//! The fingerprint names the checkpoint the segment was built from; it is not
+//! a checksum of the data, which would cost a full read on every attach.
+
+use crate::segment::{self, align_up, io_err, u32_at, u64_at, PAGE};
+use crate::IpcError;
+use duplex_kernels::pool::PoolConfig;
+use duplex_model::checkpoint::{Checkpoint, CheckpointError};
+use duplex_model::config::{ConfigError, ModelConfig};
+use duplex_model::model::{CpuRuntime, Model};
+use memmap2::Mmap;
+use safetensors::tensor::TensorInfo;
+use sha2::{Digest, Sha256};
+use std::collections::BTreeMap;
+use std::fs::File;
+use std::io::Read;
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+const MAGIC: &[u8; 8] = b"DUPLEXW1";
+const VERSION: u32 = 1;
+const COMPLETE_AT: usize = 12;
+const FINGERPRINT_AT: usize = 16;
+const CONFIG_HASH_AT: usize = 80;
+const DIR_AT: usize = 144;
+const DATA_AT: usize = 160;
+const HEADER_LEN: usize = 176;
+/// Tensor alignment inside the data region: one cache line, the widest SIMD load.
+const TENSOR_ALIGN: usize = 64;
+/// Largest safetensors header read while fingerprinting (safetensors' own limit).
+const MAX_SHARD_HEADER: u64 = 100_000_000;
+
+/// How [`WeightStore::open_or_build`] got its segment.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Provenance {
+    /// A complete segment of this checkpoint was already there.
+    Attached,
+    /// The segment was missing or stale and was built from the checkpoint.
+    Built,
+}
+
+/// A weight segment, mapped read-only.
+pub struct WeightStore {
+    path: PathBuf,
+    map: Arc<Mmap>,
+    fingerprint: String,
+    config_hash: String,
+    data_offset: usize,
+    directory: BTreeMap<String, TensorInfo>,
+}
+
+impl std::fmt::Debug for WeightStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "WeightStore({}, {} bytes, {} tensors, {})", self.path.display(), self.map.len(), self.directory.len(), self.fingerprint)
+    }
+}
+
+fn sha256_hex(bytes: &[u8]) -> String {
+    hex(&Sha256::digest(bytes))
+}
+
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// Fingerprint of the checkpoint in `model_dir`, without reading its tensor
+/// data: sha256 over the sha256 of config.json, the index file (if any), and
+/// for each shard (by file name) its name, length and safetensors header.
+/// Hex. Any edit that changes a tensor's name, dtype, shape or place changes
+/// it; rewriting tensor data in place with identical layout does not.
+pub fn checkpoint_fingerprint(model_dir: &Path) -> Result<String, IpcError> {
+    let config = model_dir.join("config.json");
+    let config_bytes = std::fs::read(&config).map_err(io_err(&config))?;
+    // Opening maps the shards and parses their headers; it reads no tensor data.
+    fingerprint_with(model_dir, &Checkpoint::open(model_dir, None)?, &sha256_hex(&config_bytes))
+}
+
+fn fingerprint_with(model_dir: &Path, ck: &Checkpoint, config_hash: &str) -> Result<String, IpcError> {
+    let mut h = Sha256::new();
+    h.update(b"config.json\0");
+    h.update(config_hash.as_bytes());
+    let index = model_dir.join(duplex_model::checkpoint::INDEX_FILE);
+    if index.exists() {
+        let bytes = std::fs::read(&index).map_err(io_err(&index))?;
+        h.update(b"index\0");
+        h.update((bytes.len() as u64).to_le_bytes());
+        h.update(&bytes);
+    }
+    let mut files: Vec<&Path> = ck.files().collect();
+    files.sort();
+    for path in files {
+        let bad = |message: String| CheckpointError::BadShard { file: path.to_path_buf(), message };
+        let mut file = File::open(path).map_err(io_err(path))?;
+        let len = file.metadata().map_err(io_err(path))?.len();
+        let mut n = [0u8; 8];
+        file.read_exact(&mut n).map_err(io_err(path))?;
+        let header_len = u64::from_le_bytes(n);
+        if header_len > MAX_SHARD_HEADER || header_len > len.saturating_sub(8) {
+            return Err(bad(format!("header length {header_len} does not fit the file of {len} bytes")).into());
+        }
+        let mut header = vec![0u8; header_len as usize];
+        file.read_exact(&mut header).map_err(io_err(path))?;
+        h.update(path.file_name().map(|n| n.as_encoded_bytes()).unwrap_or_default());
+        h.update(b"\0");
+        h.update(len.to_le_bytes());
+        h.update(n);
+        h.update(&header);
+    }
+    Ok(hex(&h.finalize()))
+}
+
+/// `model.layers.{i}.…` with `i >= n_layers`: a multi-token-prediction layer,
+/// which the engine does not run.
+fn is_mtp(name: &str, n_layers: usize) -> bool {
+    name.strip_prefix("model.layers.")
+        .and_then(|r| r.split('.').next())
+        .and_then(|i| i.parse::<usize>().ok())
+        .is_some_and(|i| i >= n_layers)
+}
+
+impl WeightStore {
+    /// Under the lock `<shm_dir>/<name>.lock`, attach to `<shm_dir>/<name>` if
+    /// it is complete and its fingerprint matches the checkpoint in
+    /// `model_dir`; otherwise (missing, incomplete, corrupt, another format
+    /// version or checkpoint) build it from the checkpoint and rename it over
+    /// the old one. Processes still mapping the old one keep their copy.
+    pub fn open_or_build(shm_dir: &Path, name: &str, model_dir: &Path) -> Result<(WeightStore, Provenance), IpcError> {
+        let _lock = segment::lock(shm_dir, name)?;
+        let config_path = model_dir.join("config.json");
+        let config_bytes = std::fs::read(&config_path).map_err(io_err(&config_path))?;
+        let config_hash = sha256_hex(&config_bytes);
+        let ck = Checkpoint::open(model_dir, None)?;
+        let fingerprint = fingerprint_with(model_dir, &ck, &config_hash)?;
+        // Whatever is wrong with the existing segment, rebuilding fixes it.
+        if let Ok(store) = Self::attach(shm_dir, name, Some(&fingerprint)) {
+            return Ok((store, Provenance::Attached));
+        }
+        segment::remove_stale_temps(shm_dir, name);
+        let cfg = parse_config(&config_bytes, &config_path)?;
+        Self::build(shm_dir, name, &ck, cfg.num_hidden_layers, &fingerprint, &config_hash)?;
+        Ok((Self::attach(shm_dir, name, Some(&fingerprint))?, Provenance::Built))
+    }
+
+    fn build(shm_dir: &Path, name: &str, ck: &Checkpoint, n_layers: usize, fingerprint: &str, config_hash: &str) -> Result<(), IpcError> {
+        let mut tensors: Vec<_> = ck.raw_tensors().filter(|(n, ..)| !is_mtp(n, n_layers)).collect();
+        tensors.sort_by_key(|t| t.0);
+        let mut directory = BTreeMap::new();
+        let mut end = 0;
+        for &(n, dtype, shape, bytes) in &tensors {
+            let start = align_up(end, TENSOR_ALIGN);
+            end = start + bytes.len();
+            directory.insert(n, TensorInfo { dtype, shape: shape.to_vec(), data_offsets: (start, end) });
+        }
+        let dir_json = serde_json::to_vec(&directory).expect("a map of strings and TensorInfo always serialises");
+        let data_offset = align_up(HEADER_LEN + dir_json.len(), PAGE);
+        let total = data_offset + end;
+
+        let temp = segment::create_reserved(shm_dir, name, total as u64)?;
+        let file = temp.as_file();
+        let write = |bytes: &[u8], at: usize| file.write_all_at(bytes, at as u64).map_err(io_err(temp.path()));
+        let mut header = Vec::with_capacity(HEADER_LEN);
+        header.extend_from_slice(MAGIC);
+        header.extend_from_slice(&VERSION.to_le_bytes());
+        header.extend_from_slice(&0u32.to_le_bytes());
+        header.extend_from_slice(fingerprint.as_bytes());
+        header.extend_from_slice(config_hash.as_bytes());
+        for v in [HEADER_LEN, dir_json.len(), data_offset, total] {
+            header.extend_from_slice(&(v as u64).to_le_bytes());
+        }
+        debug_assert_eq!(header.len(), HEADER_LEN);
+        write(&header, 0)?;
+        write(&dir_json, HEADER_LEN)?;
+        for &(n, _, _, bytes) in &tensors {
+            write(bytes, data_offset + directory[n].data_offsets.0)?;
+        }
+        write(&1u32.to_le_bytes(), COMPLETE_AT)?;
+        let path = shm_dir.join(name);
+        temp.persist(&path).map_err(|e| IpcError::Io { path, source: e.error })?;
+        Ok(())
+    }
+
+    /// Map `<shm_dir>/<name>` read-only and check its header and directory,
+    /// and its fingerprint if `expected_fingerprint` is given.
+    pub fn attach(shm_dir: &Path, name: &str, expected_fingerprint: Option<&str>) -> Result<WeightStore, IpcError> {
+        let path = segment::segment_path(shm_dir, name)?;
+        let file = File::open(&path).map_err(io_err(&path))?;
+        // SAFETY: a weight segment is never written after it is renamed into
+        // place; a rebuild writes a new file and renames it over this name,
+        // leaving this inode as it is.
+        let map = Arc::new(unsafe { Mmap::map(&file) }.map_err(io_err(&path))?);
+        let corrupt = |reason: String| IpcError::Corrupt { path: path.clone(), reason };
+        let h = map.get(..HEADER_LEN).ok_or_else(|| corrupt(format!("{} bytes is too short for the header", map.len())))?;
+        if &h[..8] != MAGIC {
+            return Err(corrupt("it does not start with DUPLEXW1".into()));
+        }
+        let version = u32_at(h, 8).unwrap_or(0);
+        if version != VERSION {
+            return Err(corrupt(format!("format version {version}, this build reads version {VERSION}")));
+        }
+        if u32_at(h, COMPLETE_AT) != Some(1) {
+            return Err(corrupt("it was never completed".into()));
+        }
+        let hex_field = |at: usize| {
+            let field = &h[at..at + 64];
+            field.iter().all(|b| b.is_ascii_hexdigit()).then(|| String::from_utf8_lossy(field).into_owned())
+        };
+        let (Some(fingerprint), Some(config_hash)) = (hex_field(FINGERPRINT_AT), hex_field(CONFIG_HASH_AT)) else {
+            return Err(corrupt("its fingerprint is not hex".into()));
+        };
+        let field = |at: usize| usize::try_from(u64_at(h, at).unwrap_or(u64::MAX)).unwrap_or(usize::MAX);
+        let (dir_at, dir_len, data_offset, total) = (field(DIR_AT), field(DIR_AT + 8), field(DATA_AT), field(DATA_AT + 8));
+        if total != map.len() {
+            return Err(corrupt(format!("its header says {total} bytes but the file has {}", map.len())));
+        }
+        let dir_end = dir_at.checked_add(dir_len).filter(|&e| dir_at >= HEADER_LEN && e <= data_offset && data_offset <= total);
+        if dir_end.is_none() || data_offset % PAGE != 0 {
+            return Err(corrupt(format!("bad layout: directory {dir_at}+{dir_len}, data at {data_offset}, total {total}")));
+        }
+        if let Some(expected) = expected_fingerprint {
+            if expected != fingerprint {
+                return Err(IpcError::FingerprintMismatch { path, expected: expected.to_string(), found: fingerprint });
+            }
+        }
+        let directory: BTreeMap<String, TensorInfo> =
+            serde_json::from_slice(&map[dir_at..dir_at + dir_len]).map_err(|e| corrupt(format!("its tensor directory is not valid: {e}")))?;
+        // Check every tensor's range now, so that a bad directory is a stale
+        // segment here rather than an error when the model loads.
+        Checkpoint::from_mapping(path.clone(), map.clone(), data_offset, directory.clone(), None).map_err(|e| corrupt(e.to_string()))?;
+        Ok(WeightStore { path, map, fingerprint, config_hash, data_offset, directory })
+    }
+
+    /// The fingerprint of the checkpoint this segment was built from (hex).
+    pub fn fingerprint(&self) -> &str {
+        &self.fingerprint
+    }
+
+    pub fn size_bytes(&self) -> u64 {
+        self.map.len() as u64
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// Names of the tensors in the segment.
+    pub fn tensor_names(&self) -> impl Iterator<Item = &str> {
+        self.directory.keys().map(|s| s.as_str())
+    }
+
+    /// The segment's tensors as a checkpoint; the weights stay views into it.
+    pub fn checkpoint(&self, fp8_block: Option<[usize; 2]>) -> Result<Checkpoint, CheckpointError> {
+        Checkpoint::from_mapping(self.path.clone(), self.map.clone(), self.data_offset, self.directory.clone(), fp8_block)
+    }
+
+    /// Remove segment `name` and its lock file. Processes mapping it keep
+    /// their mapping; a missing segment is not an error.
+    pub fn remove(shm_dir: &Path, name: &str) -> std::io::Result<()> {
+        segment::remove(shm_dir, name)
+    }
+}
+
+/// Parse config.json from the bytes that were hashed, not a second read.
+fn parse_config(bytes: &[u8], path: &Path) -> Result<ModelConfig, ConfigError> {
+    let origin = path.display().to_string();
+    let text = std::str::from_utf8(bytes).map_err(|e| ConfigError::Parse { path: origin.clone(), message: e.to_string() })?;
+    ModelConfig::from_json(text, &origin)
+}
+
+/// Load the model from the store with the config.json in `model_dir`, which
+/// must be the one the segment was built from.
+pub fn load_model(store: &WeightStore, model_dir: &Path, pool: &PoolConfig) -> Result<Model, IpcError> {
+    let config_path = model_dir.join("config.json");
+    let bytes = std::fs::read(&config_path).map_err(io_err(&config_path))?;
+    if sha256_hex(&bytes) != store.config_hash {
+        return Err(IpcError::ConfigMismatch { config: config_path, segment: store.path.clone() });
+    }
+    let cfg = parse_config(&bytes, &config_path)?;
+    let ck = store.checkpoint(cfg.quantization.as_ref().map(|q| q.weight_block_size))?;
+    Ok(Model::from_checkpoint(cfg, &ck, CpuRuntime::new(pool), &mut |_, _| {})?)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::residency::mapping_residency;
+    use duplex_model::{BlockTable, Logits, Precision};
+    use std::time::Instant;
+
+    const FIXTURE: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../../tests/fixtures/tiny-dsv3");
+
+    fn fixture() -> &'static Path {
+        Path::new(FIXTURE)
+    }
+
+    /// A copy of the fixture's model files, for editing.
+    fn fixture_copy() -> tempfile::TempDir {
+        let dir = tempfile::tempdir().unwrap();
+        for f in ["config.json", "model.safetensors.index.json", "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"] {
+            std::fs::copy(fixture().join(f), dir.path().join(f)).unwrap();
+        }
+        dir
+    }
+
+    #[test]
+    fn builds_once_then_attaches() {
+        let shm = tempfile::tempdir().unwrap();
+        let t = Instant::now();
+        let (built, how) = WeightStore::open_or_build(shm.path(), "w", fixture()).unwrap();
+        let build_time = t.elapsed();
+        assert_eq!(how, Provenance::Built);
+        let t = Instant::now();
+        let (attached, how) = WeightStore::open_or_build(shm.path(), "w", fixture()).unwrap();
+        eprintln!("build {build_time:?}, attach {:?} ({} bytes)", t.elapsed(), attached.size_bytes());
+        assert_eq!(how, Provenance::Attached);
+        assert_eq!(built.fingerprint(), attached.fingerprint());
+        assert_eq!(built.fingerprint(), checkpoint_fingerprint(fixture()).unwrap());
+        assert_eq!(attached.path(), shm.path().join("w"));
+        assert_eq!(attached.data_offset % PAGE, 0);
+        assert!(attached.directory.values().all(|t| t.data_offsets.0 % TENSOR_ALIGN == 0));
+        WeightStore::remove(shm.path(), "w").unwrap();
+        WeightStore::remove(shm.path(), "w").unwrap();
+        assert!(std::fs::read_dir(shm.path()).unwrap().next().is_none(), "remove leaves nothing behind");
+    }
+
+    #[test]
+    fn store_model_matches_disk_model_bit_for_bit() {
+        let shm = tempfile::tempdir().unwrap();
+        let (store, _) = WeightStore::open_or_build(shm.path(), "w", fixture()).unwrap();
+        let pool = PoolConfig::single_node(1);
+        let tokens = [1, 17, 300, 5, 42];
+        let logits = |model: &Model| {
+            let mut kv = model.new_kv_pool(8, 16);
+            model.forward(&mut kv, &mut BlockTable::default(), &tokens, Precision::F32, Logits::All).unwrap()
+        };
+        let from_store = load_model(&store, fixture(), &pool).unwrap();
+        let from_disk = Model::load_with(fixture(), &pool, &mut |_, _| {}).unwrap();
+        assert!(from_disk.skipped_mtp_tensors > 0);
+        assert_eq!(from_store.skipped_mtp_tensors, 0);
+        assert_eq!(logits(&from_store), logits(&from_disk));
+    }
+
+    #[test]
+    fn leaves_out_mtp_tensors() {
+        let shm = tempfile::tempdir().unwrap();
+        let (store, _) = WeightStore::open_or_build(shm.path(), "w", fixture()).unwrap();
+        let n_layers = ModelConfig::from_file(&fixture().join("config.json")).unwrap().num_hidden_layers;
+        let ck = Checkpoint::open(fixture(), None).unwrap();
+        assert!(ck.tensor_names().any(|n| is_mtp(n, n_layers)), "the fixture has MTP tensors");
+        assert!(store.tensor_names().all(|n| !is_mtp(n, n_layers)));
+        assert_eq!(store.tensor_names().count(), ck.tensor_names().filter(|n| !is_mtp(n, n_layers)).count());
+        let shard_bytes: u64 = ck.files().map(|f| f.metadata().unwrap().len()).sum();
+        assert!(store.size_bytes() < shard_bytes, "{} vs {shard_bytes}", store.size_bytes());
+    }
+
+    #[test]
+    fn stale_segments_are_rebuilt() {
+        let shm = tempfile::tempdir().unwrap();
+        let path = shm.path().join("w");
+        let (good, _) = WeightStore::open_or_build(shm.path(), "w", fixture()).unwrap();
+        let good_bytes = std::fs::read(&path).unwrap();
+        let fingerprint = good.fingerprint().to_string();
+        drop(good);
+
+        let wrong = "0".repeat(64);
+        let err = WeightStore::attach(shm.path(), "w", Some(&wrong)).unwrap_err();
+        assert!(matches!(&err, IpcError::FingerprintMismatch { found, .. } if *found == fingerprint), "{err}");
+
+        let mut other_fingerprint = good_bytes.clone();
+        other_fingerprint[FINGERPRINT_AT] = if good_bytes[FINGERPRINT_AT] == b'0' { b'1' } else { b'0' };
+        let mut incomplete = good_bytes.clone();
+        incomplete[COMPLETE_AT] = 0;
+        let mut bad_dir = good_bytes.clone();
+        bad_dir[HEADER_LEN] = b'!';
+        let mut damaged: Vec<Vec<u8>> = vec![other_fingerprint, incomplete, bad_dir, b"garbage".repeat(1000), vec![]];
+        for len in [7, 100, HEADER_LEN, HEADER_LEN + 10, good_bytes.len() - 1] {
+            damaged.push(good_bytes[..len].to_vec());
+        }
+        for (i, bytes) in damaged.iter().enumerate() {
+            std::fs::write(&path, bytes).unwrap();
+            // Only the other fingerprint (case 0) is a well-formed segment.
+            assert_eq!(WeightStore::attach(shm.path(), "w", None).is_ok(), i == 0, "case {i}");
+            let (store, how) = WeightStore::open_or_build(shm.path(), "w", fixture()).unwrap();
+            assert_eq!((how, store.fingerprint()), (Provenance::Built, fingerprint.as_str()), "case {i}");
+            store.checkpoint(Some([128, 128])).unwrap();
+        }
+    }
+
+    #[test]
+    fn another_checkpoint_is_rebuilt() {
+        let shm = tempfile::tempdir().unwrap();
+        let (a, _) = WeightStore::open_or_build(shm.path(), "w", fixture()).unwrap();
+        let copy = fixture_copy();
+        assert_eq!(checkpoint_fingerprint(copy.path()).unwrap(), a.fingerprint(), "the fingerprint depends on contents, not paths");
+        let config = copy.path().join("config.json");
+        let mut text = std::fs::read_to_string(&config).unwrap();
+        text.push('\n');
+        std::fs::write(&config, text).unwrap();
+        let (b, how) = WeightStore::open_or_build(shm.path(), "w", copy.path()).unwrap();
+        assert_eq!(how, Provenance::Built);
+        assert_ne!(a.fingerprint(), b.fingerprint());
+        assert_eq!(WeightStore::open_or_build(shm.path(), "w", copy.path()).unwrap().1, Provenance::Attached);
+        // The old mapping still works after the rename, and the model loads
+        // only with the config the segment was built from.
+        a.checkpoint(Some([128, 128])).unwrap();
+        assert!(matches!(load_model(&b, fixture(), &PoolConfig::single_node(1)), Err(IpcError::ConfigMismatch { .. })));
+        load_model(&b, copy.path(), &PoolConfig::single_node(1)).unwrap();
+    }
+
+    #[test]
+    fn mapped_segment_is_resident() {
+        let shm = tempfile::tempdir().unwrap();
+        let (store, _) = WeightStore::open_or_build(shm.path(), "w", fixture()).unwrap();
+        let sum: u64 = store.map.iter().step_by(PAGE).map(|&b| b as u64).sum();
+        std::hint::black_box(sum);
+        let r = mapping_residency(std::process::id(), store.path()).unwrap();
+        eprintln!("size {} rss {} pss {}", store.size_bytes(), r.rss, r.pss);
+        assert!(r.rss as f64 >= 0.9 * store.size_bytes() as f64, "{r:?}");
+        assert!(r.pss <= r.rss);
+    }
+
+    #[test]
+    fn concurrent_starters_build_once() {
+        let shm = tempfile::tempdir().unwrap();
+        let results: Vec<_> = std::thread::scope(|s| {
+            let handles: Vec<_> = (0..2).map(|_| s.spawn(|| WeightStore::open_or_build(shm.path(), "w", fixture()).unwrap())).collect();
+            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        assert_eq!(results.iter().filter(|(_, how)| *how == Provenance::Built).count(), 1);
+        assert_eq!(results[0].0.fingerprint(), results[1].0.fingerprint());
+    }
+}

@@ -1,0 +1,187 @@
+//! duplex-telemetry: the metric names of every Duplex process, their help
+//! texts and histogram buckets, the Prometheus exporter, logging, and the
+//! rest of the set-up every process shares ([`process`]: config file
+//! sections, shutdown signals).
+//!
+//! Names follow vLLM where one exists (`time_to_first_token_seconds`,
+//! `time_per_output_token_seconds`, `num_requests_running`), so dashboards
+//! built for vLLM read naturally. Dashboards and tests import [`ALL`] rather
+//! than retyping names.
+
+pub mod process;
+
+use metrics_exporter_prometheus::{BuildError, Matcher, PrometheusBuilder, PrometheusHandle};
+use std::net::SocketAddr;
+
+/// How a metric is exported.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Kind {
+    Counter,
+    Gauge,
+    Histogram,
+}
+
+/// One metric: its name, kind, help text, the process that exports it, and
+/// the buckets of a histogram.
+#[derive(Clone, Copy, Debug)]
+pub struct Metric {
+    pub name: &'static str,
+    pub kind: Kind,
+    pub help: &'static str,
+    pub exported_by: Process,
+    pub buckets: &'static [f64],
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Process {
+    Router,
+    Prefill,
+    Decode,
+}
+
+/// Latencies from a millisecond to ten minutes.
+const LATENCY: &[f64] = &[0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0];
+/// Inter-token latencies: a millisecond to ten seconds.
+const TOKEN_LATENCY: &[f64] = &[0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5, 10.0];
+const BATCH: &[f64] = &[1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 8.0, 12.0, 16.0, 24.0, 32.0, 64.0];
+const THROUGHPUT: &[f64] = &[10.0, 25.0, 50.0, 100.0, 250.0, 500.0, 1000.0, 2500.0, 5000.0, 10000.0, 25000.0];
+const NONE: &[f64] = &[];
+
+macro_rules! metrics_table {
+    ($($konst:ident = $name:literal, $kind:ident, $process:ident, $buckets:ident, $help:literal;)*) => {
+        $(#[doc = $help] pub const $konst: &str = $name;)*
+        /// Every metric a Duplex process exports.
+        pub const ALL: &[Metric] = &[$(Metric { name: $name, kind: Kind::$kind, help: $help, exported_by: Process::$process, buckets: $buckets }),*];
+    };
+}
+
+metrics_table! {
+    TIME_TO_FIRST_TOKEN = "duplex_time_to_first_token_seconds", Histogram, Router, LATENCY,
+        "Time from a request's arrival at the router to its first token.";
+    TIME_PER_OUTPUT_TOKEN = "duplex_time_per_output_token_seconds", Histogram, Router, TOKEN_LATENCY,
+        "Time between consecutive output tokens of a request (inter-token latency).";
+    E2E_REQUEST_LATENCY = "duplex_e2e_request_latency_seconds", Histogram, Router, LATENCY,
+        "Time from a request's arrival to its last token.";
+    REQUEST_QUEUE_TIME = "duplex_request_queue_time_seconds", Histogram, Router, LATENCY,
+        "Time a request waited in queues before its prefill started.";
+    REQUEST_PREFILL_TIME = "duplex_request_prefill_time_seconds", Histogram, Router, LATENCY,
+        "Time from the start of a request's prefill to its first token; label path = decode | prefill.";
+    REQUESTS = "duplex_requests_total", Counter, Router, NONE,
+        "Finished requests; label outcome = stop | length | cancelled | error | rejected | invalid.";
+    PROMPT_TOKENS = "duplex_prompt_tokens_total", Counter, Router, NONE,
+        "Prompt tokens of admitted requests.";
+    GENERATION_TOKENS = "duplex_generation_tokens_total", Counter, Router, NONE,
+        "Tokens generated and delivered.";
+    REQUESTS_RUNNING = "duplex_num_requests_running", Gauge, Router, NONE,
+        "Requests that have started producing tokens and are not finished.";
+    REQUESTS_WAITING = "duplex_num_requests_waiting", Gauge, Router, NONE,
+        "Admitted requests that have no token yet.";
+    KV_BLOCKS_USED = "duplex_kv_blocks_used", Gauge, Decode, NONE,
+        "KV cache blocks in use (leased to the prefill worker or held by sequences).";
+    KV_BLOCKS_TOTAL = "duplex_kv_blocks_total", Gauge, Decode, NONE,
+        "KV cache blocks in the shared pool.";
+    DECODE_BATCH_SIZE = "duplex_decode_batch_size", Histogram, Decode, BATCH,
+        "Sequences in one decode-worker step (decoding plus prefilling).";
+    DECODE_STEP_TIME = "duplex_decode_step_seconds", Histogram, Decode, LATENCY,
+        "Time of one decode-worker step; label part = total | attention | moe.";
+    DECODE_RUNNING = "duplex_decode_running_sequences", Gauge, Decode, NONE,
+        "Sequences in the decode worker's running batch.";
+    DECODE_WAITING = "duplex_decode_waiting_sequences", Gauge, Decode, NONE,
+        "Sequences waiting for a place in the decode worker's batch.";
+    PREFILL_THROUGHPUT = "duplex_prefill_tokens_per_second", Histogram, Prefill, THROUGHPUT,
+        "Prompt tokens per second of each prefill; label worker = prefill | decode.";
+    PREFILL_TOKENS = "duplex_prefill_tokens_total", Counter, Prefill, NONE,
+        "Prompt tokens prefilled; label worker = prefill | decode.";
+    PREFILL_TIME = "duplex_prefill_seconds", Histogram, Prefill, LATENCY,
+        "Compute time of each prefill; label worker = prefill | decode.";
+    PREFILL_QUEUE = "duplex_prefill_queue_length", Gauge, Prefill, NONE,
+        "Prompts waiting in the prefill worker's first-come first-served queue.";
+    WEIGHT_SEGMENT_BYTES = "duplex_weight_segment_bytes", Gauge, Prefill, NONE,
+        "Size of the shared weight segment this worker maps.";
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum TelemetryError {
+    #[error("cannot set up the Prometheus exporter: {0}")]
+    Build(#[from] BuildError),
+    #[error("a metrics recorder is already installed in this process")]
+    AlreadyInstalled,
+}
+
+fn builder() -> Result<PrometheusBuilder, BuildError> {
+    let mut b = PrometheusBuilder::new();
+    for m in ALL.iter().filter(|m| m.kind == Kind::Histogram) {
+        // Without buckets a histogram is exported as a summary, which
+        // Prometheus cannot aggregate across processes or compute quantiles of.
+        b = b.set_buckets_for_metric(Matcher::Full(m.name.to_string()), m.buckets)?;
+    }
+    Ok(b)
+}
+
+fn describe() {
+    for m in ALL {
+        match m.kind {
+            Kind::Counter => metrics::describe_counter!(m.name, m.help),
+            Kind::Gauge => metrics::describe_gauge!(m.name, m.help),
+            Kind::Histogram => metrics::describe_histogram!(m.name, m.help),
+        }
+    }
+}
+
+/// Install the global recorder. With `listen`, also serve `/metrics` there
+/// (on the current tokio runtime). The handle renders the exposition text,
+/// for a process that serves `/metrics` on its own HTTP port.
+pub fn install(listen: Option<SocketAddr>) -> Result<PrometheusHandle, TelemetryError> {
+    let b = builder()?;
+    let handle = match listen {
+        Some(addr) => {
+            let (recorder, exporter) = b.with_http_listener(addr).build()?;
+            let handle = recorder.handle();
+            metrics::set_global_recorder(recorder).map_err(|_| TelemetryError::AlreadyInstalled)?;
+            tokio::spawn(exporter);
+            handle
+        }
+        None => {
+            let recorder = b.build_recorder();
+            let handle = recorder.handle();
+            metrics::set_global_recorder(recorder).map_err(|_| TelemetryError::AlreadyInstalled)?;
+            handle
+        }
+    };
+    describe();
+    Ok(handle)
+}
+
+/// Log to stderr; `RUST_LOG` filters (default `info`).
+pub fn init_logging() {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let _ = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).try_init();
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_are_unique_and_prefixed() {
+        let mut names: Vec<&str> = ALL.iter().map(|m| m.name).collect();
+        names.sort();
+        names.dedup();
+        assert_eq!(names.len(), ALL.len());
+        assert!(ALL.iter().all(|m| m.name.starts_with("duplex_")));
+        assert!(ALL.iter().all(|m| (m.kind == Kind::Histogram) != m.buckets.is_empty()));
+    }
+
+    #[test]
+    fn histograms_export_buckets_not_summaries() {
+        let recorder = builder().unwrap().build_recorder();
+        let handle = recorder.handle();
+        metrics::with_local_recorder(&recorder, || {
+            describe();
+            metrics::histogram!(TIME_TO_FIRST_TOKEN).record(0.3);
+        });
+        let text = handle.render();
+        assert!(text.contains("duplex_time_to_first_token_seconds_bucket{le=\"0.5\"} 1"), "{text}");
+        assert!(!text.contains("quantile="), "{text}");
+    }
+}
