@@ -301,3 +301,20 @@ fn clean_shutdown_removes_segments() {
     assert!(status.success(), "duplex serve exited with {status}");
     assert!(!weights.exists() && !kv.exists(), "segments left behind in {}", dir.display());
 }
+
+/// The official `openai` Python client works against the router unmodified.
+/// Skipped, saying so, where python3 lacks the package (`.ci/run` installs it).
+#[test]
+fn openai_python_client_works_unmodified() {
+    let has_openai = std::process::Command::new("python3").args(["-c", "import openai"]).output().is_ok_and(|o| o.status.success());
+    if !has_openai {
+        eprintln!("skipped: python3 with the `openai` package is not available (pip install openai)");
+        return;
+    }
+    let _serial = serial();
+    let server = Server::start(Options::default());
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/openai_client.py");
+    let out = std::process::Command::new("python3").arg(script).arg(&server.http).output().unwrap();
+    let (stdout, stderr) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(out.status.success() && stdout.contains("ok"), "{stdout}\n{stderr}");
+}

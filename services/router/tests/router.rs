@@ -522,16 +522,3 @@ async fn metrics_models_model_info_and_tokenize() {
     let err = client.tokenize(duplex_proto::v1::TokenizeRequest { input: None }).await.unwrap_err();
     assert_eq!(err.code(), Code::InvalidArgument);
 }
-
-/// The official `openai` Python client, unmodified (needs `pip install openai`).
-#[tokio::test]
-#[ignore = "needs python3 with the openai package"]
-async fn openai_python_client() {
-    let router = start(MockConfig::default(), |_| {}).await;
-    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/openai_client.py");
-    let out = tokio::process::Command::new("python3").arg(script).arg(&router.http).output();
-    let out = timeout(TIMEOUT * 3, out).await.unwrap().expect("python3 runs");
-    let (stdout, stderr) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
-    assert!(out.status.success(), "{stdout}\n{stderr}");
-    assert!(stdout.contains("ok"), "{stdout}\n{stderr}");
-}

@@ -1,7 +1,7 @@
 """The official `openai` Python client against a Duplex router, unmodified.
 
-Run by `cargo test -p duplex-router --test router -- --ignored openai_python_client`
-with the `openai` package installed; argv[1] is the router's base URL.
+Run by the end-to-end test `openai_python_client_works_unmodified` (tests/serving.rs)
+when the `openai` package is installed; argv[1] is the router's base URL.
 """
 import sys
 
