@@ -226,7 +226,10 @@ pub async fn collect(
                 ids.push(t.id);
                 text.push_str(&t.text);
             }
-            Some(v1::generate_response::Event::Finished(f)) => return Ok((ids, text, f)),
+            Some(v1::generate_response::Event::Finished(f)) => {
+                text.push_str(&f.text);
+                return Ok((ids, text, f));
+            }
             None => {}
         }
     }

@@ -108,9 +108,8 @@ fn response(event: Event) -> GenerateResponse {
             logprob: t.logprob,
             top_logprobs: t.top_logprobs.into_iter().map(|p| v1::TopLogprob { id: p.id, logprob: p.logprob, text: p.text }).collect(),
         }),
-        // `f.text` is empty unless a worker stopped unexpectedly; the proto
-        // has no place for text without a token, so it is dropped here.
         Event::Finished(f) => generate_response::Event::Finished(v1::Finished {
+            text: f.text,
             finish_reason: f.reason.as_str().into(),
             usage: Some(v1::Usage { prompt_tokens: f.prompt_tokens, completion_tokens: f.completion_tokens }),
             timings: Some(v1::Timings {
