@@ -11,7 +11,6 @@ pub mod config;
 pub mod kv_alloc;
 pub mod server;
 
-use anyhow::Context;
 use batcher::{Batcher, Limits};
 pub use config::DecodeConfig;
 use duplex_ipc::{KvGeometry, KvSegment};
@@ -42,11 +41,7 @@ pub async fn serve(config: DecodeConfig, listener: TcpListener, shutdown: impl F
 
 /// Bind, export metrics, serve until Ctrl-C or SIGTERM.
 pub async fn run(config: DecodeConfig) -> anyhow::Result<()> {
-    duplex_telemetry::init_logging();
-    if config.metrics_port != 0 {
-        duplex_telemetry::install(Some((config.host.parse::<std::net::IpAddr>()?, config.metrics_port).into()))?;
-    }
-    let listener = TcpListener::bind((config.host.as_str(), config.port)).await.with_context(|| format!("cannot listen on {}:{}", config.host, config.port))?;
+    let listener = duplex_telemetry::process::start_worker(&config.host, config.port, config.metrics_port).await?;
     serve(config, listener, duplex_telemetry::process::shutdown_signal()).await
 }
 

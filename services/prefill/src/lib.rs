@@ -10,7 +10,6 @@ pub mod config;
 pub mod engine;
 pub mod server;
 
-use anyhow::Context;
 pub use config::PrefillConfig;
 use duplex_kernels::pool::PoolConfig;
 use duplex_proto::worker::prefill_worker_server::PrefillWorkerServer;
@@ -36,11 +35,7 @@ pub async fn serve(config: PrefillConfig, listener: TcpListener, shutdown: impl 
 
 /// Bind, export metrics, serve until Ctrl-C or SIGTERM.
 pub async fn run(config: PrefillConfig) -> anyhow::Result<()> {
-    duplex_telemetry::init_logging();
-    if config.metrics_port != 0 {
-        duplex_telemetry::install(Some((config.host.parse::<std::net::IpAddr>()?, config.metrics_port).into()))?;
-    }
-    let listener = TcpListener::bind((config.host.as_str(), config.port)).await.with_context(|| format!("cannot listen on {}:{}", config.host, config.port))?;
+    let listener = duplex_telemetry::process::start_worker(&config.host, config.port, config.metrics_port).await?;
     serve(config, listener, duplex_telemetry::process::shutdown_signal()).await
 }
 

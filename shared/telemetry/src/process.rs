@@ -30,6 +30,27 @@ pub fn load_section<T: DeserializeOwned + Default>(path: &Path, section: &str) -
     }
 }
 
+#[derive(Debug, thiserror::Error)]
+pub enum StartError {
+    #[error("cannot listen on {addr}: {source}")]
+    Listen { addr: String, source: std::io::Error },
+    #[error("host {0:?} is not an IP address")]
+    Host(String),
+    #[error(transparent)]
+    Metrics(#[from] crate::TelemetryError),
+}
+
+/// A worker's start: logging, its Prometheus endpoint on `metrics_port` (0:
+/// none), and its gRPC listener.
+pub async fn start_worker(host: &str, port: u16, metrics_port: u16) -> Result<tokio::net::TcpListener, StartError> {
+    crate::init_logging();
+    if metrics_port != 0 {
+        let ip: std::net::IpAddr = host.parse().map_err(|_| StartError::Host(host.to_string()))?;
+        crate::install(Some((ip, metrics_port).into()))?;
+    }
+    tokio::net::TcpListener::bind((host, port)).await.map_err(|source| StartError::Listen { addr: format!("{host}:{port}"), source })
+}
+
 /// Resolves on Ctrl-C or SIGTERM (what `docker stop` and the supervisor send).
 pub async fn shutdown_signal() {
     let ctrl_c = tokio::signal::ctrl_c();
