@@ -56,6 +56,8 @@ pub enum Command {
 
 pub struct Limits {
     pub context_length: usize,
+    /// A lease not admitted nor freed within this long is freed.
+    pub lease_timeout: Duration,
     pub max_batch_size: usize,
     pub prefill_chunk_tokens: usize,
 }
@@ -143,6 +145,9 @@ impl Batcher {
                 while let Ok(c) = commands.try_recv() {
                     self.handle(c);
                 }
+            }
+            for id in self.kv.expire_leases(self.limits.lease_timeout) {
+                tracing::warn!("freed the KV lease of request {id}: not admitted within {:?}", self.limits.lease_timeout);
             }
             self.step();
             self.export_gauges();

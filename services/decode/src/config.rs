@@ -28,6 +28,10 @@ pub struct DecodeConfig {
     /// Prompt tokens prefilled per step, shared by the sequences still in
     /// prefill; decoding sequences always take part in every step.
     pub prefill_chunk_tokens: usize,
+    /// A KV lease (blocks lent to the prefill worker) that is neither
+    /// admitted nor freed within this many seconds is freed; longer than the
+    /// router's prefill deadline.
+    pub lease_timeout_seconds: u64,
     /// Numeric path: `bf16` (the fast one) or `f32` (the scalar reference,
     /// whose results do not depend on how requests are batched).
     pub dtype: String,
@@ -56,6 +60,7 @@ impl Default for DecodeConfig {
             kv_blocks: 0,
             max_batch_size: 6,
             prefill_chunk_tokens: 256,
+            lease_timeout_seconds: 900,
             dtype: "bf16".into(),
             threads: 0,
             numa_nodes: 1,
@@ -100,6 +105,9 @@ pub struct DecodeArgs {
     /// Prompt tokens prefilled per step [default: 256].
     #[arg(long)]
     pub prefill_chunk_tokens: Option<usize>,
+    /// Free KV leases not admitted within this many seconds [default: 900].
+    #[arg(long)]
+    pub lease_timeout_seconds: Option<u64>,
     /// Numeric path: bf16 or f32 [default: bf16].
     #[arg(long)]
     pub dtype: Option<String>,
@@ -120,7 +128,7 @@ impl DecodeArgs {
         macro_rules! take {
             ($($field:ident),*) => { $(if let Some(v) = self.$field { c.$field = v; })* };
         }
-        take!(model, host, port, metrics_port, shm_dir, instance, context_length, kv_blocks, max_batch_size, prefill_chunk_tokens, dtype, threads, numa_nodes);
+        take!(model, host, port, metrics_port, shm_dir, instance, context_length, kv_blocks, max_batch_size, prefill_chunk_tokens, lease_timeout_seconds, dtype, threads, numa_nodes);
         if c.max_batch_size == 0 || c.prefill_chunk_tokens == 0 {
             anyhow::bail!("max_batch_size and prefill_chunk_tokens must be at least 1");
         }

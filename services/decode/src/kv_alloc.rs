@@ -4,19 +4,22 @@
 //! router first takes a *lease*: blocks reserved under the request's id and
 //! lent to the prefill worker, which writes the prompt's KV into them in
 //! place. Admission then takes the lease over; a lease that is never admitted
-//! is freed by `FreeKv` (or `Cancel`). Leases carry the pool's epoch, so one
-//! granted before a restart of this worker is refused afterwards.
+//! is freed by `FreeKv` (or `Cancel`), or, should its router vanish without
+//! either, when it expires. Leases carry the pool's epoch, so one granted
+//! before a restart of this worker is refused afterwards.
 
 use duplex_model::kv_cache::KvError;
 use duplex_model::{BlockTable, KvPool};
 use duplex_proto::worker::KvLease;
 use std::collections::HashMap;
+use std::time::{Duration, Instant};
 use tonic::Status;
 
 pub struct KvAllocator {
     pool: KvPool,
     epoch: u64,
-    leases: HashMap<String, BlockTable>,
+    /// Granted, not yet admitted: the blocks and when they were granted.
+    leases: HashMap<String, (BlockTable, Instant)>,
 }
 
 impl KvAllocator {
@@ -34,14 +37,14 @@ impl KvAllocator {
         let mut table = BlockTable::default();
         self.pool.reserve(&mut table, tokens).map_err(|e| Status::resource_exhausted(e.to_string()))?;
         let lease = KvLease { pool_epoch: self.epoch, request_id: request_id.to_string(), blocks: table.blocks.clone() };
-        self.leases.insert(request_id.to_string(), table);
+        self.leases.insert(request_id.to_string(), (table, Instant::now()));
         Ok(lease)
     }
 
     /// Free a lease that will not be admitted; false if there is none.
     pub fn free_lease(&mut self, request_id: &str) -> bool {
         match self.leases.remove(request_id) {
-            Some(mut table) => {
+            Some((mut table, _)) => {
                 self.pool.release(&mut table);
                 true
             }
@@ -58,14 +61,23 @@ impl KvAllocator {
                 lease.pool_epoch, self.epoch
             )));
         }
-        match self.leases.get(request_id) {
+        match self.leases.get(request_id).map(|(t, _)| t) {
             Some(t) if t.blocks == lease.blocks && filled <= self.pool.capacity(t) => {}
             Some(_) => return Err(Status::invalid_argument(format!("KV lease of request {request_id} does not match the blocks granted, or is too small for its prompt"))),
             None => return Err(Status::failed_precondition(format!("request {request_id} holds no KV lease"))),
         }
-        let mut table = self.leases.remove(request_id).expect("checked above");
+        let (mut table, _) = self.leases.remove(request_id).expect("checked above");
         table.len = filled;
         Ok(table)
+    }
+
+    /// Free the leases older than `max_age`; returns their request ids.
+    pub fn expire_leases(&mut self, max_age: Duration) -> Vec<String> {
+        let expired: Vec<String> = self.leases.iter().filter(|(_, (_, granted))| granted.elapsed() > max_age).map(|(id, _)| id.clone()).collect();
+        for id in &expired {
+            self.free_lease(id);
+        }
+        expired
     }
 
     pub fn reserve(&mut self, table: &mut BlockTable, len: usize) -> Result<(), KvError> {
@@ -128,6 +140,12 @@ mod tests {
 
         kv.lease("c", 5).unwrap();
         assert!(kv.free_lease("c"));
+        assert_eq!(kv.used_blocks(), 0);
+
+        kv.lease("d", 5).unwrap();
+        assert!(kv.expire_leases(Duration::from_secs(60)).is_empty());
+        std::thread::sleep(Duration::from_millis(5));
+        assert_eq!(kv.expire_leases(Duration::from_millis(1)), ["d"]);
         assert_eq!(kv.used_blocks(), 0);
     }
 }
