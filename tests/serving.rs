@@ -81,7 +81,7 @@ fn decode_path_prefill_path_and_cli_agree() {
             assert!(prefill_path.metric(&router, name, "").await.is_some_and(|v| v > 0.0), "router lacks {name}");
         }
         let decode = prefill_path.decode_metrics_url();
-        for (name, labels) in [("duplex_decode_step_seconds_count", "part=\"attention\""), ("duplex_decode_step_seconds_count", "part=\"moe\""), ("duplex_decode_batch_size_count", ""), ("duplex_kv_blocks_total", "")] {
+        for (name, labels) in [("duplex_decode_step_seconds_count", "part=\"attention\""), ("duplex_decode_step_seconds_count", "part=\"moe\""), ("duplex_decode_batch_size_count", ""), ("duplex_kv_blocks_capacity", "")] {
             assert!(prefill_path.metric(&decode, name, labels).await.is_some_and(|v| v > 0.0), "decode worker lacks {name}{{{labels}}}");
         }
         let prefill = prefill_path.prefill_metrics_url();

@@ -1,4 +1,4 @@
-//! `duplex bench-kernels` and `duplex bench`: performance as ratios to limits
+//! `duplex bench-kernels` and `duplex bench-engine`: performance as ratios to limits
 //! measured in the same run. Machines are shared and noisy, so a number is
 //! only quoted next to the DRAM read bandwidth measured alongside it.
 

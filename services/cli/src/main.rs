@@ -3,7 +3,8 @@
 //! `generate` runs one prompt (text, chat message or raw token ids) and
 //! streams the continuation; `logits` writes the teacher-forced logits of a
 //! token sequence to a safetensors file, for comparison with other engines;
-//! `synth` writes a synthetic checkpoint of a given shape, or prints its plan.
+//! `synth` writes a synthetic checkpoint of a given shape, or prints its plan;
+//! `bench` drives a running server with load and reports its latencies.
 
 use anyhow::{bail, Context, Result};
 use clap::{Args, Parser, Subcommand};
@@ -15,6 +16,7 @@ use duplex_kernels::pool::PoolConfig;
 use indicatif::{ProgressBar, ProgressStyle};
 
 mod bench;
+mod loadgen;
 mod serve;
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -38,8 +40,10 @@ enum Command {
     Synth(SynthArgs),
     /// Benchmark the CPU kernels against the measured DRAM read bandwidth.
     BenchKernels(BenchKernelsArgs),
-    /// Benchmark end-to-end decode and prefill of a model against its roofline.
-    Bench(BenchArgs),
+    /// Benchmark the engine's decode and prefill of a model against its roofline (in process, no server).
+    BenchEngine(BenchArgs),
+    /// Load a running server over gRPC: the paper's concurrency scenarios, or open-loop Poisson arrivals.
+    Bench(loadgen::LoadArgs),
     /// Serve a model: start the router and both workers, restart them if they die.
     Serve(serve::ServeArgs),
     /// Run the router alone (`duplex serve` starts it).
@@ -264,7 +268,8 @@ fn run(cli: Cli) -> Result<()> {
         Command::Logits(args) => logits(args),
         Command::Synth(args) => synth(args),
         Command::BenchKernels(args) => bench::kernels(args),
-        Command::Bench(args) => bench::end_to_end(args),
+        Command::BenchEngine(args) => bench::end_to_end(args),
+        Command::Bench(args) => loadgen::run(args),
     }
 }
 

@@ -98,3 +98,25 @@ fn bad_input_is_a_clear_error() {
         assert!(!stderr.contains("panicked"), "{args:?}: {stderr}");
     }
 }
+
+#[test]
+fn bench_engine_is_the_engine_benchmark_and_bench_the_load_generator() {
+    let help = duplex(&["bench-engine", "--help"]);
+    assert!(help.status.success() && String::from_utf8_lossy(&help.stdout).contains("--contexts"));
+    // `bench` checks its flags before it looks for a server.
+    let cases: &[(&[&str], &str)] = &[
+        (&["bench"], "--scenario <SCENARIO>|--rate <RATE>"),
+        (&["bench", "--scenario", "3D"], "unknown scenario \"3D\""),
+        (&["bench", "--scenario", "all", "--rate", "2"], "cannot be used with"),
+        (&["bench", "--rate", "2"], "--duration or --requests"),
+        (&["bench", "--rate", "2", "--requests", "5", "--prompt-tokens", "uniform:400-100"], "MIN must not exceed MAX"),
+        (&["bench", "--rate", "2", "--requests", "5", "--output-tokens", "zipf:1"], "unknown distribution \"zipf\""),
+        (&["bench", "--scenario", "1P", "--plot", "chart.png"], "ending in .svg"),
+    ];
+    for (args, needle) in cases {
+        let out = duplex(args);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{args:?} should fail");
+        assert!(stderr.contains(needle), "{args:?}: {stderr}");
+    }
+}

@@ -349,7 +349,7 @@ impl Batcher {
         metrics::gauge!(names::DECODE_RUNNING).set(self.running.len() as f64);
         metrics::gauge!(names::DECODE_WAITING).set(self.waiting.len() as f64);
         metrics::gauge!(names::KV_BLOCKS_USED).set(self.kv.used_blocks() as f64);
-        metrics::gauge!(names::KV_BLOCKS_TOTAL).set(self.kv.total_blocks() as f64);
+        metrics::gauge!(names::KV_BLOCKS_CAPACITY).set(self.kv.total_blocks() as f64);
     }
 }
 

@@ -78,7 +78,7 @@ metrics_table! {
         "Admitted requests that have no token yet.";
     KV_BLOCKS_USED = "duplex_kv_blocks_used", Gauge, Decode, NONE,
         "KV cache blocks in use (leased to the prefill worker or held by sequences).";
-    KV_BLOCKS_TOTAL = "duplex_kv_blocks_total", Gauge, Decode, NONE,
+    KV_BLOCKS_CAPACITY = "duplex_kv_blocks_capacity", Gauge, Decode, NONE,
         "KV cache blocks in the shared pool.";
     DECODE_BATCH_SIZE = "duplex_decode_batch_size", Histogram, Decode, BATCH,
         "Sequences in one decode-worker step (decoding plus prefilling).";
