@@ -109,3 +109,17 @@ impl PrefillArgs {
         Ok(c)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn readme_documents_every_key() {
+        let readme = include_str!("../../../README.md");
+        let keys = toml::Table::try_from(PrefillConfig::default()).unwrap();
+        for key in keys.keys() {
+            assert!(readme.contains(&format!("`{key}`")), "README.md does not document `{key}`");
+        }
+    }
+}

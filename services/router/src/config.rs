@@ -174,7 +174,7 @@ mod tests {
 
     #[test]
     fn readme_documents_every_key() {
-        let readme = include_str!("../README.md");
+        let readme = include_str!("../../../README.md");
         let config = RouterConfig { served_model_name: Some("x".into()), ..Default::default() };
         let value = serde_json::to_value(config).unwrap();
         for key in value.as_object().unwrap().keys() {
