@@ -2,7 +2,7 @@
 //! bandwidth from the same run (machines are shared and noisy, so absolute
 //! numbers mean little; ratios to a limit measured alongside do).
 
-use crate::cpu::{bandwidth::read_bytes, isa::Isa};
+use crate::cpu::{bandwidth::read_bytes, elementwise, isa::Isa};
 use crate::moe::{moe_forward, ExpertCall, ExpertWeights, MoeScratch};
 use crate::parallel_linear::{par_matmul, LinearScratch};
 use crate::pool::ThreadPool;
@@ -125,4 +125,114 @@ pub fn moe_layer_bandwidth(pool: &ThreadPool, isa: Isa, buf: &[u8], hidden: usiz
     }
     std::hint::black_box(&out);
     best
+}
+
+/// Bytes/s of the fused elementwise kernels at level `isa` next to the
+/// scalar code they replace on the BF16 path, single-threaded, over `len`
+/// floats (a multiple of `row`), best of `passes`. Each figure counts the
+/// bytes the op must move: RMSNorm reads `x` and writes `out` (8 bytes per
+/// element; the weight row stays in cache), SiLU·up reads `gate` and `up`
+/// and writes `gate` (12 bytes). A `len` far beyond the last-level cache
+/// measures against DRAM; a `len` of one row, against L1/L2 (the call is
+/// repeated to fill `min_bytes`, as it is then too short to time alone).
+#[derive(Clone, Copy, Debug, Default)]
+pub struct ElementwiseBandwidth {
+    /// `elementwise::rms_norm` then `round_bf16_slice`, per `row`.
+    pub rms_norm_scalar: f64,
+    /// `cpu::elementwise::rms_norm_bf16`, per `row`.
+    pub rms_norm_fused: f64,
+    /// `elementwise::silu_mul`.
+    pub silu_mul_scalar: f64,
+    /// `cpu::elementwise::silu_mul`.
+    pub silu_mul_simd: f64,
+}
+
+/// See [`ElementwiseBandwidth`].
+pub fn elementwise_bandwidth(isa: Isa, len: usize, row: usize, min_bytes: usize, passes: usize) -> ElementwiseBandwidth {
+    assert!(row > 0 && len.is_multiple_of(row), "elementwise_bandwidth: len must be a multiple of row");
+    let mut state = 0x2545_f491_4f6c_dd1du64;
+    let mut next = move || {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        (state >> 40) as f32 / (1u64 << 23) as f32 - 1.0
+    };
+    let x: Vec<f32> = (0..len).map(|_| 4.0 * next()).collect();
+    // SiLU·up runs in place, over and over. With up = 1 + e^-g, each g is a
+    // fixed point of g ↦ silu(g) · up, and an attracting one for g in
+    // (-2.4, 0) (the slope there, 1 + g·(1 - σ(g)), is inside (-1, 1)), so
+    // the values neither drift into subnormals nor blow up, and every
+    // repetition does the same work.
+    let gate0: Vec<f32> = (0..len).map(|_| -1.15 + next()).collect();
+    let up: Vec<f32> = gate0.iter().map(|g| 1.0 + (-g).exp()).collect();
+    let weight: Vec<f32> = (0..row).map(|_| 1.0 + 0.1 * next()).collect();
+    let mut out = vec![0.0f32; len];
+    let mut gate = gate0.clone();
+    let reps = min_bytes.div_ceil(12 * len).max(1);
+    let time = |f: &mut dyn FnMut(), bytes: usize| {
+        let mut best = 0.0f64;
+        for _ in 0..passes {
+            let t0 = Instant::now();
+            for _ in 0..reps {
+                f();
+            }
+            best = best.max((reps * bytes) as f64 / t0.elapsed().as_secs_f64());
+        }
+        best
+    };
+    let mut r = ElementwiseBandwidth {
+        rms_norm_scalar: time(
+            &mut || {
+                for (o, xi) in out.chunks_mut(row).zip(x.chunks(row)) {
+                    crate::elementwise::rms_norm(xi, &weight, 1e-6, o);
+                    crate::round_bf16_slice(o);
+                }
+            },
+            8 * len,
+        ),
+        ..Default::default()
+    };
+    r.rms_norm_fused = time(
+        &mut || {
+            for (o, xi) in out.chunks_mut(row).zip(x.chunks(row)) {
+                elementwise::rms_norm_bf16(isa, xi, &weight, 1e-6, o);
+            }
+        },
+        8 * len,
+    );
+    r.silu_mul_scalar = time(&mut || crate::elementwise::silu_mul(&mut gate, &up), 12 * len);
+    gate.copy_from_slice(&gate0);
+    r.silu_mul_simd = time(&mut || elementwise::silu_mul(isa, &mut gate, &up), 12 * len);
+    std::hint::black_box((&out, &gate));
+    r
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `cargo test --release -p duplex-kernels -- --ignored --nocapture elementwise_speed`
+    #[test]
+    #[ignore = "benchmark: prints numbers"]
+    fn elementwise_speed() {
+        const GB: f64 = 1e9;
+        let row = 7168; // DeepSeek-V3's hidden size
+        for (label, len) in [("DRAM (4 × 128 MiB buffers)", row * 4681), ("one row, in cache", row)] {
+            println!("{label}:");
+            println!("| level | RMSNorm+BF16 scalar | fused | speedup | SiLU·up scalar | SIMD | speedup |");
+            println!("| --- | --- | --- | --- | --- | --- | --- |");
+            for isa in crate::cpu::isa::supported() {
+                let b = elementwise_bandwidth(isa, len, row, 1 << 30, 5);
+                println!(
+                    "| {isa} | {:.1} GB/s | {:.1} GB/s | {:.2}× | {:.1} GB/s | {:.1} GB/s | {:.2}× |",
+                    b.rms_norm_scalar / GB,
+                    b.rms_norm_fused / GB,
+                    b.rms_norm_fused / b.rms_norm_scalar,
+                    b.silu_mul_scalar / GB,
+                    b.silu_mul_simd / GB,
+                    b.silu_mul_simd / b.silu_mul_scalar
+                );
+            }
+        }
+    }
 }

@@ -1,4 +1,8 @@
-//! Elementwise and row-wise ops: RMSNorm, rotary embedding, SiLU·up, softmax.
+//! Elementwise and row-wise ops: RMSNorm, rotary embedding, SiLU·up, softmax,
+//! and the MoE router's score and top-k steps.
+//!
+//! These are the scalar references (and the F32 model path); the SIMD
+//! versions, dispatched on the CPU's level, are in [`crate::cpu::elementwise`].
 
 /// `out = x / sqrt(mean(x²) + eps) * weight`, computed in f32 like PyTorch's
 /// RMSNorm after its upcast.
@@ -55,6 +59,30 @@ pub fn rope(x: &mut [f32], cos: &[f32], sin: &[f32], interleaved: bool) {
             x[i + half] = b * cos[i] + a * sin[i];
         }
     }
+}
+
+/// The router's score step: `scores[i] = sigmoid(logits[i])`, and `choice`
+/// the scores plus the correction `bias` when there is one (it steers the
+/// selection only), else a copy of them.
+pub fn router_scores(logits: &[f32], bias: Option<&[f32]>, scores: &mut [f32], choice: &mut [f32]) {
+    for (s, &x) in scores.iter_mut().zip(logits) {
+        *s = 1.0 / (1.0 + (-x).exp());
+    }
+    match bias {
+        Some(b) => choice.iter_mut().zip(scores.iter().zip(b)).for_each(|(c, (s, b))| *c = s + b),
+        None => choice.copy_from_slice(scores),
+    }
+}
+
+/// Indices of the `k` largest values, best first; ties go to the lower
+/// index. NaN counts as `-inf`; otherwise the order is `f32::total_cmp`'s
+/// (so `-0.0` ranks below `+0.0`).
+pub fn top_k(values: &[f32], k: usize) -> Vec<usize> {
+    let mut idx: Vec<usize> = (0..values.len()).collect();
+    let key = |i: usize| if values[i].is_nan() { f32::NEG_INFINITY } else { values[i] };
+    idx.sort_by(|&a, &b| key(b).total_cmp(&key(a)).then(a.cmp(&b)));
+    idx.truncate(k);
+    idx
 }
 
 #[cfg(test)]

@@ -5,9 +5,9 @@
 //! rotated shared key `k_pe_t`:
 //! `out_h = Σ_t softmax_t(scale · (q_latent_h · c_t + q_pe_h · k_pe_t)) · c_t`.
 
+use crate::cpu::elementwise::softmax;
 use crate::cpu::gemv::{axpy_f32, dot_f32};
 use crate::cpu::isa::Isa;
-use crate::elementwise::softmax;
 use crate::pool::ThreadPool;
 use crate::shared::SharedSlice;
 
@@ -71,7 +71,7 @@ pub fn decode_attention(
                 s[j * ctx + t] = score * scale;
             }
         }
-        s.chunks_mut(ctx).for_each(softmax);
+        s.chunks_mut(ctx).for_each(|s| softmax(isa, s));
         o.fill(0.0);
         for t in 0..ctx {
             let c = &cache.entry(t)[..dc];
@@ -109,7 +109,7 @@ mod tests {
                         (a + b) * 0.3
                     })
                     .collect();
-                softmax(&mut s);
+                crate::elementwise::softmax(&mut s);
                 for i in 0..dc {
                     let want: f32 = (0..ctx).map(|t| s[t] * cache.entry(t)[i]).sum();
                     assert!((out[h * dc + i] - want).abs() < 1e-5, "{isa:?}");

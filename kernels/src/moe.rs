@@ -149,7 +149,7 @@ pub fn moe_forward(pool: &ThreadPool, isa: Isa, calls: &[ExpertCall], x: &[f32],
                 let (g, u) = buf.split_at_mut(ne * m);
                 matmul_bf16(isa, &c.weights.gate, r0..r1, xs_e, ne, g);
                 matmul_bf16(isa, &c.weights.up, r0..r1, xs_e, ne, &mut u[..ne * m]);
-                crate::elementwise::silu_mul(g, &u[..ne * m]);
+                crate::cpu::elementwise::silu_mul(isa, g, &u[..ne * m]);
                 for j in 0..ne {
                     // SAFETY: tile (r0..r1) of token row j of this expert is written by this task only.
                     let dst = unsafe { h.slice_mut(l.h + j * inter + r0, m) };

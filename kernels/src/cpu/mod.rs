@@ -10,10 +10,17 @@
 //! - [`gemv`]: FP8/BF16 linear layers with BF16 activations (the hot path),
 //!   plus the f32 `dot`/`axpy` used by attention.
 //! - [`convert`]: f32 → BF16 rounding of activations.
+//! - [`elementwise`]: RMSNorm (optionally rounding to BF16), rotary
+//!   embedding, SiLU·up, softmax, and the router's sigmoid scores and top-k.
 //! - [`bandwidth`]: a streaming read, to measure what "memory-bound" means here.
 
 pub mod bandwidth;
 pub mod convert;
+pub mod elementwise;
+#[cfg(target_arch = "x86_64")]
+mod elementwise_avx2;
+#[cfg(target_arch = "x86_64")]
+mod elementwise_avx512;
 pub mod gemv;
 #[cfg(target_arch = "x86_64")]
 mod gemv_avx2;

@@ -9,9 +9,9 @@
 use crate::checkpoint::{Checkpoint, CheckpointError, Linear};
 use crate::config::{ConfigError, ModelConfig};
 use crate::kv_cache::{BlockTable, KvError, KvPool};
-use crate::moe::{route, RouterParams};
+use crate::moe::{route, route_simd, RouterParams};
 use crate::rope::RopeTable;
-use duplex_kernels::cpu::{convert::f32_to_bf16, gemv::matmul_bf16, isa::Isa};
+use duplex_kernels::cpu::{convert::f32_to_bf16, elementwise as simd, gemv::matmul_bf16, isa::Isa};
 use duplex_kernels::elementwise::{rms_norm, rope, silu_mul, softmax};
 use duplex_kernels::linear::{dot, matmul, matmul_rows, matmul_t_rows, transpose_rows, OwnedWeight};
 use duplex_kernels::mla::{decode_attention, LatentCache};
@@ -200,13 +200,23 @@ pub struct Model {
     pub skipped_mtp_tensors: usize,
 }
 
-fn norm_rows(x: &[f32], weight: &[f32], eps: f32, p: Precision) -> Vec<f32> {
+/// RMSNorm of every row: the scalar reference for F32; on the BF16 path the
+/// SIMD kernel at `isa`, which rounds to BF16 in the same pass.
+fn norm_rows(isa: Isa, x: &[f32], weight: &[f32], eps: f32, p: Precision) -> Vec<f32> {
     let d = weight.len();
     let mut out = vec![0.0; x.len()];
-    for (o, xi) in out.chunks_mut(d).zip(x.chunks(d)) {
-        rms_norm(xi, weight, eps, o);
+    match p {
+        Precision::F32 => {
+            for (o, xi) in out.chunks_mut(d).zip(x.chunks(d)) {
+                rms_norm(xi, weight, eps, o);
+            }
+        }
+        Precision::Bf16 => {
+            for (o, xi) in out.chunks_mut(d).zip(x.chunks(d)) {
+                simd::rms_norm_bf16(isa, xi, weight, eps, o);
+            }
+        }
     }
-    p.round(&mut out);
     out
 }
 
@@ -268,7 +278,12 @@ impl Moe {
         let mut assigned: Vec<Vec<(usize, f32)>> = vec![vec![]; self.experts.len()];
         for i in 0..n {
             let row = &logits[i * router.n_experts..(i + 1) * router.n_experts];
-            for (e, w) in route(router, row, self.correction_bias.as_deref()) {
+            let bias = self.correction_bias.as_deref();
+            let chosen = match p {
+                Precision::F32 => route(router, row, bias),
+                Precision::Bf16 => route_simd(cpu.isa, router, row, bias),
+            };
+            for (e, w) in chosen {
                 assigned[e].push((i, w));
             }
         }
@@ -508,11 +523,11 @@ impl Model {
         precision.round(&mut h);
         for (l, layer) in self.layers.iter().enumerate() {
             let started = Instant::now();
-            let x = norm_rows(&h, &layer.input_norm, cfg.rms_norm_eps, precision);
+            let x = norm_rows(self.cpu.isa, &h, &layer.input_norm, cfg.rms_norm_eps, precision);
             let a = self.attention(&layer.attn, l, &x, pool, &segments, precision);
             add_residual(&mut h, &a, precision);
             let attention_done = Instant::now();
-            let x = norm_rows(&h, &layer.post_attention_norm, cfg.rms_norm_eps, precision);
+            let x = norm_rows(self.cpu.isa, &h, &layer.post_attention_norm, cfg.rms_norm_eps, precision);
             let f = match &layer.ffn {
                 Ffn::Dense(mlp) => mlp.forward(&self.cpu, &x, rows, precision),
                 Ffn::Moe(moe) => moe.forward(&self.cpu, &x, rows, d, &self.router, precision),
@@ -531,7 +546,7 @@ impl Model {
             Logits::All => h,
             Logits::Last => last_rows.iter().flat_map(|&r| h[r * d..(r + 1) * d].iter().copied()).collect(),
         };
-        let x = norm_rows(&out_rows, &self.norm, cfg.rms_norm_eps, precision);
+        let x = norm_rows(self.cpu.isa, &out_rows, &self.norm, cfg.rms_norm_eps, precision);
         let mut logits = vec![0.0; (x.len() / d) * cfg.vocab_size];
         match precision {
             Precision::F32 => matmul(&self.lm_head.view(), &x, x.len() / d, &mut logits),
@@ -553,27 +568,42 @@ impl Model {
         let mut q = match &at.q {
             QProj::Lora { a, norm, b } => {
                 let qa = self.cpu.linear(a, x, n, p);
-                let qa = norm_rows(&qa, norm, cfg.rms_norm_eps, p);
+                let qa = norm_rows(self.cpu.isa, &qa, norm, cfg.rms_norm_eps, p);
                 self.cpu.linear(b, &qa, n, p)
             }
             QProj::Plain(w) => self.cpu.linear(w, x, n, p),
         };
         let kv = self.cpu.linear(&at.kv_a, x, n, p);
         let (mut cos, mut sin) = (vec![0.0; dr / 2], vec![0.0; dr / 2]);
+        let (isa, interleaved, eps) = (self.cpu.isa, cfg.rope_interleave, cfg.rms_norm_eps);
         for seg in segments {
             for i in 0..seg.n {
                 let (row, pos) = (seg.row + i, seg.start + i);
                 self.rope.cos_sin(pos, &mut cos, &mut sin);
-                for hq in q[row * heads * dq..(row + 1) * heads * dq].chunks_mut(dq) {
-                    rope(&mut hq[dn..], &cos, &sin, cfg.rope_interleave);
-                    p.round(&mut hq[dn..]);
-                }
                 let kv_i = &kv[row * (dc + dr)..(row + 1) * (dc + dr)];
+                let q_row = &mut q[row * heads * dq..(row + 1) * heads * dq];
                 let entry = pool.entry_mut(seg.table, layer, pos);
-                rms_norm(&kv_i[..dc], &at.kv_a_norm, cfg.rms_norm_eps, &mut entry[..dc]);
                 entry[dc..].copy_from_slice(&kv_i[dc..]);
-                rope(&mut entry[dc..], &cos, &sin, cfg.rope_interleave);
-                p.round(entry);
+                match p {
+                    Precision::F32 => {
+                        for hq in q_row.chunks_mut(dq) {
+                            rope(&mut hq[dn..], &cos, &sin, interleaved);
+                            p.round(&mut hq[dn..]);
+                        }
+                        rms_norm(&kv_i[..dc], &at.kv_a_norm, eps, &mut entry[..dc]);
+                        rope(&mut entry[dc..], &cos, &sin, interleaved);
+                        p.round(entry);
+                    }
+                    Precision::Bf16 => {
+                        for hq in q_row.chunks_mut(dq) {
+                            simd::rope(isa, &mut hq[dn..], &cos, &sin, interleaved);
+                            p.round(&mut hq[dn..]);
+                        }
+                        simd::rms_norm_bf16(isa, &kv_i[..dc], &at.kv_a_norm, eps, &mut entry[..dc]);
+                        simd::rope(isa, &mut entry[dc..], &cos, &sin, interleaved);
+                        p.round(&mut entry[dc..]);
+                    }
+                }
             }
         }
 
@@ -619,7 +649,10 @@ impl Model {
                     let k_nope = &kvb[t * heads * dkv + h * dkv..][..dn];
                     *s = (dot(&qh[..dn], k_nope) + dot(&qh[dn..], k_pe[t])) * self.softmax_scale;
                 }
-                softmax(&mut scores[..=pos]);
+                match p {
+                    Precision::F32 => softmax(&mut scores[..=pos]),
+                    Precision::Bf16 => simd::softmax(isa, &mut scores[..=pos]),
+                }
                 // SAFETY: head h of token i is written by this task only.
                 let o = unsafe { out.slice_mut((i * heads + h) * dv, dv) };
                 for (t, &w) in scores[..=pos].iter().enumerate() {

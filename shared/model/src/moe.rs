@@ -8,6 +8,7 @@
 //! one, then multiplied by `routed_scaling_factor`.
 
 use crate::config::{ModelConfig, ScoringFunc};
+use duplex_kernels::cpu::{elementwise, isa::Isa};
 
 /// The routing hyper-parameters, taken from the config.
 #[derive(Clone, Debug)]
@@ -46,27 +47,86 @@ fn top_indices(values: &[f32], k: usize) -> Vec<usize> {
 }
 
 /// Choose experts for one token from its router logits. Returns
-/// `(expert, weight)` pairs, best first.
+/// `(expert, weight)` pairs, best first. This is the scalar reference (and
+/// the F32 path); [`route_simd`] is the same routing on the SIMD kernels.
 pub fn route(p: &RouterParams, logits: &[f32], correction_bias: Option<&[f32]>) -> Vec<(usize, f32)> {
-    let scores: Vec<f32> = match p.scoring {
-        ScoringFunc::Sigmoid => logits.iter().map(|&x| 1.0 / (1.0 + (-x).exp())).collect(),
-        ScoringFunc::Softmax => {
-            let mut s = logits.to_vec();
-            duplex_kernels::elementwise::softmax(&mut s);
-            s
+    route_with(Kernels::Reference, p, logits, correction_bias)
+}
+
+/// [`route`] on the SIMD kernels of level `isa` (the BF16 path): vectorised
+/// sigmoid scores plus bias, softmax, and top-k max-scans. The scores differ
+/// from the scalar ones by ≤ 1e-6 relative (the vector `exp`), so the chosen
+/// experts are the same unless two candidates' scores are that close; ties
+/// are broken exactly as [`route`] breaks them (lowest index first).
+pub fn route_simd(isa: Isa, p: &RouterParams, logits: &[f32], correction_bias: Option<&[f32]>) -> Vec<(usize, f32)> {
+    route_with(Kernels::Simd(isa), p, logits, correction_bias)
+}
+
+/// Which implementation of the score and top-k steps routing uses.
+#[derive(Clone, Copy)]
+enum Kernels {
+    /// The scalar code (bit-for-bit the reference).
+    Reference,
+    Simd(Isa),
+}
+
+impl Kernels {
+    /// `(scores, choice)`: the expert scores, and the values experts are
+    /// chosen by (the scores plus the correction bias, if any).
+    fn scores(self, p: &RouterParams, logits: &[f32], correction_bias: Option<&[f32]>) -> (Vec<f32>, Vec<f32>) {
+        match self {
+            Kernels::Reference => {
+                let scores: Vec<f32> = match p.scoring {
+                    ScoringFunc::Sigmoid => logits.iter().map(|&x| 1.0 / (1.0 + (-x).exp())).collect(),
+                    ScoringFunc::Softmax => {
+                        let mut s = logits.to_vec();
+                        duplex_kernels::elementwise::softmax(&mut s);
+                        s
+                    }
+                };
+                let choice: Vec<f32> = match correction_bias {
+                    Some(b) => scores.iter().zip(b).map(|(s, b)| s + b).collect(),
+                    None => scores.clone(),
+                };
+                (scores, choice)
+            }
+            Kernels::Simd(isa) => {
+                let n = logits.len();
+                let bias = correction_bias.map(|b| &b[..n]);
+                let (mut scores, mut choice) = (vec![0.0; n], vec![0.0; n]);
+                match p.scoring {
+                    ScoringFunc::Sigmoid => elementwise::router_scores(isa, logits, bias, &mut scores, &mut choice),
+                    ScoringFunc::Softmax => {
+                        scores.copy_from_slice(logits);
+                        elementwise::softmax(isa, &mut scores);
+                        match bias {
+                            Some(b) => choice.iter_mut().zip(scores.iter().zip(b)).for_each(|(c, (s, b))| *c = s + b),
+                            None => choice.copy_from_slice(&scores),
+                        }
+                    }
+                }
+                (scores, choice)
+            }
         }
-    };
-    let mut choice: Vec<f32> = match correction_bias {
-        Some(b) => scores.iter().zip(b).map(|(s, b)| s + b).collect(),
-        None => scores.clone(),
-    };
+    }
+
+    fn top(self, values: &[f32], k: usize) -> Vec<usize> {
+        match self {
+            Kernels::Reference => top_indices(values, k),
+            Kernels::Simd(isa) => elementwise::top_k(isa, values, k),
+        }
+    }
+}
+
+fn route_with(kernels: Kernels, p: &RouterParams, logits: &[f32], correction_bias: Option<&[f32]>) -> Vec<(usize, f32)> {
+    let (scores, mut choice) = kernels.scores(p, logits, correction_bias);
     if p.n_group > 1 && p.topk_group < p.n_group {
         let per_group = p.n_experts / p.n_group;
         let group_scores: Vec<f32> = choice
             .chunks(per_group)
-            .map(|g| top_indices(g, 2).iter().map(|&i| g[i]).sum())
+            .map(|g| kernels.top(g, 2).iter().map(|&i| g[i]).sum())
             .collect();
-        let kept = top_indices(&group_scores, p.topk_group);
+        let kept = kernels.top(&group_scores, p.topk_group);
         for (g, chunk) in choice.chunks_mut(per_group).enumerate() {
             if !kept.contains(&g) {
                 // As transformers: masked experts score 0, not -inf.
@@ -74,7 +134,7 @@ pub fn route(p: &RouterParams, logits: &[f32], correction_bias: Option<&[f32]>) 
             }
         }
     }
-    let chosen = top_indices(&choice, p.top_k);
+    let chosen = kernels.top(&choice, p.top_k);
     let mut weights: Vec<f32> = chosen.iter().map(|&e| scores[e]).collect();
     if p.norm_topk_prob {
         let sum: f32 = weights.iter().sum::<f32>() + 1e-20;
@@ -141,7 +201,81 @@ mod tests {
         assert_eq!(r.iter().map(|x| x.0).collect::<Vec<_>>(), vec![1, 3]);
     }
 
+    /// Whether the `count` best of `values` (with a flag: masked to exactly
+    /// 0) are ordered with gaps above `gap`, down to the next value: then
+    /// errors below `gap` cannot change which are chosen, nor their order.
+    /// Two masked zeros tie exactly on every path and need no gap.
+    fn separated(values: &[(f64, bool)], count: usize, gap: f64) -> bool {
+        let mut v = values.to_vec();
+        v.sort_by(|a, b| b.0.total_cmp(&a.0));
+        v.windows(2).take(count).all(|w| w[0].0 - w[1].0 > gap || (w[0].1 && w[1].1))
+    }
+
+    /// The SIMD routing chooses exactly the scalar routing's experts, in the
+    /// same order, whenever no two candidates are within the kernels'
+    /// tolerance (the vector scores are within 1e-6 relative of the scalar
+    /// ones, so we ask for gaps of 1e-5 where they matter); the weights
+    /// agree to that tolerance.
+    fn check_simd_route(p: &RouterParams, logits: &[f32], bias: Option<&[f32]>) -> Result<(), TestCaseError> {
+        let mut scores: Vec<f32> = logits.to_vec();
+        match p.scoring {
+            ScoringFunc::Sigmoid => scores.iter_mut().for_each(|x| *x = 1.0 / (1.0 + (-*x).exp())),
+            ScoringFunc::Softmax => duplex_kernels::elementwise::softmax(&mut scores),
+        }
+        let mut choice: Vec<(f64, bool)> = scores.iter().enumerate().map(|(i, &s)| (s as f64 + bias.map_or(0.0, |b| b[i] as f64), false)).collect();
+        if p.n_group > 1 && p.topk_group < p.n_group {
+            let per_group = p.n_experts / p.n_group;
+            let sums: Vec<(f64, bool)> = choice
+                .chunks(per_group)
+                .map(|g| {
+                    let mut g: Vec<f64> = g.iter().map(|v| v.0).collect();
+                    g.sort_by(|a, b| b.total_cmp(a));
+                    (g.iter().take(2).sum(), false)
+                })
+                .collect();
+            prop_assume!(separated(&sums, p.topk_group, 1e-5));
+            let mut order: Vec<usize> = (0..sums.len()).collect();
+            order.sort_by(|&a, &b| sums[b].0.total_cmp(&sums[a].0));
+            for g in &order[p.topk_group..] {
+                choice[g * per_group..(g + 1) * per_group].fill((0.0, true));
+            }
+        }
+        prop_assume!(separated(&choice, p.top_k, 1e-5));
+        let want = route(p, logits, bias);
+        for isa in duplex_kernels::cpu::isa::supported() {
+            let got = route_simd(isa, p, logits, bias);
+            prop_assert_eq!(got.iter().map(|x| x.0).collect::<Vec<_>>(), want.iter().map(|x| x.0).collect::<Vec<_>>(), "{}", isa);
+            for (g, w) in got.iter().zip(&want) {
+                prop_assert!((g.1 - w.1).abs() <= 1e-5 * w.1.abs() + 1e-30, "{isa}: weight {} vs {}", g.1, w.1);
+            }
+        }
+        Ok(())
+    }
+
     proptest! {
+        #[test]
+        fn simd_routing_matches_scalar_64(
+            logits in prop::collection::vec(-8.0f32..8.0, 64),
+            bias in prop::option::of(prop::collection::vec(-0.5f32..0.5, 64)),
+            (n_group, topk_group) in prop::sample::select(vec![(1usize, 1usize), (8, 4), (8, 3), (4, 2), (64, 8)]),
+            top_k in 1usize..=8,
+            softmax in any::<bool>(),
+        ) {
+            let mut p = params(64, top_k, n_group, topk_group);
+            if softmax {
+                p.scoring = ScoringFunc::Softmax;
+            }
+            check_simd_route(&p, &logits, bias.as_deref())?;
+        }
+
+        /// DeepSeek-V3's shape: 256 experts in 8 groups, 4 kept, top 8.
+        #[test]
+        fn simd_routing_matches_scalar_deepseek(perm in Just((0..256).collect::<Vec<usize>>()).prop_shuffle(), jitter in prop::collection::vec(0.0f32..0.01, 256)) {
+            // Distinct logits (0.03 apart) so that scores are well separated.
+            let logits: Vec<f32> = perm.iter().zip(&jitter).map(|(&i, &j)| -4.0 + 0.03 * i as f32 + j).collect();
+            check_simd_route(&params(256, 8, 8, 4), &logits, None)?;
+        }
+
         #[test]
         fn routing_invariants(logits in prop::collection::vec(-8.0f32..8.0, 16), bias in prop::collection::vec(-0.5f32..0.5, 16)) {
             let p = params(16, 4, 4, 2);
