@@ -70,8 +70,9 @@ fn requests_wait_for_blocks_in_arrival_order_and_all_finish() {
     // 10 blocks of 16; each request needs 4 (20 prompt + 40 output positions).
     let (commands, stats) = start(10);
     let mut streams: Vec<Events> = (0..3).map(|i| admit(&commands, &format!("r{i}"), 20, 40, &[])).collect();
-    wait_until("two running, one waiting", || stats.running.load(Relaxed) == 2 && stats.waiting.load(Relaxed) == 1);
-    assert_eq!(stats.kv_blocks_used.load(Relaxed), 8);
+    wait_until("two running with 8 blocks, one waiting", || {
+        stats.running.load(Relaxed) == 2 && stats.waiting.load(Relaxed) == 1 && stats.kv_blocks_used.load(Relaxed) == 8
+    });
     let outputs: Vec<_> = streams.iter_mut().map(drain).collect();
     for (tokens, reason) in &outputs {
         assert_eq!((tokens.len(), reason.as_deref().unwrap()), (40, "length"));
@@ -102,7 +103,8 @@ fn stop_tokens_end_generation_and_departed_clients_free_blocks() {
 
     let mut gone = admit(&commands, "c", 30, 900, &[]);
     gone.blocking_recv().unwrap().unwrap();
-    assert!(stats.kv_blocks_used.load(Relaxed) > 0);
+    // The gauges are published after each step, so wait for this one's.
+    wait_until("the running sequence's blocks", || stats.kv_blocks_used.load(Relaxed) > 0);
     drop(gone);
     wait_until("the departed client's blocks", || stats.kv_blocks_used.load(Relaxed) == 0 && stats.running.load(Relaxed) == 0);
 }
