@@ -127,7 +127,7 @@ fn concurrent_requests_and_cancellation() {
         wait_metric(&server, &decode, "duplex_kv_blocks_used", "", |v| v == 0.0).await;
         // Cancel mid-decode: read two tokens, then hang up.
         for p in [prompts[1].clone(), prompts[0].clone()] {
-            let mut stream = client.generate(greedy_request(&p, 400)).await.unwrap().into_inner();
+            let mut stream = client.generate(greedy_request(&p, 800)).await.unwrap().into_inner();
             for _ in 0..2 {
                 within(60, "first tokens", stream.message()).await.unwrap().unwrap();
             }
@@ -156,21 +156,21 @@ fn overload_and_bad_input_are_refused_clearly() {
         let http = reqwest::Client::new();
         let completions = format!("{}/v1/completions", server.http);
 
-        // Two long requests fill the admission bound; the next are refused.
-        let busy: Vec<_> = (0..2)
-            .map(|i| {
-                let (mut client, request) = (client.clone(), greedy_request(&prompt(10 + i), 300));
-                tokio::spawn(async move { collect(&mut client, request).await })
-            })
-            .collect();
-        tokio::time::sleep(Duration::from_millis(500)).await;
+        // Two long requests fill the admission bound (each has streamed its
+        // first token, so both are admitted); the next are refused.
+        let mut busy = vec![];
+        for i in 0..2 {
+            let mut stream = client.generate(greedy_request(&prompt(10 + i), 1000)).await.unwrap().into_inner();
+            within(60, "first token", stream.message()).await.unwrap().unwrap();
+            busy.push(stream);
+        }
         let refused = collect(&mut client, greedy_request(&prompt(5), 4)).await.unwrap_err();
         assert_eq!(refused.code(), Code::ResourceExhausted, "{refused:?}");
         let response = http.post(&completions).json(&serde_json::json!({"prompt": "hi", "max_tokens": 2})).send().await.unwrap();
         assert_eq!(response.status(), 429);
         assert!(response.text().await.unwrap().contains("error"));
-        for b in busy {
-            within(120, "busy requests", b).await.unwrap().unwrap();
+        for mut stream in busy {
+            within(120, "busy requests", async { while stream.message().await.unwrap().is_some() {} }).await;
         }
 
         // Bad input, over gRPC...
@@ -248,7 +248,7 @@ fn decode_worker_death_and_shared_weights() {
         }
 
         // Kill the decode worker under a running request.
-        let mut stream = client.generate(greedy_request(&prompt(20), 600)).await.unwrap().into_inner();
+        let mut stream = client.generate(greedy_request(&prompt(20), 1000)).await.unwrap().into_inner();
         within(60, "first token", stream.message()).await.unwrap().unwrap();
         nix::sys::signal::kill(nix::unistd::Pid::from_raw(decode_pid as i32), nix::sys::signal::Signal::SIGKILL).unwrap();
         let killed = Instant::now();
