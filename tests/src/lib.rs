@@ -35,17 +35,13 @@ pub fn free_port() -> u16 {
 pub struct Options {
     pub prefill_threshold_tokens: usize,
     pub max_pending_requests: usize,
-    /// Extra lines for the `[decode]` section.
-    pub decode: String,
-    /// Share the weight segment of an earlier server by reusing its instance.
-    pub instance: Option<String>,
     /// Both workers' numeric path.
     pub dtype: &'static str,
 }
 
 impl Default for Options {
     fn default() -> Self {
-        Options { prefill_threshold_tokens: 2048, max_pending_requests: 64, decode: String::new(), instance: None, dtype: "bf16" }
+        Options { prefill_threshold_tokens: 2048, max_pending_requests: 64, dtype: "bf16" }
     }
 }
 
@@ -66,15 +62,14 @@ static COUNTER: AtomicUsize = AtomicUsize::new(0);
 impl Server {
     pub fn start(options: Options) -> Server {
         let dir = tempfile::tempdir().unwrap();
-        let instance = options.instance.clone().unwrap_or_else(|| format!("duplex-test-{}-{}", std::process::id(), COUNTER.fetch_add(1, Ordering::SeqCst)));
+        let instance = format!("duplex-test-{}-{}", std::process::id(), COUNTER.fetch_add(1, Ordering::SeqCst));
         let (http, grpc, decode, prefill, decode_metrics, prefill_metrics) = (free_port(), free_port(), free_port(), free_port(), free_port(), free_port());
         let config = format!(
             "[router]\nhttp_port = {http}\ngrpc_port = {grpc}\nprefill_threshold_tokens = {}\nmax_pending_requests = {}\n\n\
-             [decode]\nport = {decode}\nmetrics_port = {decode_metrics}\nthreads = 1\ndtype = \"{dtype}\"\n{}\n\n\
+             [decode]\nport = {decode}\nmetrics_port = {decode_metrics}\nthreads = 1\ndtype = \"{dtype}\"\n\n\
              [prefill]\nport = {prefill}\nmetrics_port = {prefill_metrics}\nthreads = 1\ndtype = \"{dtype}\"\n",
             options.prefill_threshold_tokens,
             options.max_pending_requests,
-            options.decode,
             dtype = options.dtype
         );
         let config_path = dir.path().join("duplex.toml");

@@ -68,18 +68,8 @@ pub struct GenerationRequest {
 impl GenerationRequest {
     /// The sampling settings in the worker protocol's terms.
     pub fn worker_sampling(&self) -> worker::Sampling {
-        let p = &self.sampling;
-        worker::Sampling {
-            temperature: p.temperature,
-            top_k: u32::try_from(p.top_k).unwrap_or(u32::MAX),
-            top_p: p.top_p,
-            min_p: p.min_p,
-            repetition_penalty: p.repetition_penalty,
-            presence_penalty: p.presence_penalty,
-            frequency_penalty: p.frequency_penalty,
-            seed: self.seed,
-            top_logprobs: (self.top_logprobs > 0).then_some(self.top_logprobs),
-        }
+        let top_logprobs = (self.top_logprobs > 0).then_some(self.top_logprobs as usize);
+        worker::Sampling::from(&SamplingParams { seed: Some(self.seed), logprobs: top_logprobs, ..self.sampling.clone() })
     }
 
     /// Whether generation ends after the `n`-th generated token `id`, as the
