@@ -8,6 +8,7 @@
 
 pub mod bench;
 pub mod cpu;
+pub mod device;
 pub mod elementwise;
 pub mod fp8;
 pub mod linear;
@@ -15,6 +16,7 @@ pub mod mla;
 pub mod moe;
 pub mod parallel_linear;
 pub mod pool;
+pub mod router;
 pub mod shared;
 
 pub use linear::{WeightFormat, WeightView};
@@ -31,3 +33,34 @@ pub fn round_bf16_slice(xs: &mut [f32]) {
         *x = round_bf16(*x);
     }
 }
+
+/// The numeric path of a model, chosen at run time.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum Precision {
+    /// Everything in F32: the simple reference.
+    F32,
+    /// BF16 activations between ops, F32 accumulation; weights used as stored.
+    #[default]
+    Bf16,
+}
+
+impl Precision {
+    /// Store `xs` as this precision stores activations.
+    pub fn round(self, xs: &mut [f32]) {
+        if self == Precision::Bf16 {
+            round_bf16_slice(xs);
+        }
+    }
+}
+
+impl std::str::FromStr for Precision {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "f32" => Ok(Precision::F32),
+            "bf16" => Ok(Precision::Bf16),
+            _ => Err(format!("unknown dtype {s:?}; expected f32 or bf16")),
+        }
+    }
+}
+

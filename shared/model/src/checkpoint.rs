@@ -6,6 +6,7 @@
 //! tensors the engine needs in F32 (norms, biases, FP8 block scales) are
 //! copied out. Every problem is reported with the file and tensor it concerns.
 
+use duplex_kernels::device::HostBytes;
 use duplex_kernels::{WeightFormat, WeightView};
 use memmap2::Mmap;
 use safetensors::{Dtype, SafeTensors};
@@ -79,6 +80,47 @@ impl Linear {
     /// Bytes read from memory by one full pass over the weight.
     pub fn stored_bytes(&self) -> usize {
         self.bytes.range.len() + self.scales.len() * 4
+    }
+
+    /// Rows `rows` as a host tensor a device can copy from: the stored bytes
+    /// in place (keeping their mapping alive) and the scales of those rows'
+    /// blocks. FP8 slices must start on a scale-block boundary.
+    pub fn host_rows(&self, rows: Range<usize>) -> HostTensor {
+        let bpe = self.format.bytes_per_element();
+        let start = self.bytes.range.start;
+        let data = HostBytes::new(self.bytes.map.clone(), start + rows.start * self.cols * bpe..start + rows.end * self.cols * bpe).expect("rows lie within the tensor");
+        let scales = match self.format {
+            WeightFormat::Fp8E4m3 { block } => {
+                assert_eq!(rows.start % block[0], 0, "FP8 row slices start on a scale block");
+                let per_row = self.cols.div_ceil(block[1]);
+                let blocks = rows.start / block[0] * per_row..rows.end.div_ceil(block[0]) * per_row;
+                Some(HostBytes::from_f32(&self.scales[blocks]))
+            }
+            _ => None,
+        };
+        HostTensor { rows: rows.len(), cols: self.cols, format: self.format, data, scales }
+    }
+
+    pub fn host_tensor(&self) -> HostTensor {
+        self.host_rows(0..self.rows)
+    }
+}
+
+/// A weight in host memory, ready to be copied to a device as it is stored.
+#[derive(Clone)]
+pub struct HostTensor {
+    pub rows: usize,
+    pub cols: usize,
+    pub format: WeightFormat,
+    pub data: HostBytes,
+    /// FP8 block scales (F32).
+    pub scales: Option<HostBytes>,
+}
+
+impl HostTensor {
+    /// An F32 vector (a norm weight, a bias) as a one-row tensor.
+    pub fn vector(xs: &[f32]) -> Self {
+        HostTensor { rows: 1, cols: xs.len(), format: WeightFormat::F32, data: HostBytes::from_f32(xs), scales: None }
     }
 }
 

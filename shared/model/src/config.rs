@@ -34,11 +34,7 @@ pub struct Fp8Quantization {
     pub weight_block_size: [usize; 2],
 }
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum ScoringFunc {
-    Sigmoid,
-    Softmax,
-}
+pub use duplex_kernels::router::ScoringFunc;
 
 /// The model hyper-parameters, as the engine uses them.
 #[derive(Clone, Debug, PartialEq)]

@@ -14,6 +14,7 @@ pub mod model;
 pub mod moe;
 pub mod rope;
 pub mod sampling;
+pub mod staged;
 pub mod stop;
 pub mod synth;
 pub mod tokenizer;

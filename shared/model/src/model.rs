@@ -9,7 +9,7 @@
 use crate::checkpoint::{Checkpoint, CheckpointError, Linear};
 use crate::config::{ConfigError, ModelConfig};
 use crate::kv_cache::{BlockTable, KvError, KvPool};
-use crate::moe::{route, route_simd, RouterParams};
+use crate::moe::{route, route_simd, router_params, RouterParams};
 use crate::rope::RopeTable;
 use duplex_kernels::cpu::{convert::f32_to_bf16, elementwise as simd, gemv::matmul_bf16, isa::Isa};
 use duplex_kernels::elementwise::{rms_norm, rope, silu_mul, softmax};
@@ -23,35 +23,7 @@ use std::path::Path;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-/// The numeric path, chosen at run time.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
-pub enum Precision {
-    /// Everything in F32: the simple reference.
-    F32,
-    /// BF16 activations between ops, F32 accumulation; weights used as stored.
-    #[default]
-    Bf16,
-}
-
-impl Precision {
-    /// Store `xs` as this precision stores activations.
-    fn round(self, xs: &mut [f32]) {
-        if self == Precision::Bf16 {
-            duplex_kernels::round_bf16_slice(xs);
-        }
-    }
-}
-
-impl std::str::FromStr for Precision {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, String> {
-        match s {
-            "f32" => Ok(Precision::F32),
-            "bf16" => Ok(Precision::Bf16),
-            _ => Err(format!("unknown dtype {s:?}; expected f32 or bf16")),
-        }
-    }
-}
+pub use duplex_kernels::Precision;
 
 #[derive(Debug, thiserror::Error)]
 pub enum LoadError {
@@ -106,45 +78,45 @@ pub enum Logits {
     Last,
 }
 
-enum QProj {
+pub(crate) enum QProj {
     Lora { a: Linear, norm: Vec<f32>, b: Linear },
     Plain(Linear),
 }
 
-struct Attention {
-    q: QProj,
-    kv_a: Linear,
-    kv_a_norm: Vec<f32>,
-    kv_b: Linear,
+pub(crate) struct Attention {
+    pub(crate) q: QProj,
+    pub(crate) kv_a: Linear,
+    pub(crate) kv_a_norm: Vec<f32>,
+    pub(crate) kv_b: Linear,
     /// Per head, the transpose of its key band of `kv_b` (`[kv_lora, nope]`):
     /// the absorbed query `W_k^T q_nope` is then an ordinary GEMV.
-    kv_b_key_t: Vec<OwnedWeight>,
-    o: Linear,
+    pub(crate) kv_b_key_t: Vec<OwnedWeight>,
+    pub(crate) o: Linear,
 }
 
-struct Mlp {
-    gate: Linear,
-    up: Linear,
-    down: Linear,
+pub(crate) struct Mlp {
+    pub(crate) gate: Linear,
+    pub(crate) up: Linear,
+    pub(crate) down: Linear,
 }
 
-struct Moe {
-    router: Linear,
-    correction_bias: Option<Vec<f32>>,
-    experts: Vec<Mlp>,
-    shared: Option<Mlp>,
+pub(crate) struct Moe {
+    pub(crate) router: Linear,
+    pub(crate) correction_bias: Option<Vec<f32>>,
+    pub(crate) experts: Vec<Mlp>,
+    pub(crate) shared: Option<Mlp>,
 }
 
-enum Ffn {
+pub(crate) enum Ffn {
     Dense(Mlp),
     Moe(Moe),
 }
 
-struct Layer {
-    input_norm: Vec<f32>,
-    post_attention_norm: Vec<f32>,
-    attn: Attention,
-    ffn: Ffn,
+pub(crate) struct Layer {
+    pub(crate) input_norm: Vec<f32>,
+    pub(crate) post_attention_norm: Vec<f32>,
+    pub(crate) attn: Attention,
+    pub(crate) ffn: Ffn,
 }
 
 /// Where the BF16 path computes: the worker pool, the SIMD level, and
@@ -189,13 +161,13 @@ impl CpuRuntime {
 pub struct Model {
     pub cfg: ModelConfig,
     pub cpu: CpuRuntime,
-    embed: Linear,
-    layers: Vec<Layer>,
-    norm: Vec<f32>,
-    lm_head: Linear,
-    rope: RopeTable,
-    router: RouterParams,
-    softmax_scale: f32,
+    pub(crate) embed: Linear,
+    pub(crate) layers: Vec<Layer>,
+    pub(crate) norm: Vec<f32>,
+    pub(crate) lm_head: Linear,
+    pub(crate) rope: RopeTable,
+    pub(crate) router: RouterParams,
+    pub(crate) softmax_scale: f32,
     /// Multi-token-prediction tensors present in the checkpoint and ignored.
     pub skipped_mtp_tensors: usize,
 }
@@ -374,7 +346,7 @@ impl Model {
             lm_head,
             layers,
             rope: RopeTable::new(&cfg),
-            router: RouterParams::from_config(&cfg),
+            router: router_params(&cfg),
             softmax_scale: cfg.softmax_scale(),
             skipped_mtp_tensors,
             cfg,

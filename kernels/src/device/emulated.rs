@@ -1,0 +1,328 @@
+//! An accelerator emulated on the CPU, with a GPU's semantics.
+//!
+//! - Memory: one zeroed region of `memory_bytes`, handed out by an [`Arena`],
+//!   so running out of it fails as a GPU's does.
+//! - Streams: each is a thread running its commands in order. Events
+//!   complete when their stream reaches them; a stream waiting on an event
+//!   blocks until it does.
+//! - Copy engine: every upload goes through one engine, one at a time, paced
+//!   to `h2d_bytes_per_second` when set (PCIe 4.0 x16 moves about 25 GB/s),
+//!   so transfer and compute overlap as they would on a real device.
+//! - Compute: ops run one at a time on the device's own thread pool.
+//! - `jitter` adds a random delay before every command, to shake out
+//!   ordering bugs in tests.
+//!
+//! A failure inside a stream (an index out of range) is sticky, as a CUDA
+//! fault is: every later call reports it.
+
+use super::arena::Arena;
+use super::host_ops::{Executor, Memory};
+use super::{Device, DeviceError, DevicePtr, Event, HostBytes, Op, StreamId, StreamKind};
+use crate::pool::{PoolConfig, ThreadPool};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::mpsc::{channel, Sender};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+#[derive(Clone, Debug)]
+pub struct EmulatedConfig {
+    /// Device memory, in bytes.
+    pub memory_bytes: usize,
+    /// Host→device copy bandwidth limit; `None` copies at memcpy speed.
+    pub h2d_bytes_per_second: Option<f64>,
+    /// Compute threads; 0 means every core.
+    pub compute_threads: usize,
+    /// Random delays before each stream command (tests).
+    pub jitter: Option<Jitter>,
+}
+
+impl Default for EmulatedConfig {
+    fn default() -> Self {
+        EmulatedConfig { memory_bytes: 256 << 20, h2d_bytes_per_second: None, compute_threads: 0, jitter: None }
+    }
+}
+
+#[derive(Clone, Copy, Debug)]
+pub struct Jitter {
+    pub seed: u64,
+    /// Each delay is uniform in `0..max`.
+    pub max: Duration,
+}
+
+/// Busy time and traffic so far.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct EmulatedStats {
+    pub bytes_uploaded: u64,
+    pub copy_busy: Duration,
+    pub compute_busy: Duration,
+}
+
+enum Command {
+    Upload { src: HostBytes, dst: DevicePtr },
+    Download { src: DevicePtr, reply: Sender<Result<Vec<u8>, DeviceError>> },
+    Launch(Box<Op>),
+    Record(Arc<EventState>),
+    Wait(Arc<EventState>),
+    HostFn(Box<dyn FnOnce() + Send>),
+}
+
+/// An emulated event: when its stream reached it.
+struct EventState {
+    at: Mutex<Option<Instant>>,
+    done: Condvar,
+}
+
+impl EventState {
+    fn wait(&self) -> Instant {
+        let mut at = lock(&self.at);
+        loop {
+            if let Some(t) = *at {
+                return t;
+            }
+            at = self.done.wait(at).unwrap_or_else(|e| e.into_inner());
+        }
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// What the stream threads share.
+struct Inner {
+    config: EmulatedConfig,
+    memory: Memory,
+    executor: Mutex<Executor>,
+    copy_engine: Mutex<()>,
+    failure: Mutex<Option<DeviceError>>,
+    bytes_uploaded: AtomicU64,
+    copy_busy_ns: AtomicU64,
+    compute_busy_ns: AtomicU64,
+}
+
+impl Inner {
+    fn fail(&self, e: DeviceError) {
+        lock(&self.failure).get_or_insert(e);
+    }
+
+    fn failed(&self) -> Result<(), DeviceError> {
+        match &*lock(&self.failure) {
+            Some(e) => Err(DeviceError::Backend(format!("an earlier operation failed: {e}"))),
+            None => Ok(()),
+        }
+    }
+
+    fn execute(&self, command: Command) {
+        match command {
+            Command::Upload { src, dst } => {
+                let _engine = lock(&self.copy_engine);
+                let started = Instant::now();
+                if let Err(e) = self.memory.write(dst, src.as_slice()) {
+                    self.fail(e);
+                }
+                if let Some(rate) = self.config.h2d_bytes_per_second {
+                    let due = Duration::from_secs_f64(src.len() as f64 / rate);
+                    if let Some(rest) = due.checked_sub(started.elapsed()) {
+                        std::thread::sleep(rest);
+                    }
+                }
+                self.bytes_uploaded.fetch_add(src.len() as u64, Ordering::Relaxed);
+                self.copy_busy_ns.fetch_add(started.elapsed().as_nanos() as u64, Ordering::Relaxed);
+            }
+            Command::Download { src, reply } => {
+                let result = self.failed().and_then(|_| self.memory.bytes(src).map(<[u8]>::to_vec));
+                let _ = reply.send(result);
+            }
+            Command::Launch(op) => {
+                if self.failed().is_err() {
+                    return;
+                }
+                let mut executor = lock(&self.executor);
+                let started = Instant::now();
+                if let Err(e) = executor.run(&self.memory, &op) {
+                    self.fail(e);
+                }
+                self.compute_busy_ns.fetch_add(started.elapsed().as_nanos() as u64, Ordering::Relaxed);
+            }
+            Command::Record(event) => {
+                *lock(&event.at) = Some(Instant::now());
+                event.done.notify_all();
+            }
+            Command::Wait(event) => {
+                event.wait();
+            }
+            Command::HostFn(f) => f(),
+        }
+    }
+}
+
+struct Stream {
+    queue: Sender<Command>,
+    thread: Option<JoinHandle<()>>,
+}
+
+pub struct EmulatedDevice {
+    inner: Arc<Inner>,
+    arena: Mutex<Arena>,
+    streams: Mutex<Vec<Stream>>,
+}
+
+impl EmulatedDevice {
+    pub fn new(config: EmulatedConfig) -> Result<Arc<Self>, DeviceError> {
+        if config.h2d_bytes_per_second.is_some_and(|r| !(r.is_finite() && r > 0.0)) {
+            return Err(DeviceError::Invalid(format!("the copy bandwidth must be positive, got {:?}", config.h2d_bytes_per_second)));
+        }
+        let pool = PoolConfig::split(config.compute_threads, 1).map_err(DeviceError::Invalid)?;
+        let executor = Executor::new(ThreadPool::new(&pool), crate::cpu::isa::detect());
+        let inner = Inner {
+            memory: Memory::new(config.memory_bytes),
+            executor: Mutex::new(executor),
+            copy_engine: Mutex::new(()),
+            failure: Mutex::new(None),
+            bytes_uploaded: AtomicU64::new(0),
+            copy_busy_ns: AtomicU64::new(0),
+            compute_busy_ns: AtomicU64::new(0),
+            config,
+        };
+        let arena = Mutex::new(Arena::new(inner.config.memory_bytes));
+        Ok(Arc::new(EmulatedDevice { inner: Arc::new(inner), arena, streams: Mutex::new(vec![]) }))
+    }
+
+    pub fn stats(&self) -> EmulatedStats {
+        let i = &self.inner;
+        EmulatedStats {
+            bytes_uploaded: i.bytes_uploaded.load(Ordering::Relaxed),
+            copy_busy: Duration::from_nanos(i.copy_busy_ns.load(Ordering::Relaxed)),
+            compute_busy: Duration::from_nanos(i.compute_busy_ns.load(Ordering::Relaxed)),
+        }
+    }
+
+    fn send(&self, stream: StreamId, command: Command) -> Result<(), DeviceError> {
+        self.inner.failed()?;
+        let streams = lock(&self.streams);
+        let s = streams.get(stream.0).ok_or_else(|| DeviceError::Invalid(format!("no stream {}", stream.0)))?;
+        s.queue.send(command).map_err(|_| DeviceError::Backend(format!("stream {} has stopped", stream.0)))
+    }
+
+    fn event(event: &Event) -> Result<Arc<EventState>, DeviceError> {
+        event.0.clone().downcast::<EventState>().map_err(|_| DeviceError::Invalid("an event of another device".into()))
+    }
+}
+
+impl Drop for EmulatedDevice {
+    fn drop(&mut self) {
+        let streams: Vec<Stream> = lock(&self.streams).drain(..).collect();
+        for mut s in streams {
+            drop(s.queue);
+            if let Some(t) = s.thread.take() {
+                let _ = t.join();
+            }
+        }
+    }
+}
+
+impl Device for EmulatedDevice {
+    fn describe(&self) -> String {
+        let c = &self.inner.config;
+        let rate = c.h2d_bytes_per_second.map_or("unlimited".to_string(), |r| format!("{:.1} GB/s", r / 1e9));
+        format!("emulated accelerator ({} MiB, host→device {rate})", c.memory_bytes >> 20)
+    }
+
+    fn capacity(&self) -> usize {
+        lock(&self.arena).capacity()
+    }
+
+    fn free_bytes(&self) -> usize {
+        lock(&self.arena).free_bytes()
+    }
+
+    fn alloc(&self, bytes: usize) -> Result<DevicePtr, DeviceError> {
+        let offset = lock(&self.arena).alloc(bytes)?;
+        Ok(DevicePtr { addr: offset as u64, bytes })
+    }
+
+    fn free(&self, ptr: DevicePtr) -> Result<(), DeviceError> {
+        lock(&self.arena).free(ptr.addr as usize)
+    }
+
+    fn create_stream(&self, _kind: StreamKind) -> Result<StreamId, DeviceError> {
+        let mut streams = lock(&self.streams);
+        let id = streams.len();
+        let (queue, commands) = channel::<Command>();
+        let inner = self.inner.clone();
+        let jitter = inner.config.jitter;
+        let thread = std::thread::Builder::new()
+            .name(format!("emulated-stream-{id}"))
+            .spawn(move || {
+                // xorshift64*: reproducible delays without a dependency.
+                let mut state = jitter.map_or(1, |j| j.seed.wrapping_mul(0x9E37_79B9_7F4A_7C15).wrapping_add(id as u64 + 1)) | 1;
+                for command in commands {
+                    if let Some(j) = jitter {
+                        state ^= state >> 12;
+                        state ^= state << 25;
+                        state ^= state >> 27;
+                        let unit = (state.wrapping_mul(0x2545_F491_4F6C_DD1D) >> 11) as f64 / (1u64 << 53) as f64;
+                        std::thread::sleep(j.max.mul_f64(unit));
+                    }
+                    inner.execute(command);
+                }
+            })
+            .map_err(|e| DeviceError::Backend(format!("cannot start a stream thread: {e}")))?;
+        streams.push(Stream { queue, thread: Some(thread) });
+        Ok(StreamId(id))
+    }
+
+    fn upload(&self, stream: StreamId, src: &HostBytes, dst: DevicePtr) -> Result<(), DeviceError> {
+        if src.len() != dst.bytes {
+            return Err(DeviceError::Invalid(format!("upload of {} bytes into a {}-byte range", src.len(), dst.bytes)));
+        }
+        self.inner.memory.bytes(dst)?; // bounds, checked now rather than on the stream
+        self.send(stream, Command::Upload { src: src.clone(), dst })
+    }
+
+    fn download(&self, stream: StreamId, src: DevicePtr) -> Result<Vec<u8>, DeviceError> {
+        self.inner.memory.bytes(src)?;
+        let (reply, result) = channel();
+        self.send(stream, Command::Download { src, reply })?;
+        result.recv().map_err(|_| DeviceError::Backend(format!("stream {} stopped before the download", stream.0)))?
+    }
+
+    fn launch(&self, stream: StreamId, op: &Op) -> Result<(), DeviceError> {
+        op.validate()?;
+        self.send(stream, Command::Launch(Box::new(op.clone())))
+    }
+
+    fn record(&self, stream: StreamId) -> Result<Event, DeviceError> {
+        let state = Arc::new(EventState { at: Mutex::new(None), done: Condvar::new() });
+        self.send(stream, Command::Record(state.clone()))?;
+        Ok(Event(state))
+    }
+
+    fn wait_event(&self, stream: StreamId, event: &Event) -> Result<(), DeviceError> {
+        let state = Self::event(event)?;
+        self.send(stream, Command::Wait(state))
+    }
+
+    fn synchronize(&self, event: &Event) -> Result<(), DeviceError> {
+        Self::event(event)?.wait();
+        self.inner.failed()
+    }
+
+    fn elapsed(&self, from: &Event, to: &Event) -> Result<Duration, DeviceError> {
+        let (a, b) = (Self::event(from)?, Self::event(to)?);
+        let (a, b) = (*lock(&a.at), *lock(&b.at));
+        match (a, b) {
+            (Some(a), Some(b)) => Ok(b.saturating_duration_since(a)),
+            _ => Err(DeviceError::Invalid("elapsed time of an event that has not completed".into())),
+        }
+    }
+
+    fn host_fn(&self, stream: StreamId, f: Box<dyn FnOnce() + Send>) -> Result<(), DeviceError> {
+        self.send(stream, Command::HostFn(f))
+    }
+
+    fn register_host(&self, _src: &HostBytes) -> Result<(), DeviceError> {
+        Ok(()) // host memory is the device's memory's neighbour: nothing to pin
+    }
+}

@@ -1,0 +1,303 @@
+//! The kernel set run on the CPU over an emulated device's memory: each op
+//! calls the same kernels, with the same roundings, as the CPU engine, so
+//! that a model staged on the emulated device computes what the CPU engine
+//! computes.
+//!
+//! Activations are copied out of device memory into vectors and back, which
+//! keeps aliasing questions out of the way; weights are read in place.
+
+use super::{DeviceError, DevicePtr, DeviceWeight, Matrix, Op};
+use crate::cpu::{elementwise as simd, gemv::dot_f32, isa::Isa};
+use crate::elementwise::{rms_norm, rope, silu_mul, softmax};
+use crate::linear::{dot, matmul};
+use crate::mla::{decode_attention, LatentCache};
+use crate::parallel_linear::{par_matmul, LinearScratch};
+use crate::pool::ThreadPool;
+use crate::router::{route, route_simd};
+use crate::shared::SharedSlice;
+use crate::{round_bf16_slice, Precision, WeightView};
+
+/// An emulated device's memory: `len` bytes at `base`, addressed by offset.
+pub(crate) struct Memory {
+    base: *mut u8,
+    len: usize,
+    _owner: Box<[u8]>,
+}
+
+// SAFETY: the memory is plain bytes; which stream touches which bytes when
+// is ordered by streams and events, exactly as on a GPU, and the copies in
+// and out below never hand out references that outlive a call.
+unsafe impl Send for Memory {}
+unsafe impl Sync for Memory {}
+
+impl Memory {
+    /// `len` zeroed bytes (the OS commits pages only when touched).
+    pub fn new(len: usize) -> Self {
+        let mut owner = vec![0u8; len].into_boxed_slice();
+        Memory { base: owner.as_mut_ptr(), len, _owner: owner }
+    }
+
+    fn check(&self, addr: u64, bytes: usize) -> Result<usize, DeviceError> {
+        let start = usize::try_from(addr).map_err(|_| DeviceError::Invalid(format!("address {addr:#x}")))?;
+        match start.checked_add(bytes) {
+            Some(end) if end <= self.len => Ok(start),
+            _ => Err(DeviceError::Invalid(format!("{bytes} bytes at {addr:#x} lie outside the device's {} bytes", self.len))),
+        }
+    }
+
+    /// The bytes of `p`, for reading weights in place.
+    pub fn bytes(&self, p: DevicePtr) -> Result<&[u8], DeviceError> {
+        let start = self.check(p.addr, p.bytes)?;
+        // SAFETY: in bounds (checked); see the Sync impl for ordering.
+        Ok(unsafe { std::slice::from_raw_parts(self.base.add(start), p.bytes) })
+    }
+
+    pub fn write(&self, p: DevicePtr, src: &[u8]) -> Result<(), DeviceError> {
+        if src.len() != p.bytes {
+            return Err(DeviceError::Invalid(format!("copy of {} bytes into a {}-byte range", src.len(), p.bytes)));
+        }
+        let start = self.check(p.addr, p.bytes)?;
+        // SAFETY: in bounds (checked); `src` is host memory, never device memory.
+        unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), self.base.add(start), src.len()) };
+        Ok(())
+    }
+
+    fn f32s(&self, p: DevicePtr) -> Result<Vec<f32>, DeviceError> {
+        Ok(self.bytes(p)?.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect())
+    }
+
+    fn u32s(&self, p: DevicePtr, n: usize) -> Result<Vec<u32>, DeviceError> {
+        Ok(self.bytes(p.slice(0, n * 4)?)?.chunks_exact(4).map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect())
+    }
+
+    /// A matrix's floats, row by row.
+    fn read(&self, m: &Matrix) -> Result<Vec<f32>, DeviceError> {
+        let mut out = Vec::with_capacity(m.rows * m.cols);
+        for r in 0..m.rows {
+            let row = m.buf.slice((m.offset + r * m.stride) * 4, m.cols * 4)?;
+            out.extend(self.bytes(row)?.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])));
+        }
+        Ok(out)
+    }
+
+    fn store(&self, m: &Matrix, xs: &[f32]) -> Result<(), DeviceError> {
+        for (r, row) in xs.chunks(m.cols.max(1)).take(m.rows).enumerate() {
+            let dst = m.buf.slice((m.offset + r * m.stride) * 4, m.cols * 4)?;
+            let bytes: Vec<u8> = row.iter().flat_map(|x| x.to_le_bytes()).collect();
+            self.write(dst, &bytes)?;
+        }
+        Ok(())
+    }
+
+    fn weight<'a>(&'a self, w: &DeviceWeight, scales: &'a [f32]) -> Result<WeightView<'a>, DeviceError> {
+        Ok(WeightView { rows: w.rows, cols: w.cols, format: w.format, data: self.bytes(w.data)?, scales })
+    }
+}
+
+/// What runs ops: the device's own threads and reusable buffers.
+pub(crate) struct Executor {
+    pub pool: ThreadPool,
+    pub isa: Isa,
+    linear: LinearScratch,
+}
+
+impl Executor {
+    pub fn new(pool: ThreadPool, isa: Isa) -> Self {
+        Executor { pool, isa, linear: LinearScratch::default() }
+    }
+
+    /// Run one (validated) op. Fails only on what validation cannot see:
+    /// index values out of range.
+    pub fn run(&mut self, mem: &Memory, op: &Op) -> Result<(), DeviceError> {
+        let isa = self.isa;
+        match op {
+            Op::Gemm { w, x, y, precision, round } => {
+                let scales = mem.f32s(w.scales)?;
+                let view = mem.weight(w, &scales)?;
+                let xs = mem.read(x)?;
+                let mut out = vec![0.0; y.rows * y.cols];
+                match precision {
+                    Precision::F32 => matmul(&view, &xs, x.rows, &mut out),
+                    Precision::Bf16 => par_matmul(&self.pool, isa, &view, &xs, x.rows, &mut out, &mut self.linear),
+                }
+                if *round {
+                    round_bf16_slice(&mut out);
+                }
+                mem.store(y, &out)
+            }
+            Op::RmsNorm { x, weight, out, eps, precision } => {
+                let (xs, w) = (mem.read(x)?, mem.f32s(*weight)?);
+                let mut ys = vec![0.0; xs.len()];
+                for (o, xi) in ys.chunks_mut(x.cols).zip(xs.chunks(x.cols)) {
+                    match precision {
+                        Precision::F32 => rms_norm(xi, &w, *eps, o),
+                        Precision::Bf16 => simd::rms_norm_bf16(isa, xi, &w, *eps, o),
+                    }
+                }
+                mem.store(out, &ys)
+            }
+            Op::Rope { x, cos, sin, rows_per_position, interleaved, precision } => {
+                let (mut xs, cos, sin, half) = (mem.read(x)?, mem.read(cos)?, mem.read(sin)?, x.cols / 2);
+                for (r, row) in xs.chunks_mut(x.cols).enumerate() {
+                    let p = r / rows_per_position;
+                    let (c, s) = (&cos[p * half..(p + 1) * half], &sin[p * half..(p + 1) * half]);
+                    match precision {
+                        Precision::F32 => rope(row, c, s, *interleaved),
+                        Precision::Bf16 => {
+                            simd::rope(isa, row, c, s, *interleaved);
+                            round_bf16_slice(row);
+                        }
+                    }
+                }
+                mem.store(x, &xs)
+            }
+            Op::SiluMul { gate, up, precision } => {
+                let (mut g, u) = (mem.read(gate)?, mem.read(up)?);
+                match precision {
+                    Precision::F32 => silu_mul(&mut g, &u),
+                    Precision::Bf16 => {
+                        simd::silu_mul(isa, &mut g, &u);
+                        round_bf16_slice(&mut g);
+                    }
+                }
+                mem.store(gate, &g)
+            }
+            Op::Add { h, delta, precision } => {
+                let (mut hs, d) = (mem.read(h)?, mem.read(delta)?);
+                hs.iter_mut().zip(&d).for_each(|(a, b)| *a += b);
+                precision.round(&mut hs);
+                mem.store(h, &hs)
+            }
+            Op::RoundBf16 { x } => {
+                let mut xs = mem.read(x)?;
+                round_bf16_slice(&mut xs);
+                mem.store(x, &xs)
+            }
+            Op::Zero { x } => mem.store(x, &vec![0.0; x.rows * x.cols]),
+            Op::Route { logits, bias, params, ids, weights, precision } => {
+                let xs = mem.read(logits)?;
+                let bias = bias.map(|b| mem.f32s(b)).transpose()?;
+                let (mut chosen, mut ws) = (Vec::with_capacity(logits.rows * params.top_k), Vec::with_capacity(logits.rows * params.top_k));
+                for row in xs.chunks(logits.cols) {
+                    let picked = match precision {
+                        Precision::F32 => route(params, row, bias.as_deref()),
+                        Precision::Bf16 => route_simd(isa, params, row, bias.as_deref()),
+                    };
+                    chosen.extend(picked.iter().map(|&(e, _)| e as u32));
+                    ws.extend(picked.iter().map(|&(_, w)| w));
+                }
+                let bytes: Vec<u8> = chosen.iter().flat_map(|x| x.to_le_bytes()).collect();
+                mem.write(ids.slice(0, bytes.len())?, &bytes)?;
+                mem.store(weights, &ws)
+            }
+            Op::GatherRows { src, rows, count, dst } => {
+                let idx = mem.u32s(*rows, *count)?;
+                let mut out = Vec::with_capacity(count * src.cols);
+                for &i in &idx {
+                    let i = i as usize;
+                    if i >= src.rows {
+                        return Err(DeviceError::Invalid(format!("gather: row {i} of a {}-row matrix", src.rows)));
+                    }
+                    out.extend(mem.read(&src.rows(i..i + 1))?);
+                }
+                mem.store(&dst.rows(0..*count), &out)
+            }
+            Op::ScatterAddRows { src, rows, scales, count, dst } => {
+                let idx = mem.u32s(*rows, *count)?;
+                let s = mem.f32s(scales.slice(0, count * 4)?)?;
+                let ys = mem.read(&src.rows(0..*count))?;
+                for ((&i, &w), y) in idx.iter().zip(&s).zip(ys.chunks(src.cols)) {
+                    let i = i as usize;
+                    if i >= dst.rows {
+                        return Err(DeviceError::Invalid(format!("scatter: row {i} of a {}-row matrix", dst.rows)));
+                    }
+                    let row = dst.rows(i..i + 1);
+                    let mut d = mem.read(&row)?;
+                    d.iter_mut().zip(y).for_each(|(a, b)| *a += w * b);
+                    mem.store(&row, &d)?;
+                }
+                Ok(())
+            }
+            Op::Embedding { table, first_row, ids, count, out, precision } => {
+                let scales = mem.f32s(table.scales)?;
+                let view = mem.weight(table, &scales)?;
+                let mut row = vec![0.0; table.cols];
+                for (i, &id) in mem.u32s(*ids, *count)?.iter().enumerate() {
+                    let Some(r) = (id as usize).checked_sub(*first_row).filter(|&r| r < table.rows) else { continue };
+                    view.decode_row(r, &mut row);
+                    precision.round(&mut row);
+                    mem.store(&out.rows(i..i + 1), &row)?;
+                }
+                Ok(())
+            }
+            Op::MlaPrefill { q, kv, latents, out, start, dims, scale, precision } => {
+                let (qs, kvs, lat) = (mem.read(q)?, mem.read(kv)?, mem.read(latents)?);
+                let mut os = vec![0.0; out.rows * out.cols];
+                mla_prefill(&self.pool, isa, &qs, &kvs, &lat, &mut os, *start, *dims, *scale, *precision);
+                mem.store(out, &os)
+            }
+            Op::MlaDecode { q_latent, q_pe, latents, out, scale, precision } => {
+                let (ql, qp, lat) = (mem.read(q_latent)?, mem.read(q_pe)?, mem.read(latents)?);
+                let (heads, dc, dr, ctx) = (q_latent.rows, q_latent.cols, q_pe.cols, latents.rows);
+                let mut os = vec![0.0; heads * dc];
+                match precision {
+                    Precision::F32 => {
+                        let mut scores = vec![0.0; ctx];
+                        for h in 0..heads {
+                            for (t, s) in scores.iter_mut().enumerate() {
+                                let e = &lat[t * (dc + dr)..(t + 1) * (dc + dr)];
+                                *s = (dot(&ql[h * dc..(h + 1) * dc], &e[..dc]) + dot(&qp[h * dr..(h + 1) * dr], &e[dc..])) * scale;
+                            }
+                            softmax(&mut scores);
+                            let o = &mut os[h * dc..(h + 1) * dc];
+                            for (t, &w) in scores.iter().enumerate() {
+                                o.iter_mut().zip(&lat[t * (dc + dr)..t * (dc + dr) + dc]).for_each(|(a, b)| *a += w * b);
+                            }
+                        }
+                    }
+                    Precision::Bf16 => {
+                        let blocks = [lat.as_slice()];
+                        let cache = LatentCache { blocks: &blocks, block_size: ctx, dc, dr };
+                        let mut scores = vec![0.0; heads * ctx];
+                        decode_attention(&self.pool, isa, cache, ctx, &ql, &qp, *scale, &mut scores, &mut os);
+                    }
+                }
+                mem.store(out, &os)
+            }
+        }
+    }
+}
+
+/// Causal attention in the expanded form, one task per head, as the CPU
+/// engine's prefill computes it.
+#[allow(clippy::too_many_arguments)]
+fn mla_prefill(pool: &ThreadPool, isa: Isa, q: &[f32], kv: &[f32], latents: &[f32], out: &mut [f32], start: usize, d: super::MlaDims, scale: f32, p: Precision) {
+    let (dq, dkv, de) = (d.dn + d.dr, d.dn + d.dv, d.dc + d.dr);
+    let n = q.len() / (d.heads * dq);
+    let ctx = start + n;
+    let dot = |a: &[f32], b: &[f32]| if p == Precision::F32 { dot(a, b) } else { dot_f32(isa, a, b) };
+    let out = SharedSlice::new(out);
+    pool.parallel_for(d.heads, &|h| {
+        let mut scores = vec![0.0f32; ctx];
+        for i in 0..n {
+            let pos = start + i;
+            let qh = &q[(i * d.heads + h) * dq..(i * d.heads + h + 1) * dq];
+            for (t, s) in scores[..=pos].iter_mut().enumerate() {
+                let k_nope = &kv[t * d.heads * dkv + h * dkv..][..d.dn];
+                let k_pe = &latents[t * de + d.dc..(t + 1) * de];
+                *s = (dot(&qh[..d.dn], k_nope) + dot(&qh[d.dn..], k_pe)) * scale;
+            }
+            match p {
+                Precision::F32 => softmax(&mut scores[..=pos]),
+                Precision::Bf16 => simd::softmax(isa, &mut scores[..=pos]),
+            }
+            // SAFETY: head h of token i is written by this task only.
+            let o = unsafe { out.slice_mut((i * d.heads + h) * d.dv, d.dv) };
+            for (t, &w) in scores[..=pos].iter().enumerate() {
+                let v = &kv[t * d.heads * dkv + h * dkv + d.dn..][..d.dv];
+                o.iter_mut().zip(v).for_each(|(a, b)| *a += w * b);
+            }
+            p.round(o);
+        }
+    });
+}

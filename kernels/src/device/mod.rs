@@ -1,0 +1,476 @@
+//! The device layer: one small, explicit interface to an accelerator.
+//!
+//! It has what stream-loading prefill (and later the device side of decode)
+//! needs, in CUDA's terms: memory from an arena with a hard capacity, streams
+//! that run their work in order, asynchronous host→device copies, events
+//! that one stream (or the host) can wait for, host callbacks ordered on a
+//! stream, and the model's kernel set as [`Op`]s over device memory.
+//!
+//! Backends:
+//! - [`emulated`]: a CPU-backed accelerator with bounded memory, a copy
+//!   engine whose bandwidth can be limited, and its own compute threads. It
+//!   stands in for a GPU in tests and benchmarks, with the same semantics.
+//! - `cuda` (cargo feature `cuda`): cudarc with dynamic loading, kernels in
+//!   `kernels/cuda/` compiled by NVRTC at start-up.
+//!
+//! The third choice a worker has, the plain CPU engine, stages nothing and so
+//! needs no device.
+//!
+//! Activations are F32 on the device; weights are copied in their stored
+//! format (FP8 with F32 block scales, BF16, F16, F32) and every op reads
+//! them as the CPU kernels do, so results match the CPU engine's.
+
+pub mod arena;
+pub mod emulated;
+mod host_ops;
+#[cfg(feature = "cuda")]
+pub mod cuda;
+
+use crate::router::RouterParams;
+use crate::{Precision, WeightFormat};
+use std::any::Any;
+use std::ops::Range;
+use std::sync::Arc;
+use std::time::Duration;
+
+#[derive(Debug, thiserror::Error, Clone, PartialEq)]
+pub enum DeviceError {
+    #[error("device out of memory: {requested} bytes requested, {free} of {capacity} free (largest free block {largest})")]
+    OutOfMemory { requested: usize, free: usize, largest: usize, capacity: usize },
+    #[error("invalid device operation: {0}")]
+    Invalid(String),
+    #[error("no CUDA device: {0}")]
+    Unavailable(String),
+    #[error("device failure: {0}")]
+    Backend(String),
+}
+
+/// A range of device memory. `addr` is whatever the backend addresses memory
+/// with (an arena offset, a `CUdeviceptr`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct DevicePtr {
+    pub addr: u64,
+    pub bytes: usize,
+}
+
+impl DevicePtr {
+    /// The `bytes` bytes at `offset` within this range.
+    pub fn slice(self, offset: usize, bytes: usize) -> Result<DevicePtr, DeviceError> {
+        match offset.checked_add(bytes) {
+            Some(end) if end <= self.bytes => Ok(DevicePtr { addr: self.addr + offset as u64, bytes }),
+            _ => Err(DeviceError::Invalid(format!("slice {offset}+{bytes} of a {}-byte buffer", self.bytes))),
+        }
+    }
+
+    /// The whole range as a contiguous `[rows, cols]` F32 matrix.
+    pub fn matrix(self, rows: usize, cols: usize) -> Matrix {
+        Matrix { buf: self, offset: 0, rows, cols, stride: cols }
+    }
+}
+
+/// A row-major F32 matrix in device memory: `rows × cols` floats starting
+/// `offset` floats into `buf`, rows `stride` floats apart.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Matrix {
+    pub buf: DevicePtr,
+    pub offset: usize,
+    pub rows: usize,
+    pub cols: usize,
+    pub stride: usize,
+}
+
+impl Matrix {
+    /// Columns `cols` of every row.
+    pub fn columns(self, cols: Range<usize>) -> Matrix {
+        Matrix { offset: self.offset + cols.start, cols: cols.len(), ..self }
+    }
+
+    /// Rows `rows`.
+    pub fn rows(self, rows: Range<usize>) -> Matrix {
+        Matrix { offset: self.offset + rows.start * self.stride, rows: rows.len(), ..self }
+    }
+
+    /// The same floats seen as `rows × cols` (it must be contiguous).
+    pub fn reshape(self, rows: usize, cols: usize) -> Matrix {
+        Matrix { rows, cols, stride: cols, ..self }
+    }
+
+    pub fn is_contiguous(&self) -> bool {
+        self.stride == self.cols || self.rows <= 1
+    }
+
+    /// Float index one past the last element read or written.
+    fn end(&self) -> usize {
+        if self.rows == 0 || self.cols == 0 {
+            self.offset
+        } else {
+            self.offset + (self.rows - 1) * self.stride + self.cols
+        }
+    }
+
+    fn check(&self, what: &str) -> Result<(), DeviceError> {
+        if self.stride < self.cols && self.rows > 1 {
+            return Err(DeviceError::Invalid(format!("{what}: stride {} is below its {} columns", self.stride, self.cols)));
+        }
+        if self.end().checked_mul(4).is_none_or(|b| b > self.buf.bytes) {
+            return Err(DeviceError::Invalid(format!("{what}: a {}×{} matrix (stride {}, offset {}) overruns its {}-byte buffer", self.rows, self.cols, self.stride, self.offset, self.buf.bytes)));
+        }
+        Ok(())
+    }
+
+    /// The device byte range this matrix spans.
+    fn span(&self) -> Range<u64> {
+        self.buf.addr + self.offset as u64 * 4..self.buf.addr + self.end() as u64 * 4
+    }
+}
+
+/// A weight matrix in device memory, in its stored format; `scales` holds
+/// the FP8 block scales (F32, `[ceil(rows/b0), ceil(cols/b1)]`) and is empty
+/// for other formats.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DeviceWeight {
+    pub data: DevicePtr,
+    pub scales: DevicePtr,
+    pub rows: usize,
+    pub cols: usize,
+    pub format: WeightFormat,
+}
+
+impl DeviceWeight {
+    fn check(&self, what: &str) -> Result<(), DeviceError> {
+        let bytes = self.rows.checked_mul(self.cols).and_then(|n| n.checked_mul(self.format.bytes_per_element()));
+        if bytes != Some(self.data.bytes) {
+            return Err(DeviceError::Invalid(format!("{what}: a {}×{} {:?} weight needs {:?} bytes, the buffer has {}", self.rows, self.cols, self.format, bytes, self.data.bytes)));
+        }
+        if let WeightFormat::Fp8E4m3 { block } = self.format {
+            if block[0] == 0 || block[1] == 0 {
+                return Err(DeviceError::Invalid(format!("{what}: zero FP8 block size")));
+            }
+            let scales = self.rows.div_ceil(block[0]) * self.cols.div_ceil(block[1]) * 4;
+            if self.scales.bytes != scales {
+                return Err(DeviceError::Invalid(format!("{what}: {} bytes of scales, {scales} expected", self.scales.bytes)));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The kernel set a model needs on a device. `precision` picks the numeric
+/// path exactly as the CPU engine's does: `F32` is the reference; `Bf16`
+/// rounds inputs (and, where the op says so, outputs) to BF16.
+#[derive(Clone, Debug)]
+pub enum Op {
+    /// `y = x · Wᵀ` (`x` is `[n, cols]`, `y` `[n, rows]`), FP8 post-scaled per
+    /// 128-wide block; with `round`, `y` is rounded to BF16.
+    Gemm { w: DeviceWeight, x: Matrix, y: Matrix, precision: Precision, round: bool },
+    /// RMSNorm of each row of `x` into `out` (BF16: rounded in the same pass).
+    RmsNorm { x: Matrix, weight: DevicePtr, out: Matrix, eps: f32, precision: Precision },
+    /// Rotary embedding in place on each row of `x` (each `dr` wide). Row `r`
+    /// is at position `r / rows_per_position`; `cos` and `sin` are
+    /// `[positions, dr/2]` tables for those positions.
+    Rope { x: Matrix, cos: Matrix, sin: Matrix, rows_per_position: usize, interleaved: bool, precision: Precision },
+    /// `gate = silu(gate) · up`, in place (BF16: rounded).
+    SiluMul { gate: Matrix, up: Matrix, precision: Precision },
+    /// `h += delta` (BF16: rounded).
+    Add { h: Matrix, delta: Matrix, precision: Precision },
+    /// Round every element to BF16.
+    RoundBf16 { x: Matrix },
+    /// Set every element to zero.
+    Zero { x: Matrix },
+    /// Router top-k of each row of `logits` (`[n, n_experts]`): chosen
+    /// experts into `ids` (u32, `[n, top_k]`) and their weights into
+    /// `weights` (`[n, top_k]`).
+    Route { logits: Matrix, bias: Option<DevicePtr>, params: RouterParams, ids: DevicePtr, weights: Matrix, precision: Precision },
+    /// `dst[i] = src[rows[i]]` for `count` u32 row indices.
+    GatherRows { src: Matrix, rows: DevicePtr, count: usize, dst: Matrix },
+    /// `dst[rows[i]] += scales[i] · src[i]` for `count` indices (no two equal).
+    ScatterAddRows { src: Matrix, rows: DevicePtr, scales: DevicePtr, count: usize, dst: Matrix },
+    /// Rows `first_row..first_row + table.rows` of an embedding table: every
+    /// token whose id (u32, `count` of them) falls there gets its row decoded
+    /// into `out` (BF16: rounded).
+    Embedding { table: DeviceWeight, first_row: usize, ids: DevicePtr, count: usize, out: Matrix, precision: Precision },
+    /// MLA in the expanded (prefill) form, causal. `q` is `[n, heads·(dn+dr)]`
+    /// for positions `start..start+n`; `kv` is `kv_b_proj` of the context's
+    /// latents, `[ctx, heads·(dn+dv)]`; `latents` is `[ctx, dc+dr]` (the rope
+    /// key is columns `dc..`); `out` is `[n, heads·dv]` (BF16: rounded).
+    MlaPrefill { q: Matrix, kv: Matrix, latents: Matrix, out: Matrix, start: usize, dims: MlaDims, scale: f32, precision: Precision },
+    /// MLA in the absorbed (decode) form for one token over `ctx` latents:
+    /// `q_latent` `[heads, dc]`, `q_pe` `[heads, dr]`, `latents` `[ctx, dc+dr]`;
+    /// `out` `[heads, dc]` is the attention-weighted sum of latents.
+    MlaDecode { q_latent: Matrix, q_pe: Matrix, latents: Matrix, out: Matrix, scale: f32, precision: Precision },
+}
+
+/// MLA head shape.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MlaDims {
+    pub heads: usize,
+    /// Per-head query/key width without rotary part.
+    pub dn: usize,
+    /// Rotary width.
+    pub dr: usize,
+    /// Per-head value width.
+    pub dv: usize,
+    /// Latent (kv_lora) width.
+    pub dc: usize,
+}
+
+/// Which work a stream is meant for. Both run anything in order; the
+/// emulated device routes copies through its copy engine either way.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum StreamKind {
+    Compute,
+    Copy,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct StreamId(pub usize);
+
+/// A point on a stream's timeline, completed when the stream gets there.
+#[derive(Clone)]
+pub struct Event(pub(crate) Arc<dyn Any + Send + Sync>);
+
+impl std::fmt::Debug for Event {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Event")
+    }
+}
+
+/// Host memory a copy reads from. It holds its owner, so the memory stays
+/// alive until the asynchronous copy has run.
+#[derive(Clone)]
+pub struct HostBytes {
+    owner: Arc<dyn AsRef<[u8]> + Send + Sync>,
+    range: Range<usize>,
+}
+
+impl HostBytes {
+    /// `range` of `owner`'s bytes.
+    pub fn new(owner: Arc<dyn AsRef<[u8]> + Send + Sync>, range: Range<usize>) -> Result<Self, DeviceError> {
+        let len = (*owner).as_ref().len();
+        if range.start > range.end || range.end > len {
+            return Err(DeviceError::Invalid(format!("host range {range:?} of a {len}-byte buffer")));
+        }
+        Ok(HostBytes { owner, range })
+    }
+
+    pub fn from_vec(bytes: Vec<u8>) -> Self {
+        let len = bytes.len();
+        HostBytes { owner: Arc::new(bytes), range: 0..len }
+    }
+
+    pub fn from_f32(xs: &[f32]) -> Self {
+        Self::from_vec(xs.iter().flat_map(|x| x.to_le_bytes()).collect())
+    }
+
+    pub fn from_u32(xs: &[u32]) -> Self {
+        Self::from_vec(xs.iter().flat_map(|x| x.to_le_bytes()).collect())
+    }
+
+    pub fn as_slice(&self) -> &[u8] {
+        &(*self.owner).as_ref()[self.range.clone()]
+    }
+
+    pub fn len(&self) -> usize {
+        self.range.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.range.is_empty()
+    }
+}
+
+/// An accelerator. Every method is callable from any thread; work on one
+/// stream runs in the order it was enqueued, work on different streams in
+/// any order unless events order it.
+pub trait Device: Send + Sync {
+    /// What this device is, for logs.
+    fn describe(&self) -> String;
+    /// Bytes of device memory this device may use in all.
+    fn capacity(&self) -> usize;
+    /// Bytes not allocated now.
+    fn free_bytes(&self) -> usize;
+    fn alloc(&self, bytes: usize) -> Result<DevicePtr, DeviceError>;
+    /// Give back an allocation. Work still queued that uses it must have
+    /// completed (wait for an event first), as with `cudaFree`.
+    fn free(&self, ptr: DevicePtr) -> Result<(), DeviceError>;
+    fn create_stream(&self, kind: StreamKind) -> Result<StreamId, DeviceError>;
+    /// Copy `src` to `dst` (same length) after the stream's earlier work; returns at once.
+    fn upload(&self, stream: StreamId, src: &HostBytes, dst: DevicePtr) -> Result<(), DeviceError>;
+    /// Copy `src` back to the host after the stream's earlier work, and wait for it.
+    fn download(&self, stream: StreamId, src: DevicePtr) -> Result<Vec<u8>, DeviceError>;
+    /// Enqueue a kernel. Shapes and bounds are checked here.
+    fn launch(&self, stream: StreamId, op: &Op) -> Result<(), DeviceError>;
+    /// An event completed when the stream reaches this point.
+    fn record(&self, stream: StreamId) -> Result<Event, DeviceError>;
+    /// Make the stream's later work wait until `event` completes.
+    fn wait_event(&self, stream: StreamId, event: &Event) -> Result<(), DeviceError>;
+    /// Block the calling thread until `event` completes.
+    fn synchronize(&self, event: &Event) -> Result<(), DeviceError>;
+    /// Time from `from` to `to`, both completed.
+    fn elapsed(&self, from: &Event, to: &Event) -> Result<Duration, DeviceError>;
+    /// Run `f` on the host when the stream reaches this point; the stream's
+    /// later work waits for it.
+    fn host_fn(&self, stream: StreamId, f: Box<dyn FnOnce() + Send>) -> Result<(), DeviceError>;
+    /// Page-lock `src`'s memory so copies from it run at full speed (a no-op
+    /// where that means nothing).
+    fn register_host(&self, src: &HostBytes) -> Result<(), DeviceError>;
+}
+
+/// Upload F32 values into `dst` (which they must fill).
+pub fn upload_f32(device: &dyn Device, stream: StreamId, xs: &[f32], dst: DevicePtr) -> Result<(), DeviceError> {
+    device.upload(stream, &HostBytes::from_f32(xs), dst)
+}
+
+pub fn upload_u32(device: &dyn Device, stream: StreamId, xs: &[u32], dst: DevicePtr) -> Result<(), DeviceError> {
+    device.upload(stream, &HostBytes::from_u32(xs), dst)
+}
+
+/// Download a matrix's floats, row by row.
+pub fn download_matrix(device: &dyn Device, stream: StreamId, m: Matrix) -> Result<Vec<f32>, DeviceError> {
+    m.check("download")?;
+    let span = m.span();
+    let bytes = device.download(stream, DevicePtr { addr: span.start, bytes: (span.end - span.start) as usize })?;
+    let floats: Vec<f32> = bytes.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect();
+    Ok((0..m.rows).flat_map(|r| floats[r * m.stride..r * m.stride + m.cols].iter().copied()).collect())
+}
+
+pub fn download_u32(device: &dyn Device, stream: StreamId, src: DevicePtr) -> Result<Vec<u32>, DeviceError> {
+    Ok(device.download(stream, src)?.chunks_exact(4).map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect())
+}
+
+fn overlaps(a: &Range<u64>, b: &Range<u64>) -> bool {
+    a.start < b.end && b.start < a.end
+}
+
+impl Op {
+    /// Check shapes and bounds, and that no output overlaps an input it is
+    /// not meant to update in place.
+    pub fn validate(&self) -> Result<(), DeviceError> {
+        let bad = |m: String| Err(DeviceError::Invalid(m));
+        let u32s = |p: &DevicePtr, n: usize, what: &str| -> Result<(), DeviceError> {
+            if n.checked_mul(4).is_none_or(|b| b > p.bytes) {
+                return Err(DeviceError::Invalid(format!("{what}: {n} u32 values overrun a {}-byte buffer", p.bytes)));
+            }
+            Ok(())
+        };
+        let disjoint = |out: &Matrix, inputs: &[&Matrix], what: &str| -> Result<(), DeviceError> {
+            for i in inputs {
+                if overlaps(&out.span(), &i.span()) {
+                    return Err(DeviceError::Invalid(format!("{what}: the output overlaps an input")));
+                }
+            }
+            Ok(())
+        };
+        match self {
+            Op::Gemm { w, x, y, .. } => {
+                w.check("gemm weight")?;
+                x.check("gemm x")?;
+                y.check("gemm y")?;
+                if x.cols != w.cols || y.cols != w.rows || x.rows != y.rows {
+                    return bad(format!("gemm: x {}×{}, W {}×{}, y {}×{}", x.rows, x.cols, w.rows, w.cols, y.rows, y.cols));
+                }
+                disjoint(y, &[x], "gemm")
+            }
+            Op::RmsNorm { x, weight, out, .. } => {
+                x.check("rms_norm x")?;
+                out.check("rms_norm out")?;
+                if x.rows != out.rows || x.cols != out.cols || weight.bytes != x.cols * 4 {
+                    return bad(format!("rms_norm: x {}×{}, out {}×{}, weight {} bytes", x.rows, x.cols, out.rows, out.cols, weight.bytes));
+                }
+                if x.span() != out.span() {
+                    disjoint(out, &[x], "rms_norm")?;
+                }
+                Ok(())
+            }
+            Op::Rope { x, cos, sin, rows_per_position, .. } => {
+                x.check("rope x")?;
+                cos.check("rope cos")?;
+                sin.check("rope sin")?;
+                let positions = x.rows.div_ceil((*rows_per_position).max(1));
+                if *rows_per_position == 0 || x.cols % 2 != 0 || cos.cols * 2 != x.cols || sin.cols != cos.cols || cos.rows < positions || sin.rows < positions {
+                    return bad(format!("rope: x {}×{} with {rows_per_position} rows a position, cos {}×{}, sin {}×{}", x.rows, x.cols, cos.rows, cos.cols, sin.rows, sin.cols));
+                }
+                disjoint(x, &[cos, sin], "rope")
+            }
+            Op::SiluMul { gate, up, .. } => {
+                gate.check("silu gate")?;
+                up.check("silu up")?;
+                if gate.rows != up.rows || gate.cols != up.cols {
+                    return bad("silu_mul: gate and up differ in shape".into());
+                }
+                disjoint(gate, &[up], "silu_mul")
+            }
+            Op::Add { h, delta, .. } => {
+                h.check("add h")?;
+                delta.check("add delta")?;
+                if h.rows != delta.rows || h.cols != delta.cols {
+                    return bad("add: shapes differ".into());
+                }
+                disjoint(h, &[delta], "add")
+            }
+            Op::RoundBf16 { x } | Op::Zero { x } => x.check("elementwise"),
+            Op::Route { logits, bias, params, ids, weights, .. } => {
+                logits.check("route logits")?;
+                weights.check("route weights")?;
+                u32s(ids, logits.rows * params.top_k, "route ids")?;
+                let groups_ok = params.n_group > 0 && params.n_experts % params.n_group == 0 && params.topk_group >= 1 && params.topk_group <= params.n_group;
+                if logits.cols != params.n_experts || weights.rows != logits.rows || weights.cols != params.top_k || params.top_k == 0 || params.top_k > params.n_experts || !groups_ok {
+                    return bad(format!("route: logits {}×{} for {} experts, top {} in {} groups ({} kept), weights {}×{}", logits.rows, logits.cols, params.n_experts, params.top_k, params.n_group, params.topk_group, weights.rows, weights.cols));
+                }
+                if bias.is_some_and(|b| b.bytes != params.n_experts * 4) {
+                    return bad("route: the bias is not one F32 per expert".into());
+                }
+                disjoint(weights, &[logits], "route")
+            }
+            Op::GatherRows { src, rows, count, dst } => {
+                src.check("gather src")?;
+                dst.check("gather dst")?;
+                u32s(rows, *count, "gather rows")?;
+                if dst.rows < *count || dst.cols != src.cols {
+                    return bad(format!("gather: {count} rows of width {} into {}×{}", src.cols, dst.rows, dst.cols));
+                }
+                disjoint(dst, &[src], "gather")
+            }
+            Op::ScatterAddRows { src, rows, scales, count, dst } => {
+                src.check("scatter src")?;
+                dst.check("scatter dst")?;
+                u32s(rows, *count, "scatter rows")?;
+                u32s(scales, *count, "scatter scales")?;
+                if src.rows < *count || dst.cols != src.cols {
+                    return bad(format!("scatter: {count} rows of width {} into width {}", src.cols, dst.cols));
+                }
+                disjoint(dst, &[src], "scatter")
+            }
+            Op::Embedding { table, ids, count, out, .. } => {
+                table.check("embedding table")?;
+                out.check("embedding out")?;
+                u32s(ids, *count, "embedding ids")?;
+                if out.rows < *count || out.cols != table.cols {
+                    return bad(format!("embedding: {count} rows of width {} into {}×{}", table.cols, out.rows, out.cols));
+                }
+                Ok(())
+            }
+            Op::MlaPrefill { q, kv, latents, out, start, dims, .. } => {
+                for (m, what) in [(q, "mla q"), (kv, "mla kv"), (latents, "mla latents"), (out, "mla out")] {
+                    m.check(what)?;
+                }
+                let d = dims;
+                let ctx = start + q.rows;
+                if d.heads == 0 || q.cols != d.heads * (d.dn + d.dr) || kv.cols != d.heads * (d.dn + d.dv) || latents.cols != d.dc + d.dr || kv.rows < ctx || latents.rows < ctx || out.rows != q.rows || out.cols != d.heads * d.dv {
+                    return bad(format!("mla_prefill: q {}×{}, kv {}×{}, latents {}×{}, out {}×{} for {d:?} at start {start}", q.rows, q.cols, kv.rows, kv.cols, latents.rows, latents.cols, out.rows, out.cols));
+                }
+                disjoint(out, &[q, kv, latents], "mla_prefill")
+            }
+            Op::MlaDecode { q_latent, q_pe, latents, out, .. } => {
+                for (m, what) in [(q_latent, "mla q_latent"), (q_pe, "mla q_pe"), (latents, "mla latents"), (out, "mla out")] {
+                    m.check(what)?;
+                }
+                let (heads, dc) = (q_latent.rows, q_latent.cols);
+                if heads == 0 || q_pe.rows != heads || latents.cols != dc + q_pe.cols || latents.rows == 0 || out.rows != heads || out.cols != dc {
+                    return bad(format!("mla_decode: q_latent {}×{}, q_pe {}×{}, latents {}×{}, out {}×{}", heads, dc, q_pe.rows, q_pe.cols, latents.rows, latents.cols, out.rows, out.cols));
+                }
+                disjoint(out, &[q_latent, q_pe, latents], "mla_decode")
+            }
+        }
+    }
+}
