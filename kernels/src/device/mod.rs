@@ -270,6 +270,15 @@ impl HostBytes {
         &(*self.owner).as_ref()[self.range.clone()]
     }
 
+    /// All of the owner's bytes (to page-lock a whole mapping once).
+    pub fn whole(&self) -> HostBytes {
+        HostBytes { owner: self.owner.clone(), range: 0..(*self.owner).as_ref().len() }
+    }
+
+    pub fn same_owner(&self, other: &HostBytes) -> bool {
+        Arc::ptr_eq(&self.owner, &other.owner)
+    }
+
     pub fn len(&self) -> usize {
         self.range.len()
     }
@@ -306,7 +315,7 @@ pub trait Device: Send + Sync {
     fn wait_event(&self, stream: StreamId, event: &Event) -> Result<(), DeviceError>;
     /// Block the calling thread until `event` completes.
     fn synchronize(&self, event: &Event) -> Result<(), DeviceError>;
-    /// Time from `from` to `to`, both completed.
+    /// Time from `from` to `to`, both completed; zero if `to` came first.
     fn elapsed(&self, from: &Event, to: &Event) -> Result<Duration, DeviceError>;
     /// Run `f` on the host when the stream reaches this point; the stream's
     /// later work waits for it.

@@ -9,6 +9,7 @@
 pub mod config;
 pub mod engine;
 pub mod server;
+pub mod slp;
 
 pub use config::PrefillConfig;
 use duplex_kernels::pool::PoolConfig;

@@ -12,6 +12,7 @@ pub mod generation;
 pub mod kv_cache;
 pub mod model;
 pub mod moe;
+pub mod reference;
 pub mod rope;
 pub mod sampling;
 pub mod staged;

@@ -2,8 +2,8 @@
 //! tiny checkpoint: logits, greedy continuations, KV-cache decode and chunked
 //! prefill.
 
+use duplex_model::reference::{self, argmax, max_abs_diff, Bf16Gate, ReferencePrompt, F32_MAX_ABS_DIFF};
 use duplex_model::{BlockTable, KvPool, Logits, Model, Precision};
-use safetensors::SafeTensors;
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 
@@ -16,32 +16,8 @@ fn model() -> &'static Model {
     MODEL.get_or_init(|| Model::load(&fixture(), &mut |_, _| {}).expect("fixture loads"))
 }
 
-struct Prompt {
-    input_ids: Vec<u32>,
-    greedy: Vec<u32>,
-    bf16_mean_abs_diff: f32,
-    bf16_top1: f32,
-    logits: Vec<f32>,
-}
-
-fn prompts() -> Vec<Prompt> {
-    let json: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(fixture().join("reference.json")).unwrap()).unwrap();
-    let bytes = std::fs::read(fixture().join("reference_logits.safetensors")).unwrap();
-    let st = SafeTensors::deserialize(&bytes).unwrap();
-    let ids = |v: &serde_json::Value| v.as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect::<Vec<_>>();
-    json["prompts"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .enumerate()
-        .map(|(i, p)| Prompt {
-            input_ids: ids(&p["input_ids"]),
-            greedy: ids(&p["greedy_continuation"]),
-            bf16_mean_abs_diff: p["bf16_reference_mean_abs_diff"].as_f64().unwrap() as f32,
-            bf16_top1: p["bf16_reference_top1_agreement"].as_f64().unwrap() as f32,
-            logits: st.tensor(&format!("logits.{i}")).unwrap().data().chunks_exact(4).map(|b| f32::from_le_bytes(b.try_into().unwrap())).collect(),
-        })
-        .collect()
+fn prompts() -> Vec<ReferencePrompt> {
+    reference::load(&fixture()).expect("the fixture's reference outputs")
 }
 
 fn pool(m: &Model) -> KvPool {
@@ -51,16 +27,6 @@ fn pool(m: &Model) -> KvPool {
 fn teacher_forced(m: &Model, tokens: &[u32], p: Precision) -> Vec<f32> {
     let mut pool = pool(m);
     m.forward(&mut pool, &mut BlockTable::default(), tokens, p, Logits::All).unwrap()
-}
-
-fn argmax(row: &[f32]) -> u32 {
-    let mut best = 0;
-    for (i, &v) in row.iter().enumerate() {
-        if v > row[best] {
-            best = i;
-        }
-    }
-    best as u32
 }
 
 fn greedy(m: &Model, prompt: &[u32], n: usize, p: Precision) -> Vec<u32> {
@@ -83,9 +49,9 @@ fn f32_logits_match_transformers() {
     for (i, p) in prompts().iter().enumerate() {
         let got = teacher_forced(m, &p.input_ids, Precision::F32);
         assert_eq!(got.len(), p.input_ids.len() * vocab);
-        let max_diff = got.iter().zip(&p.logits).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max);
+        let max_diff = max_abs_diff(&got, &p.logits);
         println!("prompt {i}: {} tokens, f32 max |Δlogit| = {max_diff:.3e}", p.input_ids.len());
-        assert!(max_diff <= 2e-3, "prompt {i}: max |Δlogit| {max_diff}");
+        assert!(max_diff <= F32_MAX_ABS_DIFF, "prompt {i}: max |Δlogit| {max_diff}");
     }
 }
 
@@ -98,23 +64,10 @@ fn f32_greedy_continuations_match_transformers() {
     }
 }
 
-/// Mean |Δlogit| against the reference and top-1 agreement, over all rows.
-fn compare(got: &[f32], want: &[f32], vocab: usize) -> (f32, f32) {
-    let mean = got.iter().zip(want).map(|(a, b)| (a - b).abs()).sum::<f32>() / got.len() as f32;
-    let rows = got.len() / vocab;
-    let agree = (0..rows).filter(|&r| argmax(&got[r * vocab..(r + 1) * vocab]) == argmax(&want[r * vocab..(r + 1) * vocab])).count();
-    (mean, agree as f32 / rows as f32)
-}
-
-fn check_bf16(label: &str, p: &Prompt, got: &[f32], vocab: usize) {
-    let (mean, agree) = compare(got, &p.logits, vocab);
-    println!(
-        "{label}: bf16 mean |Δlogit| = {mean:.4} (limit {:.4}), top-1 agreement {agree:.3} (floor {:.3})",
-        2.0 * p.bf16_mean_abs_diff,
-        p.bf16_top1 - 0.05
-    );
-    assert!(mean <= 2.0 * p.bf16_mean_abs_diff, "{label}: mean {mean}");
-    assert!(agree >= p.bf16_top1 - 0.05, "{label}: top-1 agreement {agree}");
+fn check_bf16(label: &str, p: &ReferencePrompt, got: &[f32], vocab: usize) {
+    let gate = Bf16Gate::new(p, got, vocab);
+    println!("{label}: {gate}");
+    assert!(gate.passed(), "{label}: {gate}");
 }
 
 #[test]
@@ -248,9 +201,9 @@ fn staged_forward_on_emulated_device_matches_transformers() {
     let m = model();
     for (i, p) in prompts().iter().enumerate() {
         let got = staged_forward(m, &p.input_ids, Precision::F32, Logits::All);
-        let max_diff = got.iter().zip(&p.logits).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max);
+        let max_diff = max_abs_diff(&got, &p.logits);
         println!("prompt {i}: staged f32 max |Δlogit| = {max_diff:.3e}");
-        assert!(max_diff <= 2e-3, "prompt {i}: staged f32 max |Δlogit| {max_diff}");
+        assert!(max_diff <= F32_MAX_ABS_DIFF, "prompt {i}: staged f32 max |Δlogit| {max_diff}");
         let got = staged_forward(m, &p.input_ids, Precision::Bf16, Logits::All);
         check_bf16(&format!("prompt {i} staged"), p, &got, m.cfg.vocab_size);
     }
