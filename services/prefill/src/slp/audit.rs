@@ -66,11 +66,12 @@ mod tests {
         a.step(0, Some(Phase::Used), Phase::Freed);
         a.expect_freed(0, 1);
         assert!(a.violations().is_empty());
-        // Used before its load completed, then freed while in use.
+        // Used before its load completed, its slot reloaded while in use,
+        // then freed while in use.
         a.step(1, None, Phase::Loading);
         a.step(1, Some(Phase::Loaded), Phase::InUse);
-        a.step(1, Some(Phase::Used), Phase::Freed);
         a.expect_freed(1, 0);
+        a.step(1, Some(Phase::Used), Phase::Freed);
         assert_eq!(a.violations().len(), 3, "{:?}", a.violations());
     }
 }
