@@ -40,8 +40,10 @@ async fn wait_metric(server: &Server, url: &str, name: &str, labels: &str, pred:
 
 /// Acceptance 1, 2 and the metrics: the same greedy prompt through the
 /// decode worker (chunked prefill), through the prefill worker (then KV
-/// handoff) and through `duplex generate` gives the same tokens; gRPC and
-/// SSE streams deliver every token; every process exports its metrics.
+/// handoff), through the prefill worker's stream-loading prefill on an
+/// emulated accelerator, and through `duplex generate` gives the same
+/// tokens; gRPC and SSE streams deliver every token; every process exports
+/// its metrics.
 #[test]
 fn decode_path_prefill_path_and_cli_agree() {
     let _serial = serial();
@@ -51,8 +53,9 @@ fn decode_path_prefill_path_and_cli_agree() {
 
     let decode_path = Server::start(Options { prefill_threshold_tokens: 1024, ..Options::default() });
     let prefill_path = Server::start(Options { prefill_threshold_tokens: 64, ..Options::default() });
+    let slp_path = Server::start(Options { prefill_threshold_tokens: 64, slp_threshold_tokens: Some(256), ..Options::default() });
     runtime().block_on(async {
-        for (server, path) in [(&decode_path, "decode"), (&prefill_path, "prefill")] {
+        for (server, path) in [(&decode_path, "decode"), (&prefill_path, "prefill"), (&slp_path, "prefill")] {
             let mut client = server.grpc_client().await;
             let (ids, text, finished) = within(60, "generate", collect(&mut client, greedy_request(&prompt, 24))).await.unwrap();
             assert_eq!(ids, expected, "{path} path");
@@ -87,6 +90,25 @@ fn decode_path_prefill_path_and_cli_agree() {
         let prefill = prefill_path.prefill_metrics_url();
         assert!(prefill_path.metric(&prefill, "duplex_prefill_tokens_total", "worker=\"prefill\"").await.is_some_and(|v| v >= 600.0));
         assert!(prefill_path.metric(&prefill, "duplex_prefill_tokens_per_second_count", "").await.is_some_and(|v| v >= 2.0));
+        assert_eq!(prefill_path.metric(&prefill, "duplex_prefill_slp_streamed_bytes_total", "").await, None, "no accelerator, no SLP");
+
+        // Acceptance 5 of SLP: the prompt (300 tokens, above the 256-token SLP
+        // threshold) went through stream-loading prefill, which reports the
+        // ring length it used (the tiny model's 16 experts a layer), the
+        // weight bytes it streamed (the whole model, twice: gRPC and SSE) and
+        // the compute stream's stall time.
+        let slp = slp_path.prefill_metrics_url();
+        let ring = slp_path.metric(&slp, "duplex_prefill_slp_ring_slots", "").await;
+        let streamed = slp_path.metric(&slp, "duplex_prefill_slp_streamed_bytes_total", "").await.unwrap_or(0.0);
+        let stalls = slp_path.metric(&slp, "duplex_prefill_slp_stall_seconds_count", "").await;
+        let stall = slp_path.metric(&slp, "duplex_prefill_slp_stall_seconds_sum", "").await.unwrap_or(-1.0);
+        let overlap = slp_path.metric(&slp, "duplex_prefill_slp_overlap_efficiency", "").await.unwrap_or(0.0);
+        println!("SLP: ring {ring:?} slots, {streamed} bytes streamed, {stalls:?} prefills stalled {stall:.4} s in all, overlap efficiency {overlap:.2}");
+        assert_eq!(ring, Some(16.0));
+        assert!(streamed >= 2.0 * 8e6, "{streamed} bytes streamed");
+        assert_eq!(stalls, Some(2.0));
+        assert!(stall >= 0.0 && overlap > 0.0);
+        assert!(slp_path.log().contains("stream-loading prefill on emulated accelerator"), "{}", slp_path.log());
     });
 }
 

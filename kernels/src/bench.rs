@@ -89,6 +89,7 @@ pub fn gemv_bandwidth(pool: &ThreadPool, isa: Isa, buf: &[u8], rows: usize, cols
 /// Bytes/s of a whole batch-1 MoE layer: `active` routed experts plus
 /// `shared` shared experts of `hidden → inter → hidden`, through
 /// [`moe_forward`], cycling through distinct layers' weights in `buf`.
+#[allow(clippy::too_many_arguments)]
 pub fn moe_layer_bandwidth(pool: &ThreadPool, isa: Isa, buf: &[u8], hidden: usize, inter: usize, active: usize, shared: usize, passes: usize) -> f64 {
     let mat = hidden * inter;
     let experts_per_layer = active + shared;

@@ -37,11 +37,15 @@ pub struct Options {
     pub max_pending_requests: usize,
     /// Both workers' numeric path.
     pub dtype: &'static str,
+    /// Give the prefill worker an emulated accelerator and run prompts of
+    /// this many tokens or more with stream-loading prefill; `None` keeps
+    /// every prompt on the CPU engine.
+    pub slp_threshold_tokens: Option<usize>,
 }
 
 impl Default for Options {
     fn default() -> Self {
-        Options { prefill_threshold_tokens: 2048, max_pending_requests: 64, dtype: "bf16" }
+        Options { prefill_threshold_tokens: 2048, max_pending_requests: 64, dtype: "bf16", slp_threshold_tokens: None }
     }
 }
 
@@ -72,6 +76,11 @@ impl Server {
             options.max_pending_requests,
             dtype = options.dtype
         );
+        let slp = match options.slp_threshold_tokens {
+            Some(n) => format!("device = \"emulated\"\nslp_threshold_tokens = {n}\ndevice_memory_mib = 64\ndense_budget_mib = 4\n"),
+            None => "device = \"cpu\"\n".into(),
+        };
+        let config = config + &slp;
         let config_path = dir.path().join("duplex.toml");
         std::fs::write(&config_path, config).unwrap();
         let mut child = Command::new(duplex_bin())

@@ -16,6 +16,7 @@ use duplex_kernels::pool::PoolConfig;
 use indicatif::{ProgressBar, ProgressStyle};
 
 mod bench;
+mod bench_slp;
 mod loadgen;
 mod serve;
 use std::io::Write;
@@ -42,6 +43,8 @@ enum Command {
     BenchKernels(BenchKernelsArgs),
     /// Benchmark the engine's decode and prefill of a model against its roofline (in process, no server).
     BenchEngine(BenchArgs),
+    /// Stream-loading prefill on an emulated accelerator: transfer, compute and their overlap, per layer.
+    BenchSlp(bench_slp::BenchSlpArgs),
     /// Load a running server over gRPC: the paper's concurrency scenarios, or open-loop Poisson arrivals.
     Bench(loadgen::LoadArgs),
     /// Serve a model: start the router and both workers, restart them if they die.
@@ -269,6 +272,7 @@ fn run(cli: Cli) -> Result<()> {
         Command::Synth(args) => synth(args),
         Command::BenchKernels(args) => bench::kernels(args),
         Command::BenchEngine(args) => bench::end_to_end(args),
+        Command::BenchSlp(args) => bench_slp::run_bench(args),
         Command::Bench(args) => loadgen::run(args),
     }
 }

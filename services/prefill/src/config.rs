@@ -28,11 +28,53 @@ pub struct PrefillConfig {
     pub threads: usize,
     /// NUMA nodes the thread pool is split into.
     pub numa_nodes: usize,
+    /// The accelerator for stream-loading prefill: `cuda`, `emulated` (a
+    /// CPU-backed stand-in, for tests and demos), `cpu` (none: every prompt
+    /// on the CPU engine), or `auto` (`cuda` when built in and a GPU is
+    /// present, else `cpu`).
+    pub device: String,
+    /// Prompts of at least this many tokens use stream-loading prefill;
+    /// shorter ones the CPU engine, which has the lower TTFT there.
+    pub slp_threshold_tokens: usize,
+    /// Device memory to use, in MiB; 0: 90% of what is free (cuda) or 4096 (emulated).
+    pub device_memory_mib: usize,
+    /// Which CUDA device.
+    pub cuda_device: usize,
+    /// Host→device copy bandwidth of the emulated device, in GB/s (25 ≈
+    /// PCIe 4.0 x16); 0: unlimited.
+    pub emulated_h2d_gb_per_s: f64,
+    /// Experts ring-buffer slots; 0: adaptive (one layer's experts below the
+    /// turning point, 2 from it on).
+    pub ring_slots: usize,
+    /// Prompt length from which the ring shrinks to 2 slots (ping-pong).
+    pub ring_turning_point_tokens: usize,
+    /// Device memory for non-expert weights (attention, dense MLPs, router
+    /// and shared experts, embedding and LM-head chunks), in MiB.
+    pub dense_budget_mib: usize,
+}
+
+/// Where stream-loading prefill runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DeviceKind {
+    Auto,
+    Cuda,
+    Emulated,
+    Cpu,
 }
 
 impl PrefillConfig {
     pub fn precision(&self) -> anyhow::Result<duplex_model::Precision> {
         self.dtype.parse().map_err(|e: String| anyhow::anyhow!("dtype: {e}"))
+    }
+
+    pub fn device_kind(&self) -> anyhow::Result<DeviceKind> {
+        match self.device.as_str() {
+            "auto" => Ok(DeviceKind::Auto),
+            "cuda" => Ok(DeviceKind::Cuda),
+            "emulated" => Ok(DeviceKind::Emulated),
+            "cpu" => Ok(DeviceKind::Cpu),
+            other => anyhow::bail!("device: unknown device {other:?}; expected auto, cuda, emulated or cpu"),
+        }
     }
 }
 
@@ -49,6 +91,14 @@ impl Default for PrefillConfig {
             dtype: "bf16".into(),
             threads: 0,
             numa_nodes: 1,
+            device: "auto".into(),
+            slp_threshold_tokens: 4096,
+            device_memory_mib: 0,
+            cuda_device: 0,
+            emulated_h2d_gb_per_s: 25.0,
+            ring_slots: 0,
+            ring_turning_point_tokens: 50_000,
+            dense_budget_mib: 1024,
         }
     }
 }
@@ -90,6 +140,30 @@ pub struct PrefillArgs {
     /// NUMA nodes to split the threads into [default: 1].
     #[arg(long)]
     pub numa_nodes: Option<usize>,
+    /// Accelerator for stream-loading prefill: auto, cuda, emulated or cpu [default: auto].
+    #[arg(long)]
+    pub device: Option<String>,
+    /// Prompt tokens from which stream-loading prefill is used [default: 4096].
+    #[arg(long)]
+    pub slp_threshold_tokens: Option<usize>,
+    /// Device memory in MiB; 0 for 90% of free (cuda) or 4096 (emulated) [default: 0].
+    #[arg(long)]
+    pub device_memory_mib: Option<usize>,
+    /// CUDA device ordinal [default: 0].
+    #[arg(long)]
+    pub cuda_device: Option<usize>,
+    /// Emulated device's host→device bandwidth in GB/s, 0 for unlimited [default: 25].
+    #[arg(long)]
+    pub emulated_h2d_gb_per_s: Option<f64>,
+    /// Experts ring-buffer slots, 0 for adaptive [default: 0].
+    #[arg(long)]
+    pub ring_slots: Option<usize>,
+    /// Prompt tokens from which the ring shrinks to 2 slots [default: 50000].
+    #[arg(long)]
+    pub ring_turning_point_tokens: Option<usize>,
+    /// Device MiB for non-expert weights [default: 1024].
+    #[arg(long)]
+    pub dense_budget_mib: Option<usize>,
 }
 
 impl PrefillArgs {
@@ -102,10 +176,21 @@ impl PrefillArgs {
             ($($field:ident),*) => { $(if let Some(v) = self.$field { c.$field = v; })* };
         }
         take!(model, host, port, metrics_port, shm_dir, instance, chunk_tokens, dtype, threads, numa_nodes);
+        take!(device, slp_threshold_tokens, device_memory_mib, cuda_device, emulated_h2d_gb_per_s, ring_slots, ring_turning_point_tokens, dense_budget_mib);
         if c.chunk_tokens == 0 {
             anyhow::bail!("chunk_tokens must be at least 1");
         }
         c.precision()?;
+        c.device_kind()?;
+        if c.ring_slots == 1 {
+            anyhow::bail!("ring_slots must be 0 (adaptive) or at least 2");
+        }
+        if !(c.emulated_h2d_gb_per_s.is_finite() && c.emulated_h2d_gb_per_s >= 0.0) {
+            anyhow::bail!("emulated_h2d_gb_per_s must be a non-negative number, got {}", c.emulated_h2d_gb_per_s);
+        }
+        if c.dense_budget_mib == 0 || c.slp_threshold_tokens == 0 {
+            anyhow::bail!("dense_budget_mib and slp_threshold_tokens must be at least 1");
+        }
         Ok(c)
     }
 }

@@ -1,13 +1,19 @@
 //! The prefill engine: one thread owns the model and runs prompts one at a
 //! time, first come first served, into KV blocks lent by the decode worker.
+//! Prompts at or above the SLP threshold run on the accelerator with
+//! stream-loading prefill ([`crate::slp`]); shorter ones, or all of them
+//! when there is no accelerator, on the CPU engine in chunks.
 //!
-//! Between chunks of a prompt it takes the commands that have arrived
-//! (cancellation, new jobs to queue), and it drops a job whose caller has
-//! gone. A cancel of the running job is answered only once the engine has
-//! stopped writing into the job's blocks, so the caller may then free them.
+//! Between chunks (or SLP modules) of a prompt it takes the commands that
+//! have arrived (cancellation, new jobs to queue), and it drops a job whose
+//! caller has gone. A cancel of the running job is answered only once the
+//! engine has stopped writing into the job's blocks, so the caller may then
+//! free them.
 
 use duplex_ipc::KvSegment;
 use duplex_model::sampling::{Sampler, SamplingParams};
+use crate::slp::{SlpEngine, SlpError, SlpReport};
+use duplex_model::staged::StagedError;
 use duplex_model::{KvPool, Logits, Model, Precision};
 use duplex_proto::stats::StatsCell;
 use duplex_proto::worker::{KvLease, PrefillResponse, SampledToken as WireToken};
@@ -72,34 +78,67 @@ impl KvSource {
 
 }
 
+/// Stream-loading prefill and the prompt length from which it is used.
+pub struct Slp {
+    pub engine: SlpEngine,
+    pub threshold_tokens: usize,
+}
+
 pub struct Engine {
     model: Model,
     kv: KvSource,
     chunk_tokens: usize,
     precision: Precision,
+    slp: Option<Slp>,
+    inbox: Inbox,
+}
+
+/// The queue of jobs, the running one, and what `Stats` reads of them.
+struct Inbox {
     stats: Arc<StatsCell>,
     queue: VecDeque<Job>,
     current: Option<Current>,
 }
 
 impl Engine {
-    pub fn new(model: Model, kv: KvSource, chunk_tokens: usize, precision: Precision, stats: Arc<StatsCell>) -> Self {
-        Engine { model, kv, chunk_tokens: chunk_tokens.max(1), precision, stats, queue: VecDeque::new(), current: None }
+    pub fn new(model: Model, kv: KvSource, chunk_tokens: usize, precision: Precision, slp: Option<Slp>, stats: Arc<StatsCell>) -> Self {
+        let inbox = Inbox { stats, queue: VecDeque::new(), current: None };
+        Engine { model, kv, chunk_tokens: chunk_tokens.max(1), precision, slp, inbox }
     }
 
     pub fn run(mut self, commands: Receiver<Command>) {
         loop {
-            if self.queue.is_empty() {
+            if self.inbox.queue.is_empty() {
                 match commands.recv() {
-                    Ok(c) => self.handle(c),
+                    Ok(c) => self.inbox.handle(c),
                     Err(_) => return,
                 }
             }
-            self.drain(&commands);
-            if let Some(job) = self.queue.pop_front() {
+            self.inbox.drain(&commands);
+            if let Some(job) = self.inbox.queue.pop_front() {
                 self.run_job(job, &commands);
             }
         }
+    }
+
+    fn run_job(&mut self, job: Job, commands: &Receiver<Command>) {
+        if job.reply.is_closed() {
+            return; // the caller gave up while the job queued
+        }
+        self.inbox.current = Some(Current { request_id: job.request_id.clone(), cancelled: false, waiters: vec![] });
+        let result = self.prefill(&job, commands);
+        for waiter in self.inbox.current.take().map(|c| c.waiters).unwrap_or_default() {
+            let _ = waiter.send(true);
+        }
+        let _ = job.reply.send(result);
+    }
+}
+
+impl Inbox {
+    /// Whether the running job should stop: cancelled, or its caller gone.
+    fn stop(&mut self, job: &Job, commands: &Receiver<Command>) -> bool {
+        self.drain(commands);
+        job.reply.is_closed() || self.current.as_ref().is_some_and(|c| c.cancelled)
     }
 
     fn drain(&mut self, commands: &Receiver<Command>) {
@@ -127,39 +166,44 @@ impl Engine {
         }
     }
 
-    fn run_job(&mut self, job: Job, commands: &Receiver<Command>) {
-        if job.reply.is_closed() {
-            return; // the caller gave up while the job queued
-        }
-        self.current = Some(Current { request_id: job.request_id.clone(), cancelled: false, waiters: vec![] });
-        let result = self.prefill(&job, commands);
-        for waiter in self.current.take().map(|c| c.waiters).unwrap_or_default() {
-            let _ = waiter.send(true);
-        }
-        let _ = job.reply.send(result);
-    }
+}
 
+impl Engine {
     fn prefill(&mut self, job: &Job, commands: &Receiver<Command>) -> Result<PrefillResponse, Status> {
         let started = Instant::now();
         let mut sampler = Sampler::new(job.sampling.clone(), &job.prompt).map_err(|e| Status::invalid_argument(e.to_string()))?;
         let mut table = job.lease.table();
-        {
-            let pool = self.kv.pool(job.lease.pool_epoch)?;
-            self.stats.pool_epoch.store(job.lease.pool_epoch, std::sync::atomic::Ordering::Relaxed);
-            pool.check_table(&table).map_err(|e| Status::invalid_argument(e.to_string()))?;
-            if pool.capacity(&table) < job.prompt.len() {
-                return Err(Status::invalid_argument(format!("the KV lease holds {} positions, fewer than the prompt's {}", pool.capacity(&table), job.prompt.len())));
-            }
+        let stats = &self.inbox.stats;
+        let pool = self.kv.pool(job.lease.pool_epoch)?;
+        stats.pool_epoch.store(job.lease.pool_epoch, std::sync::atomic::Ordering::Relaxed);
+        pool.check_table(&table).map_err(|e| Status::invalid_argument(e.to_string()))?;
+        if pool.capacity(&table) < job.prompt.len() {
+            return Err(Status::invalid_argument(format!("the KV lease holds {} positions, fewer than the prompt's {}", pool.capacity(&table), job.prompt.len())));
         }
-        let mut logits = vec![];
-        for chunk in job.prompt.chunks(self.chunk_tokens) {
-            self.drain(commands);
-            if job.reply.is_closed() || self.current.as_ref().is_some_and(|c| c.cancelled) {
-                return Err(Status::cancelled("prefill cancelled"));
+        let inbox = &mut self.inbox;
+        let logits = match self.slp.as_ref().filter(|s| job.prompt.len() >= s.threshold_tokens) {
+            Some(slp) => {
+                let mut stop = || inbox.stop(job, commands);
+                let (logits, report) = slp.engine.run(&self.model, pool, &mut table, &job.prompt, self.precision, Logits::Last, &mut stop).map_err(|e| match e {
+                    SlpError::Cancelled => Status::cancelled("prefill cancelled"),
+                    SlpError::Staged(StagedError::Forward(e)) => Status::invalid_argument(e.to_string()),
+                    e => Status::internal(format!("stream-loading prefill failed: {e}")),
+                })?;
+                record_slp(&report);
+                logits
             }
-            let pool = self.kv.pool(job.lease.pool_epoch)?;
-            logits = self.model.forward(pool, &mut table, chunk, self.precision, Logits::Last).map_err(|e| Status::invalid_argument(e.to_string()))?;
-        }
+            None => {
+                let mut logits = vec![];
+                for chunk in job.prompt.chunks(self.chunk_tokens) {
+                    if inbox.stop(job, commands) {
+                        return Err(Status::cancelled("prefill cancelled"));
+                    }
+                    let pool = self.kv.pool(job.lease.pool_epoch)?;
+                    logits = self.model.forward(pool, &mut table, chunk, self.precision, Logits::Last).map_err(|e| Status::invalid_argument(e.to_string()))?;
+                }
+                logits
+            }
+        };
         let token = sampler.sample(&logits);
         let seconds = started.elapsed().as_secs_f64();
         let n = job.prompt.len() as f64;
@@ -172,4 +216,19 @@ impl Engine {
             prefill_seconds: seconds,
         })
     }
+}
+
+/// Export what one stream-loading prefill did.
+fn record_slp(report: &SlpReport) {
+    metrics::gauge!(names::PREFILL_SLP_RING_SLOTS).set(report.ring_slots as f64);
+    metrics::counter!(names::PREFILL_SLP_STREAMED_BYTES).increment(report.bytes_streamed);
+    metrics::histogram!(names::PREFILL_SLP_STALL).record(report.stall.as_secs_f64());
+    metrics::gauge!(names::PREFILL_SLP_OVERLAP).set(report.overlap_efficiency());
+    tracing::info!(
+        "stream-loading prefill: ring {} slots, {} bytes streamed, compute stalled {:.3} s, overlap efficiency {:.2}",
+        report.ring_slots,
+        report.bytes_streamed,
+        report.stall.as_secs_f64(),
+        report.overlap_efficiency()
+    );
 }

@@ -3,8 +3,8 @@
 //! It maps the shared weights and the shared KV pool, and runs long prompts
 //! first come first served, writing their KV into blocks the decode worker
 //! leased for them; it returns only the first token. The router talks to it
-//! over the `PrefillWorker` gRPC service. (Stream-loading prefill on an
-//! accelerator will live here too; for now it computes on the CPU engine.)
+//! over the `PrefillWorker` gRPC service. Long prompts run on an accelerator
+//! with stream-loading prefill ([`slp`]), the rest on the CPU engine.
 
 pub mod config;
 pub mod engine;
@@ -12,6 +12,11 @@ pub mod server;
 pub mod slp;
 
 pub use config::PrefillConfig;
+use config::DeviceKind;
+use duplex_kernels::device::emulated::{EmulatedConfig, EmulatedDevice};
+use duplex_kernels::device::Device;
+use engine::Slp;
+use slp::{SlpConfig, SlpEngine};
 use duplex_kernels::pool::PoolConfig;
 use duplex_proto::worker::prefill_worker_server::PrefillWorkerServer;
 use engine::{Engine, KvSource};
@@ -48,5 +53,54 @@ fn start_engine(cfg: &PrefillConfig) -> anyhow::Result<(Engine, Arc<StatsCell>)>
     metrics::gauge!(duplex_telemetry::WEIGHT_SEGMENT_BYTES).set(store.size_bytes() as f64);
     let kv = KvSource::new(cfg.shm_dir.clone(), duplex_ipc::kv_segment_name(&cfg.instance));
     let stats = Arc::new(StatsCell::new(model.cfg.max_position_embeddings, store.fingerprint().to_string()));
-    Ok((Engine::new(model, kv, cfg.chunk_tokens, cfg.precision()?, stats.clone()), stats))
+    let slp = match open_device(cfg)? {
+        Some(device) => {
+            let ring_slots = (cfg.ring_slots != 0).then_some(cfg.ring_slots);
+            let config = SlpConfig { ring_slots, turning_point_tokens: cfg.ring_turning_point_tokens, dense_budget_bytes: cfg.dense_budget_mib << 20, jitter: None };
+            let engine = SlpEngine::new(&model, device, config)?;
+            tracing::info!("stream-loading prefill on {} for prompts of {} tokens or more", engine.describe(), cfg.slp_threshold_tokens);
+            Some(Slp { engine, threshold_tokens: cfg.slp_threshold_tokens })
+        }
+        None => {
+            tracing::info!("no accelerator: every prompt runs on the CPU engine");
+            None
+        }
+    };
+    Ok((Engine::new(model, kv, cfg.chunk_tokens, cfg.precision()?, slp, stats.clone()), stats))
+}
+
+/// The accelerator `cfg` asks for, or none for the CPU engine alone.
+fn open_device(cfg: &PrefillConfig) -> anyhow::Result<Option<Arc<dyn Device>>> {
+    let memory = |default_mib: usize| (if cfg.device_memory_mib == 0 { default_mib } else { cfg.device_memory_mib }) << 20;
+    Ok(match cfg.device_kind()? {
+        DeviceKind::Cpu => None,
+        DeviceKind::Emulated => {
+            let rate = (cfg.emulated_h2d_gb_per_s > 0.0).then_some(cfg.emulated_h2d_gb_per_s * 1e9);
+            let config = EmulatedConfig { memory_bytes: memory(4096), h2d_bytes_per_second: rate, compute_threads: cfg.threads, jitter: None };
+            Some(EmulatedDevice::new(config)?)
+        }
+        DeviceKind::Cuda => Some(open_cuda(cfg)?),
+        DeviceKind::Auto => match open_cuda(cfg) {
+            Ok(device) => Some(device),
+            Err(e) => {
+                tracing::info!("device auto: no CUDA device ({e})");
+                None
+            }
+        },
+    })
+}
+
+#[cfg(feature = "cuda")]
+fn open_cuda(cfg: &PrefillConfig) -> anyhow::Result<Arc<dyn Device>> {
+    use duplex_kernels::device::cuda::CudaDevice;
+    let bytes = match cfg.device_memory_mib {
+        0 => CudaDevice::free_memory(cfg.cuda_device)? / 10 * 9,
+        mib => mib << 20,
+    };
+    Ok(CudaDevice::open(cfg.cuda_device, bytes)?)
+}
+
+#[cfg(not(feature = "cuda"))]
+fn open_cuda(_: &PrefillConfig) -> anyhow::Result<Arc<dyn Device>> {
+    anyhow::bail!("this build has no CUDA support (build with `--features duplex-prefill/cuda`)")
 }

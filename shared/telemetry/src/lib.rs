@@ -96,6 +96,14 @@ metrics_table! {
         "Compute time of each prefill; label worker = prefill | decode.";
     PREFILL_QUEUE = "duplex_prefill_queue_length", Gauge, Prefill, NONE,
         "Prompts waiting in the prefill worker's first-come first-served queue.";
+    PREFILL_SLP_RING_SLOTS = "duplex_prefill_slp_ring_slots", Gauge, Prefill, NONE,
+        "Experts ring-buffer slots of the last stream-loading prefill (one layer's experts, or 2 beyond the turning point).";
+    PREFILL_SLP_STREAMED_BYTES = "duplex_prefill_slp_streamed_bytes_total", Counter, Prefill, NONE,
+        "Weight bytes stream-loading prefill copied from the shared host segment to the device.";
+    PREFILL_SLP_STALL = "duplex_prefill_slp_stall_seconds", Histogram, Prefill, LATENCY,
+        "Time the device's compute stream sat idle waiting for weights, per stream-loading prefill.";
+    PREFILL_SLP_OVERLAP = "duplex_prefill_slp_overlap_efficiency", Gauge, Prefill, NONE,
+        "max(Σ transfer, Σ compute) ÷ Σ measured time over the layers of the last stream-loading prefill (1 = the shorter fully hidden).";
     WEIGHT_SEGMENT_BYTES = "duplex_weight_segment_bytes", Gauge, Prefill, NONE,
         "Size of the shared weight segment this worker maps.";
 }

@@ -68,6 +68,8 @@ pub enum SlpError {
 /// stream from the end of the previous layer to the end of this one.
 #[derive(Clone, Copy, Debug, Default)]
 pub struct LayerTiming {
+    /// Weight bytes the layer's modules streamed.
+    pub bytes: u64,
     pub transfer: Duration,
     pub compute: Duration,
     pub measured: Duration,
@@ -88,6 +90,17 @@ pub struct SlpReport {
     /// Time the compute stream sat idle between modules, waiting for weights.
     pub stall: Duration,
     pub layers: Vec<LayerTiming>,
+}
+
+impl SlpReport {
+    /// max(Σ transfer, Σ compute) ÷ Σ measured over the layers: how close
+    /// the pass came to taking only as long as the longer of the two. (Per
+    /// layer the ratio can exceed 1: with a full ring, part of a layer's
+    /// transfer happens during the previous layer.)
+    pub fn overlap_efficiency(&self) -> f64 {
+        let sum = |f: fn(&LayerTiming) -> Duration| self.layers.iter().map(f).sum::<Duration>().as_secs_f64();
+        sum(|l| l.transfer).max(sum(|l| l.compute)) / sum(|l| l.measured).max(1e-12)
+    }
 }
 
 /// Where a loaded module's weights are.
@@ -381,6 +394,7 @@ impl SlpEngine {
                 current_layer = layer;
             }
             report.bytes_streamed += m.bytes() as u64;
+            current.bytes += m.bytes() as u64;
             current.transfer += dev.elapsed(&loaded.copy_start, &loaded.ready)?;
             current.compute += dev.elapsed(&ran.start, &ran.done)?;
             report.stall += dev.elapsed(&previous_done, &ran.start)?;

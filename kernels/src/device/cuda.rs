@@ -1,0 +1,849 @@
+//! The CUDA backend of the device layer: cudarc over the driver API, loaded
+//! at run time (no CUDA toolkit is needed to build), and the kernels in
+//! `kernels/cuda/` compiled by NVRTC when the device opens.
+//!
+//! - Memory: one `cuMemAlloc` of the whole capacity at open, handed out by an
+//!   [`Arena`]; a [`DevicePtr`]'s `addr` is the absolute `CUdeviceptr`.
+//! - Streams: non-blocking CUDA streams, indexed by [`StreamId`].
+//! - Uploads: `cuMemcpyHtoDAsync`; the source [`HostBytes`] is kept, with an
+//!   event recorded after the copy, until that event shows it done.
+//! - Events: CUDA events with timing, so [`Device::elapsed`] works on any.
+//! - Ops: one NVRTC kernel each, written for clarity first and following the
+//!   CPU references operation for operation (see `kernels/cuda/common.cu`).
+//!
+//! Opening never panics for want of a driver, a GPU or NVRTC: it reports
+//! [`DeviceError::Unavailable`], and any other failure [`DeviceError::Backend`].
+
+use super::arena::Arena;
+use super::{Device, DeviceError, DevicePtr, DeviceWeight, Event, HostBytes, Matrix, Op, StreamId, StreamKind};
+use crate::router::ScoringFunc;
+use crate::{Precision, WeightFormat};
+use cudarc::driver::{result as cu, sys, CudaContext, CudaEvent, CudaFunction, CudaStream, DriverError};
+use cudarc::nvrtc::{self, Ptx};
+use std::collections::{HashMap, VecDeque};
+use std::ffi::{c_char, c_void, CString};
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+/// The kernel sources, `common.cu` first: one NVRTC program.
+const SOURCE: &str = concat!(
+    include_str!("../../cuda/common.cu"),
+    include_str!("../../cuda/gemm.cu"),
+    include_str!("../../cuda/elementwise.cu"),
+    include_str!("../../cuda/route.cu"),
+    include_str!("../../cuda/mla.cu"),
+);
+
+/// Blocks per launch at most; every kernel loops over what is left (grid
+/// stride), so this only bounds the grid, never the work.
+const MAX_BLOCKS: usize = 65_535;
+/// Threads per block of the elementwise and row kernels.
+const THREADS: usize = 256;
+/// Dynamic shared memory a kernel may use without opting in to more.
+const MAX_SHARED_BYTES: usize = 48 * 1024;
+/// Rows of `x` one GEMM warp handles (`GEMM_TILE` in gemm.cu).
+const GEMM_TILE: usize = 8;
+/// The most threads a block may have; the attention kernels need one per
+/// output column.
+const MAX_BLOCK_THREADS: usize = 1024;
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+fn backend(what: &'static str) -> impl FnOnce(DriverError) -> DeviceError {
+    move |e| DeviceError::Backend(format!("{what}: {e}"))
+}
+
+/// The compiled kernels, one per op (GEMM one per weight format).
+struct Kernels {
+    gemm_f32: CudaFunction,
+    gemm_bf16: CudaFunction,
+    gemm_f16: CudaFunction,
+    gemm_fp8: CudaFunction,
+    rms_norm: CudaFunction,
+    rope: CudaFunction,
+    silu_mul: CudaFunction,
+    add_rows: CudaFunction,
+    round_rows: CudaFunction,
+    zero_rows: CudaFunction,
+    route: CudaFunction,
+    gather_rows: CudaFunction,
+    scatter_add_rows: CudaFunction,
+    embedding: CudaFunction,
+    mla_prefill: CudaFunction,
+    mla_decode: CudaFunction,
+}
+
+impl Kernels {
+    /// Compile [`SOURCE`] for the device and load it.
+    fn compile(ctx: &Arc<CudaContext>) -> Result<Self, DeviceError> {
+        let (major, minor) = ctx.compute_capability().map_err(backend("reading the compute capability"))?;
+        let (image, target) = compile_source(major * 10 + minor)?;
+        let module = ctx.load_module(image).map_err(|e| DeviceError::Backend(format!("the driver cannot load the kernels built for {target} (is NVRTC newer than the driver?): {e}")))?;
+        let f = |name: &str| module.load_function(name).map_err(|e| DeviceError::Backend(format!("kernel {name} missing from the module: {e}")));
+        Ok(Kernels {
+            gemm_f32: f("gemm_f32")?,
+            gemm_bf16: f("gemm_bf16")?,
+            gemm_f16: f("gemm_f16")?,
+            gemm_fp8: f("gemm_fp8")?,
+            rms_norm: f("rms_norm")?,
+            rope: f("rope")?,
+            silu_mul: f("silu_mul")?,
+            add_rows: f("add_rows")?,
+            round_rows: f("round_rows")?,
+            zero_rows: f("zero_rows")?,
+            route: f("route")?,
+            gather_rows: f("gather_rows")?,
+            scatter_add_rows: f("scatter_add_rows")?,
+            embedding: f("embedding")?,
+            mla_prefill: f("mla_prefill")?,
+            mla_decode: f("mla_decode")?,
+        })
+    }
+}
+
+/// An NVRTC program, destroyed on drop.
+struct Program(nvrtc::sys::nvrtcProgram);
+
+impl Drop for Program {
+    fn drop(&mut self) {
+        // SAFETY: created by `create_program` and destroyed only here.
+        let _ = unsafe { nvrtc::result::destroy_program(self.0) };
+    }
+}
+
+/// Compile [`SOURCE`] for a device of compute capability `device` (major·10 +
+/// minor), returning the image and what it targets. Where this NVRTC knows
+/// the device's architecture the result is a CUBIN, which an older driver
+/// of the same major version loads as well; otherwise it is PTX for the
+/// newest architecture NVRTC knows below the device's, for the driver to
+/// finish (PTX for an older architecture runs on newer devices).
+fn compile_source(device: i32) -> Result<(Ptx, String), DeviceError> {
+    let known = nvrtc_archs();
+    let (target, cubin) = if known.is_empty() || known.contains(&device) {
+        (format!("sm_{device}"), true)
+    } else {
+        (format!("compute_{}", known.iter().copied().filter(|&a| a <= device).max().unwrap_or(device)), false)
+    };
+    let source = CString::new(SOURCE).map_err(|_| DeviceError::Backend("the kernel source contains a NUL byte".into()))?;
+    let program = Program(nvrtc::result::create_program(&source, Some(c"duplex_kernels.cu")).map_err(|e| DeviceError::Backend(format!("NVRTC cannot create a program: {e}")))?);
+    let options = [
+        // Separate roundings for products and sums, as the CPU references
+        // have them (see common.cu), and IEEE division and square root.
+        "--fmad=false".to_string(),
+        "--ftz=false".into(),
+        "--prec-div=true".into(),
+        "--prec-sqrt=true".into(),
+        format!("--gpu-architecture={target}"),
+    ];
+    // SAFETY: `program` is a live program.
+    if let Err(e) = unsafe { nvrtc::result::compile_program(program.0, &options) } {
+        // SAFETY: as above.
+        let log = unsafe { nvrtc::result::get_program_log(program.0) }.map(|log| c_chars_to_string(&log)).unwrap_or_default();
+        return Err(DeviceError::Backend(format!("NVRTC cannot compile the kernels for {target} ({e}):\n{log}")));
+    }
+    let image = if cubin {
+        let mut size = 0usize;
+        // SAFETY: `program` is compiled; NVRTC writes one size.
+        let sized = unsafe { nvrtc::sys::nvrtcGetCUBINSize(program.0, &mut size) }.result();
+        let mut bytes = vec![0u8; size];
+        // SAFETY: `bytes` has the room NVRTC asked for.
+        let got = sized.and_then(|_| unsafe { nvrtc::sys::nvrtcGetCUBIN(program.0, bytes.as_mut_ptr() as *mut c_char) }.result());
+        got.map_err(|e| DeviceError::Backend(format!("NVRTC gives no CUBIN for {target}: {e}")))?;
+        Ptx::from_binary(bytes)
+    } else {
+        // SAFETY: `program` is compiled.
+        let ptx = unsafe { nvrtc::result::get_ptx(program.0) }.map_err(|e| DeviceError::Backend(format!("NVRTC gives no PTX for {target}: {e}")))?;
+        Ptx::from_src(c_chars_to_string(&ptx))
+    };
+    Ok((image, target))
+}
+
+/// A NUL-terminated C string from NVRTC, as text.
+fn c_chars_to_string(chars: &[c_char]) -> String {
+    let bytes: Vec<u8> = chars.iter().map(|&c| c as u8).take_while(|&b| b != 0).collect();
+    String::from_utf8_lossy(&bytes).into_owned()
+}
+
+/// The real architectures this NVRTC compiles for (e.g. 90 for sm_90);
+/// empty if it cannot say.
+fn nvrtc_archs() -> Vec<i32> {
+    let mut count = 0i32;
+    // SAFETY: NVRTC writes one int through the pointer.
+    if unsafe { nvrtc::sys::nvrtcGetNumSupportedArchs(&mut count) }.result().is_err() || count <= 0 {
+        return vec![];
+    }
+    let mut archs = vec![0i32; count as usize];
+    // SAFETY: `archs` has room for the `count` ints NVRTC writes.
+    if unsafe { nvrtc::sys::nvrtcGetSupportedArchs(archs.as_mut_ptr()) }.result().is_err() {
+        return vec![];
+    }
+    archs
+}
+
+/// Kernel parameters. Each sits in its own 8-byte slot, and the kernel's
+/// signature says how many bytes of it the driver reads; narrower values
+/// are stored in the slot's first bytes in native order, which is where a
+/// read of their size finds them.
+#[derive(Default)]
+struct Params(Vec<u64>);
+
+impl Params {
+    fn ptr(mut self, addr: u64) -> Self {
+        self.0.push(addr);
+        self
+    }
+
+    fn u64(mut self, v: usize) -> Self {
+        self.0.push(v as u64);
+        self
+    }
+
+    fn narrow(mut self, bytes: [u8; 4]) -> Self {
+        let mut slot = [0u8; 8];
+        slot[..4].copy_from_slice(&bytes);
+        self.0.push(u64::from_ne_bytes(slot));
+        self
+    }
+
+    fn f32(self, v: f32) -> Self {
+        self.narrow(v.to_ne_bytes())
+    }
+
+    fn i32(self, v: i32) -> Self {
+        self.narrow(v.to_ne_bytes())
+    }
+
+    fn flag(self, v: bool) -> Self {
+        self.i32(v as i32)
+    }
+
+    /// A matrix as the kernels take it: its first element and its stride.
+    fn matrix(self, m: &Matrix) -> Self {
+        self.ptr(first(m)).u64(m.stride)
+    }
+}
+
+/// The address of a matrix's first element.
+fn first(m: &Matrix) -> u64 {
+    m.buf.addr + m.offset as u64 * 4
+}
+
+/// Blocks for `items` work items of `per_block` each, at least one.
+fn blocks(items: usize, per_block: usize) -> u32 {
+    items.div_ceil(per_block.max(1)).clamp(1, MAX_BLOCKS) as u32
+}
+
+/// Threads for a block that needs one per column: a whole number of warps,
+/// at least `min`.
+fn threads_for(columns: usize, min: usize) -> u32 {
+    columns.div_ceil(32).saturating_mul(32).clamp(min, MAX_BLOCK_THREADS) as u32
+}
+
+/// One stream and the host memory of its uploads still in flight.
+struct Stream {
+    cuda: Arc<CudaStream>,
+    /// Each upload's source, with an event recorded after its copy: kept
+    /// until the event completes. In stream order, so completed entries are
+    /// always at the front.
+    in_flight: Mutex<VecDeque<(CudaEvent, HostBytes)>>,
+}
+
+impl Stream {
+    /// Let go of the sources of uploads that have completed.
+    fn release_finished(&self) {
+        let mut in_flight = lock(&self.in_flight);
+        // An error leaves the entry in place: the copy may still read it.
+        while in_flight.front().is_some_and(|(event, _)| matches!(event.try_is_complete(), Ok(true))) {
+            in_flight.pop_front();
+        }
+    }
+}
+
+/// A CUDA GPU as a [`Device`].
+pub struct CudaDevice {
+    ctx: Arc<CudaContext>,
+    kernels: Kernels,
+    description: String,
+    /// The one device allocation the arena hands out (0 when it is empty).
+    base: u64,
+    arena: Mutex<Arena>,
+    streams: Mutex<Vec<Arc<Stream>>>,
+    /// Host ranges this device page-locked, by (address, length), with the
+    /// bytes' owner kept alive until they are unregistered on drop.
+    registered: Mutex<HashMap<(usize, usize), HostBytes>>,
+    /// Whether host memory can be registered read-only (it only ever is
+    /// read by uploads, and read-only mappings such as a memory-mapped
+    /// checkpoint can be registered no other way).
+    read_only_register: bool,
+}
+
+/// Run `f`, turning a panic into an error: cudarc panics where a library
+/// lacks a symbol it expects, which is an unusable installation, not a bug here.
+fn unwind_to_error<T>(f: impl FnOnce() -> Result<T, DeviceError>) -> Result<T, DeviceError> {
+    match catch_unwind(AssertUnwindSafe(f)) {
+        Ok(result) => result,
+        Err(panic) => {
+            let why = panic.downcast_ref::<String>().cloned().or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string())).unwrap_or_default();
+            Err(DeviceError::Unavailable(format!("the CUDA libraries failed to load: {why}")))
+        }
+    }
+}
+
+/// The primary context of GPU `ordinal`, after checking that the driver and
+/// NVRTC can be loaded at all (`CudaContext::new` panics without a driver).
+fn context(ordinal: usize) -> Result<Arc<CudaContext>, DeviceError> {
+    // SAFETY: only tries to load the library (dlopen), calling nothing in it.
+    if !unsafe { sys::is_culib_present() } {
+        return Err(DeviceError::Unavailable("no CUDA driver (libcuda not found)".into()));
+    }
+    // SAFETY: as above, for NVRTC.
+    if !unsafe { nvrtc::sys::is_culib_present() } {
+        return Err(DeviceError::Unavailable("no NVRTC (libnvrtc not found); the CUDA backend compiles its kernels with it at start-up".into()));
+    }
+    let count = CudaContext::device_count().map_err(|e| DeviceError::Unavailable(format!("the CUDA driver does not start: {e}")))?;
+    if ordinal >= count.max(0) as usize {
+        return Err(DeviceError::Unavailable(format!("no GPU {ordinal}: the driver sees {count}")));
+    }
+    CudaContext::new(ordinal).map_err(|e| DeviceError::Unavailable(format!("cannot open GPU {ordinal}: {e}")))
+}
+
+impl CudaDevice {
+    /// Open GPU `ordinal` with an arena of `memory_bytes` (rounded down to the
+    /// arena's alignment), allocated now.
+    pub fn open(ordinal: usize, memory_bytes: usize) -> Result<Arc<CudaDevice>, DeviceError> {
+        unwind_to_error(|| Self::open_inner(ordinal, memory_bytes))
+    }
+
+    /// Bytes of GPU `ordinal`'s memory free now (to size an arena by).
+    pub fn free_memory(ordinal: usize) -> Result<usize, DeviceError> {
+        unwind_to_error(|| {
+            let ctx = context(ordinal)?;
+            let (free, _total) = ctx.mem_get_info().map_err(backend("reading free memory"))?;
+            Ok(free)
+        })
+    }
+
+    fn open_inner(ordinal: usize, memory_bytes: usize) -> Result<Arc<CudaDevice>, DeviceError> {
+        let ctx = context(ordinal)?;
+        let kernels = Kernels::compile(&ctx)?;
+        let name = ctx.name().unwrap_or_else(|_| "unknown GPU".into());
+        let (major, minor) = ctx.compute_capability().map_err(backend("reading the compute capability"))?;
+        let read_only_register = ctx.attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_READ_ONLY_HOST_REGISTER_SUPPORTED).unwrap_or(0) != 0;
+
+        let arena = Arena::new(memory_bytes);
+        let base = if arena.capacity() > 0 {
+            ctx.bind_to_thread().map_err(backend("binding the CUDA context"))?;
+            // SAFETY: a plain allocation; it is freed once, in Drop.
+            unsafe { cu::malloc_sync(arena.capacity()) }.map_err(|e| {
+                let (free, total) = ctx.mem_get_info().unwrap_or((0, 0));
+                DeviceError::Backend(format!("cannot allocate {} bytes on GPU {ordinal} ({free} of {total} free): {e}", arena.capacity()))
+            })?
+        } else {
+            0
+        };
+        let description = format!("CUDA GPU {ordinal}: {name} (sm_{major}{minor}, {} MiB arena)", arena.capacity() >> 20);
+        Ok(Arc::new(CudaDevice {
+            ctx,
+            kernels,
+            description,
+            base,
+            arena: Mutex::new(arena),
+            streams: Mutex::new(vec![]),
+            registered: Mutex::new(HashMap::new()),
+            read_only_register,
+        }))
+    }
+
+    /// Make this device's context current on the calling thread, as every
+    /// raw driver call needs.
+    fn bind(&self) -> Result<(), DeviceError> {
+        self.ctx.bind_to_thread().map_err(backend("binding the CUDA context"))
+    }
+
+    fn stream(&self, id: StreamId) -> Result<Arc<Stream>, DeviceError> {
+        lock(&self.streams).get(id.0).cloned().ok_or_else(|| DeviceError::Invalid(format!("no stream {}", id.0)))
+    }
+
+    fn event(event: &Event) -> Result<&CudaEvent, DeviceError> {
+        event.0.downcast_ref::<CudaEvent>().ok_or_else(|| DeviceError::Invalid("an event of another device".into()))
+    }
+
+    /// Check that `p` lies in this device's arena and is aligned for
+    /// `align`-byte elements: a kernel handed anything else would fault and
+    /// take the whole context down with it.
+    fn check_ptr(&self, p: &DevicePtr, align: usize, what: &str) -> Result<(), DeviceError> {
+        if p.bytes == 0 {
+            return Ok(());
+        }
+        let capacity = lock(&self.arena).capacity() as u64;
+        let end = p.addr.checked_add(p.bytes as u64);
+        if p.addr < self.base || end.is_none_or(|end| end > self.base + capacity) {
+            return Err(DeviceError::Invalid(format!("{what}: {} bytes at {:#x} lie outside this device's memory", p.bytes, p.addr)));
+        }
+        if !p.addr.is_multiple_of(align as u64) {
+            return Err(DeviceError::Invalid(format!("{what}: address {:#x} is not {align}-byte aligned", p.addr)));
+        }
+        Ok(())
+    }
+
+    fn check_matrix(&self, m: &Matrix, what: &str) -> Result<(), DeviceError> {
+        self.check_ptr(&m.buf, 4, what)
+    }
+
+    fn check_weight(&self, w: &DeviceWeight, what: &str) -> Result<(), DeviceError> {
+        self.check_ptr(&w.data, w.format.bytes_per_element(), what)?;
+        if matches!(w.format, WeightFormat::Fp8E4m3 { .. }) {
+            self.check_ptr(&w.scales, 4, what)?;
+        }
+        Ok(())
+    }
+
+    /// Every buffer an op touches belongs to this device.
+    fn check_op(&self, op: &Op) -> Result<(), DeviceError> {
+        match op {
+            Op::Gemm { w, x, y, .. } => {
+                self.check_weight(w, "gemm weight")?;
+                self.check_matrix(x, "gemm x")?;
+                self.check_matrix(y, "gemm y")
+            }
+            Op::RmsNorm { x, weight, out, .. } => {
+                self.check_matrix(x, "rms_norm x")?;
+                self.check_ptr(weight, 4, "rms_norm weight")?;
+                self.check_matrix(out, "rms_norm out")
+            }
+            Op::Rope { x, cos, sin, .. } => {
+                self.check_matrix(x, "rope x")?;
+                self.check_matrix(cos, "rope cos")?;
+                self.check_matrix(sin, "rope sin")
+            }
+            Op::SiluMul { gate, up, .. } => {
+                self.check_matrix(gate, "silu gate")?;
+                self.check_matrix(up, "silu up")
+            }
+            Op::Add { h, delta, .. } => {
+                self.check_matrix(h, "add h")?;
+                self.check_matrix(delta, "add delta")
+            }
+            Op::RoundBf16 { x } | Op::Zero { x } => self.check_matrix(x, "elementwise"),
+            Op::Route { logits, bias, ids, weights, .. } => {
+                self.check_matrix(logits, "route logits")?;
+                if let Some(b) = bias {
+                    self.check_ptr(b, 4, "route bias")?;
+                }
+                self.check_ptr(ids, 4, "route ids")?;
+                self.check_matrix(weights, "route weights")
+            }
+            Op::GatherRows { src, rows, dst, .. } => {
+                self.check_matrix(src, "gather src")?;
+                self.check_ptr(rows, 4, "gather rows")?;
+                self.check_matrix(dst, "gather dst")
+            }
+            Op::ScatterAddRows { src, rows, scales, dst, .. } => {
+                self.check_matrix(src, "scatter src")?;
+                self.check_ptr(rows, 4, "scatter rows")?;
+                self.check_ptr(scales, 4, "scatter scales")?;
+                self.check_matrix(dst, "scatter dst")
+            }
+            Op::Embedding { table, ids, out, .. } => {
+                self.check_weight(table, "embedding table")?;
+                self.check_ptr(ids, 4, "embedding ids")?;
+                self.check_matrix(out, "embedding out")
+            }
+            Op::MlaPrefill { q, kv, latents, out, .. } => {
+                self.check_matrix(q, "mla q")?;
+                self.check_matrix(kv, "mla kv")?;
+                self.check_matrix(latents, "mla latents")?;
+                self.check_matrix(out, "mla out")
+            }
+            Op::MlaDecode { q_latent, q_pe, latents, out, .. } => {
+                self.check_matrix(q_latent, "mla q_latent")?;
+                self.check_matrix(q_pe, "mla q_pe")?;
+                self.check_matrix(latents, "mla latents")?;
+                self.check_matrix(out, "mla out")
+            }
+        }
+    }
+
+    /// Enqueue `f` on `stream` with a 1-D grid.
+    fn run(&self, stream: &CudaStream, f: &CudaFunction, grid: u32, block: u32, shared_bytes: usize, mut params: Params) -> Result<(), DeviceError> {
+        let mut args: Vec<*mut c_void> = params.0.iter_mut().map(|slot| slot as *mut u64 as *mut c_void).collect();
+        // SAFETY: every kernel's parameters are listed in its signature's
+        // order by the callers below (pointers and u64 sizes as 8 bytes,
+        // floats and flags as 4); the driver copies them before returning,
+        // while `params` is alive. The pointers were checked to lie in this
+        // device's memory and the shapes by `Op::validate`, and each kernel
+        // stays within the shapes it is given.
+        unsafe { cu::launch_kernel(f.cu_function(), (grid, 1, 1), (block, 1, 1), shared_bytes as u32, stream.cu_stream(), &mut args) }.map_err(backend("kernel launch"))
+    }
+
+    /// An elementwise kernel over a `rows × cols` matrix.
+    fn run_elementwise(&self, stream: &CudaStream, f: &CudaFunction, rows: usize, cols: usize, params: Params) -> Result<(), DeviceError> {
+        if rows == 0 || cols == 0 {
+            return Ok(());
+        }
+        self.run(stream, f, blocks(rows * cols, THREADS), THREADS as u32, 0, params)
+    }
+
+    fn launch_op(&self, s: &CudaStream, op: &Op) -> Result<(), DeviceError> {
+        let k = &self.kernels;
+        let bf16 = |p: &Precision| *p == Precision::Bf16;
+        match op {
+            Op::Gemm { w, x, y, precision, round } => {
+                let n = x.rows;
+                if n == 0 || w.rows == 0 {
+                    return Ok(());
+                }
+                let (f, [b0, b1]) = match w.format {
+                    WeightFormat::F32 => (&k.gemm_f32, [1, 1]),
+                    WeightFormat::Bf16 => (&k.gemm_bf16, [1, 1]),
+                    WeightFormat::F16 => (&k.gemm_f16, [1, 1]),
+                    WeightFormat::Fp8E4m3 { block } => (&k.gemm_fp8, block),
+                };
+                let warps = w.rows * n.div_ceil(GEMM_TILE);
+                let params = Params::default()
+                    .ptr(w.data.addr)
+                    .ptr(w.scales.addr)
+                    .u64(w.rows)
+                    .u64(w.cols)
+                    .u64(b0)
+                    .u64(b1)
+                    .matrix(x)
+                    .matrix(y)
+                    .u64(n)
+                    .flag(bf16(precision))
+                    .flag(*round);
+                self.run(s, f, blocks(warps, THREADS / 32), THREADS as u32, 0, params)
+            }
+            Op::RmsNorm { x, weight, out, eps, precision } => {
+                if x.rows == 0 || x.cols == 0 {
+                    return Ok(());
+                }
+                let params = Params::default().matrix(x).ptr(weight.addr).matrix(out).u64(x.rows).u64(x.cols).f32(*eps).flag(bf16(precision));
+                self.run(s, &k.rms_norm, blocks(x.rows, 1), THREADS as u32, 0, params)
+            }
+            Op::Rope { x, cos, sin, rows_per_position, interleaved, precision } => {
+                if x.rows == 0 || x.cols == 0 {
+                    return Ok(());
+                }
+                let shared = x.cols * 4;
+                if shared > MAX_SHARED_BYTES {
+                    return Err(DeviceError::Invalid(format!("rope: rows of {} floats exceed the CUDA kernel's shared memory", x.cols)));
+                }
+                let params = Params::default()
+                    .matrix(x)
+                    .u64(x.rows)
+                    .u64(x.cols)
+                    .matrix(cos)
+                    .matrix(sin)
+                    .u64(*rows_per_position)
+                    .flag(*interleaved)
+                    .flag(bf16(precision));
+                self.run(s, &k.rope, blocks(x.rows, 1), threads_for(x.cols / 2, 32), shared, params)
+            }
+            Op::SiluMul { gate, up, precision } => {
+                let params = Params::default().matrix(gate).matrix(up).u64(gate.rows).u64(gate.cols).flag(bf16(precision));
+                self.run_elementwise(s, &k.silu_mul, gate.rows, gate.cols, params)
+            }
+            Op::Add { h, delta, precision } => {
+                let params = Params::default().matrix(h).matrix(delta).u64(h.rows).u64(h.cols).flag(bf16(precision));
+                self.run_elementwise(s, &k.add_rows, h.rows, h.cols, params)
+            }
+            Op::RoundBf16 { x } => self.run_elementwise(s, &k.round_rows, x.rows, x.cols, Params::default().matrix(x).u64(x.rows).u64(x.cols)),
+            Op::Zero { x } => self.run_elementwise(s, &k.zero_rows, x.rows, x.cols, Params::default().matrix(x).u64(x.rows).u64(x.cols)),
+            Op::Route { logits, bias, params: p, ids, weights, precision: _ } => {
+                // Both precisions choose the same experts; the CPU's BF16
+                // path differs only in its vector `exp` (≤ 1e-6 relative).
+                if logits.rows == 0 {
+                    return Ok(());
+                }
+                let shared = (3 * p.n_experts + p.n_group) * 4;
+                if shared > MAX_SHARED_BYTES {
+                    return Err(DeviceError::Invalid(format!("route: {} experts exceed the CUDA kernel's shared memory", p.n_experts)));
+                }
+                let params = Params::default()
+                    .matrix(logits)
+                    .u64(logits.rows)
+                    .ptr(bias.map_or(0, |b| b.addr))
+                    .flag(bias.is_some())
+                    .u64(p.n_experts)
+                    .u64(p.top_k)
+                    .u64(p.n_group)
+                    .u64(p.topk_group)
+                    .flag(p.norm_topk_prob)
+                    .f32(p.routed_scaling_factor)
+                    .flag(p.scoring == ScoringFunc::Softmax)
+                    .ptr(ids.addr)
+                    .matrix(weights);
+                self.run(s, &k.route, blocks(logits.rows, 1), threads_for(p.n_experts, 32).min(THREADS as u32), shared, params)
+            }
+            Op::GatherRows { src, rows, count, dst } => {
+                let params = Params::default().matrix(src).u64(src.rows).ptr(rows.addr).u64(*count).matrix(dst).u64(src.cols);
+                self.run_elementwise(s, &k.gather_rows, *count, src.cols, params)
+            }
+            Op::ScatterAddRows { src, rows, scales, count, dst } => {
+                let params = Params::default().matrix(src).ptr(rows.addr).ptr(scales.addr).u64(*count).matrix(dst).u64(dst.rows).u64(src.cols);
+                self.run_elementwise(s, &k.scatter_add_rows, *count, src.cols, params)
+            }
+            Op::Embedding { table, first_row, ids, count, out, precision } => {
+                // FMT_* in common.cu.
+                let (fmt, [b0, b1]) = match table.format {
+                    WeightFormat::F32 => (0, [1, 1]),
+                    WeightFormat::Bf16 => (1, [1, 1]),
+                    WeightFormat::F16 => (2, [1, 1]),
+                    WeightFormat::Fp8E4m3 { block } => (3, block),
+                };
+                let params = Params::default()
+                    .ptr(table.data.addr)
+                    .ptr(table.scales.addr)
+                    .u64(table.rows)
+                    .u64(table.cols)
+                    .i32(fmt)
+                    .u64(b0)
+                    .u64(b1)
+                    .u64(*first_row)
+                    .ptr(ids.addr)
+                    .u64(*count)
+                    .matrix(out)
+                    .flag(bf16(precision));
+                self.run_elementwise(s, &k.embedding, *count, table.cols, params)
+            }
+            Op::MlaPrefill { q, kv, latents, out, start, dims: d, scale, precision } => {
+                if q.rows == 0 {
+                    return Ok(());
+                }
+                if d.dv > MAX_BLOCK_THREADS {
+                    return Err(DeviceError::Invalid(format!("mla_prefill: value width {} above the CUDA kernel's {MAX_BLOCK_THREADS}", d.dv)));
+                }
+                let threads = threads_for(d.dv, 128);
+                let params = Params::default()
+                    .matrix(q)
+                    .matrix(kv)
+                    .matrix(latents)
+                    .matrix(out)
+                    .u64(q.rows)
+                    .u64(*start)
+                    .u64(d.heads)
+                    .u64(d.dn)
+                    .u64(d.dr)
+                    .u64(d.dv)
+                    .u64(d.dc)
+                    .f32(*scale)
+                    .flag(bf16(precision));
+                self.run(s, &k.mla_prefill, blocks(q.rows * d.heads, 1), threads, threads as usize * 4, params)
+            }
+            Op::MlaDecode { q_latent, q_pe, latents, out, scale, precision: _ } => {
+                // Both precisions leave the output unrounded, as the CPU's
+                // decode attention does (the engine rounds after it).
+                let (heads, dc) = (q_latent.rows, q_latent.cols);
+                if dc > MAX_BLOCK_THREADS {
+                    return Err(DeviceError::Invalid(format!("mla_decode: latent width {dc} above the CUDA kernel's {MAX_BLOCK_THREADS}")));
+                }
+                let threads = threads_for(dc, 128);
+                let params = Params::default()
+                    .matrix(q_latent)
+                    .matrix(q_pe)
+                    .matrix(latents)
+                    .u64(latents.rows)
+                    .matrix(out)
+                    .u64(heads)
+                    .u64(dc)
+                    .u64(q_pe.cols)
+                    .f32(*scale)
+                    .flag(false);
+                self.run(s, &k.mla_decode, blocks(heads, 1), threads, threads as usize * 4, params)
+            }
+        }
+    }
+}
+
+impl Drop for CudaDevice {
+    fn drop(&mut self) {
+        // Queued work may still read the arena and registered host memory.
+        if self.bind().is_ok() {
+            let _ = self.ctx.synchronize();
+        }
+        for s in lock(&self.streams).iter() {
+            lock(&s.in_flight).clear();
+        }
+        for ((addr, _), _owner) in lock(&self.registered).drain() {
+            // SAFETY: `addr` was registered by this device and not since
+            // unregistered; `_owner` keeps the memory alive until after this.
+            let _ = unsafe { sys::cuMemHostUnregister(addr as *mut c_void) };
+        }
+        if self.base != 0 {
+            // SAFETY: the arena's allocation, freed once; the context has
+            // finished all work that used it.
+            let _ = unsafe { cu::free_sync(self.base) };
+        }
+    }
+}
+
+/// Run a boxed host closure from `cuLaunchHostFunc`.
+extern "C" fn run_host_fn(arg: *mut c_void) {
+    // SAFETY: `arg` is the `Box<HostFn>` leaked by `host_fn`, and the driver
+    // calls this exactly once for it.
+    let f = unsafe { Box::from_raw(arg as *mut HostFn) };
+    // Unwinding into the driver's thread would abort the process.
+    if catch_unwind(AssertUnwindSafe(f)).is_err() {
+        eprintln!("duplex-kernels: a CUDA host function panicked");
+    }
+}
+
+type HostFn = Box<dyn FnOnce() + Send>;
+
+impl Device for CudaDevice {
+    fn describe(&self) -> String {
+        self.description.clone()
+    }
+
+    fn capacity(&self) -> usize {
+        lock(&self.arena).capacity()
+    }
+
+    fn free_bytes(&self) -> usize {
+        lock(&self.arena).free_bytes()
+    }
+
+    fn alloc(&self, bytes: usize) -> Result<DevicePtr, DeviceError> {
+        let offset = lock(&self.arena).alloc(bytes)?;
+        Ok(DevicePtr { addr: self.base + offset as u64, bytes })
+    }
+
+    fn free(&self, ptr: DevicePtr) -> Result<(), DeviceError> {
+        let offset = ptr.addr.checked_sub(self.base).ok_or_else(|| DeviceError::Invalid(format!("free of {:#x}, below this device's memory", ptr.addr)))?;
+        lock(&self.arena).free(offset as usize)
+    }
+
+    fn create_stream(&self, _kind: StreamKind) -> Result<StreamId, DeviceError> {
+        // Copy and compute streams are alike on a GPU: the copy engines
+        // pick up copies from any stream.
+        let cuda = self.ctx.new_stream().map_err(backend("creating a stream"))?;
+        let mut streams = lock(&self.streams);
+        streams.push(Arc::new(Stream { cuda, in_flight: Mutex::new(VecDeque::new()) }));
+        Ok(StreamId(streams.len() - 1))
+    }
+
+    fn upload(&self, stream: StreamId, src: &HostBytes, dst: DevicePtr) -> Result<(), DeviceError> {
+        if src.len() != dst.bytes {
+            return Err(DeviceError::Invalid(format!("upload of {} bytes into a {}-byte range", src.len(), dst.bytes)));
+        }
+        self.check_ptr(&dst, 1, "upload")?;
+        let s = self.stream(stream)?;
+        s.release_finished();
+        if src.is_empty() {
+            return Ok(());
+        }
+        self.bind()?;
+        // SAFETY: `dst` lies in this device's memory (checked); the source
+        // stays alive until the copy is done: a clone of `src` is kept below
+        // until an event recorded after the copy completes.
+        unsafe { cu::memcpy_htod_async(dst.addr, src.as_slice(), s.cuda.cu_stream()) }.map_err(backend("host→device copy"))?;
+        let done = s.cuda.record_event(None).map_err(backend("recording an upload's event"))?;
+        lock(&s.in_flight).push_back((done, src.clone()));
+        Ok(())
+    }
+
+    fn download(&self, stream: StreamId, src: DevicePtr) -> Result<Vec<u8>, DeviceError> {
+        self.check_ptr(&src, 1, "download")?;
+        let s = self.stream(stream)?;
+        let mut out = vec![0u8; src.bytes];
+        if out.is_empty() {
+            return Ok(out);
+        }
+        self.bind()?;
+        // SAFETY: `src` lies in this device's memory (checked) and `out` has
+        // its length; `out` is not touched until the stream has synchronized.
+        unsafe { cu::memcpy_dtoh_async(&mut out, src.addr, s.cuda.cu_stream()) }.map_err(backend("device→host copy"))?;
+        if let Err(e) = s.cuda.synchronize() {
+            // The copy may not have finished: leak the buffer rather than
+            // free it under the copy.
+            std::mem::forget(out);
+            return Err(DeviceError::Backend(format!("waiting for a device→host copy: {e}")));
+        }
+        s.release_finished();
+        Ok(out)
+    }
+
+    fn launch(&self, stream: StreamId, op: &Op) -> Result<(), DeviceError> {
+        op.validate()?;
+        self.check_op(op)?;
+        let s = self.stream(stream)?;
+        self.bind()?;
+        self.launch_op(&s.cuda, op)
+    }
+
+    fn record(&self, stream: StreamId) -> Result<Event, DeviceError> {
+        let s = self.stream(stream)?;
+        let event = s.cuda.record_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT)).map_err(backend("recording an event"))?;
+        Ok(Event(Arc::new(event)))
+    }
+
+    fn wait_event(&self, stream: StreamId, event: &Event) -> Result<(), DeviceError> {
+        let s = self.stream(stream)?;
+        s.cuda.wait(Self::event(event)?).map_err(backend("making a stream wait for an event"))
+    }
+
+    fn synchronize(&self, event: &Event) -> Result<(), DeviceError> {
+        Self::event(event)?.synchronize().map_err(backend("waiting for an event"))?;
+        for s in lock(&self.streams).iter() {
+            s.release_finished();
+        }
+        Ok(())
+    }
+
+    fn elapsed(&self, from: &Event, to: &Event) -> Result<Duration, DeviceError> {
+        let (a, b) = (Self::event(from)?, Self::event(to)?);
+        self.bind()?;
+        // SAFETY: both are live events of this process, recorded with timing.
+        match unsafe { cu::event::elapsed(a.cu_event(), b.cu_event()) } {
+            Ok(ms) => Ok(Duration::from_secs_f64(f64::from(ms.max(0.0)) / 1e3)),
+            Err(DriverError(sys::CUresult::CUDA_ERROR_NOT_READY)) => Err(DeviceError::Invalid("elapsed time of an event that has not completed".into())),
+            Err(e) => Err(DeviceError::Backend(format!("event timing: {e}"))),
+        }
+    }
+
+    /// `f` runs on a driver thread, and must not call into CUDA (nor so
+    /// into this device): the driver forbids it in host functions.
+    fn host_fn(&self, stream: StreamId, f: Box<dyn FnOnce() + Send>) -> Result<(), DeviceError> {
+        let s = self.stream(stream)?;
+        self.bind()?;
+        let arg = Box::into_raw(Box::new(f)) as *mut c_void;
+        // SAFETY: `run_host_fn` takes back the box leaked above, once.
+        let launched = unsafe { cu::stream::launch_host_function(s.cuda.cu_stream(), run_host_fn, arg) };
+        if let Err(e) = launched {
+            // SAFETY: the driver refused it, so nothing else owns the box.
+            drop(unsafe { Box::from_raw(arg as *mut HostFn) });
+            return Err(DeviceError::Backend(format!("enqueueing a host function: {e}")));
+        }
+        Ok(())
+    }
+
+    fn register_host(&self, src: &HostBytes) -> Result<(), DeviceError> {
+        let bytes = src.as_slice();
+        if bytes.is_empty() {
+            return Ok(());
+        }
+        let key = (bytes.as_ptr() as usize, bytes.len());
+        let mut registered = lock(&self.registered);
+        if registered.contains_key(&key) {
+            return Ok(());
+        }
+        self.bind()?;
+        let flags = if self.read_only_register { sys::CU_MEMHOSTREGISTER_READ_ONLY } else { 0 };
+        // SAFETY: the range is live host memory; a clone of `src` keeps its
+        // owner alive until Drop unregisters it. The driver only pins it.
+        match unsafe { sys::cuMemHostRegister_v2(key.0 as *mut c_void, key.1, flags) }.result() {
+            Ok(()) => {
+                registered.insert(key, src.clone());
+                Ok(())
+            }
+            // Pinned already (by someone else, or as part of another range):
+            // page-locked is all that was asked, and it is not ours to unpin.
+            Err(DriverError(sys::CUresult::CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED)) => Ok(()),
+            Err(e) => Err(DeviceError::Backend(format!("page-locking {} bytes of host memory: {e}", key.1))),
+        }
+    }
+}
