@@ -1,0 +1,98 @@
+//! The emulated accelerator keeps a GPU's rules: bounded memory, in-order
+//! streams, events that order streams, a paced copy engine, sticky faults,
+//! and launches checked before they are queued.
+
+use duplex_kernels::device::emulated::{EmulatedConfig, EmulatedDevice, Jitter};
+use duplex_kernels::device::{self, Device, DeviceError, HostBytes, Op, StreamKind};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+fn dev(config: EmulatedConfig) -> Arc<EmulatedDevice> {
+    EmulatedDevice::new(config).unwrap()
+}
+
+#[test]
+fn memory_is_bounded_and_reusable() {
+    let d = dev(EmulatedConfig { memory_bytes: 1 << 20, ..Default::default() });
+    let a = d.alloc(600 << 10).unwrap();
+    match d.alloc(600 << 10) {
+        Err(DeviceError::OutOfMemory { capacity, .. }) => assert_eq!(capacity, 1 << 20),
+        other => panic!("{other:?}"),
+    }
+    d.free(a).unwrap();
+    d.alloc(600 << 10).unwrap();
+    assert!(d.free(a.slice(256, 256).unwrap()).is_err(), "freeing what was never allocated");
+}
+
+/// A copy on one stream, then a kernel on another that waits for the copy's
+/// event: with random delays in every stream, the kernel always sees the data.
+#[test]
+fn events_order_streams() {
+    for seed in 0..20 {
+        let d = dev(EmulatedConfig { jitter: Some(Jitter { seed, max: Duration::from_micros(500) }), ..Default::default() });
+        let (copy, compute) = (d.create_stream(StreamKind::Copy).unwrap(), d.create_stream(StreamKind::Compute).unwrap());
+        let (src, dst) = (d.alloc(64 * 4).unwrap(), d.alloc(64 * 4).unwrap());
+        let xs: Vec<f32> = (0..64).map(|i| i as f32 * 0.5).collect();
+        device::upload_f32(&*d, copy, &xs, src).unwrap();
+        let copied = d.record(copy).unwrap();
+        d.wait_event(compute, &copied).unwrap();
+        d.launch(compute, &Op::Zero { x: dst.matrix(8, 8) }).unwrap();
+        d.launch(compute, &Op::Add { h: dst.matrix(8, 8), delta: src.matrix(8, 8), precision: duplex_kernels::Precision::F32 }).unwrap();
+        let got = device::download_matrix(&*d, compute, dst.matrix(8, 8)).unwrap();
+        assert_eq!(got, xs, "seed {seed}");
+        let done = d.record(compute).unwrap();
+        d.synchronize(&done).unwrap();
+        assert!(d.elapsed(&copied, &done).is_ok());
+    }
+}
+
+#[test]
+fn host_functions_run_in_stream_order() {
+    let d = dev(EmulatedConfig { jitter: Some(Jitter { seed: 7, max: Duration::from_micros(200) }), ..Default::default() });
+    let s = d.create_stream(StreamKind::Compute).unwrap();
+    let seen = Arc::new(Mutex::new(vec![]));
+    for i in 0..50 {
+        let seen = seen.clone();
+        d.host_fn(s, Box::new(move || seen.lock().unwrap().push(i))).unwrap();
+    }
+    d.synchronize(&d.record(s).unwrap()).unwrap();
+    assert_eq!(*seen.lock().unwrap(), (0..50).collect::<Vec<_>>());
+}
+
+/// 8 MB at 200 MB/s takes at least 40 ms of copy-engine time.
+#[test]
+fn the_copy_engine_is_paced() {
+    let d = dev(EmulatedConfig { memory_bytes: 16 << 20, h2d_bytes_per_second: Some(200e6), ..Default::default() });
+    let s = d.create_stream(StreamKind::Copy).unwrap();
+    let p = d.alloc(8 << 20).unwrap();
+    let started = Instant::now();
+    let before = d.record(s).unwrap();
+    d.upload(s, &HostBytes::from_vec(vec![1u8; 8 << 20]), p).unwrap();
+    let after = d.record(s).unwrap();
+    d.synchronize(&after).unwrap();
+    let took = d.elapsed(&before, &after).unwrap();
+    assert!(took >= Duration::from_millis(40) && started.elapsed() >= took, "{took:?}");
+    assert!(d.stats().copy_busy >= Duration::from_millis(40));
+    assert_eq!(d.stats().bytes_uploaded, 8 << 20);
+}
+
+#[test]
+fn bad_launches_are_refused_and_faults_are_sticky() {
+    let d = dev(EmulatedConfig::default());
+    let s = d.create_stream(StreamKind::Compute).unwrap();
+    let a = d.alloc(64 * 4).unwrap();
+    // Shapes and bounds are checked at launch.
+    let overrun = Op::Zero { x: a.matrix(9, 8) };
+    assert!(matches!(d.launch(s, &overrun), Err(DeviceError::Invalid(_))));
+    let aliased = Op::SiluMul { gate: a.matrix(8, 8), up: a.matrix(8, 8), precision: duplex_kernels::Precision::F32 };
+    assert!(matches!(d.launch(s, &aliased), Err(DeviceError::Invalid(_))));
+    assert!(d.upload(s, &HostBytes::from_vec(vec![0; 10]), a).is_err(), "length mismatch");
+    // An index out of range is data, seen only when the kernel runs: the
+    // fault surfaces at the next synchronisation and stays.
+    let (rows, dst) = (d.alloc(4).unwrap(), d.alloc(64 * 4).unwrap());
+    device::upload_u32(&*d, s, &[99], rows).unwrap();
+    d.launch(s, &Op::GatherRows { src: a.matrix(8, 8), rows, count: 1, dst: dst.matrix(8, 8) }).unwrap();
+    let e = d.record(s).unwrap();
+    assert!(d.synchronize(&e).is_err());
+    assert!(d.launch(s, &Op::Zero { x: a.matrix(8, 8) }).is_err(), "faults are sticky");
+}
