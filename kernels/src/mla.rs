@@ -1,4 +1,5 @@
-//! MLA attention for decode, in the absorbed form, over a paged latent cache.
+//! MLA attention: decode in the absorbed form over a paged latent cache, and
+//! prefill in the expanded form.
 //!
 //! With `kv_b_proj` folded into the query and the output, every head attends
 //! directly over the cached latents `c_t` (shared by all heads) and the
@@ -10,6 +11,21 @@ use crate::cpu::gemv::{axpy_f32, dot_f32};
 use crate::cpu::isa::Isa;
 use crate::pool::ThreadPool;
 use crate::shared::SharedSlice;
+use crate::Precision;
+
+/// MLA head shape.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MlaDims {
+    pub heads: usize,
+    /// Per-head query/key width without the rotary part.
+    pub dn: usize,
+    /// Rotary width.
+    pub dr: usize,
+    /// Per-head value width.
+    pub dv: usize,
+    /// Latent (kv_lora) width.
+    pub dc: usize,
+}
 
 /// The cache of one layer: blocks of `block_size` entries of `[c (dc), k_pe (dr)]`.
 #[derive(Clone, Copy)]
@@ -78,6 +94,45 @@ pub fn decode_attention(
             for (j, oh) in o.chunks_mut(dc).enumerate() {
                 axpy_f32(isa, s[j * ctx + t], c, oh);
             }
+        }
+    });
+}
+
+/// MLA in the expanded (prefill) form: causal attention of `n` query rows
+/// (`q`, `[n, heads·(dn+dr)]`, positions `start..start+n`) over `ctx =
+/// start + n` positions, whose per-head keys and values `kv` (`[ctx,
+/// heads·(dn+dv)]`) are `kv_b_proj` of the cached latents, and whose shared
+/// rope key is columns `dc..` of `latents` (`[ctx, dc+dr]`). `out` (`[n,
+/// heads·dv]`, zeroed by the caller) is rounded to BF16 on that path. F32
+/// uses the scalar reference dot product and softmax; one task per head.
+#[allow(clippy::too_many_arguments)]
+pub fn prefill_attention(pool: &ThreadPool, isa: Isa, q: &[f32], kv: &[f32], latents: &[f32], out: &mut [f32], start: usize, d: MlaDims, scale: f32, p: Precision) {
+    let (dq, dkv, de) = (d.dn + d.dr, d.dn + d.dv, d.dc + d.dr);
+    let n = q.len() / (d.heads * dq);
+    let ctx = start + n;
+    let dot = |a: &[f32], b: &[f32]| if p == Precision::F32 { crate::linear::dot(a, b) } else { dot_f32(isa, a, b) };
+    let out = SharedSlice::new(out);
+    pool.parallel_for(d.heads, &|h| {
+        let mut scores = vec![0.0f32; ctx];
+        for i in 0..n {
+            let pos = start + i;
+            let qh = &q[(i * d.heads + h) * dq..(i * d.heads + h + 1) * dq];
+            for (t, s) in scores[..=pos].iter_mut().enumerate() {
+                let k_nope = &kv[t * d.heads * dkv + h * dkv..][..d.dn];
+                let k_pe = &latents[t * de + d.dc..(t + 1) * de];
+                *s = (dot(&qh[..d.dn], k_nope) + dot(&qh[d.dn..], k_pe)) * scale;
+            }
+            match p {
+                Precision::F32 => crate::elementwise::softmax(&mut scores[..=pos]),
+                Precision::Bf16 => softmax(isa, &mut scores[..=pos]),
+            }
+            // SAFETY: head h of token i is written by this task only.
+            let o = unsafe { out.slice_mut((i * d.heads + h) * d.dv, d.dv) };
+            for (t, &w) in scores[..=pos].iter().enumerate() {
+                let v = &kv[t * d.heads * dkv + h * dkv + d.dn..][..d.dv];
+                o.iter_mut().zip(v).for_each(|(a, b)| *a += w * b);
+            }
+            p.round(o);
         }
     });
 }

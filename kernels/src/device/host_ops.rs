@@ -7,14 +7,13 @@
 //! keeps aliasing questions out of the way; weights are read in place.
 
 use super::{DeviceError, DevicePtr, DeviceWeight, Matrix, Op};
-use crate::cpu::{elementwise as simd, gemv::dot_f32, isa::Isa};
+use crate::cpu::{elementwise as simd, isa::Isa};
 use crate::elementwise::{rms_norm, rope, silu_mul, softmax};
 use crate::linear::{dot, matmul};
-use crate::mla::{decode_attention, LatentCache};
+use crate::mla::{decode_attention, prefill_attention, LatentCache};
 use crate::parallel_linear::{par_matmul, LinearScratch};
 use crate::pool::ThreadPool;
 use crate::router::{route, route_simd};
-use crate::shared::SharedSlice;
 use crate::{round_bf16_slice, Precision, WeightView};
 
 /// An emulated device's memory: `len` bytes at `base`, addressed by offset.
@@ -233,7 +232,7 @@ impl Executor {
             Op::MlaPrefill { q, kv, latents, out, start, dims, scale, precision } => {
                 let (qs, kvs, lat) = (mem.read(q)?, mem.read(kv)?, mem.read(latents)?);
                 let mut os = vec![0.0; out.rows * out.cols];
-                mla_prefill(&self.pool, isa, &qs, &kvs, &lat, &mut os, *start, *dims, *scale, *precision);
+                prefill_attention(&self.pool, isa, &qs, &kvs, &lat, &mut os, *start, *dims, *scale, *precision);
                 mem.store(out, &os)
             }
             Op::MlaDecode { q_latent, q_pe, latents, out, scale, precision } => {
@@ -266,38 +265,4 @@ impl Executor {
             }
         }
     }
-}
-
-/// Causal attention in the expanded form, one task per head, as the CPU
-/// engine's prefill computes it.
-#[allow(clippy::too_many_arguments)]
-fn mla_prefill(pool: &ThreadPool, isa: Isa, q: &[f32], kv: &[f32], latents: &[f32], out: &mut [f32], start: usize, d: super::MlaDims, scale: f32, p: Precision) {
-    let (dq, dkv, de) = (d.dn + d.dr, d.dn + d.dv, d.dc + d.dr);
-    let n = q.len() / (d.heads * dq);
-    let ctx = start + n;
-    let dot = |a: &[f32], b: &[f32]| if p == Precision::F32 { dot(a, b) } else { dot_f32(isa, a, b) };
-    let out = SharedSlice::new(out);
-    pool.parallel_for(d.heads, &|h| {
-        let mut scores = vec![0.0f32; ctx];
-        for i in 0..n {
-            let pos = start + i;
-            let qh = &q[(i * d.heads + h) * dq..(i * d.heads + h + 1) * dq];
-            for (t, s) in scores[..=pos].iter_mut().enumerate() {
-                let k_nope = &kv[t * d.heads * dkv + h * dkv..][..d.dn];
-                let k_pe = &latents[t * de + d.dc..(t + 1) * de];
-                *s = (dot(&qh[..d.dn], k_nope) + dot(&qh[d.dn..], k_pe)) * scale;
-            }
-            match p {
-                Precision::F32 => softmax(&mut scores[..=pos]),
-                Precision::Bf16 => simd::softmax(isa, &mut scores[..=pos]),
-            }
-            // SAFETY: head h of token i is written by this task only.
-            let o = unsafe { out.slice_mut((i * d.heads + h) * d.dv, d.dv) };
-            for (t, &w) in scores[..=pos].iter().enumerate() {
-                let v = &kv[t * d.heads * dkv + h * dkv + d.dn..][..d.dv];
-                o.iter_mut().zip(v).for_each(|(a, b)| *a += w * b);
-            }
-            p.round(o);
-        }
-    });
 }

@@ -26,6 +26,7 @@ mod host_ops;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 
+pub use crate::mla::MlaDims;
 use crate::router::RouterParams;
 use crate::{Precision, WeightFormat};
 use std::any::Any;
@@ -198,20 +199,6 @@ pub enum Op {
     /// `q_latent` `[heads, dc]`, `q_pe` `[heads, dr]`, `latents` `[ctx, dc+dr]`;
     /// `out` `[heads, dc]` is the attention-weighted sum of latents.
     MlaDecode { q_latent: Matrix, q_pe: Matrix, latents: Matrix, out: Matrix, scale: f32, precision: Precision },
-}
-
-/// MLA head shape.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct MlaDims {
-    pub heads: usize,
-    /// Per-head query/key width without rotary part.
-    pub dn: usize,
-    /// Rotary width.
-    pub dr: usize,
-    /// Per-head value width.
-    pub dv: usize,
-    /// Latent (kv_lora) width.
-    pub dc: usize,
 }
 
 /// Which work a stream is meant for. Both run anything in order; the

@@ -14,7 +14,7 @@ use crate::rope::RopeTable;
 use duplex_kernels::cpu::{convert::f32_to_bf16, elementwise as simd, gemv::matmul_bf16, isa::Isa};
 use duplex_kernels::elementwise::{rms_norm, rope, silu_mul, softmax};
 use duplex_kernels::linear::{dot, matmul, matmul_rows, matmul_t_rows, transpose_rows, OwnedWeight};
-use duplex_kernels::mla::{decode_attention, LatentCache};
+use duplex_kernels::mla::{decode_attention, prefill_attention, LatentCache, MlaDims};
 use duplex_kernels::moe::{moe_forward, ExpertCall, ExpertWeights, MoeScratch};
 use duplex_kernels::parallel_linear::{par_matmul, LinearScratch};
 use duplex_kernels::pool::{PoolConfig, ThreadPool};
@@ -597,43 +597,18 @@ impl Model {
     #[allow(clippy::too_many_arguments)]
     fn attend_expanded(&self, at: &Attention, layer: usize, q: &[f32], pool: &KvPool, table: &BlockTable, start: usize, out: &mut [f32], p: Precision) {
         let cfg = &self.cfg;
-        let (heads, dn, dr, dv, dc) = (cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank);
-        let (dq, dkv) = (dn + dr, dn + dv);
-        let n = q.len() / (heads * dq);
-        let ctx = start + n;
+        let (dc, de) = (cfg.kv_lora_rank, cfg.kv_entry_dim());
+        let dims = MlaDims { heads: cfg.num_attention_heads, dn: cfg.qk_nope_head_dim, dr: cfg.qk_rope_head_dim, dv: cfg.v_head_dim, dc };
+        let ctx = start + q.len() / (dims.heads * (dims.dn + dims.dr));
+        let mut entries = Vec::with_capacity(ctx * de);
         let mut latents = Vec::with_capacity(ctx * dc);
         for t in 0..ctx {
-            latents.extend_from_slice(&pool.entry(table, layer, t)[..dc]);
+            let e = pool.entry(table, layer, t);
+            entries.extend_from_slice(e);
+            latents.extend_from_slice(&e[..dc]);
         }
-        let kvb = self.cpu.linear(&at.kv_b, &latents, ctx, p); // [ctx, heads * (dn + dv)]
-        let k_pe: Vec<&[f32]> = (0..ctx).map(|t| &pool.entry(table, layer, t)[dc..]).collect();
-        let isa = self.cpu.isa;
-        // The reference path keeps its plain scalar dot product.
-        let dot = |a: &[f32], b: &[f32]| if p == Precision::F32 { dot(a, b) } else { duplex_kernels::cpu::gemv::dot_f32(isa, a, b) };
-        let out = SharedSlice::new(out);
-        // Heads are independent: one task each.
-        self.cpu.pool.parallel_for(heads, &|h| {
-            let mut scores = vec![0.0f32; ctx];
-            for i in 0..n {
-                let pos = start + i;
-                let qh = &q[(i * heads + h) * dq..(i * heads + h + 1) * dq];
-                for (t, s) in scores[..=pos].iter_mut().enumerate() {
-                    let k_nope = &kvb[t * heads * dkv + h * dkv..][..dn];
-                    *s = (dot(&qh[..dn], k_nope) + dot(&qh[dn..], k_pe[t])) * self.softmax_scale;
-                }
-                match p {
-                    Precision::F32 => softmax(&mut scores[..=pos]),
-                    Precision::Bf16 => simd::softmax(isa, &mut scores[..=pos]),
-                }
-                // SAFETY: head h of token i is written by this task only.
-                let o = unsafe { out.slice_mut((i * heads + h) * dv, dv) };
-                for (t, &w) in scores[..=pos].iter().enumerate() {
-                    let v = &kvb[t * heads * dkv + h * dkv + dn..][..dv];
-                    o.iter_mut().zip(v).for_each(|(a, b)| *a += w * b);
-                }
-                p.round(o);
-            }
-        });
+        let kv = self.cpu.linear(&at.kv_b, &latents, ctx, p); // [ctx, heads * (dn + dv)]
+        prefill_attention(&self.cpu.pool, self.cpu.isa, q, &kv, &entries, out, start, dims, self.softmax_scale, p);
     }
 
     /// Decode form: fold `kv_b_proj` into the query (`q_nope · W_k`) and the
