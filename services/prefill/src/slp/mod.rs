@@ -190,26 +190,14 @@ impl SlpEngine {
     ) -> Result<(Vec<f32>, SlpReport), SlpError> {
         let dev = &*self.device;
         let workspace = dev.alloc(workspace_bytes(model, tokens.len(), want)).map_err(|e| SlpError::Config(format!("the activations of a {}-token prompt do not fit the device: {e}", tokens.len())))?;
-        let result = self.run_in(model, pool, table, tokens, precision, want, workspace, should_stop);
-        dev.free(workspace)?;
-        result
-    }
-
-    #[allow(clippy::too_many_arguments)]
-    fn run_in(
-        &self,
-        model: &Model,
-        pool: &mut KvPool,
-        table: &mut BlockTable,
-        tokens: &[u32],
-        precision: Precision,
-        want: Logits,
-        workspace: DevicePtr,
-        should_stop: &mut dyn FnMut() -> bool,
-    ) -> Result<(Vec<f32>, SlpReport), SlpError> {
-        let dev = &*self.device;
-        let ring = self.ring(tokens.len())?;
-        let start_table = table.clone();
+        let ring = match self.ring(tokens.len()) {
+            Ok(ring) => ring,
+            Err(e) => {
+                dev.free(workspace)?;
+                return Err(e);
+            }
+        };
+        let start_len = table.len;
         let result = (|| -> Result<(Vec<f32>, SlpReport), SlpError> {
             let mut pass = StagedPass::new(model, dev, self.compute, pool, table, tokens, precision, want, workspace)?;
             let report = self.pipeline(&mut pass, ring.as_ref(), pool, table, should_stop)?;
@@ -220,11 +208,12 @@ impl SlpEngine {
         if let Some(ring) = ring {
             ring.free(dev)?;
         }
+        dev.free(workspace)?;
         if let Some(budget) = &self.budget {
             budget.reset();
         }
         if result.is_err() {
-            table.len = start_table.len;
+            table.len = start_len;
         }
         let result = result?;
         idle.into_iter().collect::<Result<Vec<()>, _>>()?;
@@ -242,7 +231,7 @@ impl SlpEngine {
         match ExpertRing::new(dev, wanted, self.expert_bytes) {
             Ok(r) => Ok(Some(r)),
             Err(DeviceError::OutOfMemory { largest, .. }) if wanted > 2 => {
-                let fits = (largest / self.expert_bytes.div_ceil(256) / 256).max(2);
+                let fits = (largest / (self.expert_bytes.div_ceil(256) * 256)).max(2);
                 tracing::warn!("experts ring of {wanted} slots does not fit device memory; using {fits}");
                 Ok(Some(ExpertRing::new(dev, fits.min(wanted), self.expert_bytes)?))
             }
