@@ -2,7 +2,8 @@
 # Validate the deployment files with the real tools, for CI and by hand.
 #
 #   deploy/check.sh                      compose files + Prometheus config + dashboard PromQL
-#   deploy/check.sh --serve              also start `duplex serve` (tiny model) and check live scrapes
+#   deploy/check.sh --serve              also start `duplex serve` (tiny model, the prefill worker's
+#                                        SLP on an emulated device) and check live scrapes
 #   deploy/check.sh --live URL...        also check the live /metrics at these URLs
 #
 # Options:
@@ -157,9 +158,12 @@ if [ "$serve" = 1 ]; then
     fail "--serve needs $bin (cargo build --bins), curl and python3"
   else
     http=$(free_port) grpc=$(free_port) dm=$(free_port) pm=$(free_port) dp=$(free_port) pp=$(free_port)
-    # A low prefill threshold, so that one request goes through each worker.
+    # A low prefill threshold, so that one request goes through each worker;
+    # the prefill worker on an emulated accelerator with a low stream-loading
+    # threshold (and a small device), so that its SLP series exist too.
     printf '[router]\nprefill_threshold_tokens = 16\n[decode]\nport = %s\nmetrics_port = %s\nthreads = 1\n[prefill]\nport = %s\nmetrics_port = %s\nthreads = 1\n' \
       "$dp" "$dm" "$pp" "$pm" >"$work/duplex.toml"
+    printf 'device = "emulated"\nslp_threshold_tokens = 16\ndevice_memory_mib = 64\ndense_budget_mib = 4\n' >>"$work/duplex.toml"
     "$bin" serve --config "$work/duplex.toml" --http-port "$http" --grpc-port "$grpc" --instance "checkdeploy-$$" --ready-timeout 120 >"$work/serve.log" 2>&1 &
     pids+=($!)
     for _ in $(seq 1 240); do grep -q "Duplex is ready" "$work/serve.log" && break; kill -0 "${pids[-1]}" 2>/dev/null || break; sleep 0.5; done

@@ -3,12 +3,15 @@
 //! - every metric the Grafana dashboard queries is one that
 //!   `duplex_telemetry::ALL` lists, used as its kind allows (quantiles over a
 //!   histogram's `_bucket`, `rate()` of counters, gauges as they are), with
-//!   labels and label values the metric has, and every required panel is there;
-//! - a real `duplex serve` exports each of those metrics from the process
-//!   that `exported_by` names;
+//!   labels and label values the metric has, every required panel is there
+//!   (stream-loading prefill's included), and the panels' layout is sound;
+//! - a real `duplex serve`, its prefill worker on an emulated accelerator,
+//!   exports each of those metrics from the process that `exported_by` names;
 //! - Prometheus scrapes the three processes at the ports of deploy/duplex.toml;
-//! - deploy/duplex.toml is read by the real config code of each process, and
-//!   its host names and ports agree with the compose files' services;
+//! - deploy/duplex.toml is read by the real config code of each process, its
+//!   host names and ports agree with the compose files' services, and its
+//!   [prefill] section spells out every setting (stream-loading prefill's at
+//!   their defaults: `device = "auto"`);
 //! - the compose files have what the issue asks for (GPU reservations, the
 //!   shared /dev/shm, health checks, restart policies, monitoring), and the
 //!   CPU file is the GPU file without its GPUs;
@@ -89,6 +92,45 @@ fn config_file_suits_containers() {
     assert_eq!(c.router.prefill_worker, format!("http://prefill:{}", c.prefill.port), "router → prefill worker: the compose service `prefill`");
     assert_eq!(c.router.model, c.decode.model);
     assert_eq!(c.router.model, c.prefill.model);
+    // The GPU deployment's prefill worker runs stream-loading prefill on its
+    // GPU (the CUDA image); in the CPU image `auto` falls back to the CPU.
+    assert_eq!(c.prefill.device, "auto", "[prefill] device: auto uses the GPU the compose file reserves for the prefill worker");
+}
+
+/// The keys a section of deploy/duplex.toml sets (`key = value` lines).
+fn config_keys(section: &str) -> BTreeSet<String> {
+    let mut current = String::new();
+    let mut keys = BTreeSet::new();
+    for line in read(CONFIG).lines().map(str::trim) {
+        if let Some(name) = line.strip_prefix('[').and_then(|l| l.strip_suffix(']')) {
+            current = name.trim().to_string();
+        } else if current == section && !line.starts_with('#') {
+            if let Some((key, _)) = line.split_once('=') {
+                keys.insert(key.trim().to_string());
+            }
+        }
+    }
+    keys
+}
+
+/// deploy/duplex.toml's [prefill] spells out every setting of the prefill
+/// worker, the stream-loading prefill ones included, so that operators see
+/// what the GPU deployment runs with.
+#[test]
+fn config_file_lists_every_prefill_setting() {
+    let all: BTreeSet<String> = serde_json::to_value(PrefillConfig::default()).unwrap().as_object().unwrap().keys().cloned().collect();
+    let set = config_keys("prefill");
+    let missing: Vec<&String> = all.difference(&set).collect();
+    assert!(missing.is_empty(), "{CONFIG} [prefill] does not set {missing:?}");
+    let unknown: Vec<&String> = set.difference(&all).collect();
+    assert!(unknown.is_empty(), "{CONFIG} [prefill] sets unknown keys {unknown:?}");
+    // The stream-loading prefill settings at their defaults.
+    let c = configs().prefill;
+    let d = PrefillConfig::default();
+    let (ours, defaults) = (serde_json::to_value(&c).unwrap(), serde_json::to_value(&d).unwrap());
+    for key in ["device", "slp_threshold_tokens", "device_memory_mib", "cuda_device", "emulated_h2d_gb_per_s", "ring_slots", "ring_turning_point_tokens", "dense_budget_mib"] {
+        assert_eq!(ours[key], defaults[key], "{CONFIG} [prefill] {key} differs from the default");
+    }
 }
 
 // ---------------------------------------------------------------- compose
@@ -546,6 +588,16 @@ fn dashboard_has_every_required_panel() {
     has_panel("prefill throughput", &|qs| {
         qs.iter().any(|q| q.expr.contains(&format!("rate({}[", t::PREFILL_TOKENS)) || q.expr.contains(&format!("{}_bucket", t::PREFILL_THROUGHPUT)))
     });
+    has_panel("stream-loading prefill ring slots", &|qs| qs.iter().any(|q| q.expr.contains(t::PREFILL_SLP_RING_SLOTS)));
+    has_panel("stream-loading prefill overlap efficiency", &|qs| qs.iter().any(|q| q.expr.contains(t::PREFILL_SLP_OVERLAP)));
+    has_panel("weight bytes streamed per second", &|qs| qs.iter().any(|q| q.expr.contains(&format!("rate({}[", t::PREFILL_SLP_STREAMED_BYTES))));
+    has_panel("stream-loading prefill stall time p50/p99", &|qs| {
+        ["0.5", "0.99"].iter().all(|p| {
+            qs.iter().any(|q| q.expr.contains(&format!("histogram_quantile({p},")) && q.expr.contains(&format!("{}_bucket", t::PREFILL_SLP_STALL)))
+        })
+    });
+    let rows: Vec<&str> = dash["panels"].as_array().into_iter().flatten().filter(|p| p["type"] == "row").filter_map(|p| p["title"].as_str()).collect();
+    assert!(rows.contains(&"Stream-loading prefill"), "{DASHBOARD} has no row \"Stream-loading prefill\" (rows: {rows:?})");
 
     // Every panel reads the provisioned data source.
     let uid = yaml(DATASOURCES)["datasources"][0]["uid"].as_str().expect("a data source uid").to_string();
@@ -564,16 +616,47 @@ fn dashboard_has_every_required_panel() {
     assert!(dash["uid"].as_str().is_some_and(|u| !u.is_empty()), "the dashboard needs a fixed uid");
 }
 
+/// Grafana's layout: unique panel ids, every panel inside the 24-column grid
+/// and none overlapping another.
+#[test]
+fn dashboard_layout_is_consistent() {
+    let dash = dashboard();
+    let mut ids = BTreeSet::new();
+    let mut boxes: Vec<(String, i64, i64, i64, i64)> = vec![];
+    fn walk(panels: &Json, ids: &mut BTreeSet<i64>, boxes: &mut Vec<(String, i64, i64, i64, i64)>) {
+        for p in panels.as_array().into_iter().flatten() {
+            let title = p["title"].as_str().unwrap_or_default().to_string();
+            let id = p["id"].as_i64().unwrap_or_else(|| panic!("panel `{title}` has no id"));
+            assert!(ids.insert(id), "panel id {id} (`{title}`) is used twice");
+            let g = &p["gridPos"];
+            let [x, y, w, h] = ["x", "y", "w", "h"].map(|k| g[k].as_i64().unwrap_or_else(|| panic!("panel `{title}`: gridPos.{k}")));
+            assert!(x >= 0 && y >= 0 && w > 0 && h > 0 && x + w <= 24, "panel `{title}`: gridPos {g}");
+            boxes.push((title, x, y, w, h));
+            walk(&p["panels"], ids, boxes);
+        }
+    }
+    walk(&dash["panels"], &mut ids, &mut boxes);
+    for (i, a) in boxes.iter().enumerate() {
+        for b in &boxes[i + 1..] {
+            let apart = a.1 + a.3 <= b.1 || b.1 + b.3 <= a.1 || a.2 + a.4 <= b.2 || b.2 + b.4 <= a.2;
+            assert!(apart, "panels `{}` and `{}` overlap", a.0, b.0);
+        }
+    }
+}
+
 /// The names a real server exports, per process: every series the dashboard
 /// queries must be exported by the process `exported_by` names, with the
 /// right type, and the label values the dashboard selects must occur.
 #[test]
 fn a_running_server_exports_what_the_dashboard_queries() {
-    let server = Server::start(Options { prefill_threshold_tokens: 64, ..Options::default() });
+    // The prefill worker on an emulated device with a low stream-loading
+    // threshold, so that its SLP metrics are recorded too.
+    let server = Server::start(Options { prefill_threshold_tokens: 64, slp_threshold_tokens: Some(64), ..Options::default() });
     let scrapes = tokio::runtime::Builder::new_multi_thread().enable_all().build().unwrap().block_on(async {
         let mut client = server.grpc_client().await;
         // One prompt through the decode worker's chunked prefill, one through
-        // the prefill worker, so that every metric has been recorded.
+        // the prefill worker's stream-loading prefill, so that every metric
+        // has been recorded.
         for n in [16, 100] {
             let run = collect(&mut client, greedy_request(&prompt(n), 4));
             tokio::time::timeout(Duration::from_secs(60), run).await.expect("a request took over 60 s").expect("a request failed");
@@ -637,7 +720,8 @@ fn images_are_slim_and_run_as_non_root() {
     }
     assert!(runtime_stage("docker/Dockerfile").0.contains("-slim"), "the CPU runtime image should be a slim Debian");
     let cuda = read("docker/Dockerfile.cuda");
-    assert!(cuda.contains("-devel-") && cuda.contains("-runtime-") && cuda.contains("--features"), "docker/Dockerfile.cuda: a CUDA devel builder, a runtime base, --features cuda");
+    assert!(cuda.contains("-devel-") && cuda.contains("-runtime-") && cuda.contains("--features"), "docker/Dockerfile.cuda: a CUDA devel builder, a runtime base, --features");
+    assert!(cuda.contains("CARGO_FEATURES=duplex-prefill/cuda"), "docker/Dockerfile.cuda: the CUDA backend is the `cuda` feature of duplex-prefill");
     #[cfg(unix)]
     {
         use std::os::unix::fs::PermissionsExt;
