@@ -7,11 +7,13 @@
 //! `out_h = Σ_t softmax_t(scale · (q_latent_h · c_t + q_pe_h · k_pe_t)) · c_t`.
 
 use crate::cpu::elementwise::softmax;
-use crate::cpu::gemv::{axpy_f32, dot_f32};
+use crate::cpu::convert::f32_to_bf16;
+use crate::cpu::gemv::{axpy_f32, dot_f32, matmul_bf16};
+use crate::cpu::vector::{dots_4x4, weighted_sum};
 use crate::cpu::isa::Isa;
 use crate::pool::ThreadPool;
 use crate::shared::SharedSlice;
-use crate::Precision;
+use crate::{Precision, WeightFormat, WeightView};
 
 /// MLA head shape.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -65,37 +67,72 @@ pub fn decode_attention(
     assert_eq!(q_pe.len(), heads * dr, "decode_attention: q_pe shape");
     assert_eq!(out.len(), heads * dc, "decode_attention: out shape");
     assert!(scores.len() >= heads * ctx, "decode_attention: scores scratch too small");
-    let scores = SharedSlice::new(scores);
-    let out = SharedSlice::new(out);
-    // Heads in contiguous groups, one group per thread: every cached entry
-    // is then loaded once per thread and reused, from L1, by all of the
-    // group's heads, instead of being streamed again for every head.
-    let groups = pool.threads().min(heads).max(1);
-    let per = heads.div_ceil(groups);
-    pool.parallel_for(groups, &|g| {
-        let heads = g * per..((g + 1) * per).min(heads);
-        if heads.is_empty() {
-            return;
-        }
-        // SAFETY: this group owns the scores and outputs of its heads.
-        let s = unsafe { scores.slice_mut(heads.start * ctx, heads.len() * ctx) };
-        let o = unsafe { out.slice_mut(heads.start * dc, heads.len() * dc) };
-        for t in 0..ctx {
-            let e = cache.entry(t);
-            for (j, h) in heads.clone().enumerate() {
-                let score = dot_f32(isa, &q_latent[h * dc..(h + 1) * dc], &e[..dc]) + dot_f32(isa, &q_pe[h * dr..(h + 1) * dr], &e[dc..]);
-                s[j * ctx + t] = score * scale;
+    // Split-K over positions (flash-decoding): each thread takes a range of
+    // positions for every head, so each cached entry is read from memory
+    // once, not once per thread. Within a range the scores are computed four
+    // heads by four positions at a time, and the context in blocks of
+    // positions that stay in cache for all heads, so every loaded vector
+    // feeds several FMAs (see `dots_4x4`, `weighted_sum`). The scores are
+    // normalised over all positions between the two passes, and the
+    // threads' partial contexts summed at the end.
+    let de = dc + dr;
+    let queries: Vec<f32> = (0..heads).flat_map(|h| q_latent[h * dc..(h + 1) * dc].iter().chain(&q_pe[h * dr..(h + 1) * dr]).copied()).collect();
+    let query = |h: usize| &queries[h * de..(h + 1) * de];
+    let entries: Vec<&[f32]> = (0..ctx).map(|t| cache.entry(t)).collect();
+    let parts = pool.threads().min(ctx).max(1);
+    let span = ctx.div_ceil(parts);
+    let range = |c: usize| c * span..((c + 1) * span).min(ctx);
+    let scores = &mut scores[..heads * ctx];
+    {
+        let shared = SharedSlice::new(scores);
+        pool.parallel_for(parts, &|c| {
+            let r = range(c);
+            // SAFETY: part c writes only positions r of each head's row.
+            let mut rows: Vec<&mut [f32]> = (0..heads).map(|h| unsafe { shared.slice_mut(h * ctx + r.start, r.len()) }).collect();
+            for t0 in r.clone().step_by(4) {
+                for h0 in (0..heads).step_by(4) {
+                    if h0 + 4 <= heads && t0 + 4 <= r.end {
+                        let d = dots_4x4(isa, std::array::from_fn(|i| query(h0 + i)), std::array::from_fn(|i| entries[t0 + i]));
+                        for (i, row) in d.iter().enumerate() {
+                            for (k, &v) in row.iter().enumerate() {
+                                rows[h0 + i][t0 - r.start + k] = v * scale;
+                            }
+                        }
+                    } else {
+                        for h in h0..(h0 + 4).min(heads) {
+                            for t in t0..(t0 + 4).min(r.end) {
+                                rows[h][t - r.start] = dot_f32(isa, query(h), entries[t]) * scale;
+                            }
+                        }
+                    }
+                }
             }
-        }
-        s.chunks_mut(ctx).for_each(|s| softmax(isa, s));
-        o.fill(0.0);
-        for t in 0..ctx {
-            let c = &cache.entry(t)[..dc];
-            for (j, oh) in o.chunks_mut(dc).enumerate() {
-                axpy_f32(isa, s[j * ctx + t], c, oh);
+        });
+    }
+    scores.chunks_mut(ctx).for_each(|s| softmax(isa, s));
+    let latents: Vec<&[f32]> = entries.iter().map(|e| &e[..dc]).collect();
+    let mut partial = vec![0.0f32; parts * heads * dc];
+    {
+        let shared = SharedSlice::new(&mut partial);
+        let scores = &*scores;
+        pool.parallel_for(parts, &|c| {
+            // SAFETY: part c owns its own partial context.
+            let part = unsafe { shared.slice_mut(c * heads * dc, heads * dc) };
+            // Positions in blocks whose latents stay in cache across the heads.
+            const BLOCK: usize = 32;
+            let r = range(c);
+            for t0 in r.clone().step_by(BLOCK) {
+                let t1 = (t0 + BLOCK).min(r.end);
+                for (h, oh) in part.chunks_mut(dc).enumerate() {
+                    weighted_sum(isa, &scores[h * ctx + t0..h * ctx + t1], &latents[t0..t1], oh);
+                }
             }
-        }
-    });
+        });
+    }
+    out.copy_from_slice(&partial[..heads * dc]);
+    for p in partial.chunks(heads * dc).skip(1) {
+        out.iter_mut().zip(p).for_each(|(o, v)| *o += v);
+    }
 }
 
 /// MLA in the expanded (prefill) form: causal attention of `n` query rows
@@ -103,14 +140,28 @@ pub fn decode_attention(
 /// start + n` positions, whose per-head keys and values `kv` (`[ctx,
 /// heads·(dn+dv)]`) are `kv_b_proj` of the cached latents, and whose shared
 /// rope key is columns `dc..` of `latents` (`[ctx, dc+dr]`). `out` (`[n,
-/// heads·dv]`, zeroed by the caller) is rounded to BF16 on that path. F32
-/// uses the scalar reference dot product and softmax; one task per head.
+/// heads·dv]`, zeroed by the caller) is rounded to BF16 on that path. One
+/// task per head.
+///
+/// F32 is the scalar reference. On the BF16 path the queries and keys are
+/// BF16 values already (every activation is rounded), so the scores of a
+/// block of queries against all the keys it may see are one BF16 GEMM on the
+/// `vdpbf16ps` kernels, exact products summed in F32, instead of a dot
+/// product and a horizontal sum per (query, key) pair.
 #[allow(clippy::too_many_arguments)]
 pub fn prefill_attention(pool: &ThreadPool, isa: Isa, q: &[f32], kv: &[f32], latents: &[f32], out: &mut [f32], start: usize, d: MlaDims, scale: f32, p: Precision) {
+    match p {
+        Precision::F32 => prefill_attention_f32(pool, q, kv, latents, out, start, d, scale),
+        Precision::Bf16 => prefill_attention_bf16(pool, isa, q, kv, latents, out, start, d, scale),
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+fn prefill_attention_f32(pool: &ThreadPool, q: &[f32], kv: &[f32], latents: &[f32], out: &mut [f32], start: usize, d: MlaDims, scale: f32) {
     let (dq, dkv, de) = (d.dn + d.dr, d.dn + d.dv, d.dc + d.dr);
     let n = q.len() / (d.heads * dq);
     let ctx = start + n;
-    let dot = |a: &[f32], b: &[f32]| if p == Precision::F32 { crate::linear::dot(a, b) } else { dot_f32(isa, a, b) };
+    let dot = crate::linear::dot;
     let out = SharedSlice::new(out);
     pool.parallel_for(d.heads, &|h| {
         let mut scores = vec![0.0f32; ctx];
@@ -122,17 +173,59 @@ pub fn prefill_attention(pool: &ThreadPool, isa: Isa, q: &[f32], kv: &[f32], lat
                 let k_pe = &latents[t * de + d.dc..(t + 1) * de];
                 *s = (dot(&qh[..d.dn], k_nope) + dot(&qh[d.dn..], k_pe)) * scale;
             }
-            match p {
-                Precision::F32 => crate::elementwise::softmax(&mut scores[..=pos]),
-                Precision::Bf16 => softmax(isa, &mut scores[..=pos]),
-            }
+            crate::elementwise::softmax(&mut scores[..=pos]);
             // SAFETY: head h of token i is written by this task only.
             let o = unsafe { out.slice_mut((i * d.heads + h) * d.dv, d.dv) };
             for (t, &w) in scores[..=pos].iter().enumerate() {
                 let v = &kv[t * d.heads * dkv + h * dkv + d.dn..][..d.dv];
                 o.iter_mut().zip(v).for_each(|(a, b)| *a += w * b);
             }
-            p.round(o);
+        }
+    });
+}
+
+/// Query rows per score GEMM: enough to amortise each key's decode, few
+/// enough that the block's scores stay in L2 at long contexts.
+const QUERY_BLOCK: usize = 32;
+
+#[allow(clippy::too_many_arguments)]
+fn prefill_attention_bf16(pool: &ThreadPool, isa: Isa, q: &[f32], kv: &[f32], latents: &[f32], out: &mut [f32], start: usize, d: MlaDims, scale: f32) {
+    let (dq, dkv, de) = (d.dn + d.dr, d.dn + d.dv, d.dc + d.dr);
+    let n = q.len() / (d.heads * dq);
+    let ctx = start + n;
+    let out = SharedSlice::new(out);
+    pool.parallel_for(d.heads, &|h| {
+        // This head's keys [ctx, dn + dr] and queries [n, dn + dr] in BF16.
+        let mut key = vec![0u16; dq];
+        let mut keys = Vec::with_capacity(ctx * dq * 2);
+        for t in 0..ctx {
+            f32_to_bf16(isa, &kv[t * d.heads * dkv + h * dkv..][..d.dn], &mut key[..d.dn]);
+            f32_to_bf16(isa, &latents[t * de + d.dc..(t + 1) * de], &mut key[d.dn..]);
+            keys.extend(key.iter().flat_map(|k| k.to_le_bytes()));
+        }
+        let keys = WeightView { rows: ctx, cols: dq, format: WeightFormat::Bf16, data: &keys, scales: &[] };
+        let mut queries = vec![0u16; n * dq];
+        for (i, row) in queries.chunks_mut(dq).enumerate() {
+            f32_to_bf16(isa, &q[(i * d.heads + h) * dq..(i * d.heads + h + 1) * dq], row);
+        }
+        let mut scores = vec![0.0f32; QUERY_BLOCK.min(n) * ctx];
+        for i0 in (0..n).step_by(QUERY_BLOCK) {
+            let i1 = (i0 + QUERY_BLOCK).min(n);
+            // The keys the block's last query may see; earlier rows mask the rest.
+            let seen = start + i1;
+            let block = &mut scores[..(i1 - i0) * seen];
+            matmul_bf16(isa, &keys, 0..seen, &queries[i0 * dq..i1 * dq], i1 - i0, block);
+            for (i, row) in (i0..i1).zip(block.chunks_mut(seen)) {
+                let row = &mut row[..=start + i];
+                row.iter_mut().for_each(|s| *s *= scale);
+                softmax(isa, row);
+                // SAFETY: head h of token i is written by this task only.
+                let o = unsafe { out.slice_mut((i * d.heads + h) * d.dv, d.dv) };
+                for (t, &w) in row.iter().enumerate() {
+                    axpy_f32(isa, w, &kv[t * d.heads * dkv + h * dkv + d.dn..][..d.dv], o);
+                }
+                crate::round_bf16_slice(o);
+            }
         }
     });
 }
@@ -169,6 +262,30 @@ mod tests {
                     let want: f32 = (0..ctx).map(|t| s[t] * cache.entry(t)[i]).sum();
                     assert!((out[h * dc + i] - want).abs() < 1e-5, "{isa:?}");
                 }
+            }
+        }
+    }
+
+    /// The BF16 prefill path (score GEMMs on BF16 keys) against the scalar
+    /// reference, on BF16-valued inputs, with a cached prefix and query
+    /// blocks that end mid-way: within BF16 output rounding.
+    #[test]
+    fn prefill_bf16_matches_reference() {
+        let d = MlaDims { heads: 3, dn: 16, dr: 8, dv: 12, dc: 20 };
+        let (start, n) = (7, 45);
+        let ctx = start + n;
+        let bf = |i: usize, m: usize| crate::round_bf16(((i * m % 61) as f32 - 30.0) / 40.0);
+        let q: Vec<f32> = (0..n * d.heads * (d.dn + d.dr)).map(|i| bf(i, 7)).collect();
+        let kv: Vec<f32> = (0..ctx * d.heads * (d.dn + d.dv)).map(|i| bf(i, 11)).collect();
+        let latents: Vec<f32> = (0..ctx * (d.dc + d.dr)).map(|i| bf(i, 13)).collect();
+        let pool = ThreadPool::new(&PoolConfig::single_node(2));
+        let mut want = vec![0.0; n * d.heads * d.dv];
+        prefill_attention(&pool, crate::cpu::isa::detect(), &q, &kv, &latents, &mut want, start, d, 0.3, Precision::F32);
+        for isa in crate::cpu::isa::supported() {
+            let mut got = vec![0.0; want.len()];
+            prefill_attention(&pool, isa, &q, &kv, &latents, &mut got, start, d, 0.3, Precision::Bf16);
+            for (g, w) in got.iter().zip(&want) {
+                assert!((g - w).abs() <= 1e-2 * w.abs() + 1e-3, "{isa:?}: {g} vs {w}");
             }
         }
     }

@@ -31,7 +31,7 @@ pub mod isa;
 mod kernel;
 #[cfg(target_arch = "x86_64")]
 mod pack;
-mod vector;
+pub mod vector;
 
 pub use bandwidth::read_bytes;
 pub use convert::f32_to_bf16;

@@ -1,5 +1,8 @@
 //! F32 vector primitives for attention over the latent KV cache:
 //! scores are `dot_f32(q, k)`, the context is a sum of `axpy_f32(p, v, ctx)`.
+//! The blocked forms, [`dots_4x4`] and [`weighted_sum`], are what decode
+//! attention uses: they load each operand once for several products, so
+//! they run at FMA rather than load/store speed.
 
 use super::isa::Isa;
 
@@ -27,6 +30,30 @@ pub fn axpy_f32(isa: Isa, alpha: f32, x: &[f32], y: &mut [f32]) {
         #[cfg(target_arch = "x86_64")]
         Isa::Avx2 => unsafe { x86::axpy_avx2(alpha, x, y) },
         _ => y.iter_mut().zip(x).for_each(|(y, &x)| *y += alpha * x),
+    }
+}
+
+/// The 16 dot products `a[i] · b[j]` of four vectors by four, all of one length.
+pub fn dots_4x4(isa: Isa, a: [&[f32]; 4], b: [&[f32]; 4]) -> [[f32; 4]; 4] {
+    let n = a[0].len();
+    assert!(a.iter().chain(&b).all(|v| v.len() == n), "dots_4x4: length mismatch");
+    match isa.usable() {
+        // SAFETY: `usable()` guarantees the features; every slice is `n` long.
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512 | Isa::Avx512Bf16 => unsafe { x86::dots_4x4_avx512(a, b) },
+        _ => std::array::from_fn(|i| std::array::from_fn(|j| dot_f32(isa, a[i], b[j]))),
+    }
+}
+
+/// `y += Σ_t w[t] · rows[t]` (every row as long as `y`).
+pub fn weighted_sum(isa: Isa, w: &[f32], rows: &[&[f32]], y: &mut [f32]) {
+    assert_eq!(w.len(), rows.len(), "weighted_sum: one weight per row");
+    assert!(rows.iter().all(|r| r.len() == y.len()), "weighted_sum: row length");
+    match isa.usable() {
+        // SAFETY: as above; every row is `y.len()` long.
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512 | Isa::Avx512Bf16 => unsafe { x86::weighted_sum_avx512(w, rows, y) },
+        _ => w.iter().zip(rows).for_each(|(&w, r)| axpy_f32(isa, w, r, y)),
     }
 }
 
@@ -71,6 +98,73 @@ mod x86 {
                 _mm512_mask_storeu_ps(py.add(i), m, v);
             }
             i += 16;
+        }
+    }
+
+    #[inline(always)]
+    fn lanes(n: usize, i: usize) -> __mmask16 {
+        if n - i >= 16 {
+            !0
+        } else {
+            (1 << (n - i)) - 1
+        }
+    }
+
+    /// # Safety
+    /// AVX-512 F present; all eight slices of one length.
+    #[target_feature(enable = "avx512f")]
+    pub(super) unsafe fn dots_4x4_avx512(a: [&[f32]; 4], b: [&[f32]; 4]) -> [[f32; 4]; 4] {
+        let n = a[0].len();
+        // 16 accumulators, 8 loads per 16 FMAs: compute-bound, not load-bound.
+        let mut acc = [[_mm512_setzero_ps(); 4]; 4];
+        let mut i = 0;
+        while i < n {
+            let m = lanes(n, i);
+            // SAFETY: the lanes under `m` lie inside every slice.
+            let av: [__m512; 4] = std::array::from_fn(|k| unsafe { _mm512_maskz_loadu_ps(m, a[k].as_ptr().add(i)) });
+            let bv: [__m512; 4] = std::array::from_fn(|k| unsafe { _mm512_maskz_loadu_ps(m, b[k].as_ptr().add(i)) });
+            for (r, acc) in acc.iter_mut().enumerate() {
+                for (c, acc) in acc.iter_mut().enumerate() {
+                    *acc = _mm512_fmadd_ps(av[r], bv[c], *acc);
+                }
+            }
+            i += 16;
+        }
+        std::array::from_fn(|r| std::array::from_fn(|c| _mm512_reduce_add_ps(acc[r][c])))
+    }
+
+    /// # Safety
+    /// AVX-512 F present; every row as long as `y`.
+    #[target_feature(enable = "avx512f")]
+    pub(super) unsafe fn weighted_sum_avx512(w: &[f32], rows: &[&[f32]], y: &mut [f32]) {
+        // Slabs of SLAB vectors of `y` stay in registers across all the rows
+        // (a fixed count, so the compiler keeps them there); the tail past
+        // the last whole slab goes row by row.
+        const SLAB: usize = 16;
+        let n = y.len();
+        let whole = n / (16 * SLAB) * (16 * SLAB);
+        let py = y.as_mut_ptr();
+        for i in (0..whole).step_by(16 * SLAB) {
+            // SAFETY: i + 16·SLAB <= n, the length of `y` and of every row.
+            unsafe {
+                let mut acc: [__m512; SLAB] = std::array::from_fn(|k| _mm512_loadu_ps(py.add(i + 16 * k)));
+                for (&wt, row) in w.iter().zip(rows) {
+                    let a = _mm512_set1_ps(wt);
+                    let pr = row.as_ptr().add(i);
+                    for (k, acc) in acc.iter_mut().enumerate() {
+                        *acc = _mm512_fmadd_ps(a, _mm512_loadu_ps(pr.add(16 * k)), *acc);
+                    }
+                }
+                for (k, acc) in acc.iter().enumerate() {
+                    _mm512_storeu_ps(py.add(i + 16 * k), *acc);
+                }
+            }
+        }
+        if whole < n {
+            for (&wt, row) in w.iter().zip(rows) {
+                // SAFETY: as above, for the tail.
+                unsafe { axpy_avx512(wt, &row[whole..], &mut y[whole..]) };
+            }
         }
     }
 
@@ -137,6 +231,35 @@ mod tests {
                 for i in 0..a.len() {
                     let want = b[i] as f64 + alpha as f64 * a[i] as f64;
                     prop_assert!((y[i] as f64 - want).abs() <= 1e-6 * (want.abs() + (alpha * a[i]).abs() as f64) + 1e-30, "{isa}: axpy[{i}]");
+                }
+            }
+        }
+
+        #[test]
+        fn blocked_forms_match_scalar(len in 0usize..200, seed in any::<u64>()) {
+            let mut state = seed | 1;
+            let mut next = move || { state ^= state << 13; state ^= state >> 7; state ^= state << 17; (state % 2001) as f32 / 100.0 - 10.0 };
+            let vecs: Vec<Vec<f32>> = (0..8).map(|_| (0..len).map(|_| next()).collect()).collect();
+            let a: [&[f32]; 4] = std::array::from_fn(|i| vecs[i].as_slice());
+            let b: [&[f32]; 4] = std::array::from_fn(|i| vecs[4 + i].as_slice());
+            let weights: Vec<f32> = (0..6).map(|_| next() / 10.0).collect();
+            let rows: Vec<&[f32]> = (0..6).map(|i| vecs[i % 8].as_slice()).collect();
+            let y0: Vec<f32> = (0..len).map(|_| next()).collect();
+            for isa in isa::supported() {
+                let d = dots_4x4(isa, a, b);
+                for i in 0..4 {
+                    for j in 0..4 {
+                        let want: f64 = a[i].iter().zip(b[j]).map(|(&x, &y)| x as f64 * y as f64).sum();
+                        let mag: f64 = a[i].iter().zip(b[j]).map(|(&x, &y)| (x as f64 * y as f64).abs()).sum::<f64>() + 1e-6;
+                        prop_assert!((d[i][j] as f64 - want).abs() / mag < 1e-5, "{isa}: dots[{i}][{j}]");
+                    }
+                }
+                let mut y = y0.clone();
+                weighted_sum(isa, &weights, &rows, &mut y);
+                for k in 0..len {
+                    let want: f64 = y0[k] as f64 + weights.iter().zip(&rows).map(|(&w, r)| w as f64 * r[k] as f64).sum::<f64>();
+                    let mag: f64 = y0[k].abs() as f64 + weights.iter().zip(&rows).map(|(&w, r)| (w * r[k]).abs() as f64).sum::<f64>() + 1e-6;
+                    prop_assert!((y[k] as f64 - want).abs() / mag < 1e-5, "{isa}: weighted_sum[{k}]");
                 }
             }
         }
