@@ -9,7 +9,7 @@
 use crate::cpu::elementwise::softmax;
 use crate::cpu::convert::f32_to_bf16;
 use crate::cpu::gemv::{axpy_f32, dot_f32, matmul_bf16};
-use crate::cpu::vector::{dots_4x4, weighted_sum};
+use crate::cpu::vector::{dots_4x4, weighted_sum, weighted_sum_4};
 use crate::cpu::isa::Isa;
 use crate::pool::ThreadPool;
 use crate::shared::SharedSlice;
@@ -72,7 +72,7 @@ pub fn decode_attention(
     // once, not once per thread. Within a range the scores are computed four
     // heads by four positions at a time, and the context in blocks of
     // positions that stay in cache for all heads, so every loaded vector
-    // feeds several FMAs (see `dots_4x4`, `weighted_sum`). The scores are
+    // feeds several FMAs (see `dots_4x4`, `weighted_sum_4`). The scores are
     // normalised over all positions between the two passes, and the
     // threads' partial contexts summed at the end.
     let de = dc + dr;
@@ -121,10 +121,19 @@ pub fn decode_attention(
             // Positions in blocks whose latents stay in cache across the heads.
             const BLOCK: usize = 32;
             let r = range(c);
+            let mut outs: Vec<&mut [f32]> = part.chunks_mut(dc).collect();
             for t0 in r.clone().step_by(BLOCK) {
                 let t1 = (t0 + BLOCK).min(r.end);
-                for (h, oh) in part.chunks_mut(dc).enumerate() {
-                    weighted_sum(isa, &scores[h * ctx + t0..h * ctx + t1], &latents[t0..t1], oh);
+                let w = |h: usize| &scores[h * ctx + t0..h * ctx + t1];
+                for (q, quad) in outs.chunks_mut(4).enumerate() {
+                    match quad {
+                        [a, b, c, d] => weighted_sum_4(isa, std::array::from_fn(|i| w(4 * q + i)), &latents[t0..t1], [a, b, c, d]),
+                        rest => {
+                            for (i, oh) in rest.iter_mut().enumerate() {
+                                weighted_sum(isa, w(4 * q + i), &latents[t0..t1], oh);
+                            }
+                        }
+                    }
                 }
             }
         });

@@ -57,6 +57,24 @@ pub fn weighted_sum(isa: Isa, w: &[f32], rows: &[&[f32]], y: &mut [f32]) {
     }
 }
 
+/// [`weighted_sum`] for four outputs over the same rows: `y[i] += Σ_t w[i][t] · rows[t]`.
+/// Each row vector loaded feeds four FMAs.
+pub fn weighted_sum_4(isa: Isa, w: [&[f32]; 4], rows: &[&[f32]], y: [&mut [f32]; 4]) {
+    assert!(w.iter().all(|w| w.len() == rows.len()), "weighted_sum_4: one weight per row");
+    let n = y[0].len();
+    assert!(y.iter().all(|y| y.len() == n) && rows.iter().all(|r| r.len() == n), "weighted_sum_4: row length");
+    match isa.usable() {
+        // SAFETY: as above; every row and output is `n` long.
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512 | Isa::Avx512Bf16 => unsafe { x86::weighted_sum_4_avx512(w, rows, y) },
+        _ => {
+            for (w, y) in w.iter().zip(y) {
+                weighted_sum(isa, w, rows, y);
+            }
+        }
+    }
+}
+
 #[cfg(target_arch = "x86_64")]
 mod x86 {
     use std::arch::x86_64::*;
@@ -168,6 +186,47 @@ mod x86 {
         }
     }
 
+    /// # Safety
+    /// AVX-512 F present; every row and output of one length.
+    #[target_feature(enable = "avx512f")]
+    pub(super) unsafe fn weighted_sum_4_avx512(w: [&[f32]; 4], rows: &[&[f32]], y: [&mut [f32]; 4]) {
+        // Four vectors of each output in registers (16 accumulators); per
+        // row, four loads and four broadcasts feed sixteen FMAs.
+        const SLAB: usize = 4;
+        let n = y[0].len();
+        let whole = n / (16 * SLAB) * (16 * SLAB);
+        let py: [*mut f32; 4] = std::array::from_fn(|j| y[j].as_ptr().cast_mut());
+        for i in (0..whole).step_by(16 * SLAB) {
+            // SAFETY: i + 16·SLAB <= n, the length of every output and row.
+            unsafe {
+                let mut acc: [[__m512; SLAB]; 4] = std::array::from_fn(|j| std::array::from_fn(|k| _mm512_loadu_ps(py[j].add(i + 16 * k))));
+                for (t, row) in rows.iter().enumerate() {
+                    let pr = row.as_ptr().add(i);
+                    let v: [__m512; SLAB] = std::array::from_fn(|k| _mm512_loadu_ps(pr.add(16 * k)));
+                    for (j, acc) in acc.iter_mut().enumerate() {
+                        let a = _mm512_set1_ps(*w[j].get_unchecked(t));
+                        for (k, acc) in acc.iter_mut().enumerate() {
+                            *acc = _mm512_fmadd_ps(a, v[k], *acc);
+                        }
+                    }
+                }
+                for (j, acc) in acc.iter().enumerate() {
+                    for (k, acc) in acc.iter().enumerate() {
+                        _mm512_storeu_ps(py[j].add(i + 16 * k), *acc);
+                    }
+                }
+            }
+        }
+        if whole < n {
+            for (w, y) in w.iter().zip(y) {
+                for (&wt, row) in w.iter().zip(rows) {
+                    // SAFETY: as above, for the tail.
+                    unsafe { axpy_avx512(wt, &row[whole..], &mut y[whole..]) };
+                }
+            }
+        }
+    }
+
     #[target_feature(enable = "avx2,fma")]
     pub(super) unsafe fn dot_avx2(a: &[f32], b: &[f32]) -> f32 {
         let (n, pa, pb) = (a.len(), a.as_ptr(), b.as_ptr());
@@ -254,8 +313,15 @@ mod tests {
                         prop_assert!((d[i][j] as f64 - want).abs() / mag < 1e-5, "{isa}: dots[{i}][{j}]");
                     }
                 }
+                let mut ys: [Vec<f32>; 4] = std::array::from_fn(|_| y0.clone());
+                let w4: [&[f32]; 4] = std::array::from_fn(|_| weights.as_slice());
+                let [a0, a1, a2, a3] = &mut ys;
+                weighted_sum_4(isa, w4, &rows, [a0, a1, a2, a3]);
                 let mut y = y0.clone();
                 weighted_sum(isa, &weights, &rows, &mut y);
+                for other in &ys {
+                    prop_assert!(other.iter().zip(&y).all(|(a, b)| (a - b).abs() <= 1e-5 * (a.abs() + 1.0)), "{isa}: weighted_sum_4");
+                }
                 for k in 0..len {
                     let want: f64 = y0[k] as f64 + weights.iter().zip(&rows).map(|(&w, r)| w as f64 * r[k] as f64).sum::<f64>();
                     let mag: f64 = y0[k].abs() as f64 + weights.iter().zip(&rows).map(|(&w, r)| (w * r[k]).abs() as f64).sum::<f64>() + 1e-6;
