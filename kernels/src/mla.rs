@@ -99,9 +99,9 @@ pub fn decode_attention(
                             }
                         }
                     } else {
-                        for h in h0..(h0 + 4).min(heads) {
+                        for (h, row) in rows.iter_mut().enumerate().skip(h0).take(4) {
                             for t in t0..(t0 + 4).min(r.end) {
-                                rows[h][t - r.start] = dot_f32(isa, query(h), entries[t]) * scale;
+                                row[t - r.start] = dot_f32(isa, query(h), entries[t]) * scale;
                             }
                         }
                     }
