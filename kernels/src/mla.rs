@@ -246,30 +246,33 @@ mod tests {
 
     #[test]
     fn matches_naive_attention() {
-        let (heads, dc, dr, bs, ctx): (usize, usize, usize, usize, usize) = (3, 40, 8, 4, 11);
-        let entries: Vec<f32> = (0..ctx.div_ceil(bs) * bs * (dc + dr)).map(|i| ((i * 13 % 29) as f32 - 14.0) / 14.0).collect();
-        let blocks: Vec<&[f32]> = entries.chunks(bs * (dc + dr)).rev().collect(); // any block order
-        let cache = LatentCache { blocks: &blocks, block_size: bs, dc, dr };
-        let ql: Vec<f32> = (0..heads * dc).map(|i| (i % 7) as f32 / 7.0 - 0.5).collect();
-        let qp: Vec<f32> = (0..heads * dr).map(|i| (i % 5) as f32 / 5.0 - 0.5).collect();
-        let pool = ThreadPool::new(&PoolConfig::single_node(2));
-        for isa in crate::cpu::isa::supported() {
-            let mut scores = vec![0.0; heads * ctx];
-            let mut out = vec![0.0; heads * dc];
-            decode_attention(&pool, isa, cache, ctx, &ql, &qp, 0.3, &mut scores, &mut out);
-            for h in 0..heads {
-                let mut s: Vec<f32> = (0..ctx)
-                    .map(|t| {
-                        let e = cache.entry(t);
-                        let a: f32 = (0..dc).map(|i| ql[h * dc + i] * e[i]).sum();
-                        let b: f32 = (0..dr).map(|i| qp[h * dr + i] * e[dc + i]).sum();
-                        (a + b) * 0.3
-                    })
-                    .collect();
-                crate::elementwise::softmax(&mut s);
-                for i in 0..dc {
-                    let want: f32 = (0..ctx).map(|t| s[t] * cache.entry(t)[i]).sum();
-                    assert!((out[h * dc + i] - want).abs() < 1e-5, "{isa:?}");
+        // Head and position counts off and on the 4×4 blocking, and latents
+        // off and on the 64-float slabs of the weighted sums.
+        for (heads, dc, dr, bs, ctx) in [(3usize, 40usize, 8usize, 4usize, 11usize), (8, 128, 16, 16, 70), (5, 136, 8, 8, 9)] {
+            let entries: Vec<f32> = (0..ctx.div_ceil(bs) * bs * (dc + dr)).map(|i| ((i * 13 % 29) as f32 - 14.0) / 14.0).collect();
+            let blocks: Vec<&[f32]> = entries.chunks(bs * (dc + dr)).rev().collect(); // any block order
+            let cache = LatentCache { blocks: &blocks, block_size: bs, dc, dr };
+            let ql: Vec<f32> = (0..heads * dc).map(|i| (i % 7) as f32 / 7.0 - 0.5).collect();
+            let qp: Vec<f32> = (0..heads * dr).map(|i| (i % 5) as f32 / 5.0 - 0.5).collect();
+            let pool = ThreadPool::new(&PoolConfig::single_node(2));
+            for isa in crate::cpu::isa::supported() {
+                let mut scores = vec![0.0; heads * ctx];
+                let mut out = vec![0.0; heads * dc];
+                decode_attention(&pool, isa, cache, ctx, &ql, &qp, 0.3, &mut scores, &mut out);
+                for h in 0..heads {
+                    let mut s: Vec<f32> = (0..ctx)
+                        .map(|t| {
+                            let e = cache.entry(t);
+                            let a: f32 = (0..dc).map(|i| ql[h * dc + i] * e[i]).sum();
+                            let b: f32 = (0..dr).map(|i| qp[h * dr + i] * e[dc + i]).sum();
+                            (a + b) * 0.3
+                        })
+                        .collect();
+                    crate::elementwise::softmax(&mut s);
+                    for i in 0..dc {
+                        let want: f32 = (0..ctx).map(|t| s[t] * cache.entry(t)[i]).sum();
+                        assert!((out[h * dc + i] - want).abs() < 1e-5, "{isa:?}, {heads} heads, ctx {ctx}");
+                    }
                 }
             }
         }
