@@ -132,6 +132,52 @@ impl Engine {
         }
         let _ = job.reply.send(result);
     }
+
+    fn prefill(&mut self, job: &Job, commands: &Receiver<Command>) -> Result<PrefillResponse, Status> {
+        let started = Instant::now();
+        let mut sampler = Sampler::new(job.sampling.clone(), &job.prompt).map_err(|e| Status::invalid_argument(e.to_string()))?;
+        let mut table = job.lease.table();
+        let pool = self.kv.pool(job.lease.pool_epoch)?;
+        self.inbox.stats.pool_epoch.store(job.lease.pool_epoch, std::sync::atomic::Ordering::Relaxed);
+        pool.check_table(&table).map_err(|e| Status::invalid_argument(e.to_string()))?;
+        if pool.capacity(&table) < job.prompt.len() {
+            return Err(Status::invalid_argument(format!("the KV lease holds {} positions, fewer than the prompt's {}", pool.capacity(&table), job.prompt.len())));
+        }
+        let inbox = &mut self.inbox;
+        let logits = match self.slp.as_ref().filter(|s| job.prompt.len() >= s.threshold_tokens) {
+            Some(slp) => {
+                let mut stop = || inbox.stop(job, commands);
+                let (logits, report) = slp.engine.run(&self.model, pool, &mut table, &job.prompt, self.precision, Logits::Last, &mut stop).map_err(|e| match e {
+                    SlpError::Cancelled => Status::cancelled("prefill cancelled"),
+                    SlpError::Staged(StagedError::Forward(e)) => Status::invalid_argument(e.to_string()),
+                    e => Status::internal(format!("stream-loading prefill failed: {e}")),
+                })?;
+                record_slp(&report);
+                logits
+            }
+            None => {
+                let mut logits = vec![];
+                for chunk in job.prompt.chunks(self.chunk_tokens) {
+                    if inbox.stop(job, commands) {
+                        return Err(Status::cancelled("prefill cancelled"));
+                    }
+                    logits = self.model.forward(pool, &mut table, chunk, self.precision, Logits::Last).map_err(|e| Status::invalid_argument(e.to_string()))?;
+                }
+                logits
+            }
+        };
+        let token = sampler.sample(&logits);
+        let seconds = started.elapsed().as_secs_f64();
+        let n = job.prompt.len() as f64;
+        metrics::counter!(names::PREFILL_TOKENS, "worker" => "prefill").increment(job.prompt.len() as u64);
+        metrics::histogram!(names::PREFILL_TIME, "worker" => "prefill").record(seconds);
+        metrics::histogram!(names::PREFILL_THROUGHPUT, "worker" => "prefill").record(n / seconds.max(1e-9));
+        Ok(PrefillResponse {
+            first_token: Some(WireToken::from(&token)),
+            queue_seconds: (started - job.arrived).as_secs_f64(),
+            prefill_seconds: seconds,
+        })
+    }
 }
 
 impl Inbox {
@@ -164,57 +210,6 @@ impl Inbox {
                 let _ = reply.send(queued != self.queue.len());
             }
         }
-    }
-
-}
-
-impl Engine {
-    fn prefill(&mut self, job: &Job, commands: &Receiver<Command>) -> Result<PrefillResponse, Status> {
-        let started = Instant::now();
-        let mut sampler = Sampler::new(job.sampling.clone(), &job.prompt).map_err(|e| Status::invalid_argument(e.to_string()))?;
-        let mut table = job.lease.table();
-        let stats = &self.inbox.stats;
-        let pool = self.kv.pool(job.lease.pool_epoch)?;
-        stats.pool_epoch.store(job.lease.pool_epoch, std::sync::atomic::Ordering::Relaxed);
-        pool.check_table(&table).map_err(|e| Status::invalid_argument(e.to_string()))?;
-        if pool.capacity(&table) < job.prompt.len() {
-            return Err(Status::invalid_argument(format!("the KV lease holds {} positions, fewer than the prompt's {}", pool.capacity(&table), job.prompt.len())));
-        }
-        let inbox = &mut self.inbox;
-        let logits = match self.slp.as_ref().filter(|s| job.prompt.len() >= s.threshold_tokens) {
-            Some(slp) => {
-                let mut stop = || inbox.stop(job, commands);
-                let (logits, report) = slp.engine.run(&self.model, pool, &mut table, &job.prompt, self.precision, Logits::Last, &mut stop).map_err(|e| match e {
-                    SlpError::Cancelled => Status::cancelled("prefill cancelled"),
-                    SlpError::Staged(StagedError::Forward(e)) => Status::invalid_argument(e.to_string()),
-                    e => Status::internal(format!("stream-loading prefill failed: {e}")),
-                })?;
-                record_slp(&report);
-                logits
-            }
-            None => {
-                let mut logits = vec![];
-                for chunk in job.prompt.chunks(self.chunk_tokens) {
-                    if inbox.stop(job, commands) {
-                        return Err(Status::cancelled("prefill cancelled"));
-                    }
-                    let pool = self.kv.pool(job.lease.pool_epoch)?;
-                    logits = self.model.forward(pool, &mut table, chunk, self.precision, Logits::Last).map_err(|e| Status::invalid_argument(e.to_string()))?;
-                }
-                logits
-            }
-        };
-        let token = sampler.sample(&logits);
-        let seconds = started.elapsed().as_secs_f64();
-        let n = job.prompt.len() as f64;
-        metrics::counter!(names::PREFILL_TOKENS, "worker" => "prefill").increment(job.prompt.len() as u64);
-        metrics::histogram!(names::PREFILL_TIME, "worker" => "prefill").record(seconds);
-        metrics::histogram!(names::PREFILL_THROUGHPUT, "worker" => "prefill").record(n / seconds.max(1e-9));
-        Ok(PrefillResponse {
-            first_token: Some(WireToken::from(&token)),
-            queue_seconds: (started - job.arrived).as_secs_f64(),
-            prefill_seconds: seconds,
-        })
     }
 }
 
