@@ -87,6 +87,12 @@ fn bad_launches_are_refused_and_faults_are_sticky() {
     let aliased = Op::SiluMul { gate: a.matrix(8, 8), up: a.matrix(8, 8), precision: duplex_kernels::Precision::F32 };
     assert!(matches!(d.launch(s, &aliased), Err(DeviceError::Invalid(_))));
     assert!(d.upload(s, &HostBytes::from_vec(vec![0; 10]), a).is_err(), "length mismatch");
+    // Row slices of an FP8 weight keep to its scale blocks.
+    let (data, scales) = (d.alloc(300 * 128).unwrap(), d.alloc(3 * 4).unwrap());
+    let w = duplex_kernels::device::DeviceWeight { data, scales, rows: 300, cols: 128, format: duplex_kernels::WeightFormat::Fp8E4m3 { block: [128, 128] } };
+    let tail = w.rows(128..300).unwrap();
+    assert_eq!((tail.rows, tail.data.bytes, tail.scales.bytes, tail.scales.addr), (172, 172 * 128, 8, scales.addr + 4));
+    assert!(w.rows(64..192).is_err() && w.rows(0..100).is_err() && w.rows(0..301).is_err());
     // An index out of range is data, seen only when the kernel runs: the
     // fault surfaces at the next synchronisation and stays.
     let (rows, dst) = (d.alloc(4).unwrap(), d.alloc(64 * 4).unwrap());

@@ -138,6 +138,28 @@ pub struct DeviceWeight {
 }
 
 impl DeviceWeight {
+    /// Rows `rows` of this weight. An FP8 slice must start on a scale block
+    /// and end on one (or at the last row).
+    pub fn rows(&self, rows: Range<usize>) -> Result<DeviceWeight, DeviceError> {
+        if rows.start > rows.end || rows.end > self.rows {
+            return Err(DeviceError::Invalid(format!("rows {rows:?} of a {}-row weight", self.rows)));
+        }
+        let row_bytes = self.cols * self.format.bytes_per_element();
+        let data = self.data.slice(rows.start * row_bytes, rows.len() * row_bytes)?;
+        let scales = match self.format {
+            WeightFormat::Fp8E4m3 { block } => {
+                if rows.start % block[0] != 0 || (rows.end % block[0] != 0 && rows.end != self.rows) {
+                    return Err(DeviceError::Invalid(format!("rows {rows:?} split a {}-row FP8 scale block", block[0])));
+                }
+                let per_row = self.cols.div_ceil(block[1]) * 4;
+                let first = rows.start / block[0];
+                self.scales.slice(first * per_row, (rows.end.div_ceil(block[0]) - first) * per_row)?
+            }
+            _ => self.scales,
+        };
+        Ok(DeviceWeight { data, scales, rows: rows.len(), ..*self })
+    }
+
     fn check(&self, what: &str) -> Result<(), DeviceError> {
         let bytes = self.rows.checked_mul(self.cols).and_then(|n| n.checked_mul(self.format.bytes_per_element()));
         if bytes != Some(self.data.bytes) {

@@ -56,7 +56,7 @@ fn start_engine(cfg: &PrefillConfig) -> anyhow::Result<(Engine, Arc<StatsCell>)>
     let slp = match open_device(cfg)? {
         Some(device) => {
             let ring_slots = (cfg.ring_slots != 0).then_some(cfg.ring_slots);
-            let config = SlpConfig { ring_slots, turning_point_tokens: cfg.ring_turning_point_tokens, dense_budget_bytes: cfg.dense_budget_mib << 20, jitter: None };
+            let config = SlpConfig { ring_slots, turning_point_tokens: cfg.ring_turning_point_tokens, dense_budget_bytes: cfg.dense_budget_mib << 20, ..SlpConfig::default() };
             let engine = SlpEngine::new(&model, device, config)?;
             tracing::info!("stream-loading prefill on {} for prompts of {} tokens or more", engine.describe(), cfg.slp_threshold_tokens);
             Some(Slp { engine, threshold_tokens: cfg.slp_threshold_tokens })

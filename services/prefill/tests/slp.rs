@@ -82,7 +82,7 @@ fn slp_matches_cpu_engine_and_reference_at_every_ring_length_and_budget() {
     let configs = [
         ("full ring", config()),
         ("2-slot ring", SlpConfig { ring_slots: Some(2), ..config() }),
-        ("one-module budget", SlpConfig { ring_slots: Some(2), dense_budget_bytes: one_module_budget(m), ..config() }),
+        ("one-module budget, heads in groups", SlpConfig { ring_slots: Some(2), dense_budget_bytes: one_module_budget(m), attention_kv_bytes: 1, ..config() }),
     ];
     for (label, config) in configs {
         let engine = SlpEngine::new(m, device(None), config).unwrap();
@@ -119,7 +119,7 @@ fn ring_length_adapts_to_the_prompt_and_can_be_overridden() {
     assert_eq!(slp(&fixed, &tokens, Precision::Bf16, Logits::Last).unwrap().ring_slots, 5);
     // Device memory too small for the full ring: as many slots as fit.
     let expert = m.staged_modules(usize::MAX).iter().filter(|x| x.is_expert()).map(|x| x.device_bytes()).max().unwrap();
-    let memory = one_module_budget(m) + workspace_bytes(m, tokens.len(), Logits::Last) + 6 * expert + (64 << 10);
+    let memory = one_module_budget(m) + workspace_bytes(m, tokens.len(), Logits::Last, config().attention_kv_bytes) + 6 * expert + (64 << 10);
     let small = EmulatedDevice::new(EmulatedConfig { memory_bytes: memory, ..Default::default() }).unwrap();
     let engine = SlpEngine::new(m, small, SlpConfig { dense_budget_bytes: one_module_budget(m), ..config() }).unwrap();
     let slots = slp(&engine, &tokens, Precision::Bf16, Logits::Last).unwrap().ring_slots;

@@ -152,6 +152,8 @@ pub enum StagedError {
     Device(#[from] DeviceError),
     #[error("module {0:?} came with the wrong weights")]
     Weights(ModuleKind),
+    #[error("a staged pass starts a sequence; this one already has {0} cached positions")]
+    CachedPrefix(usize),
 }
 
 /// The device buffers of one pass, carved out of one allocation.
@@ -180,8 +182,22 @@ struct Workspace {
     logits: Matrix,
 }
 
-/// `(floats per buffer)` of a pass over `n` tokens returning `r` logits rows.
-fn workspace_plan(m: &Model, n: usize, r: usize) -> Vec<usize> {
+/// Heads whose expanded keys and values one step of attention materialises
+/// for `n` positions: as many as fit `kv_bytes`, in steps that keep each
+/// slice of `kv_b_proj` on whole FP8 scale blocks (all heads if no smaller
+/// group does).
+pub fn kv_heads_per_step(m: &Model, n: usize, kv_bytes: usize) -> usize {
+    let c = &m.cfg;
+    let (heads, dkv) = (c.num_attention_heads, c.qk_nope_head_dim + c.v_head_dim);
+    let block = c.quantization.as_ref().map_or(1, |q| q.weight_block_size[0]);
+    let step = (1..=heads).find(|g| (g * dkv) % block == 0).unwrap_or(heads);
+    let fit = kv_bytes / (n.max(1) * dkv * 4).max(1);
+    (fit / step * step).clamp(step, heads)
+}
+
+/// `(floats per buffer)` of a pass over `n` tokens returning `r` logits rows,
+/// with keys and values expanded `g` heads at a time.
+fn workspace_plan(m: &Model, n: usize, r: usize, g: usize) -> Vec<usize> {
     let c = &m.cfg;
     let (heads, dq, dv) = (c.num_attention_heads, c.qk_head_dim(), c.v_head_dim);
     let inter = c.intermediate_size.max(c.moe_intermediate_size * c.n_shared_experts.max(1));
@@ -195,7 +211,7 @@ fn workspace_plan(m: &Model, n: usize, r: usize) -> Vec<usize> {
         n * c.q_lora_rank.unwrap_or(0),                 // qa
         n * heads * dq,                                 // q
         n * c.kv_entry_dim(),                           // latents
-        n * heads * (c.qk_nope_head_dim + dv),          // kv
+        n * g * (c.qk_nope_head_dim + dv),              // kv
         n * heads * dv,                                 // attn
         n * c.hidden_size,                              // out
         n * c.n_routed_experts,                         // router logits
@@ -212,10 +228,11 @@ fn workspace_plan(m: &Model, n: usize, r: usize) -> Vec<usize> {
     ]
 }
 
-/// Device bytes of the activations of a pass over `n` tokens.
-pub fn workspace_bytes(model: &Model, n: usize, want: Logits) -> usize {
+/// Device bytes of the activations of a pass over `n` tokens whose expanded
+/// keys and values take at most about `kv_bytes` at a time.
+pub fn workspace_bytes(model: &Model, n: usize, want: Logits, kv_bytes: usize) -> usize {
     let r = if want == Logits::All { n } else { 1 };
-    workspace_plan(model, n, r).iter().map(|f| align(f * 4)).sum()
+    workspace_plan(model, n, r, kv_heads_per_step(model, n, kv_bytes)).iter().map(|f| align(f * 4)).sum()
 }
 
 /// One prompt's pass through the staged modules, on one device stream.
@@ -227,6 +244,8 @@ pub struct StagedPass<'a> {
     want: Logits,
     n: usize,
     start: usize,
+    /// Heads per step of expanded attention.
+    kv_heads: usize,
     ws: Workspace,
     /// Per expert of the current layer: `(first index, count)` into the
     /// uploaded row and scale lists.
@@ -234,9 +253,9 @@ pub struct StagedPass<'a> {
 }
 
 impl<'a> StagedPass<'a> {
-    /// Prepare a pass of `tokens` continuing the sequence of `table` (whose
+    /// Prepare a pass of `tokens` starting the sequence of `table` (whose
     /// blocks must hold them), with activations in `workspace` (at least
-    /// [`workspace_bytes`] long).
+    /// [`workspace_bytes`] long for the same `kv_bytes`).
     #[allow(clippy::too_many_arguments)]
     pub fn new(
         model: &'a Model,
@@ -248,6 +267,7 @@ impl<'a> StagedPass<'a> {
         precision: Precision,
         want: Logits,
         workspace: DevicePtr,
+        kv_bytes: usize,
     ) -> Result<Self, StagedError> {
         let cfg = &model.cfg;
         let n = tokens.len();
@@ -258,13 +278,18 @@ impl<'a> StagedPass<'a> {
             return Err(ForwardError::TokenOutOfRange { id, vocab: cfg.vocab_size }.into());
         }
         let start = table.len;
+        if start != 0 {
+            // Attention sees only this pass's latents on the device.
+            return Err(StagedError::CachedPrefix(start));
+        }
         if start + n > cfg.max_position_embeddings {
             return Err(ForwardError::TooLong { pos: start + n, max: cfg.max_position_embeddings }.into());
         }
         pool.reserve(table, start + n).map_err(ForwardError::from)?;
         let r = if want == Logits::All { n } else { 1 };
         let mut offset = 0;
-        let mut bufs = workspace_plan(model, n, r).into_iter().map(|floats| {
+        let kv_heads = kv_heads_per_step(model, n, kv_bytes);
+        let mut bufs = workspace_plan(model, n, r, kv_heads).into_iter().map(|floats| {
             let p = workspace.slice(offset, floats * 4);
             offset += align(floats * 4);
             p
@@ -285,7 +310,7 @@ impl<'a> StagedPass<'a> {
             qa: next(cfg.q_lora_rank.unwrap_or(1))?,
             q: next(heads * dq)?,
             latents: next(cfg.kv_entry_dim())?,
-            kv: next(heads * dkv)?,
+            kv: next(kv_heads * dkv)?,
             attn: next(heads * dv)?,
             out: next(d)?,
             router: next(cfg.n_routed_experts.max(1))?,
@@ -307,7 +332,7 @@ impl<'a> StagedPass<'a> {
         device::upload_u32(dev, stream, tokens, ws.tokens)?;
         device::upload_f32(dev, stream, &cos, ws.cos.buf)?;
         device::upload_f32(dev, stream, &sin, ws.sin.buf)?;
-        Ok(StagedPass { model, dev, stream, precision, want, n, start, ws, assignments: vec![] })
+        Ok(StagedPass { model, dev, stream, precision, want, n, start, kv_heads, ws, assignments: vec![] })
     }
 
     fn launch(&self, op: Op) -> Result<(), DeviceError> {
@@ -379,10 +404,17 @@ impl<'a> StagedPass<'a> {
                 let q_heads = q.reshape(n * heads, dn + dr).columns(dn..dn + dr);
                 self.launch(Op::Rope { x: q_heads, cos: ws.cos, sin: ws.sin, rows_per_position: heads, interleaved: cfg.rope_interleave, precision: p })?;
                 self.store_latents(layer, latents, pool, table)?;
-                let kv = self.linear(kv_b, latents.columns(0..dc), ws.kv)?;
+                // Keys and values expanded a group of heads at a time, so
+                // their memory stays bounded however long the prompt.
                 let attn = ws.attn.rows(0..n);
-                let dims = MlaDims { heads, dn, dr, dv, dc };
-                self.launch(Op::MlaPrefill { q, kv, latents, out: attn, start: self.start, dims, scale: self.model.softmax_scale, precision: p })?;
+                let dkv = dn + dv;
+                for h0 in (0..heads).step_by(self.kv_heads) {
+                    let g = self.kv_heads.min(heads - h0);
+                    let kv = self.linear(&kv_b.rows(h0 * dkv..(h0 + g) * dkv)?, latents.columns(0..dc), ws.kv)?;
+                    let (q, out) = (q.columns(h0 * (dn + dr)..(h0 + g) * (dn + dr)), attn.columns(h0 * dv..(h0 + g) * dv));
+                    let dims = MlaDims { heads: g, dn, dr, dv, dc };
+                    self.launch(Op::MlaPrefill { q, kv, latents, out, start: self.start, dims, scale: model.softmax_scale, precision: p })?;
+                }
                 let out = self.linear(o, attn, ws.out)?;
                 self.launch(Op::Add { h, delta: out, precision: p })?;
                 self.norm(h, post_norm, ws.x)?;

@@ -160,7 +160,7 @@ fn batched_forward_equals_each_sequence_alone() {
 
 /// Run `tokens` through every staged module in turn on an emulated device,
 /// each module's weights uploaded just before it runs and freed after.
-fn staged_forward(m: &Model, tokens: &[u32], p: Precision, want: Logits) -> Vec<f32> {
+fn staged_forward(m: &Model, tokens: &[u32], p: Precision, want: Logits, kv_bytes: usize) -> Vec<f32> {
     use duplex_kernels::device::emulated::{EmulatedConfig, EmulatedDevice};
     use duplex_kernels::device::{Device, StreamKind};
     use duplex_model::staged::{workspace_bytes, StagedPass};
@@ -168,8 +168,8 @@ fn staged_forward(m: &Model, tokens: &[u32], p: Precision, want: Logits) -> Vec<
     let (copy, compute) = (dev.create_stream(StreamKind::Copy).unwrap(), dev.create_stream(StreamKind::Compute).unwrap());
     let mut kv = pool(m);
     let mut table = BlockTable::default();
-    let workspace = dev.alloc(workspace_bytes(m, tokens.len(), want)).unwrap();
-    let mut pass = StagedPass::new(m, &*dev, compute, &mut kv, &mut table, tokens, p, want, workspace).unwrap();
+    let workspace = dev.alloc(workspace_bytes(m, tokens.len(), want, kv_bytes)).unwrap();
+    let mut pass = StagedPass::new(m, &*dev, compute, &mut kv, &mut table, tokens, p, want, workspace, kv_bytes).unwrap();
     for module in m.staged_modules(64 << 10) {
         let slot = dev.alloc(module.device_bytes()).unwrap();
         let weights = module.upload(&*dev, copy, slot).unwrap();
@@ -200,11 +200,15 @@ fn staged_forward(m: &Model, tokens: &[u32], p: Precision, want: Logits) -> Vec<
 fn staged_forward_on_emulated_device_matches_transformers() {
     let m = model();
     for (i, p) in prompts().iter().enumerate() {
-        let got = staged_forward(m, &p.input_ids, Precision::F32, Logits::All);
-        let max_diff = max_abs_diff(&got, &p.logits);
-        println!("prompt {i}: staged f32 max |Δlogit| = {max_diff:.3e}");
-        assert!(max_diff <= F32_MAX_ABS_DIFF, "prompt {i}: staged f32 max |Δlogit| {max_diff}");
-        let got = staged_forward(m, &p.input_ids, Precision::Bf16, Logits::All);
-        check_bf16(&format!("prompt {i} staged"), p, &got, m.cfg.vocab_size);
+        // All heads' keys and values at once, and one scale block of heads at a time.
+        assert!(duplex_model::staged::kv_heads_per_step(m, p.input_ids.len(), 1) < m.cfg.num_attention_heads);
+        for kv_bytes in [usize::MAX, 1] {
+            let got = staged_forward(m, &p.input_ids, Precision::F32, Logits::All, kv_bytes);
+            let max_diff = max_abs_diff(&got, &p.logits);
+            println!("prompt {i}, kv_bytes {kv_bytes}: staged f32 max |Δlogit| = {max_diff:.3e}");
+            assert!(max_diff <= F32_MAX_ABS_DIFF, "prompt {i}: staged f32 max |Δlogit| {max_diff}");
+            let got = staged_forward(m, &p.input_ids, Precision::Bf16, Logits::All, kv_bytes);
+            check_bf16(&format!("prompt {i} staged"), p, &got, m.cfg.vocab_size);
+        }
     }
 }

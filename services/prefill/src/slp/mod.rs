@@ -40,13 +40,16 @@ pub struct SlpConfig {
     pub turning_point_tokens: usize,
     /// Device bytes for non-expert modules.
     pub dense_budget_bytes: usize,
+    /// Device bytes for the keys and values attention expands at a time:
+    /// long prompts take the heads in groups to stay under it.
+    pub attention_kv_bytes: usize,
     /// Random delays in the three threads (stress tests): seed and maximum.
     pub jitter: Option<(u64, Duration)>,
 }
 
 impl Default for SlpConfig {
     fn default() -> Self {
-        SlpConfig { ring_slots: None, turning_point_tokens: 50_000, dense_budget_bytes: 1 << 30, jitter: None }
+        SlpConfig { ring_slots: None, turning_point_tokens: 50_000, dense_budget_bytes: 1 << 30, attention_kv_bytes: 256 << 20, jitter: None }
     }
 }
 
@@ -189,7 +192,7 @@ impl SlpEngine {
         should_stop: &mut dyn FnMut() -> bool,
     ) -> Result<(Vec<f32>, SlpReport), SlpError> {
         let dev = &*self.device;
-        let workspace = dev.alloc(workspace_bytes(model, tokens.len(), want)).map_err(|e| SlpError::Config(format!("the activations of a {}-token prompt do not fit the device: {e}", tokens.len())))?;
+        let workspace = dev.alloc(workspace_bytes(model, tokens.len(), want, self.config.attention_kv_bytes)).map_err(|e| SlpError::Config(format!("the activations of a {}-token prompt do not fit the device: {e}", tokens.len())))?;
         let ring = match self.ring(tokens.len()) {
             Ok(ring) => ring,
             Err(e) => {
@@ -199,7 +202,7 @@ impl SlpEngine {
         };
         let start_len = table.len;
         let result = (|| -> Result<(Vec<f32>, SlpReport), SlpError> {
-            let mut pass = StagedPass::new(model, dev, self.compute, pool, table, tokens, precision, want, workspace)?;
+            let mut pass = StagedPass::new(model, dev, self.compute, pool, table, tokens, precision, want, workspace, self.config.attention_kv_bytes)?;
             let report = self.pipeline(&mut pass, ring.as_ref(), pool, table, should_stop)?;
             Ok((pass.finish(table)?, report))
         })();
