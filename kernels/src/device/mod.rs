@@ -148,7 +148,7 @@ impl DeviceWeight {
         let data = self.data.slice(rows.start * row_bytes, rows.len() * row_bytes)?;
         let scales = match self.format {
             WeightFormat::Fp8E4m3 { block } => {
-                if rows.start % block[0] != 0 || (rows.end % block[0] != 0 && rows.end != self.rows) {
+                if !rows.start.is_multiple_of(block[0]) || (!rows.end.is_multiple_of(block[0]) && rows.end != self.rows) {
                     return Err(DeviceError::Invalid(format!("rows {rows:?} split a {}-row FP8 scale block", block[0])));
                 }
                 let per_row = self.cols.div_ceil(block[1]) * 4;
