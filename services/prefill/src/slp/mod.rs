@@ -262,10 +262,16 @@ impl SlpEngine {
             }
         };
         // Expert module k of the prompt takes ring slot k % len.
-        let expert_seq: Vec<Option<usize>> = {
-            let mut k = 0;
-            self.modules.iter().map(|m| m.is_expert().then(|| (k, k += 1).0)).collect()
-        };
+        let mut experts = 0;
+        let expert_seq: Vec<Option<usize>> = self
+            .modules
+            .iter()
+            .map(|m| {
+                let k = experts;
+                experts += m.is_expert() as usize;
+                m.is_expert().then_some(k)
+            })
+            .collect();
         let slot_users: Vec<usize> = (0..n).filter(|&i| expert_seq[i].is_some()).collect();
         let epoch = dev.record(self.compute)?;
 
