@@ -2,9 +2,11 @@
 //!
 //! Kernels know nothing of models. They take slices and shapes: weight formats
 //! (FP8 E4M3 with block scales, BF16, F16, F32), the linear-layer products over
-//! them, and fused elementwise ops (RMSNorm, rotary embedding, SiLU·up,
-//! softmax). Everything here has a plain scalar implementation that serves as
-//! the reference for the SIMD variants that come later.
+//! them, fused elementwise ops (RMSNorm, rotary embedding, SiLU·up, softmax),
+//! router top-k and MLA attention. Everything has a plain scalar reference;
+//! the SIMD variants in `cpu/` are chosen by CPU feature detection. `device/`
+//! is the accelerator layer: the same kernel set behind one interface, on an
+//! emulated accelerator or (feature `cuda`) a CUDA GPU.
 
 pub mod bench;
 pub mod cpu;
