@@ -42,6 +42,16 @@ fn token_ids(msgs: &[GenerateResponse]) -> Vec<u32> {
         .collect()
 }
 
+/// The text of the streamed tokens, in order.
+fn token_text(msgs: &[GenerateResponse]) -> String {
+    msgs.iter()
+        .filter_map(|m| match &m.event {
+            Some(generate_response::Event::Token(t)) => Some(t.text.as_str()),
+            _ => None,
+        })
+        .collect()
+}
+
 fn finished(msgs: &[GenerateResponse]) -> &duplex_proto::v1::Finished {
     match msgs.last().and_then(|m| m.event.as_ref()) {
         Some(generate_response::Event::Finished(f)) => f,
@@ -96,13 +106,7 @@ async fn stop_token_ends_with_stop_and_text_round_trips() {
     let req = GenerateRequest { prompt: Some(generate_request::Prompt::Text("Hi".into())), ..Default::default() };
     let msgs = generate_all(&router, req).await.unwrap();
     assert_eq!(token_ids(&msgs), script);
-    let text: String = msgs
-        .iter()
-        .filter_map(|m| match &m.event {
-            Some(generate_response::Event::Token(t)) => Some(t.text.as_str()),
-            _ => None,
-        })
-        .collect();
+    let text = token_text(&msgs);
     assert_eq!(text, "Hello there, world");
     assert_eq!(finished(&msgs).finish_reason, "stop");
     let r = router.mock.record();
@@ -236,13 +240,7 @@ async fn stop_strings_across_tokens() {
         ..Default::default()
     };
     let msgs = generate_all(&router, req).await.unwrap();
-    let text: String = msgs
-        .iter()
-        .filter_map(|m| match &m.event {
-            Some(generate_response::Event::Token(t)) => Some(t.text.as_str()),
-            _ => None,
-        })
-        .collect();
+    let text = token_text(&msgs);
     assert_eq!(text, "one two ");
     assert_eq!(finished(&msgs).finish_reason, "stop");
     router.wait_for("the decode stream to be dropped", |r| r.streams_cancelled.len() == 1).await;
