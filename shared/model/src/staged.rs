@@ -195,36 +195,39 @@ pub fn kv_heads_per_step(m: &Model, n: usize, kv_bytes: usize) -> usize {
     (fit / step * step).clamp(step, heads)
 }
 
-/// `(floats per buffer)` of a pass over `n` tokens returning `r` logits rows,
-/// with keys and values expanded `g` heads at a time.
-fn workspace_plan(m: &Model, n: usize, r: usize, g: usize) -> Vec<usize> {
+/// The `(rows, cols)` of each workspace buffer, in [`Workspace`]'s field
+/// order, for a pass over `n` tokens returning `r` logits rows, with keys and
+/// values expanded `g` heads at a time. (u32 buffers count as F32.)
+fn workspace_plan(m: &Model, n: usize, r: usize, g: usize) -> [(usize, usize); 22] {
     let c = &m.cfg;
-    let (heads, dq, dv) = (c.num_attention_heads, c.qk_head_dim(), c.v_head_dim);
+    let (d, heads, dv) = (c.hidden_size, c.num_attention_heads, c.v_head_dim);
     let inter = c.intermediate_size.max(c.moe_intermediate_size * c.n_shared_experts.max(1));
-    let k = c.num_experts_per_tok;
-    vec![
-        n,                                              // tokens (u32)
-        n * c.qk_rope_head_dim / 2,                     // cos
-        n * c.qk_rope_head_dim / 2,                     // sin
-        n * c.hidden_size,                              // h
-        n * c.hidden_size,                              // x
-        n * c.q_lora_rank.unwrap_or(0),                 // qa
-        n * heads * dq,                                 // q
-        n * c.kv_entry_dim(),                           // latents
-        n * g * (c.qk_nope_head_dim + dv),              // kv
-        n * heads * dv,                                 // attn
-        n * c.hidden_size,                              // out
-        n * c.n_routed_experts,                         // router logits
-        n * k,                                          // route ids (u32)
-        n * k,                                          // route weights
-        n * k.max(1),                                   // expert rows (u32)
-        n * k.max(1),                                   // expert scales
-        n * c.hidden_size,                              // xe
-        n * inter,                                      // gate
-        n * inter,                                      // up
-        n * c.hidden_size,                              // ye
-        r * c.hidden_size,                              // final x
-        r * c.vocab_size,                               // logits
+    let k = c.num_experts_per_tok.max(1);
+    let (lora, experts) = (c.q_lora_rank.unwrap_or(0), c.n_routed_experts);
+    let some = |cols: usize| if cols > 0 { (n, cols) } else { (0, 1) };
+    [
+        (n, 1),                                   // tokens (u32)
+        (n, c.qk_rope_head_dim / 2),              // cos
+        (n, c.qk_rope_head_dim / 2),              // sin
+        (n, d),                                   // h
+        (n, d),                                   // x
+        some(lora),                               // qa
+        (n, heads * c.qk_head_dim()),             // q
+        (n, c.kv_entry_dim()),                    // latents
+        (n, g * (c.qk_nope_head_dim + dv)),       // kv
+        (n, heads * dv),                          // attn
+        (n, d),                                   // out
+        some(experts),                            // router logits
+        (n * k, 1),                               // route ids (u32)
+        (n, k),                                   // route weights
+        (n * k, 1),                               // expert rows (u32)
+        (n * k, 1),                               // expert scales
+        (n, d),                                   // xe
+        (n, inter),                               // gate
+        (n, inter),                               // up
+        (n, d),                                   // ye
+        (r, d),                                   // final x
+        (r, c.vocab_size),                        // logits
     ]
 }
 
@@ -232,7 +235,7 @@ fn workspace_plan(m: &Model, n: usize, r: usize, g: usize) -> Vec<usize> {
 /// keys and values take at most about `kv_bytes` at a time.
 pub fn workspace_bytes(model: &Model, n: usize, want: Logits, kv_bytes: usize) -> usize {
     let r = if want == Logits::All { n } else { 1 };
-    workspace_plan(model, n, r, kv_heads_per_step(model, n, kv_bytes)).iter().map(|f| align(f * 4)).sum()
+    workspace_plan(model, n, r, kv_heads_per_step(model, n, kv_bytes)).iter().map(|(rows, cols)| align(rows * cols * 4)).sum()
 }
 
 /// One prompt's pass through the staged modules, on one device stream.
@@ -289,42 +292,38 @@ impl<'a> StagedPass<'a> {
         let r = if want == Logits::All { n } else { 1 };
         let mut offset = 0;
         let kv_heads = kv_heads_per_step(model, n, kv_bytes);
-        let mut bufs = workspace_plan(model, n, r, kv_heads).into_iter().map(|floats| {
-            let p = workspace.slice(offset, floats * 4);
-            offset += align(floats * 4);
-            p
-        });
-        let mut next = |cols: usize| -> Result<Matrix, DeviceError> {
-            let p = bufs.next().expect("one buffer per plan entry")?;
-            Ok(p.matrix(p.bytes / 4 / cols.max(1), cols))
+        let mut plan = workspace_plan(model, n, r, kv_heads).into_iter();
+        let mut next = || -> Result<Matrix, DeviceError> {
+            let (rows, cols) = plan.next().expect("one plan entry per buffer");
+            let m = workspace.slice(offset, rows * cols * 4)?.matrix(rows, cols);
+            offset += align(rows * cols * 4);
+            Ok(m)
         };
-        let (d, dr2) = (cfg.hidden_size, cfg.qk_rope_head_dim / 2);
-        let (heads, dq, dv, dkv) = (cfg.num_attention_heads, cfg.qk_head_dim(), cfg.v_head_dim, cfg.qk_nope_head_dim + cfg.v_head_dim);
-        let inter = cfg.intermediate_size.max(cfg.moe_intermediate_size * cfg.n_shared_experts.max(1));
         let ws = Workspace {
-            tokens: next(1)?.buf,
-            cos: next(dr2)?,
-            sin: next(dr2)?,
-            h: next(d)?,
-            x: next(d)?,
-            qa: next(cfg.q_lora_rank.unwrap_or(1))?,
-            q: next(heads * dq)?,
-            latents: next(cfg.kv_entry_dim())?,
-            kv: next(kv_heads * dkv)?,
-            attn: next(heads * dv)?,
-            out: next(d)?,
-            router: next(cfg.n_routed_experts.max(1))?,
-            route_ids: next(1)?.buf,
-            route_weights: next(cfg.num_experts_per_tok.max(1))?,
-            expert_rows: next(1)?.buf,
-            expert_scales: next(1)?.buf,
-            xe: next(d)?,
-            gate: next(inter)?,
-            up: next(inter)?,
-            ye: next(d)?,
-            final_x: next(d)?,
-            logits: next(cfg.vocab_size)?,
+            tokens: next()?.buf,
+            cos: next()?,
+            sin: next()?,
+            h: next()?,
+            x: next()?,
+            qa: next()?,
+            q: next()?,
+            latents: next()?,
+            kv: next()?,
+            attn: next()?,
+            out: next()?,
+            router: next()?,
+            route_ids: next()?.buf,
+            route_weights: next()?,
+            expert_rows: next()?.buf,
+            expert_scales: next()?.buf,
+            xe: next()?,
+            gate: next()?,
+            up: next()?,
+            ye: next()?,
+            final_x: next()?,
+            logits: next()?,
         };
+        let dr2 = cfg.qk_rope_head_dim / 2;
         let (mut cos, mut sin) = (vec![0.0; n * dr2], vec![0.0; n * dr2]);
         for i in 0..n {
             model.rope.cos_sin(start + i, &mut cos[i * dr2..(i + 1) * dr2], &mut sin[i * dr2..(i + 1) * dr2]);
