@@ -122,6 +122,25 @@ mod tests {
         ]
     }
 
+    /// Weights as the FP8 kernels meet them. Either any codes, with the
+    /// exponent-0 ones over-represented (the exact decode nearly everywhere),
+    /// or checkpoint-like: normal codes only (the fast decode), with at most
+    /// one zero or subnormal code at a random place, so that one line of a
+    /// multi-row step takes the exact decode and its neighbours must not.
+    fn fp8_codes(len: usize) -> impl Strategy<Value = Vec<u8>> {
+        // Exponent 1..=15 and any mantissa but NaN's (15, 7).
+        let normal = (any::<u8>(), 1u8..16).prop_map(|(c, e)| (c & 0x87) | e << 3).prop_map(|c| if c & 0x7f == 0x7f { c - 1 } else { c });
+        prop_oneof![
+            prop::collection::vec(fp8_code(), len),
+            (prop::collection::vec(normal, len), prop::option::of((0..len.max(1), 0u8..8))).prop_map(|(mut v, zero)| {
+                if let Some((i, m)) = zero.filter(|&(i, _)| i < v.len()) {
+                    v[i] = m;
+                }
+                v
+            }),
+        ]
+    }
+
     fn case(max_rows: usize, max_cols: usize, max_n: usize) -> impl Strategy<Value = Case> {
         let fmt = prop_oneof![
             3 => Just(WeightFormat::Fp8E4m3 { block: [128, 128] }),
@@ -134,7 +153,7 @@ mod tests {
                 WeightFormat::Bf16 => prop::collection::vec(-2.0f32..2.0, rows * cols)
                     .prop_map(|v| v.into_iter().flat_map(|f| half::bf16::from_f32(f).to_le_bytes()).collect())
                     .boxed(),
-                _ => prop::collection::vec(fp8_code(), rows * cols).boxed(),
+                _ => fp8_codes(rows * cols).boxed(),
             };
             let nscales = match format {
                 WeightFormat::Fp8E4m3 { block } => rows.div_ceil(block[0]) * cols.div_ceil(block[1]),
@@ -225,6 +244,31 @@ mod tests {
             let x: Vec<u16> = (0..n * cols).map(|_| half::bf16::from_f32(((next() >> 40) as f32 / (1u64 << 24) as f32) - 0.5).to_bits()).collect();
             let c = Case { rows, cols, n, format: WeightFormat::Fp8E4m3 { block: [128, 128] }, data, scales, x, band: 0..rows };
             check(&c).unwrap();
+        }
+    }
+
+    /// Checkpoint-like weights (normal codes only) with a single zero or
+    /// subnormal code, at every row of a multi-row kernel step and at the
+    /// edges of full and partial lines: the fast decode must never see it.
+    #[test]
+    fn lone_subnormal_among_normal_codes() {
+        let (rows, cols) = (9usize, 200usize);
+        // The smallest normal codes (exponents 1 and 2), so that a misread
+        // subnormal (off by ~2⁻⁷) stands out against the sum of the terms.
+        let normal: Vec<u8> = (0..rows * cols).map(|i| 0x08 + (i * 37 % 0x10) as u8 | ((i % 3 == 0) as u8) << 7).collect();
+        let scales = vec![0.5f32; cols.div_ceil(128)];
+        for n in [1, 2, 5] {
+            let x: Vec<u16> = (0..n * cols).map(|i| half::bf16::from_f32(((i * 13 % 29) as f32 - 14.0) / 8.0).to_bits()).collect();
+            for r in 0..rows {
+                for col in [0, 63, 64, 127, 128, 199] {
+                    for code in [0x00u8, 0x83, 0x07] {
+                        let mut data = normal.clone();
+                        data[r * cols + col] = code;
+                        let c = Case { rows, cols, n, format: WeightFormat::Fp8E4m3 { block: [128, 128] }, data, scales: scales.clone(), x: x.clone(), band: 0..rows };
+                        check(&c).unwrap();
+                    }
+                }
+            }
         }
     }
 

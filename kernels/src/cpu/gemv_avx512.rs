@@ -233,26 +233,47 @@ unsafe fn fused_bf16<const R: usize, const N: usize>(job: &Job, x: &Packed<u16>,
             // SAFETY: the packed chunk holds 64 u16 (32 odd, then 32 even).
             let xo: [__m512bh; N] = array::from_fn(|t| bh(unsafe { _mm512_load_si512(x.chunk(t0 + t, cb, q).cast()) }));
             let xe: [__m512bh; N] = array::from_fn(|t| bh(unsafe { _mm512_load_si512(x.chunk(t0 + t, cb, q).add(32).cast()) }));
-            for r in 0..R {
-                // SAFETY: columns k0 + 64q .. + len are inside the row.
-                prefetch_ahead(row[r], k0 + 64 * q);
-                let raw = unsafe { load_bytes(row[r].add(k0 + 64 * q), len) };
-                let (odd, even) =
-                    if exponent_zero(raw, tail_mask64(len)) == 0 { fast_odd_even(raw) } else { exact_odd_even(raw) };
+            let mut dot = |r: usize, (odd, even): (__m512i, __m512i)| {
                 for t in 0..N {
                     acc[r][t][0] = _mm512_dpbf16_ps(acc[r][t][0], bh(odd), xo[t]);
                     acc[r][t][second] = _mm512_dpbf16_ps(acc[r][t][second], bh(even), xe[t]);
                 }
+            };
+            if len == 64 {
+                // The common case: a full line from each row, and one test
+                // and branch for all of them (a branch per row costs more
+                // than the decode when the weights are cache-resident).
+                let raw: [__m512i; R] = array::from_fn(|r| {
+                    prefetch_ahead(row[r], k0 + 64 * q);
+                    // SAFETY: columns k0 + 64q .. + 64 are inside the row.
+                    unsafe { _mm512_loadu_si512(row[r].add(k0 + 64 * q).cast()) }
+                });
+                if raw.iter().fold(0, |any, &v| any | exponent_zero(v, !0)) == 0 {
+                    for r in 0..R {
+                        dot(r, fast_odd_even(raw[r]));
+                    }
+                } else {
+                    for r in 0..R {
+                        dot(r, exact_odd_even(raw[r]));
+                    }
+                }
+            } else {
+                for r in 0..R {
+                    // SAFETY: columns k0 + 64q .. + len are inside the row.
+                    let raw = unsafe { load_bytes(row[r].add(k0 + 64 * q), len) };
+                    dot(r, exact_odd_even(raw));
+                }
             }
         }
         for r in 0..R {
-            let s = _mm512_set1_ps(scales[r][cb] * UNBIAS);
+            // (The decode's 2⁸ comes off once at the end: exact, being a power of two.)
+            let s = _mm512_set1_ps(scales[r][cb]);
             for t in 0..N {
                 total[r][t] = _mm512_fmadd_ps(_mm512_add_ps(acc[r][t][0], acc[r][t][1]), s, total[r][t]);
             }
         }
     }
-    reduce(&total)
+    reduce(&total).map(|row| row.map(|v| v * UNBIAS))
 }
 
 struct FusedF32<'a> {
@@ -305,13 +326,14 @@ unsafe fn fused_f32<const R: usize, const N: usize>(job: &Job, x: &Packed<f32>, 
             }
         }
         for r in 0..R {
-            let s = _mm512_set1_ps(scales[r][cb] * UNBIAS);
+            // (The decode's 2⁸ comes off once at the end: exact, being a power of two.)
+            let s = _mm512_set1_ps(scales[r][cb]);
             for t in 0..N {
                 total[r][t] = _mm512_fmadd_ps(_mm512_add_ps(acc[r][t][0], acc[r][t][1]), s, total[r][t]);
             }
         }
     }
-    reduce(&total)
+    reduce(&total).map(|row| row.map(|v| v * UNBIAS))
 }
 
 // ---------------------------------------------------------------------------
