@@ -255,7 +255,7 @@ mod tests {
         let (rows, cols) = (9usize, 200usize);
         // The smallest normal codes (exponents 1 and 2), so that a misread
         // subnormal (off by ~2⁻⁷) stands out against the sum of the terms.
-        let normal: Vec<u8> = (0..rows * cols).map(|i| 0x08 + (i * 37 % 0x10) as u8 | ((i % 3 == 0) as u8) << 7).collect();
+        let normal: Vec<u8> = (0..rows * cols).map(|i| (0x08 + (i * 37 % 0x10) as u8) | (((i % 3 == 0) as u8) << 7)).collect();
         let scales = vec![0.5f32; cols.div_ceil(128)];
         for n in [1, 2, 5] {
             let x: Vec<u16> = (0..n * cols).map(|i| half::bf16::from_f32(((i * 13 % 29) as f32 - 14.0) / 8.0).to_bits()).collect();
