@@ -20,6 +20,19 @@ pub fn dot_f32(isa: Isa, a: &[f32], b: &[f32]) -> f32 {
     }
 }
 
+/// `Σ w[i]·x[i]` in f32 for BF16 `w` given as its little-endian bytes (any
+/// alignment): exact F32 products, as an F32 matmul of BF16 weights gives
+/// (the router's logits). Summation order as in [`dot_f32`].
+pub fn dot_bf16_f32(isa: Isa, w: &[u8], x: &[f32]) -> f32 {
+    assert_eq!(w.len(), 2 * x.len(), "dot_bf16_f32: length mismatch");
+    match isa.usable() {
+        // SAFETY: `usable()` guarantees the features; `w` holds `x.len()` BF16 values.
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512 | Isa::Avx512Bf16 => unsafe { x86::dot_bf16_f32_avx512(w, x) },
+        _ => w.chunks_exact(2).zip(x).map(|(b, &x)| half::bf16::from_le_bytes([b[0], b[1]]).to_f32() * x).sum(),
+    }
+}
+
 /// `y[i] += alpha · x[i]` (fused multiply-add on the SIMD levels).
 pub fn axpy_f32(isa: Isa, alpha: f32, x: &[f32], y: &mut [f32]) {
     assert_eq!(x.len(), y.len(), "axpy_f32: length mismatch");
@@ -98,6 +111,26 @@ mod x86 {
             // SAFETY: masked-off lanes are not accessed.
             let (x, y) = unsafe { (_mm512_maskz_loadu_ps(m, pa.add(i)), _mm512_maskz_loadu_ps(m, pb.add(i))) };
             acc[0] = _mm512_fmadd_ps(x, y, acc[0]);
+            i += 16;
+        }
+        _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(acc[0], acc[1]), _mm512_add_ps(acc[2], acc[3])))
+    }
+
+    /// # Safety
+    /// AVX-512 F/BW/VL present; `w` holds `2 · x.len()` bytes.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+    pub(super) unsafe fn dot_bf16_f32_avx512(w: &[u8], x: &[f32]) -> f32 {
+        let (n, pw, px) = (x.len(), w.as_ptr(), x.as_ptr());
+        // A BF16 value is the top half of its f32: widen, shift up 16.
+        let widen = |v: __m256i| _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(v)));
+        let mut acc = [_mm512_setzero_ps(); 4];
+        let mut i = 0;
+        while i < n {
+            let m = lanes(n, i);
+            // SAFETY: the lanes under `m` lie inside both slices (2 bytes per value in `w`).
+            let (wv, xv) = unsafe { (_mm256_maskz_loadu_epi16(m, pw.add(2 * i).cast()), _mm512_maskz_loadu_ps(m, px.add(i))) };
+            let a = (i / 16) % 4;
+            acc[a] = _mm512_fmadd_ps(widen(wv), xv, acc[a]);
             i += 16;
         }
         _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(acc[0], acc[1]), _mm512_add_ps(acc[2], acc[3])))
@@ -291,6 +324,22 @@ mod tests {
                     let want = b[i] as f64 + alpha as f64 * a[i] as f64;
                     prop_assert!((y[i] as f64 - want).abs() <= 1e-6 * (want.abs() + (alpha * a[i]).abs() as f64) + 1e-30, "{isa}: axpy[{i}]");
                 }
+            }
+        }
+
+        #[test]
+        fn bf16_weight_dot_matches_scalar(v in prop::collection::vec((-10.0f32..10.0, -10.0f32..10.0), 0..300)) {
+            let (w, x): (Vec<f32>, Vec<f32>) = v.into_iter().unzip();
+            let bytes: Vec<u8> = w.iter().flat_map(|&f| half::bf16::from_f32(f).to_le_bytes()).collect();
+            let wr: Vec<f64> = w.iter().map(|&f| half::bf16::from_f32(f).to_f64()).collect();
+            let want: f64 = wr.iter().zip(&x).map(|(&a, &b)| a * b as f64).sum();
+            let mag: f64 = wr.iter().zip(&x).map(|(&a, &b)| (a * b as f64).abs()).sum::<f64>() + 1e-6;
+            for isa in isa::supported() {
+                // An odd start, so the bytes are not 2-aligned.
+                let mut shifted = vec![0u8; bytes.len() + 1];
+                shifted[1..].copy_from_slice(&bytes);
+                let got = dot_bf16_f32(isa, &shifted[1..], &x) as f64;
+                prop_assert!((got - want).abs() / mag < 1e-5, "{isa}: {got} vs {want}");
             }
         }
 

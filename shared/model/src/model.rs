@@ -11,7 +11,7 @@ use crate::config::{ConfigError, ModelConfig};
 use crate::kv_cache::{BlockTable, KvError, KvPool};
 use crate::moe::{route, route_simd, router_params, RouterParams};
 use crate::rope::RopeTable;
-use duplex_kernels::cpu::{convert::f32_to_bf16, elementwise as simd, gemv::matmul_bf16, isa::Isa};
+use duplex_kernels::cpu::{convert::f32_to_bf16, elementwise as simd, gemv::matmul_bf16, isa::Isa, vector::dot_bf16_f32};
 use duplex_kernels::elementwise::{rms_norm, rope, silu_mul, softmax};
 use duplex_kernels::linear::{dot, matmul, matmul_rows, matmul_t_rows, transpose_rows, OwnedWeight};
 use duplex_kernels::mla::{decode_attention, prefill_attention, LatentCache, MlaDims};
@@ -19,6 +19,7 @@ use duplex_kernels::moe::{moe_forward, ExpertCall, ExpertWeights, MoeScratch};
 use duplex_kernels::parallel_linear::{par_matmul, LinearScratch};
 use duplex_kernels::pool::{PoolConfig, ThreadPool};
 use duplex_kernels::shared::SharedSlice;
+use duplex_kernels::WeightFormat;
 use std::path::Path;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
@@ -243,10 +244,26 @@ fn run_experts(cpu: &CpuRuntime, calls: &[ExpertCall], x: &[f32], d: usize) -> V
 }
 
 impl Moe {
+    /// Router logits in F32, as transformers computes them. The BF16 path
+    /// takes SIMD dot products for BF16 router weights (exact F32 products,
+    /// only the summation order differs); the F32 path keeps the reference.
+    fn router_logits(&self, isa: Isa, x: &[f32], n: usize, p: Precision) -> Vec<f32> {
+        let w = self.router.view();
+        let mut logits = vec![0.0; n * w.rows];
+        if p == Precision::Bf16 && w.format == WeightFormat::Bf16 {
+            for (xi, out) in x.chunks_exact(w.cols).zip(logits.chunks_exact_mut(w.rows)) {
+                for (r, o) in out.iter_mut().enumerate() {
+                    *o = dot_bf16_f32(isa, &w.data[2 * r * w.cols..2 * (r + 1) * w.cols], xi);
+                }
+            }
+        } else {
+            matmul(&w, x, n, &mut logits);
+        }
+        logits
+    }
+
     fn forward(&self, cpu: &CpuRuntime, x: &[f32], n: usize, d: usize, router: &RouterParams, p: Precision) -> Vec<f32> {
-        // Router logits in F32, as transformers computes them.
-        let mut logits = vec![0.0; n * router.n_experts];
-        matmul(&self.router.view(), x, n, &mut logits);
+        let logits = self.router_logits(cpu.isa, x, n, p);
         let mut assigned: Vec<Vec<(usize, f32)>> = vec![vec![]; self.experts.len()];
         for i in 0..n {
             let row = &logits[i * router.n_experts..(i + 1) * router.n_experts];
