@@ -22,7 +22,7 @@ pub fn silu_mul(gate: &mut [f32], up: &[f32]) {
 }
 
 /// Numerically stable softmax in place.
-pub fn softmax(xs: &mut [f32]) {
+pub fn softmax(xs: &mut [f32]) -> SoftmaxStats {
     let max = xs.iter().copied().fold(f32::NEG_INFINITY, f32::max);
     let mut sum = 0.0;
     for x in xs.iter_mut() {
@@ -31,6 +31,16 @@ pub fn softmax(xs: &mut [f32]) {
     }
     let inv = 1.0 / sum;
     xs.iter_mut().for_each(|x| *x *= inv);
+    SoftmaxStats { max, sum }
+}
+
+/// What a softmax normalised by: the row's maximum and `Σ exp(x − max)`.
+/// Softmaxes taken over parts of a row combine into the whole row's with
+/// these (split-K attention): part `c` weighs `sum_c · exp(max_c − max)`.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct SoftmaxStats {
+    pub max: f32,
+    pub sum: f32,
 }
 
 /// Rotate `x` (one head's rotary part, `2 · cos.len()` long) by the angles

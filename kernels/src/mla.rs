@@ -7,6 +7,7 @@
 //! `out_h = Σ_t softmax_t(scale · (q_latent_h · c_t + q_pe_h · k_pe_t)) · c_t`.
 
 use crate::cpu::elementwise::softmax;
+use crate::elementwise::SoftmaxStats;
 use crate::cpu::convert::f32_to_bf16;
 use crate::cpu::gemv::{axpy_f32, dot_f32, matmul_bf16};
 use crate::cpu::vector::{dots_4x4, weighted_sum, weighted_sum_4};
@@ -67,65 +68,66 @@ pub fn decode_attention(
     assert_eq!(q_pe.len(), heads * dr, "decode_attention: q_pe shape");
     assert_eq!(out.len(), heads * dc, "decode_attention: out shape");
     assert!(scores.len() >= heads * ctx, "decode_attention: scores scratch too small");
-    // Split-K over positions (flash-decoding): each thread takes a range of
-    // positions for every head, so each cached entry is read from memory
-    // once, not once per thread. Within a range the scores are computed four
-    // heads by four positions at a time, and the context in blocks of
-    // positions that stay in cache for all heads, so every loaded vector
-    // feeds several FMAs (see `dots_4x4`, `weighted_sum_4`). The scores are
-    // normalised over all positions between the two passes, and the
-    // threads' partial contexts summed at the end.
+    // Split-K over positions (flash-decoding), in one parallel region: each
+    // part takes a range of positions for every head, so each cached entry
+    // is read from memory once. Within its range a part computes the scores
+    // four heads by four positions at a time (`dots_4x4`), takes each head's
+    // softmax over the range, and sums the latents in blocks of positions
+    // that stay in cache for all heads (`weighted_sum_4`). The parts'
+    // contexts are then combined with their softmax statistics.
     let de = dc + dr;
-    let queries: Vec<f32> = (0..heads).flat_map(|h| q_latent[h * dc..(h + 1) * dc].iter().chain(&q_pe[h * dr..(h + 1) * dr]).copied()).collect();
+    let mut queries = Vec::with_capacity(heads * de);
+    for h in 0..heads {
+        queries.extend_from_slice(&q_latent[h * dc..(h + 1) * dc]);
+        queries.extend_from_slice(&q_pe[h * dr..(h + 1) * dr]);
+    }
     let query = |h: usize| &queries[h * de..(h + 1) * de];
-    let entries: Vec<&[f32]> = (0..ctx).map(|t| cache.entry(t)).collect();
     let parts = pool.threads().min(ctx).max(1);
     let span = ctx.div_ceil(parts);
-    let range = |c: usize| c * span..((c + 1) * span).min(ctx);
-    let scores = &mut scores[..heads * ctx];
+    let range = |c: usize| (c * span).min(ctx)..((c + 1) * span).min(ctx);
+    let mut partial = vec![0.0f32; parts * heads * dc];
+    let mut stats = vec![SoftmaxStats { max: f32::NEG_INFINITY, sum: 0.0 }; parts * heads];
     {
-        let shared = SharedSlice::new(scores);
+        let (scores, partial, stats) = (SharedSlice::new(&mut scores[..heads * ctx]), SharedSlice::new(&mut partial), SharedSlice::new(&mut stats));
         pool.parallel_for(parts, &|c| {
             let r = range(c);
-            // SAFETY: part c writes only positions r of each head's row.
-            let mut rows: Vec<&mut [f32]> = (0..heads).map(|h| unsafe { shared.slice_mut(h * ctx + r.start, r.len()) }).collect();
-            for t0 in r.clone().step_by(4) {
+            if r.is_empty() {
+                return;
+            }
+            let entries: Vec<&[f32]> = r.clone().map(|t| cache.entry(t)).collect();
+            // SAFETY: part c writes only positions r of each head's scores,
+            // and its own contexts and statistics.
+            let mut rows: Vec<&mut [f32]> = (0..heads).map(|h| unsafe { scores.slice_mut(h * ctx + r.start, r.len()) }).collect();
+            let (part, part_stats) = unsafe { (partial.slice_mut(c * heads * dc, heads * dc), stats.slice_mut(c * heads, heads)) };
+            for t0 in (0..r.len()).step_by(4) {
                 for h0 in (0..heads).step_by(4) {
-                    if h0 + 4 <= heads && t0 + 4 <= r.end {
+                    if h0 + 4 <= heads && t0 + 4 <= r.len() {
                         let d = dots_4x4(isa, std::array::from_fn(|i| query(h0 + i)), std::array::from_fn(|i| entries[t0 + i]));
                         for (i, row) in d.iter().enumerate() {
                             for (k, &v) in row.iter().enumerate() {
-                                rows[h0 + i][t0 - r.start + k] = v * scale;
+                                rows[h0 + i][t0 + k] = v * scale;
                             }
                         }
                     } else {
                         for (h, row) in rows.iter_mut().enumerate().skip(h0).take(4) {
-                            for t in t0..(t0 + 4).min(r.end) {
-                                row[t - r.start] = dot_f32(isa, query(h), entries[t]) * scale;
+                            for t in t0..(t0 + 4).min(r.len()) {
+                                row[t] = dot_f32(isa, query(h), entries[t]) * scale;
                             }
                         }
                     }
                 }
             }
-        });
-    }
-    scores.chunks_mut(ctx).for_each(|s| softmax(isa, s));
-    let latents: Vec<&[f32]> = entries.iter().map(|e| &e[..dc]).collect();
-    let mut partial = vec![0.0f32; parts * heads * dc];
-    {
-        let shared = SharedSlice::new(&mut partial);
-        let scores = &*scores;
-        pool.parallel_for(parts, &|c| {
-            // SAFETY: part c owns its own partial context.
-            let part = unsafe { shared.slice_mut(c * heads * dc, heads * dc) };
+            for (row, st) in rows.iter_mut().zip(part_stats.iter_mut()) {
+                *st = softmax(isa, row);
+            }
             // Positions in blocks whose latents stay in cache across the heads.
             const BLOCK: usize = 32;
-            let r = range(c);
+            let latents: Vec<&[f32]> = entries.iter().map(|e| &e[..dc]).collect();
             let mut outs: Vec<&mut [f32]> = part.chunks_mut(dc).collect();
-            for t0 in r.clone().step_by(BLOCK) {
-                let t1 = (t0 + BLOCK).min(r.end);
-                let w = |h: usize| &scores[h * ctx + t0..h * ctx + t1];
+            for t0 in (0..r.len()).step_by(BLOCK) {
+                let t1 = (t0 + BLOCK).min(r.len());
                 for (q, quad) in outs.chunks_mut(4).enumerate() {
+                    let w = |h: usize| &rows[h][t0..t1];
                     match quad {
                         [a, b, c, d] => weighted_sum_4(isa, std::array::from_fn(|i| w(4 * q + i)), &latents[t0..t1], [a, b, c, d]),
                         rest => {
@@ -138,9 +140,15 @@ pub fn decode_attention(
             }
         });
     }
-    out.copy_from_slice(&partial[..heads * dc]);
-    for p in partial.chunks(heads * dc).skip(1) {
-        out.iter_mut().zip(p).for_each(|(o, v)| *o += v);
+    // out_h = Σ_c a_c · context_c,h / Σ_c a_c with a_c = sum_c · exp(max_c − max).
+    for (h, o) in out.chunks_mut(dc).enumerate() {
+        let max = (0..parts).map(|c| stats[c * heads + h].max).fold(f32::NEG_INFINITY, f32::max);
+        let weights: Vec<f32> = (0..parts).map(|c| stats[c * heads + h]).map(|s| if s.sum > 0.0 { s.sum * (s.max - max).exp() } else { 0.0 }).collect();
+        let inv = 1.0 / weights.iter().sum::<f32>();
+        o.fill(0.0);
+        for (c, &a) in weights.iter().enumerate() {
+            axpy_f32(isa, a * inv, &partial[(c * heads + h) * dc..(c * heads + h + 1) * dc], o);
+        }
     }
 }
 
@@ -248,13 +256,14 @@ mod tests {
     fn matches_naive_attention() {
         // Head and position counts off and on the 4×4 blocking, and latents
         // off and on the 64-float slabs of the weighted sums.
-        for (heads, dc, dr, bs, ctx) in [(3usize, 40usize, 8usize, 4usize, 11usize), (8, 128, 16, 16, 70), (5, 136, 8, 8, 9)] {
+        // Four threads on five positions leave one part empty.
+        for (heads, dc, dr, bs, ctx, threads) in [(3usize, 40usize, 8usize, 4usize, 11usize, 2usize), (8, 128, 16, 16, 70, 2), (5, 136, 8, 8, 9, 2), (4, 64, 8, 4, 5, 4), (2, 32, 8, 4, 1, 2)] {
             let entries: Vec<f32> = (0..ctx.div_ceil(bs) * bs * (dc + dr)).map(|i| ((i * 13 % 29) as f32 - 14.0) / 14.0).collect();
             let blocks: Vec<&[f32]> = entries.chunks(bs * (dc + dr)).rev().collect(); // any block order
             let cache = LatentCache { blocks: &blocks, block_size: bs, dc, dr };
             let ql: Vec<f32> = (0..heads * dc).map(|i| (i % 7) as f32 / 7.0 - 0.5).collect();
             let qp: Vec<f32> = (0..heads * dr).map(|i| (i % 5) as f32 / 5.0 - 0.5).collect();
-            let pool = ThreadPool::new(&PoolConfig::single_node(2));
+            let pool = ThreadPool::new(&PoolConfig::single_node(threads));
             for isa in crate::cpu::isa::supported() {
                 let mut scores = vec![0.0; heads * ctx];
                 let mut out = vec![0.0; heads * dc];

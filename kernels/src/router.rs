@@ -212,7 +212,9 @@ mod tests {
         let mut scores: Vec<f32> = logits.to_vec();
         match p.scoring {
             ScoringFunc::Sigmoid => scores.iter_mut().for_each(|x| *x = 1.0 / (1.0 + (-*x).exp())),
-            ScoringFunc::Softmax => crate::elementwise::softmax(&mut scores),
+            ScoringFunc::Softmax => {
+                crate::elementwise::softmax(&mut scores);
+            }
         }
         let mut choice: Vec<(f64, bool)> = scores.iter().enumerate().map(|(i, &s)| (s as f64 + bias.map_or(0.0, |b| b[i] as f64), false)).collect();
         if p.n_group > 1 && p.topk_group < p.n_group {

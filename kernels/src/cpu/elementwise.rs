@@ -112,7 +112,7 @@ pub fn silu_mul(isa: Isa, gate: &mut [f32], up: &[f32]) {
 }
 
 /// Numerically stable softmax in place.
-pub fn softmax(isa: Isa, xs: &mut [f32]) {
+pub fn softmax(isa: Isa, xs: &mut [f32]) -> crate::elementwise::SoftmaxStats {
     match isa.usable() {
         // SAFETY: `usable()` guarantees the features.
         #[cfg(target_arch = "x86_64")]
@@ -309,12 +309,15 @@ mod tests {
             xs[0] = shift;
             let n = xs.len();
             let mut want = xs.clone();
-            crate::elementwise::softmax(&mut want);
+            let want_stats = crate::elementwise::softmax(&mut want);
             // Each output is e_i / Σe: exp's error plus both sums' bounds.
             let tol = 2.0 * EXP_TOL + sum_bound(n) + sum_bound(n / 8 + 16);
             for isa in isa::supported() {
                 let mut got = xs.clone();
-                softmax(isa, &mut got);
+                let stats = softmax(isa, &mut got);
+                // The statistics it normalised by: the exact maximum, and Σe.
+                prop_assert_eq!(stats.max, want_stats.max, "{} max", isa);
+                prop_assert!(close(stats.sum, want_stats.sum, EXP_TOL + sum_bound(n)), "{isa}: sum {} want {}", stats.sum, want_stats.sum);
                 for i in 0..n {
                     prop_assert!(close(got[i], want[i], tol), "{isa} n={n}: p[{i}] = {} want {}", got[i], want[i]);
                 }

@@ -5,6 +5,7 @@
 //! `vmaskmovps` (masked-off lanes are never accessed), so there is no scalar
 //! tail and every element takes the same arithmetic.
 
+use crate::elementwise::SoftmaxStats;
 use super::elementwise::{EXP_HI, EXP_LO, EXP_POLY, LN2_HI, LN2_LO, LOG2E, ROPE_MAX_HALF};
 use std::arch::x86_64::*;
 
@@ -172,7 +173,7 @@ pub(super) unsafe fn silu_mul(gate: &mut [f32], up: &[f32]) {
 
 /// Softmax in place (max-subtracted).
 #[target_feature(enable = "avx2,fma")]
-pub(super) unsafe fn softmax(xs: &mut [f32]) {
+pub(super) unsafe fn softmax(xs: &mut [f32]) -> SoftmaxStats {
     let (n, p) = (xs.len(), xs.as_mut_ptr());
     let neg_inf = _mm256_set1_ps(f32::NEG_INFINITY);
     let mut vmax = neg_inf;
@@ -185,7 +186,8 @@ pub(super) unsafe fn softmax(xs: &mut [f32]) {
         };
         vmax = _mm256_max_ps(vmax, v);
     });
-    let max = _mm256_set1_ps(hmax(vmax));
+    let row_max = hmax(vmax);
+    let max = _mm256_set1_ps(row_max);
     let mut acc = [_mm256_setzero_ps(); 2];
     for_each_vector(n, |i, m| {
         // SAFETY: the selected lanes are inside xs.
@@ -200,11 +202,13 @@ pub(super) unsafe fn softmax(xs: &mut [f32]) {
             acc[(i / 8) & 1] = _mm256_add_ps(acc[(i / 8) & 1], e);
         }
     });
-    let inv = _mm256_set1_ps(1.0 / hsum(_mm256_add_ps(acc[0], acc[1])));
+    let sum = hsum(_mm256_add_ps(acc[0], acc[1]));
+    let inv = _mm256_set1_ps(1.0 / sum);
     for_each_vector(n, |i, m| {
         // SAFETY: the selected lanes are inside xs.
         unsafe { store(p.add(i), m, _mm256_mul_ps(load(p.add(i), m), inv)) };
     });
+    SoftmaxStats { max: row_max, sum }
 }
 
 /// Rotary embedding of one head; `x.len() == 2 · cos.len() == 2 · sin.len()`

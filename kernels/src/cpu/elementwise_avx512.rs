@@ -5,6 +5,7 @@
 //! Lengths are handled with masked loads and stores, so there is no scalar
 //! tail: a lane outside the mask is never read or written.
 
+use crate::elementwise::SoftmaxStats;
 use super::elementwise::{EXP_HI, EXP_LO, EXP_POLY, LN2_HI, LN2_LO, LOG2E, ROPE_MAX_HALF};
 use std::arch::x86_64::*;
 
@@ -125,7 +126,7 @@ pub(super) unsafe fn silu_mul(gate: &mut [f32], up: &[f32]) {
 
 /// Softmax in place (max-subtracted).
 #[target_feature(enable = "avx512f")]
-pub(super) unsafe fn softmax(xs: &mut [f32]) {
+pub(super) unsafe fn softmax(xs: &mut [f32]) -> SoftmaxStats {
     let (n, p) = (xs.len(), xs.as_mut_ptr());
     let neg_inf = _mm512_set1_ps(f32::NEG_INFINITY);
     let mut vmax = neg_inf;
@@ -136,7 +137,8 @@ pub(super) unsafe fn softmax(xs: &mut [f32]) {
         vmax = _mm512_max_ps(vmax, v);
         i += 16;
     }
-    let max = _mm512_set1_ps(_mm512_reduce_max_ps(vmax));
+    let row_max = _mm512_reduce_max_ps(vmax);
+    let max = _mm512_set1_ps(row_max);
     let mut acc = [_mm512_setzero_ps(); 2];
     let mut i = 0;
     while i < n {
@@ -150,7 +152,8 @@ pub(super) unsafe fn softmax(xs: &mut [f32]) {
         }
         i += 16;
     }
-    let inv = _mm512_set1_ps(1.0 / _mm512_reduce_add_ps(_mm512_add_ps(acc[0], acc[1])));
+    let sum = _mm512_reduce_add_ps(_mm512_add_ps(acc[0], acc[1]));
+    let inv = _mm512_set1_ps(1.0 / sum);
     let mut i = 0;
     while i < n {
         let m = mask(n - i);
@@ -158,6 +161,7 @@ pub(super) unsafe fn softmax(xs: &mut [f32]) {
         unsafe { _mm512_mask_storeu_ps(p.add(i), m, _mm512_mul_ps(_mm512_maskz_loadu_ps(m, p.add(i)), inv)) };
         i += 16;
     }
+    SoftmaxStats { max: row_max, sum }
 }
 
 /// Rotary embedding of one head; `x.len() == 2 · cos.len() == 2 · sin.len()`

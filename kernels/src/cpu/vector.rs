@@ -168,9 +168,7 @@ mod x86 {
         let n = a[0].len();
         // 16 accumulators, 8 loads per 16 FMAs: compute-bound, not load-bound.
         let mut acc = [[_mm512_setzero_ps(); 4]; 4];
-        let mut i = 0;
-        while i < n {
-            let m = lanes(n, i);
+        let mut step = |i: usize, m: __mmask16| {
             // SAFETY: the lanes under `m` lie inside every slice.
             let av: [__m512; 4] = std::array::from_fn(|k| unsafe { _mm512_maskz_loadu_ps(m, a[k].as_ptr().add(i)) });
             let bv: [__m512; 4] = std::array::from_fn(|k| unsafe { _mm512_maskz_loadu_ps(m, b[k].as_ptr().add(i)) });
@@ -179,7 +177,15 @@ mod x86 {
                     *acc = _mm512_fmadd_ps(av[r], bv[c], *acc);
                 }
             }
-            i += 16;
+        };
+        // Whole vectors with a constant mask (no per-step mask arithmetic),
+        // then the tail.
+        let whole = n / 16 * 16;
+        for i in (0..whole).step_by(16) {
+            step(i, !0);
+        }
+        if whole < n {
+            step(whole, lanes(n, whole));
         }
         std::array::from_fn(|r| std::array::from_fn(|c| _mm512_reduce_add_ps(acc[r][c])))
     }
