@@ -50,6 +50,8 @@ pub struct MoeScratch {
     pending: Vec<AtomicUsize>,
     layout: Vec<Layout>,
     tasks: Vec<Vec<Task>>,
+    /// Tasks per node.
+    counts: Vec<usize>,
 }
 
 #[derive(Clone, Copy, Default)]
@@ -134,8 +136,9 @@ pub fn moe_forward(pool: &ThreadPool, isa: Isa, calls: &[ExpertCall], x: &[f32],
     let y = SharedSlice::new(&mut s.y);
     let tile_out = SharedSlice::new(&mut s.tile_out);
     let (tasks, pending, layout, xs) = (&s.tasks, &s.pending, &s.layout, &s.xs);
-    let counts: Vec<usize> = tasks.iter().map(|t| t.len()).collect();
-    pool.parallel_for_nodes(&counts, &|node, t| {
+    s.counts.clear();
+    s.counts.extend(tasks.iter().map(|t| t.len()));
+    pool.parallel_for_nodes(&s.counts, &|node, t| {
         // SAFETY: each thread has its own slot of the tile buffer, and a
         // thread runs one task at a time.
         let slot = crate::pool::thread_index();

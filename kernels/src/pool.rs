@@ -162,8 +162,7 @@ impl ThreadPool {
         } else {
             // Spread one logical task list over the nodes in contiguous runs.
             let per = n_tasks.div_ceil(self.nodes());
-            let counts: Vec<usize> = (0..self.nodes()).map(|k| n_tasks.saturating_sub(k * per).min(per)).collect();
-            self.parallel_for_nodes(&counts, &|node, t| f(node * per + t));
+            self.region(&|k| n_tasks.saturating_sub(k * per).min(per), &|node, t| f(node * per + t));
         }
     }
 
@@ -172,21 +171,27 @@ impl ThreadPool {
     /// the region ends) if a task panicked.
     pub fn parallel_for_nodes(&self, tasks_per_node: &[usize], f: &(dyn Fn(usize, usize) + Sync)) {
         assert_eq!(tasks_per_node.len(), self.nodes(), "one task count per node");
+        self.region(&|k| tasks_per_node[k], f);
+    }
+
+    /// [`Self::parallel_for_nodes`] with the task counts given per node by
+    /// `tasks_of` (so that callers need not allocate a list).
+    fn region(&self, tasks_of: &dyn Fn(usize) -> usize, f: &(dyn Fn(usize, usize) + Sync)) {
         assert!(!IN_REGION.get(), "ThreadPool regions cannot be nested");
-        let total: usize = tasks_per_node.iter().sum();
+        let total: usize = (0..self.nodes()).map(tasks_of).sum();
         if total == 0 {
             return;
         }
         if self.threads() == 1 {
             THREAD_INDEX.set(0);
-            (0..tasks_per_node[0]).for_each(|t| f(0, t));
+            (0..tasks_of(0)).for_each(|t| f(0, t));
             return;
         }
         let _region = self.region.lock().unwrap_or_else(|e| e.into_inner());
         let s = &*self.shared;
-        for (k, &c) in tasks_per_node.iter().enumerate() {
+        for k in 0..self.nodes() {
             s.next[k].store(0, Ordering::Relaxed);
-            s.count[k].store(c, Ordering::Relaxed);
+            s.count[k].store(tasks_of(k), Ordering::Relaxed);
         }
         // SAFETY: the closure is only borrowed for this call. Workers read it
         // only between observing the new generation and decrementing

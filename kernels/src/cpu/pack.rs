@@ -9,6 +9,7 @@
 //! padded lanes contribute `w · 0`. Copying `n × cols` activations is
 //! negligible next to the `rows × cols` weights each call streams.
 
+use std::cell::RefCell;
 use std::marker::PhantomData;
 
 /// Element types that may live in an [`AlignedBuf`]: plain data for which the
@@ -35,10 +36,28 @@ pub(super) struct AlignedBuf<T: Pod> {
     _t: PhantomData<T>,
 }
 
+/// Spare buffers per thread. The kernels pack activations and decode tiles
+/// on every call; taking a buffer a previous call left behind keeps the
+/// allocator off the hot path once each thread has seen its largest call.
+const SPARES: usize = 4;
+
+thread_local! {
+    static SPARE_LINES: RefCell<Vec<Vec<Line>>> = const { RefCell::new(Vec::new()) };
+}
+
 impl<T: Pod> AlignedBuf<T> {
     pub fn zeroed(len: usize) -> Self {
-        let bytes = len * std::mem::size_of::<T>();
-        Self { lines: vec![Line([0; 64]); bytes.div_ceil(64)], len, _t: PhantomData }
+        let n = (len * std::mem::size_of::<T>()).div_ceil(64);
+        // The spare with the most room (resizing it allocates only if none is big enough).
+        let mut lines = SPARE_LINES
+            .with_borrow_mut(|spares| {
+                let best = (0..spares.len()).max_by_key(|&i| spares[i].capacity())?;
+                Some(spares.swap_remove(best))
+            })
+            .unwrap_or_default();
+        lines.clear();
+        lines.resize(n, Line([0; 64]));
+        Self { lines, len, _t: PhantomData }
     }
 
     pub fn as_slice(&self) -> &[T] {
@@ -51,6 +70,26 @@ impl<T: Pod> AlignedBuf<T> {
     pub fn as_mut_slice(&mut self) -> &mut [T] {
         // SAFETY: as in `as_slice`, and `&mut self` makes the borrow unique.
         unsafe { std::slice::from_raw_parts_mut(self.lines.as_mut_ptr().cast(), self.len) }
+    }
+}
+
+impl<T: Pod> Drop for AlignedBuf<T> {
+    fn drop(&mut self) {
+        let lines = std::mem::take(&mut self.lines);
+        if lines.capacity() == 0 {
+            return;
+        }
+        // `try_with`: during thread teardown the spares may be gone already.
+        let _ = SPARE_LINES.try_with(|spares| {
+            let mut spares = spares.borrow_mut();
+            if spares.len() < SPARES {
+                spares.push(lines);
+            } else if let Some(smallest) = spares.iter_mut().min_by_key(|v| v.capacity()) {
+                if smallest.capacity() < lines.capacity() {
+                    *smallest = lines;
+                }
+            }
+        });
     }
 }
 
