@@ -69,12 +69,12 @@ pub fn decode_attention(
     assert_eq!(out.len(), heads * dc, "decode_attention: out shape");
     assert!(scores.len() >= heads * ctx, "decode_attention: scores scratch too small");
     // Split-K over positions (flash-decoding), in one parallel region: each
-    // part takes a range of positions for every head, so each cached entry
-    // is read from memory once. Within its range a part computes the scores
-    // four heads by four positions at a time (`dots_4x4`), takes each head's
-    // softmax over the range, and sums the latents in blocks of positions
-    // that stay in cache for all heads (`weighted_sum_4`). The parts'
-    // contexts are then combined with their softmax statistics.
+    // part takes a range of positions for every head. It walks its range in
+    // blocks that stay in cache: the block's scores four heads by four
+    // positions at a time (`dots_4x4`), then its latents weighted for all
+    // heads (`weighted_sum_4`), with the softmax kept online across blocks,
+    // so every cached entry is read from memory once. The parts' contexts
+    // are then combined with their softmax statistics.
     let de = dc + dr;
     let mut queries = Vec::with_capacity(heads * de);
     for h in 0..heads {
@@ -99,44 +99,61 @@ pub fn decode_attention(
             // and its own contexts and statistics.
             let mut rows: Vec<&mut [f32]> = (0..heads).map(|h| unsafe { scores.slice_mut(h * ctx + r.start, r.len()) }).collect();
             let (part, part_stats) = unsafe { (partial.slice_mut(c * heads * dc, heads * dc), stats.slice_mut(c * heads, heads)) };
-            for t0 in (0..r.len()).step_by(4) {
-                for h0 in (0..heads).step_by(4) {
-                    if h0 + 4 <= heads && t0 + 4 <= r.len() {
-                        let d = dots_4x4(isa, std::array::from_fn(|i| query(h0 + i)), std::array::from_fn(|i| entries[t0 + i]));
-                        for (i, row) in d.iter().enumerate() {
-                            for (k, &v) in row.iter().enumerate() {
-                                rows[h0 + i][t0 + k] = v * scale;
-                            }
-                        }
-                    } else {
-                        for (h, row) in rows.iter_mut().enumerate().skip(h0).take(4) {
-                            for t in t0..(t0 + 4).min(r.len()) {
-                                row[t] = dot_f32(isa, query(h), entries[t]) * scale;
-                            }
-                        }
-                    }
-                }
-            }
-            for (row, st) in rows.iter_mut().zip(part_stats.iter_mut()) {
-                *st = softmax(isa, row);
-            }
-            // Positions in blocks whose latents stay in cache across the heads.
-            const BLOCK: usize = 32;
             let latents: Vec<&[f32]> = entries.iter().map(|e| &e[..dc]).collect();
             let mut outs: Vec<&mut [f32]> = part.chunks_mut(dc).collect();
-            for t0 in (0..r.len()).step_by(BLOCK) {
-                let t1 = (t0 + BLOCK).min(r.len());
-                for (q, quad) in outs.chunks_mut(4).enumerate() {
-                    let w = |h: usize| &rows[h][t0..t1];
-                    match quad {
-                        [a, b, c, d] => weighted_sum_4(isa, std::array::from_fn(|i| w(4 * q + i)), &latents[t0..t1], [a, b, c, d]),
-                        rest => {
-                            for (i, oh) in rest.iter_mut().enumerate() {
-                                weighted_sum(isa, w(4 * q + i), &latents[t0..t1], oh);
+            // Blocks of positions whose entries stay in cache from their
+            // scores to their weighted sum, so each is read from memory once;
+            // the softmax runs online across the blocks.
+            const BLOCK: usize = 32;
+            for b0 in (0..r.len()).step_by(BLOCK) {
+                let b1 = (b0 + BLOCK).min(r.len());
+                for t0 in (b0..b1).step_by(4) {
+                    for h0 in (0..heads).step_by(4) {
+                        if h0 + 4 <= heads && t0 + 4 <= b1 {
+                            let d = dots_4x4(isa, std::array::from_fn(|i| query(h0 + i)), std::array::from_fn(|i| entries[t0 + i]));
+                            for (i, row) in d.iter().enumerate() {
+                                for (k, &v) in row.iter().enumerate() {
+                                    rows[h0 + i][t0 + k] = v * scale;
+                                }
+                            }
+                        } else {
+                            for (h, row) in rows.iter_mut().enumerate().skip(h0).take(4) {
+                                for t in t0..(t0 + 4).min(b1) {
+                                    row[t] = dot_f32(isa, query(h), entries[t]) * scale;
+                                }
                             }
                         }
                     }
                 }
+                // Merge the block's softmax into the running one: rescale what
+                // was summed so far if the maximum grew, and weigh the block.
+                for ((row, st), out) in rows.iter_mut().zip(part_stats.iter_mut()).zip(outs.iter_mut()) {
+                    let block = softmax(isa, &mut row[b0..b1]);
+                    let max = st.max.max(block.max);
+                    let (old, new) = ((st.max - max).exp(), (block.max - max).exp());
+                    if old != 1.0 {
+                        out.iter_mut().for_each(|v| *v *= old);
+                    }
+                    let w = block.sum * new;
+                    row[b0..b1].iter_mut().for_each(|p| *p *= w);
+                    *st = SoftmaxStats { max, sum: st.sum * old + w };
+                }
+                for (q, quad) in outs.chunks_mut(4).enumerate() {
+                    let w = |h: usize| &rows[h][b0..b1];
+                    match quad {
+                        [a, b, c, d] => weighted_sum_4(isa, std::array::from_fn(|i| w(4 * q + i)), &latents[b0..b1], [a, b, c, d]),
+                        rest => {
+                            for (i, oh) in rest.iter_mut().enumerate() {
+                                weighted_sum(isa, w(4 * q + i), &latents[b0..b1], oh);
+                            }
+                        }
+                    }
+                }
+            }
+            // Normalise the part's context by its own sum.
+            for (out, st) in outs.iter_mut().zip(part_stats.iter()) {
+                let inv = 1.0 / st.sum;
+                out.iter_mut().for_each(|v| *v *= inv);
             }
         });
     }
@@ -257,7 +274,7 @@ mod tests {
         // Head and position counts off and on the 4×4 blocking, and latents
         // off and on the 64-float slabs of the weighted sums.
         // Four threads on five positions leave one part empty.
-        for (heads, dc, dr, bs, ctx, threads) in [(3usize, 40usize, 8usize, 4usize, 11usize, 2usize), (8, 128, 16, 16, 70, 2), (5, 136, 8, 8, 9, 2), (4, 64, 8, 4, 5, 4), (2, 32, 8, 4, 1, 2)] {
+        for (heads, dc, dr, bs, ctx, threads) in [(3usize, 40usize, 8usize, 4usize, 11usize, 2usize), (8, 128, 16, 16, 70, 2), (5, 136, 8, 8, 9, 2), (4, 64, 8, 4, 5, 4), (2, 32, 8, 4, 1, 2), (4, 64, 8, 16, 300, 2)] {
             let entries: Vec<f32> = (0..ctx.div_ceil(bs) * bs * (dc + dr)).map(|i| ((i * 13 % 29) as f32 - 14.0) / 14.0).collect();
             let blocks: Vec<&[f32]> = entries.chunks(bs * (dc + dr)).rev().collect(); // any block order
             let cache = LatentCache { blocks: &blocks, block_size: bs, dc, dr };
