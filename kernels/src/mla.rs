@@ -82,18 +82,18 @@ pub fn decode_attention(
         queries.extend_from_slice(&q_pe[h * dr..(h + 1) * dr]);
     }
     let query = |h: usize| &queries[h * de..(h + 1) * de];
-    let parts = pool.threads().min(ctx).max(1);
-    let span = ctx.div_ceil(parts);
-    let range = |c: usize| (c * span).min(ctx)..((c + 1) * span).min(ctx);
+    // Parts of a fixed length, not one per thread: the result then does not
+    // depend on the pool's size (a server's worker and `duplex generate`
+    // agree bit for bit), and the pool balances the parts dynamically.
+    const PART: usize = 128;
+    let parts = ctx.div_ceil(PART);
+    let range = |c: usize| c * PART..((c + 1) * PART).min(ctx);
     let mut partial = vec![0.0f32; parts * heads * dc];
     let mut stats = vec![SoftmaxStats { max: f32::NEG_INFINITY, sum: 0.0 }; parts * heads];
     {
         let (scores, partial, stats) = (SharedSlice::new(&mut scores[..heads * ctx]), SharedSlice::new(&mut partial), SharedSlice::new(&mut stats));
         pool.parallel_for(parts, &|c| {
             let r = range(c);
-            if r.is_empty() {
-                return;
-            }
             let entries: Vec<&[f32]> = r.clone().map(|t| cache.entry(t)).collect();
             // SAFETY: part c writes only positions r of each head's scores,
             // and its own contexts and statistics.
@@ -273,7 +273,7 @@ mod tests {
     fn matches_naive_attention() {
         // Head and position counts off and on the 4×4 blocking, and latents
         // off and on the 64-float slabs of the weighted sums.
-        // Four threads on five positions leave one part empty.
+        // 300 positions: three parts of several blocks each.
         for (heads, dc, dr, bs, ctx, threads) in [(3usize, 40usize, 8usize, 4usize, 11usize, 2usize), (8, 128, 16, 16, 70, 2), (5, 136, 8, 8, 9, 2), (4, 64, 8, 4, 5, 4), (2, 32, 8, 4, 1, 2), (4, 64, 8, 16, 300, 2)] {
             let entries: Vec<f32> = (0..ctx.div_ceil(bs) * bs * (dc + dr)).map(|i| ((i * 13 % 29) as f32 - 14.0) / 14.0).collect();
             let blocks: Vec<&[f32]> = entries.chunks(bs * (dc + dr)).rev().collect(); // any block order
@@ -301,6 +301,28 @@ mod tests {
                     }
                 }
             }
+        }
+    }
+
+    /// Decode attention gives the same bits on pools of any size.
+    #[test]
+    fn decode_is_independent_of_the_thread_count() {
+        let (heads, dc, dr, bs, ctx) = (4usize, 64usize, 8usize, 16usize, 300usize);
+        let entries: Vec<f32> = (0..ctx.div_ceil(bs) * bs * (dc + dr)).map(|i| ((i * 17 % 31) as f32 - 15.0) / 9.0).collect();
+        let blocks: Vec<&[f32]> = entries.chunks(bs * (dc + dr)).collect();
+        let cache = LatentCache { blocks: &blocks, block_size: bs, dc, dr };
+        let ql: Vec<f32> = (0..heads * dc).map(|i| (i % 9) as f32 / 9.0 - 0.5).collect();
+        let qp: Vec<f32> = (0..heads * dr).map(|i| (i % 5) as f32 / 5.0 - 0.5).collect();
+        let isa = crate::cpu::isa::detect();
+        let run = |threads: usize| {
+            let pool = ThreadPool::new(&PoolConfig::single_node(threads));
+            let (mut scores, mut out) = (vec![0.0; heads * ctx], vec![0.0; heads * dc]);
+            decode_attention(&pool, isa, cache, ctx, &ql, &qp, 0.3, &mut scores, &mut out);
+            out
+        };
+        let one = run(1);
+        for threads in [2, 3] {
+            assert!(run(threads).iter().zip(&one).all(|(a, b)| a.to_bits() == b.to_bits()), "{threads} threads");
         }
     }
 
