@@ -160,7 +160,7 @@ pub fn decode_attention(
     // out_h = Σ_c a_c · context_c,h / Σ_c a_c with a_c = sum_c · exp(max_c − max).
     for (h, o) in out.chunks_mut(dc).enumerate() {
         let max = (0..parts).map(|c| stats[c * heads + h].max).fold(f32::NEG_INFINITY, f32::max);
-        let weights: Vec<f32> = (0..parts).map(|c| stats[c * heads + h]).map(|s| if s.sum > 0.0 { s.sum * (s.max - max).exp() } else { 0.0 }).collect();
+        let weights: Vec<f32> = (0..parts).map(|c| stats[c * heads + h]).map(|s| s.sum * (s.max - max).exp()).collect();
         let inv = 1.0 / weights.iter().sum::<f32>();
         o.fill(0.0);
         for (c, &a) in weights.iter().enumerate() {

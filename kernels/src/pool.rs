@@ -162,7 +162,7 @@ impl ThreadPool {
         } else {
             // Spread one logical task list over the nodes in contiguous runs.
             let per = n_tasks.div_ceil(self.nodes());
-            self.region(&|k| n_tasks.saturating_sub(k * per).min(per), &|node, t| f(node * per + t));
+            self.run_region(&|k| n_tasks.saturating_sub(k * per).min(per), &|node, t| f(node * per + t));
         }
     }
 
@@ -171,12 +171,12 @@ impl ThreadPool {
     /// the region ends) if a task panicked.
     pub fn parallel_for_nodes(&self, tasks_per_node: &[usize], f: &(dyn Fn(usize, usize) + Sync)) {
         assert_eq!(tasks_per_node.len(), self.nodes(), "one task count per node");
-        self.region(&|k| tasks_per_node[k], f);
+        self.run_region(&|k| tasks_per_node[k], f);
     }
 
     /// [`Self::parallel_for_nodes`] with the task counts given per node by
     /// `tasks_of` (so that callers need not allocate a list).
-    fn region(&self, tasks_of: &dyn Fn(usize) -> usize, f: &(dyn Fn(usize, usize) + Sync)) {
+    fn run_region(&self, tasks_of: &dyn Fn(usize) -> usize, f: &(dyn Fn(usize, usize) + Sync)) {
         assert!(!IN_REGION.get(), "ThreadPool regions cannot be nested");
         let total: usize = (0..self.nodes()).map(tasks_of).sum();
         if total == 0 {
