@@ -11,7 +11,7 @@
 use duplex_model::kv_cache::KvError;
 use duplex_model::{BlockTable, KvPool};
 use duplex_proto::worker::KvLease;
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::time::{Duration, Instant};
 use tonic::Status;
 
@@ -20,11 +20,21 @@ pub struct KvAllocator {
     epoch: u64,
     /// Granted, not yet admitted: the blocks and when they were granted.
     leases: HashMap<String, (BlockTable, Instant)>,
+    /// Requests freed (or cancelled) while they held no lease, newest last.
+    /// `FreeKv` and `AllocateKv` travel as separate calls, and a router whose
+    /// client hangs up frees at once, so the free can overtake the
+    /// allocation; a lease granted after it would sit unused until it
+    /// expires. Such an allocation is refused instead.
+    freed_early: VecDeque<String>,
 }
+
+/// How many early frees are remembered (request ids are unique, and the
+/// allocation they overtake arrives within moments).
+const FREED_EARLY_MAX: usize = 1024;
 
 impl KvAllocator {
     pub fn new(pool: KvPool, epoch: u64) -> Self {
-        KvAllocator { pool, epoch, leases: HashMap::new() }
+        KvAllocator { pool, epoch, leases: HashMap::new(), freed_early: VecDeque::new() }
     }
 
     pub fn lease(&mut self, request_id: &str, tokens: usize) -> Result<KvLease, Status> {
@@ -34,6 +44,10 @@ impl KvAllocator {
         if self.leases.contains_key(request_id) {
             return Err(Status::already_exists(format!("request {request_id} already holds a KV lease")));
         }
+        if let Some(i) = self.freed_early.iter().position(|id| id == request_id) {
+            self.freed_early.remove(i);
+            return Err(Status::cancelled(format!("request {request_id} was freed before its KV lease was granted")));
+        }
         let mut table = BlockTable::default();
         self.pool.reserve(&mut table, tokens).map_err(|e| Status::resource_exhausted(e.to_string()))?;
         let lease = KvLease { pool_epoch: self.epoch, request_id: request_id.to_string(), blocks: table.blocks.clone() };
@@ -41,14 +55,21 @@ impl KvAllocator {
         Ok(lease)
     }
 
-    /// Free a lease that will not be admitted; false if there is none.
+    /// Free a lease that will not be admitted; false if there is none (and
+    /// then a lease asked for later under this id is refused).
     pub fn free_lease(&mut self, request_id: &str) -> bool {
         match self.leases.remove(request_id) {
             Some((mut table, _)) => {
                 self.pool.release(&mut table);
                 true
             }
-            None => false,
+            None => {
+                if self.freed_early.len() == FREED_EARLY_MAX {
+                    self.freed_early.pop_front();
+                }
+                self.freed_early.push_back(request_id.to_string());
+                false
+            }
         }
     }
 
@@ -117,6 +138,22 @@ impl KvAllocator {
 mod tests {
     use super::*;
     use tonic::Code;
+
+    /// A free that overtakes its allocation: the late allocation is refused
+    /// and holds nothing; the memory of it is bounded.
+    #[test]
+    fn a_free_before_the_lease_refuses_the_lease() {
+        let mut kv = KvAllocator::new(KvPool::new(8, 16, 2, 4), 7);
+        assert!(!kv.free_lease("late"));
+        assert_eq!(kv.lease("late", 40).unwrap_err().code(), Code::Cancelled);
+        assert_eq!(kv.used_blocks(), 0);
+        for i in 0..2 * FREED_EARLY_MAX {
+            kv.free_lease(&format!("gone-{i}"));
+        }
+        assert_eq!(kv.freed_early.len(), FREED_EARLY_MAX);
+        // Other requests are untouched.
+        assert_eq!(kv.lease("b", 16).unwrap().blocks.len(), 1);
+    }
 
     #[test]
     fn leases_are_granted_taken_over_and_freed() {
