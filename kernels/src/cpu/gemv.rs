@@ -125,8 +125,8 @@ mod tests {
     /// Weights as the FP8 kernels meet them. Either any codes, with the
     /// exponent-0 ones over-represented (the exact decode nearly everywhere),
     /// or checkpoint-like: normal codes only (the fast decode), with at most
-    /// one zero or subnormal code at a random place, so that one line of a
-    /// multi-row step takes the exact decode and its neighbours must not.
+    /// one zero or subnormal code at a random place, which the step of rows
+    /// holding it must notice.
     fn fp8_codes(len: usize) -> impl Strategy<Value = Vec<u8>> {
         // Exponent 1..=15 and any mantissa but NaN's (15, 7).
         let normal = (any::<u8>(), 1u8..16).prop_map(|(c, e)| (c & 0x87) | e << 3).prop_map(|c| if c & 0x7f == 0x7f { c - 1 } else { c });
