@@ -26,9 +26,12 @@ pub fn duplex_bin() -> PathBuf {
     bin
 }
 
-/// A loopback port that was free a moment ago.
-pub fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+/// `N` distinct loopback ports that were free a moment ago. All are held
+/// until all are chosen: one at a time, the system may hand out a port it
+/// has just handed out (two of a server's processes then collide).
+pub fn free_ports<const N: usize>() -> [u16; N] {
+    let listeners: [std::net::TcpListener; N] = std::array::from_fn(|_| std::net::TcpListener::bind("127.0.0.1:0").unwrap());
+    listeners.map(|l| l.local_addr().unwrap().port())
 }
 
 #[derive(Clone, Debug)]
@@ -67,7 +70,7 @@ impl Server {
     pub fn start(options: Options) -> Server {
         let dir = tempfile::tempdir().unwrap();
         let instance = format!("duplex-test-{}-{}", std::process::id(), COUNTER.fetch_add(1, Ordering::SeqCst));
-        let (http, grpc, decode, prefill, decode_metrics, prefill_metrics) = (free_port(), free_port(), free_port(), free_port(), free_port(), free_port());
+        let [http, grpc, decode, prefill, decode_metrics, prefill_metrics] = free_ports();
         let config = format!(
             "[router]\nhttp_port = {http}\ngrpc_port = {grpc}\nprefill_threshold_tokens = {}\nmax_pending_requests = {}\n\n\
              [decode]\nport = {decode}\nmetrics_port = {decode_metrics}\nthreads = 1\ndtype = \"{dtype}\"\n\n\
@@ -92,6 +95,8 @@ impl Server {
             .spawn()
             .expect("start duplex serve");
         let log = Arc::new(Mutex::new(String::new()));
+        // Each output stream says `true` when the server is ready, and
+        // `false` when it closes (the server has exited).
         let (ready_tx, ready_rx) = std::sync::mpsc::channel();
         for stream in [Box::new(child.stdout.take().unwrap()) as Box<dyn std::io::Read + Send>, Box::new(child.stderr.take().unwrap())] {
             let (log, ready_tx) = (log.clone(), ready_tx.clone());
@@ -99,10 +104,11 @@ impl Server {
                 for line in BufReader::new(stream).lines().map_while(Result::ok) {
                     eprintln!("[serve] {line}");
                     if line.starts_with("Duplex is ready") {
-                        let _ = ready_tx.send(());
+                        let _ = ready_tx.send(true);
                     }
                     log.lock().unwrap().push_str(&(line + "\n"));
                 }
+                let _ = ready_tx.send(false);
             });
         }
         let server = Server {
@@ -115,10 +121,16 @@ impl Server {
             log,
             _dir: dir,
         };
-        if ready_rx.recv_timeout(Duration::from_secs(180)).is_err() {
-            panic!("duplex serve did not become ready; its log:\n{}", server.log());
+        let deadline = Instant::now() + Duration::from_secs(180);
+        let mut closed = 0;
+        loop {
+            match ready_rx.recv_timeout(deadline.saturating_duration_since(Instant::now())) {
+                Ok(true) => return server,
+                Ok(false) if closed == 0 => closed += 1,
+                // Both streams closed, or the deadline passed: no point waiting.
+                _ => panic!("duplex serve did not become ready; its log:\n{}", server.log()),
+            }
         }
-        server
     }
 
     /// Everything the supervisor and its children printed so far.
