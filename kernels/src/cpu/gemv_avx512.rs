@@ -25,10 +25,10 @@
 //! such codes) take it on nearly every step and run ~1.5× slower. Both
 //! decodes read the two NaN codes as ±480.
 //!
-//! Measured on the development machine (an AVX-512 BF16 Xeon under KVM),
-//! `vdpbf16ps` issues about once per two cycles and dominates: 64 codes
-//! cost two of them plus the five decode ops, ~19 GB/s per core with the
-//! weights in L2 against ~15 GB/s of DRAM per core when both read.
+//! On the development machine (an AVX-512 BF16 Xeon under KVM) `vdpbf16ps`
+//! issues about once per two cycles and dominates: 64 codes cost two of them
+//! plus the five decode ops, and one core with its weights in cache is barely
+//! faster than one core's DRAM read (`duplex bench-kernels`, last row).
 //!
 //! The `Avx512` level splits the same BF16 words into f32 lanes (BF16 is the
 //! top half of an f32) — four lane classes per 64 codes — and uses FMA.
