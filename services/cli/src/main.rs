@@ -100,6 +100,10 @@ struct BenchArgs {
     /// Decode steps timed at each context.
     #[arg(long, default_value_t = 32)]
     decode_tokens: usize,
+    /// Times the decode steps are repeated from the same context; the best
+    /// round counts, as the best pass does for the bandwidth.
+    #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..))]
+    decode_rounds: u32,
     /// Prompt lengths at which to measure prefill.
     #[arg(long, value_delimiter = ',', default_value = "512,2048")]
     prefill: Vec<usize>,

@@ -112,11 +112,22 @@ fn bench_engine_is_the_engine_benchmark_and_bench_the_load_generator() {
         (&["bench", "--rate", "2", "--requests", "5", "--prompt-tokens", "uniform:400-100"], "MIN must not exceed MAX"),
         (&["bench", "--rate", "2", "--requests", "5", "--output-tokens", "zipf:1"], "unknown distribution \"zipf\""),
         (&["bench", "--scenario", "1P", "--plot", "chart.png"], "ending in .svg"),
+        (&["bench-engine", "--decode-tokens", "0"], "at least 1"),
+        (&["bench-engine", "--contexts", "64,0"], "at least 1"),
+        (&["bench-engine", "--decode-rounds", "0"], "--decode-rounds"),
     ];
     for (args, needle) in cases {
         let out = duplex(args);
         let stderr = String::from_utf8_lossy(&out.stderr);
         assert!(!out.status.success(), "{args:?} should fail");
         assert!(stderr.contains(needle), "{args:?}: {stderr}");
+    }
+    // The engine benchmark on the bundled model: the best of its decode
+    // rounds against the roofline, where each step's time goes, and prefill.
+    let out = duplex(&["bench-engine", "--contexts", "8", "--decode-tokens", "2", "--decode-rounds", "2", "--prefill", "8", "--buffer-mib", "16"]);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{stdout}{}", String::from_utf8_lossy(&out.stderr));
+    for needle in ["best of 2 rounds", "| decode, batch 1, context 8 |", "| decode step, context |", "\n| 8 |", "| prefill, 8 tokens |"] {
+        assert!(stdout.contains(needle), "{needle:?} missing from:\n{stdout}");
     }
 }
