@@ -48,17 +48,22 @@ async fn wait_metric(server: &Server, url: &str, name: &str, labels: &str, pred:
 fn decode_path_prefill_path_and_cli_agree() {
     let _serial = serial();
     let prompt = prompt(300);
-    let expected = generate_cli(&prompt, 24);
+    let expected = generate_cli(&prompt, 24, "bf16");
     assert_eq!(expected.len(), 24);
+    // Stream-loading prefill matches the CPU engine bit for bit in F32 only;
+    // in BF16 its KV agrees to rounding, so greedy tokens may part at a near
+    // tie (with this prompt the 24th token's two best candidates lie 0.002
+    // apart in log-probability). So that path is held to the F32 CLI.
+    let expected_f32 = generate_cli(&prompt, 24, "f32");
 
     let decode_path = Server::start(Options { prefill_threshold_tokens: 1024, ..Options::default() });
     let prefill_path = Server::start(Options { prefill_threshold_tokens: 64, ..Options::default() });
-    let slp_path = Server::start(Options { prefill_threshold_tokens: 64, slp_threshold_tokens: Some(256), ..Options::default() });
+    let slp_path = Server::start(Options { prefill_threshold_tokens: 64, slp_threshold_tokens: Some(256), dtype: "f32", ..Options::default() });
     runtime().block_on(async {
-        for (server, path) in [(&decode_path, "decode"), (&prefill_path, "prefill"), (&slp_path, "prefill")] {
+        for (server, path, expected) in [(&decode_path, "decode", &expected), (&prefill_path, "prefill", &expected), (&slp_path, "prefill", &expected_f32)] {
             let mut client = server.grpc_client().await;
             let (ids, text, finished) = within(60, "generate", collect(&mut client, greedy_request(&prompt, 24))).await.unwrap();
-            assert_eq!(ids, expected, "{path} path");
+            assert_eq!(&ids, expected, "{path} path ({} SLP)", if std::ptr::eq(server, &slp_path) { "with" } else { "without" });
             let usage = finished.usage.unwrap();
             assert_eq!((usage.prompt_tokens, usage.completion_tokens), (300, 24));
             let timings = finished.timings.unwrap();

@@ -9,8 +9,8 @@
 use crate::cpu::elementwise::softmax;
 use crate::elementwise::SoftmaxStats;
 use crate::cpu::convert::f32_to_bf16;
-use crate::cpu::gemv::{axpy_f32, dot_f32, matmul_bf16};
-use crate::cpu::vector::{dots_4x4, weighted_sum, weighted_sum_4};
+use crate::cpu::gemv::{axpy_f32, matmul_bf16};
+use crate::cpu::vector::{dots_16, weighted_sum, weighted_sum_4, QUERY_LANES};
 use crate::cpu::isa::Isa;
 use crate::pool::ThreadPool;
 use crate::shared::SharedSlice;
@@ -70,18 +70,24 @@ pub fn decode_attention(
     assert!(scores.len() >= heads * ctx, "decode_attention: scores scratch too small");
     // Split-K over positions (flash-decoding), in one parallel region: each
     // part takes a range of positions for every head. It walks its range in
-    // blocks that stay in cache: the block's scores four heads by four
-    // positions at a time (`dots_4x4`), then its latents weighted for all
-    // heads (`weighted_sum_4`), with the softmax kept online across blocks,
-    // so every cached entry is read from memory once. The parts' contexts
-    // are then combined with their softmax statistics.
+    // blocks that stay in cache: the block's scores for sixteen heads at a
+    // time (`dots_16`, over the queries transposed), then its latents
+    // weighted for all heads (`weighted_sum_4`), with the softmax kept online
+    // across blocks, so every cached entry is read from memory once. The
+    // parts' contexts are then combined with their softmax statistics.
     let de = dc + dr;
-    let mut queries = Vec::with_capacity(heads * de);
+    const L: usize = QUERY_LANES;
+    let vectors = heads.div_ceil(L);
+    // Vector j of the transposed queries: `[de][L]`, lane l holding head
+    // `L·j + l` (zero past the last head).
+    let mut queries_t = vec![0.0f32; vectors * de * L];
     for h in 0..heads {
-        queries.extend_from_slice(&q_latent[h * dc..(h + 1) * dc]);
-        queries.extend_from_slice(&q_pe[h * dr..(h + 1) * dr]);
+        let (j, l) = (h / L, h % L);
+        let q = q_latent[h * dc..(h + 1) * dc].iter().chain(&q_pe[h * dr..(h + 1) * dr]);
+        for (k, &v) in q.enumerate() {
+            queries_t[(j * de + k) * L + l] = v;
+        }
     }
-    let query = |h: usize| &queries[h * de..(h + 1) * de];
     // Parts of a fixed length, not one per thread: the result then does not
     // depend on the pool's size (a server's worker and `duplex generate`
     // agree bit for bit), and the pool balances the parts dynamically.
@@ -105,23 +111,14 @@ pub fn decode_attention(
             // scores to their weighted sum, so each is read from memory once;
             // the softmax runs online across the blocks.
             const BLOCK: usize = 32;
+            let mut tile = vec![0.0f32; BLOCK * L];
             for b0 in (0..r.len()).step_by(BLOCK) {
                 let b1 = (b0 + BLOCK).min(r.len());
-                for t0 in (b0..b1).step_by(4) {
-                    for h0 in (0..heads).step_by(4) {
-                        if h0 + 4 <= heads && t0 + 4 <= b1 {
-                            let d = dots_4x4(isa, std::array::from_fn(|i| query(h0 + i)), std::array::from_fn(|i| entries[t0 + i]));
-                            for (i, row) in d.iter().enumerate() {
-                                for (k, &v) in row.iter().enumerate() {
-                                    rows[h0 + i][t0 + k] = v * scale;
-                                }
-                            }
-                        } else {
-                            for (h, row) in rows.iter_mut().enumerate().skip(h0).take(4) {
-                                for t in t0..(t0 + 4).min(b1) {
-                                    row[t] = dot_f32(isa, query(h), entries[t]) * scale;
-                                }
-                            }
+                for j in 0..vectors {
+                    dots_16(isa, &queries_t[j * de * L..(j + 1) * de * L], &entries[b0..b1], &mut tile[..(b1 - b0) * L]);
+                    for (h, row) in rows.iter_mut().enumerate().skip(j * L).take(L) {
+                        for t in b0..b1 {
+                            row[t] = tile[(t - b0) * L + h % L] * scale;
                         }
                     }
                 }
@@ -271,10 +268,20 @@ mod tests {
 
     #[test]
     fn matches_naive_attention() {
-        // Head and position counts off and on the 4×4 blocking, and latents
-        // off and on the 64-float slabs of the weighted sums.
-        // 300 positions: three parts of several blocks each.
-        for (heads, dc, dr, bs, ctx, threads) in [(3usize, 40usize, 8usize, 4usize, 11usize, 2usize), (8, 128, 16, 16, 70, 2), (5, 136, 8, 8, 9, 2), (4, 64, 8, 4, 5, 4), (2, 32, 8, 4, 1, 2), (4, 64, 8, 16, 300, 2)] {
+        // Head counts under, at and over one 16-query vector (and over the
+        // four outputs of a weighted sum), block lengths on and off the
+        // 8-key groups of the scores, latents off and on the 64-float slabs
+        // of the weighted sums. 300 positions: three parts of several blocks.
+        for (heads, dc, dr, bs, ctx, threads) in [
+            (3usize, 40usize, 8usize, 4usize, 11usize, 2usize),
+            (8, 128, 16, 16, 70, 2),
+            (5, 136, 8, 8, 9, 2),
+            (4, 64, 8, 4, 5, 4),
+            (2, 32, 8, 4, 1, 2),
+            (4, 64, 8, 16, 300, 2),
+            (16, 64, 8, 16, 45, 2),
+            (21, 72, 8, 8, 40, 3),
+        ] {
             let entries: Vec<f32> = (0..ctx.div_ceil(bs) * bs * (dc + dr)).map(|i| ((i * 13 % 29) as f32 - 14.0) / 14.0).collect();
             let blocks: Vec<&[f32]> = entries.chunks(bs * (dc + dr)).rev().collect(); // any block order
             let cache = LatentCache { blocks: &blocks, block_size: bs, dc, dr };

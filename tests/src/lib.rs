@@ -206,11 +206,12 @@ impl Drop for Server {
     }
 }
 
-/// Token ids of `duplex generate` for `prompt` (greedy, BF16, EOS ignored).
-pub fn generate_cli(prompt: &[u32], max_tokens: usize) -> Vec<u32> {
+/// Token ids of `duplex generate` for `prompt` (greedy, EOS ignored) on the
+/// numeric path `dtype` (`bf16` or `f32`).
+pub fn generate_cli(prompt: &[u32], max_tokens: usize, dtype: &str) -> Vec<u32> {
     let ids: Vec<String> = prompt.iter().map(|t| t.to_string()).collect();
     let out = Command::new(duplex_bin())
-        .args(["generate", "--tokens", &ids.join(","), "--temperature", "0", "--ignore-eos", "--json"])
+        .args(["generate", "--tokens", &ids.join(","), "--temperature", "0", "--ignore-eos", "--json", "--dtype", dtype])
         .args(["--max-tokens", &max_tokens.to_string()])
         .output()
         .expect("run duplex generate");

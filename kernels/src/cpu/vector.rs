@@ -1,6 +1,6 @@
 //! F32 vector primitives for attention over the latent KV cache:
 //! scores are `dot_f32(q, k)`, the context is a sum of `axpy_f32(p, v, ctx)`.
-//! The blocked forms, [`dots_4x4`] and [`weighted_sum`], are what decode
+//! The blocked forms, [`dots_16`] and [`weighted_sum`], are what decode
 //! attention uses: they load each operand once for several products, so
 //! they run at FMA rather than load/store speed.
 
@@ -46,15 +46,31 @@ pub fn axpy_f32(isa: Isa, alpha: f32, x: &[f32], y: &mut [f32]) {
     }
 }
 
-/// The 16 dot products `a[i] · b[j]` of four vectors by four, all of one length.
-pub fn dots_4x4(isa: Isa, a: [&[f32]; 4], b: [&[f32]; 4]) -> [[f32; 4]; 4] {
-    let n = a[0].len();
-    assert!(a.iter().chain(&b).all(|v| v.len() == n), "dots_4x4: length mismatch");
+/// Queries one SIMD vector wide: [`dots_16`] takes up to this many at once.
+pub const QUERY_LANES: usize = 16;
+
+/// The dot products of [`QUERY_LANES`] queries with each of `keys`:
+/// `out[t · 16 + l] = Σ_k qt[k · 16 + l] · keys[t][k]`. `qt` holds the
+/// queries transposed (`[d][16]`, unused lanes zero), so one vector load
+/// serves all of them and each key element is one broadcast: the products
+/// need no horizontal sums, and each lane sums in order of `k`.
+pub fn dots_16(isa: Isa, qt: &[f32], keys: &[&[f32]], out: &mut [f32]) {
+    const L: usize = QUERY_LANES;
+    let d = qt.len() / L;
+    assert!(qt.len() == d * L && keys.iter().all(|k| k.len() == d), "dots_16: shapes");
+    assert_eq!(out.len(), keys.len() * L, "dots_16: one row of outputs per key");
     match isa.usable() {
-        // SAFETY: `usable()` guarantees the features; every slice is `n` long.
+        // SAFETY: `usable()` guarantees the features; the shapes are checked above.
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx512 | Isa::Avx512Bf16 => unsafe { x86::dots_4x4_avx512(a, b) },
-        _ => std::array::from_fn(|i| std::array::from_fn(|j| dot_f32(isa, a[i], b[j]))),
+        Isa::Avx512 | Isa::Avx512Bf16 => unsafe { x86::dots_16_avx512(qt, keys, out) },
+        _ => {
+            for (key, out) in keys.iter().zip(out.chunks_exact_mut(L)) {
+                out.fill(0.0);
+                for (&kv, q) in key.iter().zip(qt.chunks_exact(L)) {
+                    out.iter_mut().zip(q).for_each(|(o, &q)| *o = kv.mul_add(q, *o));
+                }
+            }
+        }
     }
 }
 
@@ -162,32 +178,41 @@ mod x86 {
     }
 
     /// # Safety
-    /// AVX-512 F present; all eight slices of one length.
+    /// AVX-512 F present; `qt` is `[d][16]`, every key `d` long, `out` `[keys][16]`.
     #[target_feature(enable = "avx512f")]
-    pub(super) unsafe fn dots_4x4_avx512(a: [&[f32]; 4], b: [&[f32]; 4]) -> [[f32; 4]; 4] {
-        let n = a[0].len();
-        // 16 accumulators, 8 loads per 16 FMAs: compute-bound, not load-bound.
-        let mut acc = [[_mm512_setzero_ps(); 4]; 4];
-        let mut step = |i: usize, m: __mmask16| {
-            // SAFETY: the lanes under `m` lie inside every slice.
-            let av: [__m512; 4] = std::array::from_fn(|k| unsafe { _mm512_maskz_loadu_ps(m, a[k].as_ptr().add(i)) });
-            let bv: [__m512; 4] = std::array::from_fn(|k| unsafe { _mm512_maskz_loadu_ps(m, b[k].as_ptr().add(i)) });
-            for (r, acc) in acc.iter_mut().enumerate() {
-                for (c, acc) in acc.iter_mut().enumerate() {
-                    *acc = _mm512_fmadd_ps(av[r], bv[c], *acc);
-                }
+    pub(super) unsafe fn dots_16_avx512(qt: &[f32], keys: &[&[f32]], out: &mut [f32]) {
+        // Eight keys at a time: eight independent FMA chains hide the
+        // latency, and each query vector loaded feeds eight broadcast FMAs.
+        let mut t = 0;
+        while t + 8 <= keys.len() {
+            // SAFETY: forwarded; keys t..t + 8 exist.
+            unsafe { dots_16_group::<8>(qt, &keys[t..t + 8], &mut out[16 * t..16 * (t + 8)]) };
+            t += 8;
+        }
+        for t in t..keys.len() {
+            // SAFETY: as above, one key.
+            unsafe { dots_16_group::<1>(qt, &keys[t..t + 1], &mut out[16 * t..16 * (t + 1)]) };
+        }
+    }
+
+    /// # Safety
+    /// As [`dots_16_avx512`], with exactly `P` keys.
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    unsafe fn dots_16_group<const P: usize>(qt: &[f32], keys: &[&[f32]], out: &mut [f32]) {
+        let key: [*const f32; P] = std::array::from_fn(|p| keys[p].as_ptr());
+        let mut acc = [_mm512_setzero_ps(); P];
+        for i in 0..qt.len() / 16 {
+            // SAFETY: i < d: qt holds 16 · d floats and every key d.
+            let q = unsafe { _mm512_loadu_ps(qt.as_ptr().add(16 * i)) };
+            for p in 0..P {
+                acc[p] = _mm512_fmadd_ps(_mm512_set1_ps(unsafe { *key[p].add(i) }), q, acc[p]);
             }
-        };
-        // Whole vectors with a constant mask (no per-step mask arithmetic),
-        // then the tail.
-        let whole = n / 16 * 16;
-        for i in (0..whole).step_by(16) {
-            step(i, !0);
         }
-        if whole < n {
-            step(whole, lanes(n, whole));
+        for (p, acc) in acc.iter().enumerate() {
+            // SAFETY: out holds 16 · P floats.
+            unsafe { _mm512_storeu_ps(out.as_mut_ptr().add(16 * p), *acc) };
         }
-        std::array::from_fn(|r| std::array::from_fn(|c| _mm512_reduce_add_ps(acc[r][c])))
     }
 
     /// # Safety
@@ -354,18 +379,26 @@ mod tests {
             let mut state = seed | 1;
             let mut next = move || { state ^= state << 13; state ^= state >> 7; state ^= state << 17; (state % 2001) as f32 / 100.0 - 10.0 };
             let vecs: Vec<Vec<f32>> = (0..8).map(|_| (0..len).map(|_| next()).collect()).collect();
-            let a: [&[f32]; 4] = std::array::from_fn(|i| vecs[i].as_slice());
-            let b: [&[f32]; 4] = std::array::from_fn(|i| vecs[4 + i].as_slice());
             let weights: Vec<f32> = (0..6).map(|_| next() / 10.0).collect();
             let rows: Vec<&[f32]> = (0..6).map(|i| vecs[i % 8].as_slice()).collect();
             let y0: Vec<f32> = (0..len).map(|_| next()).collect();
             for isa in isa::supported() {
-                let d = dots_4x4(isa, a, b);
-                for i in 0..4 {
-                    for j in 0..4 {
-                        let want: f64 = a[i].iter().zip(b[j]).map(|(&x, &y)| x as f64 * y as f64).sum();
-                        let mag: f64 = a[i].iter().zip(b[j]).map(|(&x, &y)| (x as f64 * y as f64).abs()).sum::<f64>() + 1e-6;
-                        prop_assert!((d[i][j] as f64 - want).abs() / mag < 1e-5, "{isa}: dots[{i}][{j}]");
+                // Sixteen query lanes (the last four zero) against 4 + 8 + 1
+                // keys: a group of eight and single keys.
+                let mut qt = vec![0.0f32; 16 * len];
+                for (k, lanes) in qt.chunks_exact_mut(16).enumerate() {
+                    for l in 0..12 {
+                        lanes[l] = vecs[l % 8][(k + l) % len];
+                    }
+                }
+                let keys: Vec<&[f32]> = (0..13).map(|t| vecs[(3 * t) % 8].as_slice()).collect();
+                let mut d = vec![f32::NAN; 16 * keys.len()];
+                dots_16(isa, &qt, &keys, &mut d);
+                for (t, key) in keys.iter().enumerate() {
+                    for l in 0..16 {
+                        let terms = || qt.chunks_exact(16).zip(key.iter()).map(|(q, &x)| q[l] as f64 * x as f64);
+                        let (want, mag) = (terms().sum::<f64>(), terms().map(f64::abs).sum::<f64>() + 1e-6);
+                        prop_assert!((d[16 * t + l] as f64 - want).abs() / mag < 1e-5, "{isa}: dots_16[{t}][{l}]");
                     }
                 }
                 let mut ys: [Vec<f32>; 4] = std::array::from_fn(|_| y0.clone());
