@@ -60,10 +60,16 @@ fn decode_path_prefill_path_and_cli_agree() {
     let prefill_path = Server::start(Options { prefill_threshold_tokens: 64, ..Options::default() });
     let slp_path = Server::start(Options { prefill_threshold_tokens: 64, slp_threshold_tokens: Some(256), dtype: "f32", ..Options::default() });
     runtime().block_on(async {
-        for (server, path, expected) in [(&decode_path, "decode", &expected), (&prefill_path, "prefill", &expected), (&slp_path, "prefill", &expected_f32)] {
+        // (server, what it is, the prefill path it reports, the tokens it must give)
+        let servers = [
+            (&decode_path, "decode", "decode", &expected),
+            (&prefill_path, "prefill", "prefill", &expected),
+            (&slp_path, "stream-loading prefill", "prefill", &expected_f32),
+        ];
+        for (server, name, path, expected) in servers {
             let mut client = server.grpc_client().await;
             let (ids, text, finished) = within(60, "generate", collect(&mut client, greedy_request(&prompt, 24))).await.unwrap();
-            assert_eq!(&ids, expected, "{path} path ({} SLP)", if std::ptr::eq(server, &slp_path) { "with" } else { "without" });
+            assert_eq!(&ids, expected, "{name} path");
             let usage = finished.usage.unwrap();
             assert_eq!((usage.prompt_tokens, usage.completion_tokens), (300, 24));
             let timings = finished.timings.unwrap();
