@@ -24,7 +24,7 @@ pub fn read_bytes(isa: Isa, buf: &[u8]) -> u64 {
         #[cfg(target_arch = "x86_64")]
         Isa::Avx2 => unsafe { x86::avx2(buf) },
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx512 | Isa::Avx512Bf16 => unsafe { x86::avx512(buf) },
+        Isa::Avx512 | Isa::Avx512Bf16 | Isa::Avx512Fp16 => unsafe { x86::avx512(buf) },
         #[cfg(not(target_arch = "x86_64"))]
         _ => (0, 0),
     };

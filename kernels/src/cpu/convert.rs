@@ -15,7 +15,7 @@ pub fn f32_to_bf16(isa: Isa, src: &[f32], dst: &mut [u16]) {
         #[cfg(target_arch = "x86_64")]
         Isa::Avx512 => unsafe { x86::avx512(src, dst) },
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx512Bf16 => unsafe { x86::avx512bf16(src, dst) },
+        Isa::Avx512Bf16 | Isa::Avx512Fp16 => unsafe { x86::avx512bf16(src, dst) },
         #[cfg(not(target_arch = "x86_64"))]
         _ => 0,
     };

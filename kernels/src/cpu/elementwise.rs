@@ -3,8 +3,9 @@
 //! and the MoE router's sigmoid scores and top-k selection.
 //!
 //! Each entry point takes an [`Isa`], clamps it with [`Isa::usable`] and runs:
-//! - `Avx512Bf16`, `Avx512`: the AVX-512F kernels (no BF16 instruction helps
-//!   here, and `vcvtneps2bf16` flushes subnormals, so both levels share them);
+//! - `Avx512Fp16`, `Avx512Bf16`, `Avx512`: the AVX-512F kernels (no BF16 or
+//!   FP16 instruction helps here, and `vcvtneps2bf16` flushes subnormals, so
+//!   all three levels share them);
 //! - `Avx2`: the AVX2 + FMA kernels;
 //! - `Portable`: the scalar reference in [`crate::elementwise`], unchanged.
 //!
@@ -73,7 +74,7 @@ pub fn rms_norm(isa: Isa, x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) 
         // SAFETY: `usable()` guarantees the features each path enables; the
         // lengths are checked above.
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx512 | Isa::Avx512Bf16 => unsafe { super::elementwise_avx512::rms_norm::<false>(x, weight, eps, out) },
+        Isa::Avx512 | Isa::Avx512Bf16 | Isa::Avx512Fp16 => unsafe { super::elementwise_avx512::rms_norm::<false>(x, weight, eps, out) },
         #[cfg(target_arch = "x86_64")]
         Isa::Avx2 => unsafe { super::elementwise_avx2::rms_norm::<false>(x, weight, eps, out) },
         _ => crate::elementwise::rms_norm(x, weight, eps, out),
@@ -88,7 +89,7 @@ pub fn rms_norm_bf16(isa: Isa, x: &[f32], weight: &[f32], eps: f32, out: &mut [f
     match isa.usable() {
         // SAFETY: as in `rms_norm`.
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx512 | Isa::Avx512Bf16 => unsafe { super::elementwise_avx512::rms_norm::<true>(x, weight, eps, out) },
+        Isa::Avx512 | Isa::Avx512Bf16 | Isa::Avx512Fp16 => unsafe { super::elementwise_avx512::rms_norm::<true>(x, weight, eps, out) },
         #[cfg(target_arch = "x86_64")]
         Isa::Avx2 => unsafe { super::elementwise_avx2::rms_norm::<true>(x, weight, eps, out) },
         _ => {
@@ -104,7 +105,7 @@ pub fn silu_mul(isa: Isa, gate: &mut [f32], up: &[f32]) {
     match isa.usable() {
         // SAFETY: `usable()` guarantees the features; the lengths match.
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx512 | Isa::Avx512Bf16 => unsafe { super::elementwise_avx512::silu_mul(gate, up) },
+        Isa::Avx512 | Isa::Avx512Bf16 | Isa::Avx512Fp16 => unsafe { super::elementwise_avx512::silu_mul(gate, up) },
         #[cfg(target_arch = "x86_64")]
         Isa::Avx2 => unsafe { super::elementwise_avx2::silu_mul(gate, up) },
         _ => crate::elementwise::silu_mul(gate, up),
@@ -116,7 +117,7 @@ pub fn softmax(isa: Isa, xs: &mut [f32]) -> crate::elementwise::SoftmaxStats {
     match isa.usable() {
         // SAFETY: `usable()` guarantees the features.
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx512 | Isa::Avx512Bf16 => unsafe { super::elementwise_avx512::softmax(xs) },
+        Isa::Avx512 | Isa::Avx512Bf16 | Isa::Avx512Fp16 => unsafe { super::elementwise_avx512::softmax(xs) },
         #[cfg(target_arch = "x86_64")]
         Isa::Avx2 => unsafe { super::elementwise_avx2::softmax(xs) },
         _ => crate::elementwise::softmax(xs),
@@ -133,7 +134,7 @@ pub fn rope(isa: Isa, x: &mut [f32], cos: &[f32], sin: &[f32], interleaved: bool
     match isa.usable() {
         // SAFETY: `usable()` guarantees the features; the shapes are checked above.
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx512 | Isa::Avx512Bf16 => unsafe { super::elementwise_avx512::rope(x, cos, sin, interleaved) },
+        Isa::Avx512 | Isa::Avx512Bf16 | Isa::Avx512Fp16 => unsafe { super::elementwise_avx512::rope(x, cos, sin, interleaved) },
         #[cfg(target_arch = "x86_64")]
         Isa::Avx2 => unsafe { super::elementwise_avx2::rope(x, cos, sin, interleaved) },
         _ => crate::elementwise::rope(x, cos, sin, interleaved),
@@ -150,7 +151,7 @@ pub fn router_scores(isa: Isa, logits: &[f32], bias: Option<&[f32]>, scores: &mu
     match isa.usable() {
         // SAFETY: `usable()` guarantees the features; the lengths are checked above.
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx512 | Isa::Avx512Bf16 => unsafe { super::elementwise_avx512::router_scores(logits, bias, scores, choice) },
+        Isa::Avx512 | Isa::Avx512Bf16 | Isa::Avx512Fp16 => unsafe { super::elementwise_avx512::router_scores(logits, bias, scores, choice) },
         #[cfg(target_arch = "x86_64")]
         Isa::Avx2 => unsafe { super::elementwise_avx2::router_scores(logits, bias, scores, choice) },
         _ => crate::elementwise::router_scores(logits, bias, scores, choice),
@@ -165,7 +166,7 @@ pub fn top_k(isa: Isa, values: &[f32], k: usize) -> Vec<usize> {
     let k = k.min(values.len());
     match isa.usable() {
         #[cfg(target_arch = "x86_64")]
-        isa @ (Isa::Avx2 | Isa::Avx512 | Isa::Avx512Bf16) => {
+        isa @ (Isa::Avx2 | Isa::Avx512 | Isa::Avx512Bf16 | Isa::Avx512Fp16) => {
             const STACK: usize = 256;
             let padded = values.len().div_ceil(16) * 16;
             let mut stack = [0i32; STACK];
@@ -441,7 +442,7 @@ mod tests {
         match isa.usable() {
             // SAFETY: `usable()` guarantees the features.
             #[cfg(target_arch = "x86_64")]
-            Isa::Avx512 | Isa::Avx512Bf16 => unsafe { super::super::elementwise_avx512::exp_slice(xs) },
+            Isa::Avx512 | Isa::Avx512Bf16 | Isa::Avx512Fp16 => unsafe { super::super::elementwise_avx512::exp_slice(xs) },
             #[cfg(target_arch = "x86_64")]
             Isa::Avx2 => unsafe { super::super::elementwise_avx2::exp_slice(xs) },
             _ => xs.iter_mut().for_each(|x| *x = x.exp()),

@@ -1,6 +1,6 @@
 //! AVX-512 bodies of the elementwise kernels (see [`super::elementwise`] for
 //! the contracts and the numerics). Every function here needs AVX-512F, which
-//! the `Avx512` and `Avx512Bf16` levels both guarantee; none needs more.
+//! every level from `Avx512` up guarantees; none needs more.
 //!
 //! Lengths are handled with masked loads and stores, so there is no scalar
 //! tail: a lane outside the mask is never read or written.

@@ -7,13 +7,17 @@
 //! hardware lacks, even by passing `Isa::Avx512Bf16` on an AVX2 machine.
 //!
 //! AMX is deliberately not a level: the deployment targets (AMD Zen 4) have
-//! AVX-512 with BF16 but no AMX.
+//! AVX-512 with BF16 but no AMX. AVX512-FP16 (Intel Sapphire Rapids and
+//! later, including the Xeon W workstations) is a level of its own, above
+//! BF16: only the decode GEMV uses it (see `gemv_avx512`), everything else
+//! runs its `Avx512Bf16` code there.
 
 use std::fmt;
 use std::str::FromStr;
 use std::sync::OnceLock;
 
-/// A SIMD level. `Ord` follows capability: `Portable < Avx2 < Avx512 < Avx512Bf16`.
+/// A SIMD level. `Ord` follows capability:
+/// `Portable < Avx2 < Avx512 < Avx512Bf16 < Avx512Fp16`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub enum Isa {
     /// Plain Rust, any target.
@@ -24,11 +28,13 @@ pub enum Isa {
     Avx512,
     /// [`Isa::Avx512`] plus AVX512_BF16 (`vdpbf16ps`, `vcvtne2ps2bf16`).
     Avx512Bf16,
+    /// [`Isa::Avx512Bf16`] plus AVX512_FP16 (`vfmadd231ph`).
+    Avx512Fp16,
 }
 
 impl Isa {
     /// Every level, lowest first.
-    pub const ALL: [Isa; 4] = [Isa::Portable, Isa::Avx2, Isa::Avx512, Isa::Avx512Bf16];
+    pub const ALL: [Isa; 5] = [Isa::Portable, Isa::Avx2, Isa::Avx512, Isa::Avx512Bf16, Isa::Avx512Fp16];
 
     /// The lower-case name used by `DUPLEX_ISA` and [`FromStr`].
     pub fn name(self) -> &'static str {
@@ -37,6 +43,7 @@ impl Isa {
             Isa::Avx2 => "avx2",
             Isa::Avx512 => "avx512",
             Isa::Avx512Bf16 => "avx512bf16",
+            Isa::Avx512Fp16 => "avx512fp16",
         }
     }
 
@@ -59,7 +66,7 @@ pub struct ParseIsaError(String);
 
 impl fmt::Display for ParseIsaError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "unknown ISA level {:?} (expected portable, avx2, avx512 or avx512bf16)", self.0)
+        write!(f, "unknown ISA level {:?} (expected portable, avx2, avx512, avx512bf16 or avx512fp16)", self.0)
     }
 }
 
@@ -88,9 +95,11 @@ fn probe() -> Isa {
     use std::arch::is_x86_feature_detected as has;
     let avx2 = has!("avx2") && has!("fma") && has!("f16c");
     let avx512 = avx2 && has!("avx512f") && has!("avx512bw") && has!("avx512vl");
-    match (avx2, avx512, avx512 && has!("avx512bf16")) {
-        (_, _, true) => Isa::Avx512Bf16,
-        (_, true, _) => Isa::Avx512,
+    let bf16 = avx512 && has!("avx512bf16");
+    match (avx2, avx512, bf16, bf16 && has!("avx512fp16")) {
+        (.., true) => Isa::Avx512Fp16,
+        (_, _, true, _) => Isa::Avx512Bf16,
+        (_, true, ..) => Isa::Avx512,
         (true, ..) => Isa::Avx2,
         _ => Isa::Portable,
     }
@@ -140,6 +149,7 @@ mod tests {
             assert_eq!(isa.to_string(), isa.name());
         }
         assert_eq!(" AVX512BF16 ".parse::<Isa>(), Ok(Isa::Avx512Bf16));
+        assert_eq!("avx512fp16".parse::<Isa>(), Ok(Isa::Avx512Fp16));
         assert!("sse2".parse::<Isa>().is_err());
     }
 
@@ -151,6 +161,7 @@ mod tests {
         assert_eq!(resolve(Some("portable"), Isa::Avx512Bf16), Isa::Portable);
         // Asking for more than the hardware has is clamped.
         assert_eq!(resolve(Some("avx512bf16"), Isa::Avx2), Isa::Avx2);
+        assert_eq!(resolve(Some("avx512bf16"), Isa::Avx512Fp16), Isa::Avx512Bf16);
         // Unknown values are ignored.
         assert_eq!(resolve(Some("neon"), Isa::Avx512), Isa::Avx512);
     }

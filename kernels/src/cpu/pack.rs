@@ -153,6 +153,11 @@ impl<T: Pod> Packed<T> {
         Self { buf, stride, chunk: CHUNK, cpb }
     }
 
+    /// Every packed element, padding included, for a conversion in place.
+    pub fn as_mut_slice(&mut self) -> &mut [T] {
+        self.buf.as_mut_slice()
+    }
+
     #[cfg(test)]
     pub fn chunks_per_block(&self) -> usize {
         self.cpb

@@ -13,7 +13,7 @@ pub fn dot_f32(isa: Isa, a: &[f32], b: &[f32]) -> f32 {
     match isa.usable() {
         // SAFETY: `usable()` guarantees the features each path enables.
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx512 | Isa::Avx512Bf16 => unsafe { x86::dot_avx512(a, b) },
+        Isa::Avx512 | Isa::Avx512Bf16 | Isa::Avx512Fp16 => unsafe { x86::dot_avx512(a, b) },
         #[cfg(target_arch = "x86_64")]
         Isa::Avx2 => unsafe { x86::dot_avx2(a, b) },
         _ => crate::linear::dot(a, b),
@@ -28,7 +28,7 @@ pub fn dot_bf16_f32(isa: Isa, w: &[u8], x: &[f32]) -> f32 {
     match isa.usable() {
         // SAFETY: `usable()` guarantees the features; `w` holds `x.len()` BF16 values.
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx512 | Isa::Avx512Bf16 => unsafe { x86::dot_bf16_f32_avx512(w, x) },
+        Isa::Avx512 | Isa::Avx512Bf16 | Isa::Avx512Fp16 => unsafe { x86::dot_bf16_f32_avx512(w, x) },
         _ => w.chunks_exact(2).zip(x).map(|(b, &x)| half::bf16::from_le_bytes([b[0], b[1]]).to_f32() * x).sum(),
     }
 }
@@ -39,7 +39,7 @@ pub fn axpy_f32(isa: Isa, alpha: f32, x: &[f32], y: &mut [f32]) {
     match isa.usable() {
         // SAFETY: `usable()` guarantees the features each path enables.
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx512 | Isa::Avx512Bf16 => unsafe { x86::axpy_avx512(alpha, x, y) },
+        Isa::Avx512 | Isa::Avx512Bf16 | Isa::Avx512Fp16 => unsafe { x86::axpy_avx512(alpha, x, y) },
         #[cfg(target_arch = "x86_64")]
         Isa::Avx2 => unsafe { x86::axpy_avx2(alpha, x, y) },
         _ => y.iter_mut().zip(x).for_each(|(y, &x)| *y += alpha * x),
@@ -62,7 +62,7 @@ pub fn dots_16(isa: Isa, qt: &[f32], keys: &[&[f32]], out: &mut [f32]) {
     match isa.usable() {
         // SAFETY: `usable()` guarantees the features; the shapes are checked above.
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx512 | Isa::Avx512Bf16 => unsafe { x86::dots_16_avx512(qt, keys, out) },
+        Isa::Avx512 | Isa::Avx512Bf16 | Isa::Avx512Fp16 => unsafe { x86::dots_16_avx512(qt, keys, out) },
         _ => {
             for (key, out) in keys.iter().zip(out.chunks_exact_mut(L)) {
                 out.fill(0.0);
@@ -81,7 +81,7 @@ pub fn weighted_sum(isa: Isa, w: &[f32], rows: &[&[f32]], y: &mut [f32]) {
     match isa.usable() {
         // SAFETY: as above; every row is `y.len()` long.
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx512 | Isa::Avx512Bf16 => unsafe { x86::weighted_sum_avx512(w, rows, y) },
+        Isa::Avx512 | Isa::Avx512Bf16 | Isa::Avx512Fp16 => unsafe { x86::weighted_sum_avx512(w, rows, y) },
         _ => w.iter().zip(rows).for_each(|(&w, r)| axpy_f32(isa, w, r, y)),
     }
 }
@@ -95,7 +95,7 @@ pub fn weighted_sum_4(isa: Isa, w: [&[f32]; 4], rows: &[&[f32]], y: [&mut [f32];
     match isa.usable() {
         // SAFETY: as above; every row and output is `n` long.
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx512 | Isa::Avx512Bf16 => unsafe { x86::weighted_sum_4_avx512(w, rows, y) },
+        Isa::Avx512 | Isa::Avx512Bf16 | Isa::Avx512Fp16 => unsafe { x86::weighted_sum_4_avx512(w, rows, y) },
         _ => {
             for (w, y) in w.iter().zip(y) {
                 weighted_sum(isa, w, rows, y);
