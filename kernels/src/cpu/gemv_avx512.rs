@@ -646,17 +646,47 @@ pub(super) unsafe fn run_fp16(job: &Job, rows: Range<usize>, x: &[u16], n: usize
         // SAFETY: forwarded; this level implies the BF16 one.
         return unsafe { run_bf16(job, rows, x, n, out) };
     }
-    // Scale the activations by 2⁻ˢ so that the largest lies in [2¹⁰, 2¹¹):
-    // the FP16 sums then keep clear of overflow (see `fused_fp16`) and the
-    // activations keep FP16's full precision down to 2⁻²⁴ of the largest.
-    // (Clamped so that both powers of two stay finite f32s.)
-    let shift = (i32::from(top >> 7) - 127 - 10).clamp(-127, 119);
     let (m, first, b1) = (rows.len(), rows.start, job.block[1]);
-    let mut x = Packed::new::<64, 2>(x, n, job.cols, b1, [1, 0], |v| v);
-    bf16_to_fp16_scaled(x.as_mut_slice(), 2f32.powi(-shift));
-    let k = FusedFp16 { job, x: &x, post: 2f32.powi(8 + shift) };
-    // SAFETY: forwarded.
-    unsafe { token_groups!(&k, rows, first, n, out, m, 8, {1 => 4, 2 => 4, 3 => 2, 4 => 2, 5 => 1, 6 => 1, 7 => 1, 8 => 1}) };
+    FP16_ACTIVATIONS.with_borrow_mut(|last| {
+        let same = last.as_ref().is_some_and(|p| p.cols == job.cols && p.block == b1 && p.x == x);
+        if !same {
+            let mut bits = last.take().map(|p| p.x).unwrap_or_default();
+            bits.clear();
+            bits.extend_from_slice(x);
+            // Scale the activations by 2⁻ˢ so that the largest lies in
+            // [2¹⁰, 2¹¹): the FP16 sums then keep clear of overflow (see
+            // `fused_fp16`) and the activations keep FP16's full precision
+            // down to 2⁻²⁴ of the largest. (Clamped so that both powers of
+            // two stay finite f32s.)
+            let shift = (i32::from(top >> 7) - 127 - 10).clamp(-127, 119);
+            let mut packed = Packed::new::<64, 2>(x, n, job.cols, b1, [1, 0], |v| v);
+            bf16_to_fp16_scaled(packed.as_mut_slice(), 2f32.powi(-shift));
+            *last = Some(Fp16Activations { x: bits, cols: job.cols, block: b1, packed, post: 2f32.powi(8 + shift) });
+        }
+        let p = last.as_ref().expect("packed above");
+        let k = FusedFp16 { job, x: &p.packed, post: p.post };
+        // SAFETY: forwarded.
+        unsafe { token_groups!(&k, rows, first, n, out, m, 8, {1 => 4, 2 => 4, 3 => 2, 4 => 2, 5 => 1, 6 => 1, 7 => 1, 8 => 1}) };
+    });
+}
+
+/// Activations as [`fused_fp16`] takes them, with what they were made from.
+struct Fp16Activations {
+    /// The BF16 activations (all tokens).
+    x: Vec<u16>,
+    cols: usize,
+    block: usize,
+    packed: Packed<u16>,
+    post: f32,
+}
+
+thread_local! {
+    /// The last activations this thread packed for [`fused_fp16`]. Calls
+    /// in a row often share them: a split GEMV's row tiles, and an expert's
+    /// gate and up projections and all its tiles. Packing and converting
+    /// them costs about what streaming a tile's weights does, so a call
+    /// whose activations equal the last ones (compared in full) reuses them.
+    static FP16_ACTIVATIONS: std::cell::RefCell<Option<Fp16Activations>> = const { std::cell::RefCell::new(None) };
 }
 
 /// `matmul_bf16` at the `Avx512` level.
