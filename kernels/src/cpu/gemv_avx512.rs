@@ -665,8 +665,18 @@ pub(super) unsafe fn run_fp16(job: &Job, rows: Range<usize>, x: &[u16], n: usize
         }
         let p = last.as_ref().expect("packed above");
         let k = FusedFp16 { job, x: &p.packed, post: p.post };
-        // SAFETY: forwarded.
-        unsafe { token_groups!(&k, rows, first, n, out, m, 8, {1 => 4, 2 => 4, 3 => 2, 4 => 2, 5 => 1, 6 => 1, 7 => 1, 8 => 1}) };
+        // A single token over a long band takes eight rows (eight read
+        // streams) per step: with the FP16 kernel's slack over DRAM, that
+        // moved ~10% more bytes per second than four on the V3 shapes of
+        // `duplex bench-kernels`. Short streams do not pay for the
+        // prefetchers' ramp-up (the 128-row tiles of small experts ran
+        // slower), so a band needs 64 KiB per stream.
+        // SAFETY (both): forwarded.
+        if m * job.cols >= 8 << 16 {
+            unsafe { token_groups!(&k, rows, first, n, out, m, 8, {1 => 8, 2 => 4, 3 => 2, 4 => 2, 5 => 1, 6 => 1, 7 => 1, 8 => 1}) };
+        } else {
+            unsafe { token_groups!(&k, rows, first, n, out, m, 8, {1 => 4, 2 => 4, 3 => 2, 4 => 2, 5 => 1, 6 => 1, 7 => 1, 8 => 1}) };
+        }
     });
 }
 
@@ -684,8 +694,9 @@ thread_local! {
     /// The last activations this thread packed for [`fused_fp16`]. Calls
     /// in a row often share them: a split GEMV's row tiles, and an expert's
     /// gate and up projections and all its tiles. Packing and converting
-    /// them costs about what streaming a tile's weights does, so a call
-    /// whose activations equal the last ones (compared in full) reuses them.
+    /// 7168 of them took ~6% of a 128-row tile with its weights in cache, so
+    /// a call whose activations equal the last ones (compared in full, which
+    /// is far cheaper) reuses them.
     static FP16_ACTIVATIONS: std::cell::RefCell<Option<Fp16Activations>> = const { std::cell::RefCell::new(None) };
 }
 
