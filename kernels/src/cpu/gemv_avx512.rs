@@ -26,10 +26,12 @@
 //! such codes) take it on nearly every step and run ~1.5× slower. Both
 //! decodes read the two NaN codes as ±480.
 //!
-//! On the development machine (an AVX-512 BF16 Xeon under KVM) `vdpbf16ps`
-//! issues about once per two cycles and dominates: 64 codes cost two of them
-//! plus the five decode ops, and one core with its weights in cache is barely
-//! faster than one core's DRAM read (`duplex bench-kernels`, last row).
+//! On the development machine (an AVX-512 BF16/FP16 Xeon under KVM)
+//! `vdpbf16ps` issues about once per two cycles and dominates: 64 codes cost
+//! two of them plus the five decode ops, and one core with its weights in
+//! cache is barely faster than one core's DRAM read (`DUPLEX_ISA=avx512bf16
+//! duplex bench-kernels`, last row). Where AVX512-FP16 exists, the decode
+//! GEMV takes FP16 instead (see [`fused_fp16`]).
 //!
 //! The `Avx512` level splits the same BF16 words into f32 lanes (BF16 is the
 //! top half of an f32) — four lane classes per 64 codes — and uses FMA.
@@ -350,9 +352,10 @@ impl RowKernel for FusedFp16<'_> {
 }
 
 /// [`fused_bf16`] with FP16 products and short FP16 sums: `vfmadd231ph`
-/// does 32 multiply-adds per instruction at twice the rate `vdpbf16ps` does
-/// its 32 (on the development machine), and the decode needs no exponent-0
-/// test, so one core runs ~1.5× as fast with its weights in cache.
+/// does 32 multiply-adds per instruction at about three times the rate
+/// `vdpbf16ps` does its 32 (on the development machine), and the decode
+/// needs no exponent-0 test, so one core runs ~1.4× as fast with its
+/// weights in cache.
 ///
 /// Each lane sums at most two lines' products (4 per token) in FP16 before
 /// they are folded in pairs and widened into the f32 totals, scaled by the
