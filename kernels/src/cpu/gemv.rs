@@ -21,8 +21,9 @@
 //! Numerics: products are exact and accumulated in f32, so results differ
 //! from the reference only by summation order, except on the `Avx512Fp16`
 //! level's decode kernel, whose FP16 products and short sums are good to
-//! ~2⁻¹¹ of the terms' magnitude (BF16 activations carry 2⁻⁹ each; see
-//! `gemv_avx512::fused_fp16`; `DUPLEX_ISA=avx512bf16` opts out). Also: the
+//! 2⁻¹⁰ of the terms' magnitude (the tests' bound; BF16 activations carry
+//! 2⁻⁹ each; see `gemv_avx512::fused_fp16`; `DUPLEX_ISA=avx512bf16` opts
+//! out). Also: the
 //! fused FP8 decode kernels (`n ≤ 8`, SIMD levels) read the two NaN codes
 //! (`0x7f`, `0xff`) as ±480 instead of NaN; valid checkpoints never contain
 //! them, and the exact paths (portable, and the prefill tile decode on
