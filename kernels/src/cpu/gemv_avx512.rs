@@ -318,21 +318,19 @@ fn widen_fp16(acc: __m512h) -> __m512 {
 }
 
 /// BF16 bit patterns to FP16 ones in place, multiplied on the way by
-/// `scale` (a power of two), rounding to nearest even.
+/// `scale` (a power of two), rounding to nearest even. `values` is a packed
+/// activation buffer: whole chunks of 64.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
 fn bf16_to_fp16_scaled(values: &mut [u16], scale: f32) {
+    assert!(values.len().is_multiple_of(16), "bf16_to_fp16_scaled: not whole vectors");
     let s = _mm512_set1_ps(scale);
-    let mut chunks = values.chunks_exact_mut(16);
-    for c in &mut chunks {
+    for c in values.chunks_exact_mut(16) {
         // SAFETY: the chunk holds 16 u16, 32 bytes, for the load and the store.
         unsafe {
             let b = _mm256_loadu_si256(c.as_ptr().cast());
             let f = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(b))), s);
             _mm256_storeu_si256(c.as_mut_ptr().cast(), _mm512_cvtps_ph::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(f));
         }
-    }
-    for v in chunks.into_remainder() {
-        *v = half::f16::from_f32(bf16_to_f32(*v) * scale).to_bits();
     }
 }
 
