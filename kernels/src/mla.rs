@@ -6,11 +6,11 @@
 //! rotated shared key `k_pe_t`:
 //! `out_h = Σ_t softmax_t(scale · (q_latent_h · c_t + q_pe_h · k_pe_t)) · c_t`.
 
-use crate::cpu::elementwise::softmax;
+use crate::cpu::elementwise::{exp_slice, softmax};
 use crate::elementwise::SoftmaxStats;
 use crate::cpu::convert::f32_to_bf16;
 use crate::cpu::gemv::{axpy_f32, matmul_bf16};
-use crate::cpu::vector::{dots_16, weighted_sum, weighted_sum_4, QUERY_LANES};
+use crate::cpu::vector::{dots_16, weighted_sum_16, QUERY_LANES};
 use crate::cpu::isa::Isa;
 use crate::pool::ThreadPool;
 use crate::shared::SharedSlice;
@@ -50,7 +50,7 @@ impl LatentCache<'_> {
 
 /// Attend one query token (all heads) over positions `0..ctx`.
 /// `q_latent` is `[heads, dc]`, `q_pe` is `[heads, dr]`; `out` is `[heads, dc]`.
-/// `scores` is scratch of at least `heads · ctx` floats.
+/// `scratch` is reused across calls and grown as needed.
 #[allow(clippy::too_many_arguments)]
 pub fn decode_attention(
     pool: &ThreadPool,
@@ -60,27 +60,40 @@ pub fn decode_attention(
     q_latent: &[f32],
     q_pe: &[f32],
     scale: f32,
-    scores: &mut [f32],
+    scratch: &mut Vec<f32>,
     out: &mut [f32],
 ) {
     let (dc, dr) = (cache.dc, cache.dr);
     let heads = q_latent.len() / dc;
     assert_eq!(q_pe.len(), heads * dr, "decode_attention: q_pe shape");
     assert_eq!(out.len(), heads * dc, "decode_attention: out shape");
-    assert!(scores.len() >= heads * ctx, "decode_attention: scores scratch too small");
     // Split-K over positions (flash-decoding), in one parallel region: each
-    // part takes a range of positions for every head. It walks its range in
-    // blocks that stay in cache: the block's scores for sixteen heads at a
-    // time (`dots_16`, over the queries transposed), then its latents
-    // weighted for all heads (`weighted_sum_4`), with the softmax kept online
-    // across blocks, so every cached entry is read from memory once. The
-    // parts' contexts are then combined with their softmax statistics.
+    // task takes a part of the positions for a group of sixteen heads (one
+    // SIMD lane each). It walks its part in blocks that stay in cache: the
+    // block's scores for the group (`dots_16`, over the queries transposed),
+    // the online softmax on those [position][head] scores, then the latents
+    // weighted for the group (`weighted_sum_16`, on the same layout). Every
+    // cached entry is read from memory once per group; no scores are
+    // scattered or transposed. The parts' contexts are then combined with
+    // their softmax statistics.
     let de = dc + dr;
     const L: usize = QUERY_LANES;
-    let vectors = heads.div_ceil(L);
-    // Vector j of the transposed queries: `[de][L]`, lane l holding head
-    // `L·j + l` (zero past the last head).
-    let mut queries_t = vec![0.0f32; vectors * de * L];
+    let groups = heads.div_ceil(L);
+    // Parts of a fixed length, not one per thread: the result then does not
+    // depend on the pool's size (a server's worker and `duplex generate`
+    // agree bit for bit), and the pool balances the parts dynamically.
+    const PART: usize = 128;
+    let parts = ctx.div_ceil(PART);
+    let range = |c: usize| c * PART..((c + 1) * PART).min(ctx);
+    // Scratch: the transposed queries, `[groups][de][L]` with lane l of
+    // group j holding head `L·j + l` (zero past the last head), then the
+    // parts' contexts `[parts][heads][dc]`.
+    let (queries_len, partial_len) = (groups * de * L, parts * heads * dc);
+    if scratch.len() < queries_len + partial_len {
+        scratch.resize(queries_len + partial_len, 0.0);
+    }
+    let (queries_t, partial) = scratch[..queries_len + partial_len].split_at_mut(queries_len);
+    queries_t.fill(0.0);
     for h in 0..heads {
         let (j, l) = (h / L, h % L);
         let q = q_latent[h * dc..(h + 1) * dc].iter().chain(&q_pe[h * dr..(h + 1) * dr]);
@@ -88,69 +101,59 @@ pub fn decode_attention(
             queries_t[(j * de + k) * L + l] = v;
         }
     }
-    // Parts of a fixed length, not one per thread: the result then does not
-    // depend on the pool's size (a server's worker and `duplex generate`
-    // agree bit for bit), and the pool balances the parts dynamically.
-    const PART: usize = 128;
-    let parts = ctx.div_ceil(PART);
-    let range = |c: usize| c * PART..((c + 1) * PART).min(ctx);
-    let mut partial = vec![0.0f32; parts * heads * dc];
+    let queries_t = &*queries_t;
     let mut stats = vec![SoftmaxStats { max: f32::NEG_INFINITY, sum: 0.0 }; parts * heads];
     {
-        let (scores, partial, stats) = (SharedSlice::new(&mut scores[..heads * ctx]), SharedSlice::new(&mut partial), SharedSlice::new(&mut stats));
-        pool.parallel_for(parts, &|c| {
-            let r = range(c);
-            let entries: Vec<&[f32]> = r.clone().map(|t| cache.entry(t)).collect();
-            // SAFETY: part c writes only positions r of each head's scores,
-            // and its own contexts and statistics.
-            let mut rows: Vec<&mut [f32]> = (0..heads).map(|h| unsafe { scores.slice_mut(h * ctx + r.start, r.len()) }).collect();
-            let (part, part_stats) = unsafe { (partial.slice_mut(c * heads * dc, heads * dc), stats.slice_mut(c * heads, heads)) };
+        let (partial, stats) = (SharedSlice::new(partial), SharedSlice::new(&mut stats));
+        pool.parallel_for(parts * groups, &|task| {
+            let (c, j) = (task / groups, task % groups);
+            let (first, lanes) = (j * L, (heads - j * L).min(L));
+            let entries: Vec<&[f32]> = range(c).map(|t| cache.entry(t)).collect();
             let latents: Vec<&[f32]> = entries.iter().map(|e| &e[..dc]).collect();
-            let mut outs: Vec<&mut [f32]> = part.chunks_mut(dc).collect();
-            // Blocks of positions whose entries stay in cache from their
-            // scores to their weighted sum, so each is read from memory once;
-            // the softmax runs online across the blocks.
+            // SAFETY: task (c, j) writes only the contexts and statistics of
+            // part c for heads first..first + lanes.
+            let (ctx_out, part_stats) = unsafe { (partial.slice_mut((c * heads + first) * dc, lanes * dc), stats.slice_mut(c * heads + first, lanes)) };
+            ctx_out.fill(0.0);
+            let queries = &queries_t[j * de * L..(j + 1) * de * L];
+            let (mut max, mut sum) = ([f32::NEG_INFINITY; L], [0.0f32; L]);
             const BLOCK: usize = 32;
-            let mut tile = vec![0.0f32; BLOCK * L];
-            for b0 in (0..r.len()).step_by(BLOCK) {
-                let b1 = (b0 + BLOCK).min(r.len());
-                for j in 0..vectors {
-                    dots_16(isa, &queries_t[j * de * L..(j + 1) * de * L], &entries[b0..b1], &mut tile[..(b1 - b0) * L]);
-                    for (h, row) in rows.iter_mut().enumerate().skip(j * L).take(L) {
-                        for t in b0..b1 {
-                            row[t] = tile[(t - b0) * L + h % L] * scale;
-                        }
+            let mut tile = [0.0f32; BLOCK * L];
+            for b0 in (0..entries.len()).step_by(BLOCK) {
+                let b1 = (b0 + BLOCK).min(entries.len());
+                let tile = &mut tile[..(b1 - b0) * L];
+                dots_16(isa, queries, &entries[b0..b1], tile);
+                // Online softmax per lane: the block's scores become
+                // e^(s − max) against the running maximum; what was summed
+                // under an older, smaller maximum is rescaled.
+                let mut block_max = [f32::NEG_INFINITY; L];
+                for row in tile.chunks_exact_mut(L) {
+                    for l in 0..L {
+                        row[l] *= scale;
+                        block_max[l] = block_max[l].max(row[l]);
                     }
                 }
-                // Merge the block's softmax into the running one: rescale what
-                // was summed so far if the maximum grew, and weigh the block.
-                for ((row, st), out) in rows.iter_mut().zip(part_stats.iter_mut()).zip(outs.iter_mut()) {
-                    let block = softmax(isa, &mut row[b0..b1]);
-                    let max = st.max.max(block.max);
-                    let (old, new) = ((st.max - max).exp(), (block.max - max).exp());
-                    if old != 1.0 {
-                        out.iter_mut().for_each(|v| *v *= old);
-                    }
-                    let w = block.sum * new;
-                    row[b0..b1].iter_mut().for_each(|p| *p *= w);
-                    *st = SoftmaxStats { max, sum: st.sum * old + w };
-                }
-                for (q, quad) in outs.chunks_mut(4).enumerate() {
-                    let w = |h: usize| &rows[h][b0..b1];
-                    match quad {
-                        [a, b, c, d] => weighted_sum_4(isa, std::array::from_fn(|i| w(4 * q + i)), &latents[b0..b1], [a, b, c, d]),
-                        rest => {
-                            for (i, oh) in rest.iter_mut().enumerate() {
-                                weighted_sum(isa, w(4 * q + i), &latents[b0..b1], oh);
-                            }
-                        }
+                let new_max: [f32; L] = std::array::from_fn(|l| max[l].max(block_max[l]));
+                for row in tile.chunks_exact_mut(L) {
+                    for l in 0..L {
+                        row[l] -= new_max[l];
                     }
                 }
+                exp_slice(isa, tile);
+                for l in 0..L {
+                    let rescale = (max[l] - new_max[l]).exp();
+                    sum[l] = sum[l] * rescale + tile.chunks_exact(L).map(|row| row[l]).sum::<f32>();
+                    if l < lanes && rescale != 1.0 {
+                        ctx_out[l * dc..(l + 1) * dc].iter_mut().for_each(|v| *v *= rescale);
+                    }
+                }
+                max = new_max;
+                weighted_sum_16(isa, tile, &latents[b0..b1], ctx_out, dc);
             }
-            // Normalise the part's context by its own sum.
-            for (out, st) in outs.iter_mut().zip(part_stats.iter()) {
-                let inv = 1.0 / st.sum;
-                out.iter_mut().for_each(|v| *v *= inv);
+            // Normalise the part's contexts by their own sums.
+            for (l, (ctx, st)) in ctx_out.chunks_exact_mut(dc).zip(part_stats.iter_mut()).enumerate() {
+                let inv = 1.0 / sum[l];
+                ctx.iter_mut().for_each(|v| *v *= inv);
+                *st = SoftmaxStats { max: max[l], sum: sum[l] };
             }
         });
     }
@@ -289,9 +292,8 @@ mod tests {
             let qp: Vec<f32> = (0..heads * dr).map(|i| (i % 5) as f32 / 5.0 - 0.5).collect();
             let pool = ThreadPool::new(&PoolConfig::single_node(threads));
             for isa in crate::cpu::isa::supported() {
-                let mut scores = vec![0.0; heads * ctx];
                 let mut out = vec![0.0; heads * dc];
-                decode_attention(&pool, isa, cache, ctx, &ql, &qp, 0.3, &mut scores, &mut out);
+                decode_attention(&pool, isa, cache, ctx, &ql, &qp, 0.3, &mut vec![], &mut out);
                 for h in 0..heads {
                     let mut s: Vec<f32> = (0..ctx)
                         .map(|t| {
@@ -323,8 +325,8 @@ mod tests {
         let isa = crate::cpu::isa::detect();
         let run = |threads: usize| {
             let pool = ThreadPool::new(&PoolConfig::single_node(threads));
-            let (mut scores, mut out) = (vec![0.0; heads * ctx], vec![0.0; heads * dc]);
-            decode_attention(&pool, isa, cache, ctx, &ql, &qp, 0.3, &mut scores, &mut out);
+            let mut out = vec![0.0; heads * dc];
+            decode_attention(&pool, isa, cache, ctx, &ql, &qp, 0.3, &mut vec![], &mut out);
             out
         };
         let one = run(1);

@@ -124,6 +124,19 @@ pub fn softmax(isa: Isa, xs: &mut [f32]) -> crate::elementwise::SoftmaxStats {
     }
 }
 
+/// `e^x` of every element in place (the levels' `exp` is within one f32
+/// epsilon, relative, of the correctly rounded value).
+pub fn exp_slice(isa: Isa, xs: &mut [f32]) {
+    match isa.usable() {
+        // SAFETY: `usable()` guarantees the features.
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512 | Isa::Avx512Bf16 | Isa::Avx512Fp16 => unsafe { super::elementwise_avx512::exp_slice(xs) },
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 => unsafe { super::elementwise_avx2::exp_slice(xs) },
+        _ => xs.iter_mut().for_each(|x| *x = x.exp()),
+    }
+}
+
 /// Rotary embedding of one head's rotary part, both layouts (see
 /// [`crate::elementwise::rope`]); bit-exact with it at every level.
 /// The interleaved layout needs `cos.len() <= ROPE_MAX_HALF`.
@@ -434,18 +447,6 @@ mod tests {
             assert_eq!(&edge[..4], &[0.0, 0.0, 0.0, (-103.0f32).exp()], "{isa}: underflow");
             assert_eq!(&edge[4..9], &[1.0, 1.0, f32::INFINITY, f32::INFINITY, f32::INFINITY], "{isa}: overflow");
             assert!(edge[9].is_nan(), "{isa}: NaN");
-        }
-    }
-
-    /// `exp` of every element, through the level's kernel.
-    fn exp_slice(isa: Isa, xs: &mut [f32]) {
-        match isa.usable() {
-            // SAFETY: `usable()` guarantees the features.
-            #[cfg(target_arch = "x86_64")]
-            Isa::Avx512 | Isa::Avx512Bf16 | Isa::Avx512Fp16 => unsafe { super::super::elementwise_avx512::exp_slice(xs) },
-            #[cfg(target_arch = "x86_64")]
-            Isa::Avx2 => unsafe { super::super::elementwise_avx2::exp_slice(xs) },
-            _ => xs.iter_mut().for_each(|x| *x = x.exp()),
         }
     }
 

@@ -275,8 +275,7 @@ pub(super) unsafe fn argmax_key(keys: &[i32]) -> usize {
     unreachable!("the maximum is one of the keys")
 }
 
-/// `e^x` of every element (for the accuracy test).
-#[cfg(test)]
+/// `e^x` of every element.
 #[target_feature(enable = "avx512f")]
 pub(super) unsafe fn exp_slice(xs: &mut [f32]) {
     let (n, p) = (xs.len(), xs.as_mut_ptr());

@@ -1,7 +1,7 @@
 //! F32 vector primitives for attention over the latent KV cache:
 //! scores are `dot_f32(q, k)`, the context is a sum of `axpy_f32(p, v, ctx)`.
-//! The blocked forms, [`dots_16`] and [`weighted_sum`], are what decode
-//! attention uses: they load each operand once for several products, so
+//! The blocked forms, [`dots_16`] and [`weighted_sum_16`], are what decode
+//! attention uses: they load each operand once for sixteen products, so
 //! they run at FMA rather than load/store speed.
 
 use super::isa::Isa;
@@ -46,7 +46,8 @@ pub fn axpy_f32(isa: Isa, alpha: f32, x: &[f32], y: &mut [f32]) {
     }
 }
 
-/// Queries one SIMD vector wide: [`dots_16`] takes up to this many at once.
+/// Queries (heads) one SIMD vector wide: [`dots_16`] and [`weighted_sum_16`]
+/// take up to this many at once.
 pub const QUERY_LANES: usize = 16;
 
 /// The dot products of [`QUERY_LANES`] queries with each of `keys`:
@@ -74,31 +75,25 @@ pub fn dots_16(isa: Isa, qt: &[f32], keys: &[&[f32]], out: &mut [f32]) {
     }
 }
 
-/// `y += Σ_t w[t] · rows[t]` (every row as long as `y`).
-pub fn weighted_sum(isa: Isa, w: &[f32], rows: &[&[f32]], y: &mut [f32]) {
-    assert_eq!(w.len(), rows.len(), "weighted_sum: one weight per row");
-    assert!(rows.iter().all(|r| r.len() == y.len()), "weighted_sum: row length");
+/// `out[l] += Σ_t wt[t · 16 + l] · rows[t]` for the `out.len() / width`
+/// (at most [`QUERY_LANES`]) outputs of `width` floats in `out`, and rows
+/// of `width` floats. The weights come transposed, as [`dots_16`] leaves
+/// its scores: each row vector loaded feeds sixteen FMAs, one per output,
+/// and each output sums in order of `t`.
+pub fn weighted_sum_16(isa: Isa, wt: &[f32], rows: &[&[f32]], out: &mut [f32], width: usize) {
+    const L: usize = QUERY_LANES;
+    assert!(width > 0 && out.len().is_multiple_of(width) && out.len() / width <= L, "weighted_sum_16: out is not [≤ 16, width]");
+    assert_eq!(wt.len(), rows.len() * L, "weighted_sum_16: one row of weights per row");
+    assert!(rows.iter().all(|r| r.len() == width), "weighted_sum_16: row length");
     match isa.usable() {
-        // SAFETY: as above; every row is `y.len()` long.
+        // SAFETY: as above; every row and output is `width` long.
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx512 | Isa::Avx512Bf16 | Isa::Avx512Fp16 => unsafe { x86::weighted_sum_avx512(w, rows, y) },
-        _ => w.iter().zip(rows).for_each(|(&w, r)| axpy_f32(isa, w, r, y)),
-    }
-}
-
-/// [`weighted_sum`] for four outputs over the same rows: `y[i] += Σ_t w[i][t] · rows[t]`.
-/// Each row vector loaded feeds four FMAs.
-pub fn weighted_sum_4(isa: Isa, w: [&[f32]; 4], rows: &[&[f32]], y: [&mut [f32]; 4]) {
-    assert!(w.iter().all(|w| w.len() == rows.len()), "weighted_sum_4: one weight per row");
-    let n = y[0].len();
-    assert!(y.iter().all(|y| y.len() == n) && rows.iter().all(|r| r.len() == n), "weighted_sum_4: row length");
-    match isa.usable() {
-        // SAFETY: as above; every row and output is `n` long.
-        #[cfg(target_arch = "x86_64")]
-        Isa::Avx512 | Isa::Avx512Bf16 | Isa::Avx512Fp16 => unsafe { x86::weighted_sum_4_avx512(w, rows, y) },
+        Isa::Avx512 | Isa::Avx512Bf16 | Isa::Avx512Fp16 => unsafe { x86::weighted_sum_16_avx512(wt, rows, out, width) },
         _ => {
-            for (w, y) in w.iter().zip(y) {
-                weighted_sum(isa, w, rows, y);
+            for (l, y) in out.chunks_exact_mut(width).enumerate() {
+                for (w, row) in wt.chunks_exact(L).zip(rows) {
+                    y.iter_mut().zip(*row).for_each(|(y, &r)| *y = w[l].mul_add(r, *y));
+                }
             }
         }
     }
@@ -181,13 +176,18 @@ mod x86 {
     /// AVX-512 F present; `qt` is `[d][16]`, every key `d` long, `out` `[keys][16]`.
     #[target_feature(enable = "avx512f")]
     pub(super) unsafe fn dots_16_avx512(qt: &[f32], keys: &[&[f32]], out: &mut [f32]) {
-        // Eight keys at a time: eight independent FMA chains hide the
-        // latency, and each query vector loaded feeds eight broadcast FMAs.
+        // Sixteen keys at a time: sixteen independent FMA chains hide the
+        // latency, and each query vector loaded feeds sixteen broadcast FMAs.
         let mut t = 0;
-        while t + 8 <= keys.len() {
-            // SAFETY: forwarded; keys t..t + 8 exist.
-            unsafe { dots_16_group::<8>(qt, &keys[t..t + 8], &mut out[16 * t..16 * (t + 8)]) };
-            t += 8;
+        while t + 16 <= keys.len() {
+            // SAFETY: forwarded; keys t..t + 16 exist.
+            unsafe { dots_16_group::<16>(qt, &keys[t..t + 16], &mut out[16 * t..16 * (t + 16)]) };
+            t += 16;
+        }
+        while t + 4 <= keys.len() {
+            // SAFETY: as above, four keys.
+            unsafe { dots_16_group::<4>(qt, &keys[t..t + 4], &mut out[16 * t..16 * (t + 4)]) };
+            t += 4;
         }
         for t in t..keys.len() {
             // SAFETY: as above, one key.
@@ -216,78 +216,36 @@ mod x86 {
     }
 
     /// # Safety
-    /// AVX-512 F present; every row as long as `y`.
+    /// AVX-512 F present; `wt` is `[rows][16]`, every row `width` long and
+    /// `out` `[out.len() / width ≤ 16][width]`.
     #[target_feature(enable = "avx512f")]
-    pub(super) unsafe fn weighted_sum_avx512(w: &[f32], rows: &[&[f32]], y: &mut [f32]) {
-        // Slabs of SLAB vectors of `y` stay in registers across all the rows
-        // (a fixed count, so the compiler keeps them there); the tail past
-        // the last whole slab goes row by row.
-        const SLAB: usize = 16;
-        let n = y.len();
-        let whole = n / (16 * SLAB) * (16 * SLAB);
-        let py = y.as_mut_ptr();
-        for i in (0..whole).step_by(16 * SLAB) {
-            // SAFETY: i + 16·SLAB <= n, the length of `y` and of every row.
+    pub(super) unsafe fn weighted_sum_16_avx512(wt: &[f32], rows: &[&[f32]], out: &mut [f32], width: usize) {
+        // One vector of every output in registers (16 accumulators) across
+        // all the rows; per row one load and sixteen broadcasts feed sixteen
+        // FMAs. Outputs past the last (lanes beyond `out`) are computed and
+        // dropped: their loads and stores are masked off entirely.
+        let outputs = out.len() / width;
+        let po = out.as_mut_ptr();
+        let mut i = 0;
+        while i < width {
+            let m = lanes(width, i);
+            let mask = |l: usize| if l < outputs { m } else { 0 };
+            // SAFETY: output l < outputs has lanes i..i + 16 under `m`
+            // inside it; past `outputs` the mask is empty and nothing is touched.
             unsafe {
-                let mut acc: [__m512; SLAB] = std::array::from_fn(|k| _mm512_loadu_ps(py.add(i + 16 * k)));
-                for (&wt, row) in w.iter().zip(rows) {
-                    let a = _mm512_set1_ps(wt);
-                    let pr = row.as_ptr().add(i);
-                    for (k, acc) in acc.iter_mut().enumerate() {
-                        *acc = _mm512_fmadd_ps(a, _mm512_loadu_ps(pr.add(16 * k)), *acc);
-                    }
-                }
-                for (k, acc) in acc.iter().enumerate() {
-                    _mm512_storeu_ps(py.add(i + 16 * k), *acc);
-                }
-            }
-        }
-        if whole < n {
-            for (&wt, row) in w.iter().zip(rows) {
-                // SAFETY: as above, for the tail.
-                unsafe { axpy_avx512(wt, &row[whole..], &mut y[whole..]) };
-            }
-        }
-    }
-
-    /// # Safety
-    /// AVX-512 F present; every row and output of one length.
-    #[target_feature(enable = "avx512f")]
-    pub(super) unsafe fn weighted_sum_4_avx512(w: [&[f32]; 4], rows: &[&[f32]], y: [&mut [f32]; 4]) {
-        // Four vectors of each output in registers (16 accumulators); per
-        // row, four loads and four broadcasts feed sixteen FMAs.
-        const SLAB: usize = 4;
-        let n = y[0].len();
-        let whole = n / (16 * SLAB) * (16 * SLAB);
-        let py: [*mut f32; 4] = std::array::from_fn(|j| y[j].as_ptr().cast_mut());
-        for i in (0..whole).step_by(16 * SLAB) {
-            // SAFETY: i + 16·SLAB <= n, the length of every output and row.
-            unsafe {
-                let mut acc: [[__m512; SLAB]; 4] = std::array::from_fn(|j| std::array::from_fn(|k| _mm512_loadu_ps(py[j].add(i + 16 * k))));
+                let mut acc: [__m512; 16] = std::array::from_fn(|l| _mm512_maskz_loadu_ps(mask(l), po.wrapping_add(l * width + i)));
                 for (t, row) in rows.iter().enumerate() {
-                    let pr = row.as_ptr().add(i);
-                    let v: [__m512; SLAB] = std::array::from_fn(|k| _mm512_loadu_ps(pr.add(16 * k)));
-                    for (j, acc) in acc.iter_mut().enumerate() {
-                        let a = _mm512_set1_ps(*w[j].get_unchecked(t));
-                        for (k, acc) in acc.iter_mut().enumerate() {
-                            *acc = _mm512_fmadd_ps(a, v[k], *acc);
-                        }
+                    let r = _mm512_maskz_loadu_ps(m, row.as_ptr().add(i));
+                    let w = wt.as_ptr().add(16 * t);
+                    for (l, acc) in acc.iter_mut().enumerate() {
+                        *acc = _mm512_fmadd_ps(_mm512_set1_ps(*w.add(l)), r, *acc);
                     }
                 }
-                for (j, acc) in acc.iter().enumerate() {
-                    for (k, acc) in acc.iter().enumerate() {
-                        _mm512_storeu_ps(py[j].add(i + 16 * k), *acc);
-                    }
+                for (l, acc) in acc.iter().enumerate() {
+                    _mm512_mask_storeu_ps(po.wrapping_add(l * width + i), mask(l), *acc);
                 }
             }
-        }
-        if whole < n {
-            for (w, y) in w.iter().zip(y) {
-                for (&wt, row) in w.iter().zip(rows) {
-                    // SAFETY: as above, for the tail.
-                    unsafe { axpy_avx512(wt, &row[whole..], &mut y[whole..]) };
-                }
-            }
+            i += 16;
         }
     }
 
@@ -375,23 +333,25 @@ mod tests {
         }
 
         #[test]
-        fn blocked_forms_match_scalar(len in 0usize..200, seed in any::<u64>()) {
+        fn blocked_forms_match_scalar(len in 0usize..200, keys in 0usize..40, outputs in 1usize..=16, seed in any::<u64>()) {
             let mut state = seed | 1;
             let mut next = move || { state ^= state << 13; state ^= state >> 7; state ^= state << 17; (state % 2001) as f32 / 100.0 - 10.0 };
             let vecs: Vec<Vec<f32>> = (0..8).map(|_| (0..len).map(|_| next()).collect()).collect();
-            let weights: Vec<f32> = (0..6).map(|_| next() / 10.0).collect();
-            let rows: Vec<&[f32]> = (0..6).map(|i| vecs[i % 8].as_slice()).collect();
-            let y0: Vec<f32> = (0..len).map(|_| next()).collect();
-            for isa in isa::supported() {
-                // Sixteen query lanes (the last four zero) against 4 + 8 + 1
-                // keys: a group of eight and single keys.
-                let mut qt = vec![0.0f32; 16 * len];
-                for (k, lanes) in qt.chunks_exact_mut(16).enumerate() {
-                    for l in 0..12 {
-                        lanes[l] = vecs[l % 8][(k + l) % len];
-                    }
+            // Any number of keys: groups of sixteen, of four and single keys.
+            let keys: Vec<&[f32]> = (0..keys).map(|t| vecs[(3 * t) % 8].as_slice()).collect();
+            // Sixteen query lanes, the last four zero.
+            let mut qt = vec![0.0f32; 16 * len];
+            for (k, lanes) in qt.chunks_exact_mut(16).enumerate() {
+                for l in 0..12 {
+                    lanes[l] = vecs[l % 8][(k + l) % len];
                 }
-                let keys: Vec<&[f32]> = (0..13).map(|t| vecs[(3 * t) % 8].as_slice()).collect();
+            }
+            let wt: Vec<f32> = (0..16 * keys.len()).map(|_| next() / 10.0).collect();
+            let width = len.max(1);
+            let rows: Vec<Vec<f32>> = (0..keys.len()).map(|_| (0..width).map(|_| next()).collect()).collect();
+            let rows: Vec<&[f32]> = rows.iter().map(|r| r.as_slice()).collect();
+            let y0: Vec<f32> = (0..outputs * width).map(|_| next()).collect();
+            for isa in isa::supported() {
                 let mut d = vec![f32::NAN; 16 * keys.len()];
                 dots_16(isa, &qt, &keys, &mut d);
                 for (t, key) in keys.iter().enumerate() {
@@ -401,19 +361,15 @@ mod tests {
                         prop_assert!((d[16 * t + l] as f64 - want).abs() / mag < 1e-5, "{isa}: dots_16[{t}][{l}]");
                     }
                 }
-                let mut ys: [Vec<f32>; 4] = std::array::from_fn(|_| y0.clone());
-                let w4: [&[f32]; 4] = std::array::from_fn(|_| weights.as_slice());
-                let [a0, a1, a2, a3] = &mut ys;
-                weighted_sum_4(isa, w4, &rows, [a0, a1, a2, a3]);
                 let mut y = y0.clone();
-                weighted_sum(isa, &weights, &rows, &mut y);
-                for other in &ys {
-                    prop_assert!(other.iter().zip(&y).all(|(a, b)| (a - b).abs() <= 1e-5 * (a.abs() + 1.0)), "{isa}: weighted_sum_4");
-                }
-                for k in 0..len {
-                    let want: f64 = y0[k] as f64 + weights.iter().zip(&rows).map(|(&w, r)| w as f64 * r[k] as f64).sum::<f64>();
-                    let mag: f64 = y0[k].abs() as f64 + weights.iter().zip(&rows).map(|(&w, r)| (w * r[k]).abs() as f64).sum::<f64>() + 1e-6;
-                    prop_assert!((y[k] as f64 - want).abs() / mag < 1e-5, "{isa}: weighted_sum[{k}]");
+                weighted_sum_16(isa, &wt, &rows, &mut y, width);
+                for l in 0..outputs {
+                    for k in 0..width {
+                        let terms = || rows.iter().enumerate().map(|(t, r)| wt[16 * t + l] as f64 * r[k] as f64);
+                        let want = y0[l * width + k] as f64 + terms().sum::<f64>();
+                        let mag = y0[l * width + k].abs() as f64 + terms().map(f64::abs).sum::<f64>() + 1e-6;
+                        prop_assert!((y[l * width + k] as f64 - want).abs() / mag < 1e-5, "{isa}: weighted_sum_16[{l}][{k}]");
+                    }
                 }
             }
         }

@@ -132,7 +132,7 @@ pub struct CpuRuntime {
 struct Scratch {
     linear: LinearScratch,
     moe: MoeScratch,
-    scores: Vec<f32>,
+    attention: Vec<f32>,
 }
 
 impl CpuRuntime {
@@ -689,8 +689,7 @@ impl Model {
         let mut ctx_latent = vec![0.0f32; heads * dc];
         {
             let mut scratch = cpu.scratch();
-            scratch.scores.resize(heads * ctx, 0.0);
-            decode_attention(&cpu.pool, isa, cache, ctx, &q_latent, &q_pe, self.softmax_scale, &mut scratch.scores, &mut ctx_latent);
+            decode_attention(&cpu.pool, isa, cache, ctx, &q_latent, &q_pe, self.softmax_scale, &mut scratch.attention, &mut ctx_latent);
         }
         duplex_kernels::round_bf16_slice(&mut ctx_latent);
         let mut ctx_bf16 = vec![0u16; heads * dc];
