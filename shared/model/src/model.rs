@@ -247,15 +247,24 @@ impl Moe {
     /// Router logits in F32, as transformers computes them. The BF16 path
     /// takes SIMD dot products for BF16 router weights (exact F32 products,
     /// only the summation order differs); the F32 path keeps the reference.
-    fn router_logits(&self, isa: Isa, x: &[f32], n: usize, p: Precision) -> Vec<f32> {
+    fn router_logits(&self, cpu: &CpuRuntime, x: &[f32], n: usize, p: Precision) -> Vec<f32> {
         let w = self.router.view();
         let mut logits = vec![0.0; n * w.rows];
         if p == Precision::Bf16 && w.format == WeightFormat::Bf16 {
-            for (xi, out) in x.chunks_exact(w.cols).zip(logits.chunks_exact_mut(w.rows)) {
-                for (r, o) in out.iter_mut().enumerate() {
-                    *o = dot_bf16_f32(isa, &w.data[2 * r * w.cols..2 * (r + 1) * w.cols], xi);
+            // Spread over the pool by experts: the router's weights (3.7 MB
+            // for V3) are streamed once per layer like any other matrix.
+            const EXPERTS_PER_TASK: usize = 16;
+            let out = SharedSlice::new(&mut logits);
+            cpu.pool.parallel_for(w.rows.div_ceil(EXPERTS_PER_TASK), &|task| {
+                let experts = task * EXPERTS_PER_TASK..((task + 1) * EXPERTS_PER_TASK).min(w.rows);
+                for (i, xi) in x.chunks_exact(w.cols).enumerate() {
+                    // SAFETY: the logits of these experts are written by this task only.
+                    let out = unsafe { out.slice_mut(i * w.rows + experts.start, experts.len()) };
+                    for (r, o) in experts.clone().zip(out) {
+                        *o = dot_bf16_f32(cpu.isa, &w.data[2 * r * w.cols..2 * (r + 1) * w.cols], xi);
+                    }
                 }
-            }
+            });
         } else {
             matmul(&w, x, n, &mut logits);
         }
@@ -263,7 +272,7 @@ impl Moe {
     }
 
     fn forward(&self, cpu: &CpuRuntime, x: &[f32], n: usize, d: usize, router: &RouterParams, p: Precision) -> Vec<f32> {
-        let logits = self.router_logits(cpu.isa, x, n, p);
+        let logits = self.router_logits(cpu, x, n, p);
         let mut assigned: Vec<Vec<(usize, f32)>> = vec![vec![]; self.experts.len()];
         for i in 0..n {
             let row = &logits[i * router.n_experts..(i + 1) * router.n_experts];
