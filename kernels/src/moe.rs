@@ -67,13 +67,11 @@ enum Task {
     Down { call: usize, rows: (usize, usize) },
 }
 
-/// Rows per task: one scale block for FP8 (tiles must not cross one), and a
-/// similar amount of work for other formats.
 /// Weight bytes per task, at most. Every task pays fixed costs and starts
 /// its read streams cold, so tasks of one 128-row block (256 KiB of the
-/// `bench` preset's experts) left bandwidth unused: `bench-kernels`-style
-/// runs moved 6–20% more bytes per second with 1 MiB tasks, on those experts
-/// and on V3's.
+/// `bench` preset's experts) left bandwidth unused: in A/B runs of a whole
+/// MoE layer, 1 MiB tasks moved 4–20% more bytes per second, on those
+/// experts and on V3's.
 const TASK_BYTES: usize = 1 << 20;
 
 /// Tasks per thread, at least, over a whole layer, so that the pool still
