@@ -79,12 +79,17 @@ pub fn decode_attention(
     let de = dc + dr;
     const L: usize = QUERY_LANES;
     let groups = heads.div_ceil(L);
-    // Parts of a fixed length, not one per thread: the result then does not
-    // depend on the pool's size (a server's worker and `duplex generate`
-    // agree bit for bit), and the pool balances the parts dynamically.
-    const PART: usize = 128;
-    let parts = ctx.div_ceil(PART);
-    let range = |c: usize| c * PART..((c + 1) * PART).min(ctx);
+    // Parts whose length depends on the context alone, not on the threads:
+    // the result then does not depend on the pool's size (a server's worker
+    // and `duplex generate` agree bit for bit), and the pool balances the
+    // parts dynamically. 128 positions, or longer past 8192 positions so
+    // that there are at most 64 parts: their contexts (the scratch) stay
+    // bounded at long contexts (17 MB for V3's 128 heads).
+    const MIN_PART: usize = 128;
+    const MAX_PARTS: usize = 64;
+    let part = MIN_PART.max(ctx.div_ceil(MAX_PARTS));
+    let parts = ctx.div_ceil(part);
+    let range = |c: usize| c * part..((c + 1) * part).min(ctx);
     // Scratch: the transposed queries, `[groups][de][L]` with lane l of
     // group j holding head `L·j + l` (zero past the last head), then the
     // parts' contexts `[parts][heads][dc]`.
@@ -274,7 +279,8 @@ mod tests {
         // Head counts under, at and over one 16-query vector (and over the
         // four outputs of a weighted sum), block lengths on and off the
         // 8-key groups of the scores, latents off and on the 64-float slabs
-        // of the weighted sums. 300 positions: three parts of several blocks.
+        // of the weighted sums. 300 positions: three parts of several blocks;
+        // 9000: 64 parts of 141 (parts grow past 8192 positions).
         for (heads, dc, dr, bs, ctx, threads) in [
             (3usize, 40usize, 8usize, 4usize, 11usize, 2usize),
             (8, 128, 16, 16, 70, 2),
@@ -284,6 +290,7 @@ mod tests {
             (4, 64, 8, 16, 300, 2),
             (16, 64, 8, 16, 45, 2),
             (21, 72, 8, 8, 40, 3),
+            (4, 64, 8, 16, 9000, 2),
         ] {
             let entries: Vec<f32> = (0..ctx.div_ceil(bs) * bs * (dc + dr)).map(|i| ((i * 13 % 29) as f32 - 14.0) / 14.0).collect();
             let blocks: Vec<&[f32]> = entries.chunks(bs * (dc + dr)).rev().collect(); // any block order
