@@ -266,6 +266,18 @@ mod tests {
         }
     }
 
+    /// BF16 weights in bands long enough (≥ 256 Ki values) for the single
+    /// pass's eight streams, with leftover rows, and with enough tokens for
+    /// several passes over 16-row bands.
+    #[test]
+    fn bf16_weights_long_bands() {
+        for (rows, cols, n, band) in [(301usize, 1000usize, 1usize, 0..301), (300, 1000, 1, 5..298), (270, 1000, 2, 0..270), (40, 1000, 9, 3..40)] {
+            let data = (0..rows * cols).flat_map(|i| half::bf16::from_f32(((i * 7919) % 997) as f32 / 500.0 - 1.0).to_le_bytes()).collect();
+            let x = (0..n * cols).map(|i| half::bf16::from_f32(((i * 104_729) % 1009) as f32 / 250.0 - 2.0).to_bits()).collect();
+            check(&Case { rows, cols, n, format: WeightFormat::Bf16, data, scales: vec![], x, band }).unwrap();
+        }
+    }
+
     /// Checkpoint-like weights (normal codes only) with a single zero or
     /// subnormal code, at every row of a multi-row kernel step and at the
     /// edges of full and partial lines: the fast decode must never see it.

@@ -198,7 +198,7 @@ pub(super) unsafe fn run(job: &Job, rows: Range<usize>, x: &[u16], n: usize, out
         let x = Packed::new::<16, 2>(x, n, job.cols, b1, [0, 1], bf16_to_f32);
         // SAFETY: forwarded.
         unsafe {
-            for_each_tile(job, rows, decode_tile_portable, |band, w| {
+            for_each_tile(job, rows, n.div_ceil(4), decode_tile_portable, |band, w| {
                 let k = Bf16Fma { job, w, x: &x };
                 token_groups!(&k, band, first, n, out, m, 4, {1 => 4, 2 => 2, 3 => 1, 4 => 1});
             })
