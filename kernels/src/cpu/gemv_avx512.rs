@@ -627,10 +627,11 @@ pub(super) unsafe fn run_bf16(job: &Job, rows: Range<usize>, x: &[u16], n: usize
             for_each_tile(job, rows, n.div_ceil(8), decode_tile, |band, w| {
                 let k = Bf16Dot { job, w, x: &x };
                 // A single token over BF16 weights in place takes eight read
-                // streams, as `run_fp16` does for long FP8 bands (one of
-                // the changes that took `lm_head` from ~0.8 to ~1.0 of the
-                // read bandwidth; see `for_each_tile`).
-                if !job.fp8 && band.len() * job.cols >= 8 << 15 {
+                // streams, as `run_fp16` does for FP8 bands of 512 KiB or
+                // more (64 KiB a stream): one of the changes that took
+                // `lm_head` from ~0.8 to ~1.0 of the read bandwidth (see
+                // `for_each_tile`).
+                if !job.fp8 && 2 * band.len() * job.cols >= 8 << 16 {
                     token_groups!(&k, band, first, n, out, m, 8, {1 => 8, 2 => 4, 3 => 2, 4 => 2, 5 => 1, 6 => 1, 7 => 1, 8 => 1});
                 } else {
                     token_groups!(&k, band, first, n, out, m, 8, {1 => 4, 2 => 4, 3 => 2, 4 => 2, 5 => 1, 6 => 1, 7 => 1, 8 => 1});
