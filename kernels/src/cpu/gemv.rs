@@ -246,8 +246,10 @@ mod tests {
     }
 
     /// Shapes the model really uses, including DeepSeek's 128 × 128 blocks
-    /// with full and partial edges, and a band long enough (≥ 512 KiB) for
-    /// the FP16 kernel's eight-stream steps, with leftover rows.
+    /// with full and partial edges, a band long enough (≥ 512 KiB) for the
+    /// FP16 kernel's eight-stream steps, with leftover rows, and rows of at
+    /// most 128 columns (the FP16 kernel's sixteen-row steps: MLA's absorbed
+    /// query, 512 × 128, and a ragged 301 × 100) spanning scale blocks.
     #[test]
     fn deepseek_like_shapes() {
         let mut seed = 0x9e3779b97f4a7c15u64;
@@ -257,7 +259,7 @@ mod tests {
             seed ^= seed << 17;
             seed
         };
-        for &(rows, cols, n) in &[(130usize, 512usize, 1usize), (64, 7168 / 4, 3), (200, 300, 8), (33, 640, 17), (16, 128, 32), (301, 1800, 1)] {
+        for &(rows, cols, n) in &[(130usize, 512usize, 1usize), (64, 7168 / 4, 3), (200, 300, 8), (33, 640, 17), (16, 128, 32), (301, 1800, 1), (512, 128, 1), (301, 100, 1)] {
             let data: Vec<u8> = (0..rows * cols).map(|_| (next() >> 56) as u8).map(|c| if c & 0x7f == 0x7f { 0x38 } else { c }).collect();
             let scales: Vec<f32> = (0..rows.div_ceil(128) * cols.div_ceil(128)).map(|i| 0.01 + (i % 5) as f32 * 0.3).collect();
             let x: Vec<u16> = (0..n * cols).map(|_| half::bf16::from_f32(((next() >> 40) as f32 / (1u64 << 24) as f32) - 0.5).to_bits()).collect();
