@@ -276,11 +276,12 @@ mod tests {
 
     #[test]
     fn matches_naive_attention() {
-        // Head counts under, at and over one 16-query vector (and over the
-        // four outputs of a weighted sum), block lengths on and off the
-        // 8-key groups of the scores, latents off and on the 64-float slabs
-        // of the weighted sums. 300 positions: three parts of several blocks;
-        // 9000: 64 parts of 141 (parts grow past 8192 positions).
+        // Head counts under, at and over one group of sixteen (a SIMD lane
+        // each), part and block lengths on and off the 16-, 4- and 1-key
+        // groups of the scores, latent widths on and off the 16-float
+        // vectors of the weighted sums. 300 positions: three parts of
+        // several blocks; 9000: 64 parts of 141 (parts grow past 8192
+        // positions).
         for (heads, dc, dr, bs, ctx, threads) in [
             (3usize, 40usize, 8usize, 4usize, 11usize, 2usize),
             (8, 128, 16, 16, 70, 2),
