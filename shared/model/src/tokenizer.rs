@@ -18,6 +18,7 @@
 //! the server asks one object and never re-reads the files.
 
 use std::borrow::Cow;
+use std::collections::HashMap;
 use std::fs;
 use std::path::{Path, PathBuf};
 
@@ -33,6 +34,16 @@ const TEMPLATE_NAME: &str = "chat_template";
 /// handling) without re-decoding a long prompt on every push. Same value as
 /// vLLM's initial detokenization offset.
 const PROMPT_CONTEXT_IDS: usize = 5;
+
+/// Where [`Tokenizer::encode_chat`] draws its placeholder characters: the
+/// supplementary private use area A, which no tokenizer or template gives a
+/// meaning and which has no case (templates call `.upper()`, `.strip()`).
+const PLACEHOLDERS: std::ops::RangeInclusive<u32> = 0xF_0000..=0xF_FFFD;
+
+/// `\w` of the `regex` crate, which `tokenizers` uses for `single_word`.
+fn is_word_char(c: char) -> bool {
+    c.is_alphanumeric() || c == '_'
+}
 
 /// Errors from loading a tokenizer directory, encoding or rendering a chat
 /// template. Every variant carries the file (and where relevant the field)
@@ -102,7 +113,19 @@ pub struct ChatMessage {
 
 /// A loaded tokenizer plus everything generation needs from the side files.
 pub struct Tokenizer {
+    /// Recognises special-token strings as their ids: for trusted text only
+    /// (a chat template's own markers, prompts whose client opted in).
     inner: tokenizers::Tokenizer,
+    /// The same pipeline with special-token parsing off (`transformers`'
+    /// `split_special_tokens=True`): a special-token string typed by a
+    /// client is encoded as the plain text it is, so a client cannot forge
+    /// turns or end-of-sequence markers. Non-special added tokens (e.g. a
+    /// `<think>` the model also reads as text) still match, as there.
+    plain: tokenizers::Tokenizer,
+    /// The special tokens, and a leftmost-longest matcher over their strings
+    /// (the matching the added vocabulary does); `None` without any.
+    specials: Vec<SpecialToken>,
+    special_matcher: Option<aho_corasick::AhoCorasick>,
     /// `tokenizer.json` path, kept for error messages.
     tokenizer_path: PathBuf,
     bos_id: Option<u32>,
@@ -117,6 +140,20 @@ pub struct Tokenizer {
     chat_env: Option<Environment<'static>>,
     /// File the template came from (or would have come from), for errors.
     template_path: PathBuf,
+    /// The template's source, so that placeholders never collide with it.
+    template_source: String,
+}
+
+/// A special added token, with the options that change how it splits text.
+#[derive(Clone, Debug)]
+struct SpecialToken {
+    content: String,
+    id: u32,
+    /// Absorbs the whitespace before / after it.
+    lstrip: bool,
+    rstrip: bool,
+    /// Matches only where it is not inside a word.
+    single_word: bool,
 }
 
 impl std::fmt::Debug for Tokenizer {
@@ -217,6 +254,7 @@ impl Tokenizer {
             .unwrap_or_else(|| text_of(eos_ids.first().copied()));
 
         let (template_path, source) = load_template_source(dir, tc.as_ref(), &tc_path)?;
+        let template_source = source.clone().unwrap_or_default();
         let chat_env = source
             .map(|src| {
                 build_env(src).map_err(|e| TokenizerError::TemplateSyntax {
@@ -226,8 +264,40 @@ impl Tokenizer {
             })
             .transpose()?;
 
+        let mut plain = inner.clone();
+        plain.set_encode_special_tokens(true);
+        let mut specials: Vec<SpecialToken> = inner
+            .get_added_tokens_decoder()
+            .into_iter()
+            .filter(|(_, t)| t.special && !t.content.is_empty())
+            .map(|(id, t)| SpecialToken {
+                content: t.content,
+                id,
+                lstrip: t.lstrip,
+                rstrip: t.rstrip,
+                single_word: t.single_word,
+            })
+            .collect();
+        specials.sort_by_key(|t| t.id);
+        let special_matcher = if specials.is_empty() {
+            None
+        } else {
+            let matcher = aho_corasick::AhoCorasick::builder()
+                .match_kind(aho_corasick::MatchKind::LeftmostLongest)
+                .build(specials.iter().map(|t| &t.content))
+                .map_err(|e| TokenizerError::Field {
+                    path: tokenizer_path.clone(),
+                    field: "added_tokens",
+                    message: format!("cannot build a matcher over the special tokens: {e}"),
+                })?;
+            Some(matcher)
+        };
+
         Ok(Self {
             inner,
+            plain,
+            specials,
+            special_matcher,
             tokenizer_path,
             bos_id,
             eos_ids,
@@ -237,6 +307,7 @@ impl Tokenizer {
             eos_token,
             chat_env,
             template_path,
+            template_source,
         })
     }
 
@@ -250,8 +321,25 @@ impl Tokenizer {
     /// all if the text already starts with the BOS token string (a client
     /// that pre-rendered its prompt). This mirrors what `LlamaTokenizerFast`,
     /// which DeepSeek checkpoints name, does with those two switches.
+    ///
+    /// Special-token strings in `text` become their ids: use this for
+    /// trusted text only; [`Tokenizer::encode_text`] is for clients' text.
     pub fn encode(&self, text: &str) -> Result<Vec<u32>, TokenizerError> {
-        let mut ids = self.encode_raw(text)?;
+        let ids = self.encode_raw(text)?;
+        Ok(self.add_bos_eos(ids))
+    }
+
+    /// Encode a client's text as [`Tokenizer::encode`] does (BOS and EOS as
+    /// configured), but with every special-token string in it encoded as the
+    /// plain text it is: a client typing `<|im_end|>` gets the ids of those
+    /// characters, never the end-of-turn id (llama.cpp's `parse_special =
+    /// false`, `transformers`' `split_special_tokens=True`).
+    pub fn encode_text(&self, text: &str) -> Result<Vec<u32>, TokenizerError> {
+        let ids = self.encode_with(&self.plain, text)?;
+        Ok(self.add_bos_eos(ids))
+    }
+
+    fn add_bos_eos(&self, mut ids: Vec<u32>) -> Vec<u32> {
         if let Some(bos) = self.bos_id.filter(|_| self.add_bos) {
             if ids.first() != Some(&bos) {
                 ids.insert(0, bos);
@@ -262,7 +350,7 @@ impl Tokenizer {
                 ids.push(eos);
             }
         }
-        Ok(ids)
+        ids
     }
 
     /// Encode text that already contains its special tokens (e.g. a rendered
@@ -270,7 +358,11 @@ impl Tokenizer {
     /// text become their single ids (the added-vocabulary pass always
     /// matches them; only the post-processor is skipped).
     pub fn encode_raw(&self, text: &str) -> Result<Vec<u32>, TokenizerError> {
-        self.inner
+        self.encode_with(&self.inner, text)
+    }
+
+    fn encode_with(&self, tokenizer: &tokenizers::Tokenizer, text: &str) -> Result<Vec<u32>, TokenizerError> {
+        tokenizer
             .encode(text, false)
             .map(|enc| enc.get_ids().to_vec())
             .map_err(|source| TokenizerError::Encode {
@@ -309,6 +401,148 @@ impl Tokenizer {
                 eos_token => &self.eos_token,
             })
             .map_err(render_err)
+    }
+
+    /// The ids of a chat: the template rendered with `messages`, where the
+    /// template's own markers (`<|im_start|>`, `<｜User｜>`, `<s>`, ...) are
+    /// special tokens but the messages' contents are plain text, so that a
+    /// client cannot forge a turn by typing the markers. Nothing else is
+    /// added (the template writes BOS itself).
+    ///
+    /// Content without any special-token string (nearly all of it) is
+    /// encoded exactly as before: the rendered text in one piece. Otherwise
+    /// each special-token string in the contents is swapped for a
+    /// placeholder character the template, the contents and the special
+    /// tokens do not use; the template is rendered with those; the rendered
+    /// text is cut at the special tokens left in it, which are the
+    /// template's own (with their lstrip/rstrip/single_word options, as the
+    /// added vocabulary cuts); and the pieces between them, placeholders put
+    /// back, are encoded with special-token parsing off. The cuts are the
+    /// ones the added vocabulary makes, so the ids around the contents are
+    /// the same as without the forged strings.
+    pub fn encode_chat(
+        &self,
+        messages: &[ChatMessage],
+        add_generation_prompt: bool,
+    ) -> Result<Vec<u32>, TokenizerError> {
+        let Some(matcher) = &self.special_matcher else {
+            return self.encode_raw(&self.apply_chat_template(messages, add_generation_prompt)?);
+        };
+        if !messages.iter().any(|m| matcher.is_match(&m.content)) {
+            return self.encode_raw(&self.apply_chat_template(messages, add_generation_prompt)?);
+        }
+
+        // One placeholder per special token that occurs in some content.
+        let mut placeholder_of: HashMap<usize, char> = HashMap::new();
+        let mut candidates = PLACEHOLDERS.filter_map(char::from_u32);
+        let in_use = |c: char| {
+            messages.iter().any(|m| m.content.contains(c) || m.role.contains(c))
+                || self.template_source.contains(c)
+                || self.bos_token.contains(c)
+                || self.eos_token.contains(c)
+                || self.specials.iter().any(|t| t.content.contains(c))
+        };
+        let mut masked = Vec::with_capacity(messages.len());
+        for m in messages {
+            let mut content = String::with_capacity(m.content.len());
+            let mut last = 0;
+            for found in matcher.find_iter(&m.content) {
+                let token = found.pattern().as_usize();
+                let placeholder = match placeholder_of.get(&token) {
+                    Some(&c) => c,
+                    None => {
+                        let c = candidates.by_ref().find(|&c| !in_use(c)).ok_or_else(|| {
+                            TokenizerError::TemplateRender {
+                                path: self.template_path.clone(),
+                                message: "the messages use every placeholder character".into(),
+                            }
+                        })?;
+                        placeholder_of.insert(token, c);
+                        c
+                    }
+                };
+                content.push_str(&m.content[last..found.start()]);
+                content.push(placeholder);
+                last = found.end();
+            }
+            content.push_str(&m.content[last..]);
+            masked.push(ChatMessage { role: m.role.clone(), content });
+        }
+        let rendered = self.apply_chat_template(&masked, add_generation_prompt)?;
+        let token_of: HashMap<char, &str> = placeholder_of
+            .iter()
+            .map(|(&token, &c)| (c, self.specials[token].content.as_str()))
+            .collect();
+
+        let mut ids = Vec::new();
+        let mut piece_start = 0;
+        for (token, start, end) in self.template_markers(matcher, &rendered) {
+            self.encode_piece(&rendered[piece_start..start], &token_of, &mut ids)?;
+            ids.push(token.id);
+            piece_start = end;
+        }
+        self.encode_piece(&rendered[piece_start..], &token_of, &mut ids)?;
+        Ok(ids)
+    }
+
+    /// The special tokens in `text` and their byte ranges, widened over the
+    /// whitespace they absorb, as `tokenizers`' added vocabulary finds them.
+    fn template_markers<'a>(
+        &'a self,
+        matcher: &aho_corasick::AhoCorasick,
+        text: &str,
+    ) -> Vec<(&'a SpecialToken, usize, usize)> {
+        let mut out = Vec::new();
+        let mut covered = 0;
+        for found in matcher.find_iter(text) {
+            let token = &self.specials[found.pattern().as_usize()];
+            let (mut start, mut end) = (found.start(), found.end());
+            if token.single_word {
+                let word_before = text[..start].chars().next_back().is_some_and(is_word_char);
+                let word_after = text[end..].chars().next().is_some_and(is_word_char);
+                if word_before || word_after {
+                    continue;
+                }
+            }
+            if token.lstrip {
+                let trimmed = text[..start].trim_end_matches(char::is_whitespace).len();
+                start = trimmed.max(covered);
+            }
+            if token.rstrip {
+                end = text.len() - text[end..].trim_start_matches(char::is_whitespace).len();
+            }
+            // An rstrip token may have absorbed the start of this match.
+            if start < covered {
+                continue;
+            }
+            out.push((token, start, end));
+            covered = end;
+        }
+        out
+    }
+
+    /// Encodes one piece of rendered text between markers as plain text,
+    /// placeholders put back.
+    fn encode_piece(
+        &self,
+        piece: &str,
+        token_of: &HashMap<char, &str>,
+        ids: &mut Vec<u32>,
+    ) -> Result<(), TokenizerError> {
+        if piece.is_empty() {
+            return Ok(());
+        }
+        let text: String = piece
+            .chars()
+            .fold(String::with_capacity(piece.len()), |mut s, c| {
+                match token_of.get(&c) {
+                    Some(token) => s.push_str(token),
+                    None => s.push(c),
+                }
+                s
+            });
+        ids.extend(self.encode_with(&self.plain, &text)?);
+        Ok(())
     }
 
     /// Decode ids to text, skipping special tokens.
