@@ -5,11 +5,18 @@
 //! once, every token's dot product is taken against each decoded weight
 //! vector while it is in registers, and each scale block's sum is multiplied
 //! by its scale once ("post-scaling", as `linear::matmul_rows` does).
-//! Prefill (many tokens) is compute-bound: a band of rows is decoded once into
-//! an L2-resident BF16 tile and reused by every token group.
+//! Prefill (many tokens) runs the same kernels over bands of 16 rows, one
+//! pass per group of 8 tokens (4 on AVX2), so that each band's weights stay
+//! in cache across the passes.
+//!
+//! Batch invariance: every output is computed in an order fixed by its row
+//! and the columns, never by the number of tokens in the call, the token
+//! groups, the row band or the other tokens' values, so a sequence gets the
+//! same bits alone as in any batch (see `kernel::bands`). Hence one kernel
+//! per level and format for every token count.
 //!
 //! Levels (see [`Isa`]):
-//! - `Avx512Fp16`: for FP8 decode (n ≤ 8), FP8 → FP16 with integer ops,
+//! - `Avx512Fp16`: for FP8 weights, FP8 → FP16 with integer ops,
 //!   `vfmadd231ph` over two 64-column lines, then f32; otherwise as below.
 //! - `Avx512Bf16`: FP8 → BF16 with integer ops, `vdpbf16ps` into f32.
 //! - `Avx512`: FP8 → f32 with integer ops, FMA.
@@ -20,14 +27,12 @@
 //!
 //! Numerics: products are exact and accumulated in f32, so results differ
 //! from the reference only by summation order, except on the `Avx512Fp16`
-//! level's decode kernel, whose FP16 products and short sums are good to
+//! level's FP8 kernel, whose FP16 products and short sums are good to
 //! 2⁻¹⁰ of the terms' magnitude (the tests' bound; BF16 activations carry
 //! 2⁻⁹ each; see `gemv_avx512::fused_fp16`; `DUPLEX_ISA=avx512bf16` opts
-//! out). Also: the
-//! fused FP8 decode kernels (`n ≤ 8`, SIMD levels) read the two NaN codes
-//! (`0x7f`, `0xff`) as ±480 instead of NaN; valid checkpoints never contain
-//! them, and the exact paths (portable, and the prefill tile decode on
-//! AVX-512) do keep them NaN.
+//! out). Also: the SIMD levels' FP8 kernels read the two NaN codes (`0x7f`,
+//! `0xff`) as ±480 instead of NaN; valid checkpoints never contain them,
+//! and the portable level keeps them NaN.
 
 use super::isa::Isa;
 use crate::linear::{WeightFormat, WeightView};
@@ -102,10 +107,11 @@ mod tests {
     use crate::cpu::isa;
     use proptest::prelude::*;
 
-    /// Token counts above this take the prefill path on the SIMD levels.
-    const FUSED_MAX_TOKENS: usize = 8;
+    /// Token counts above this take several passes (in row bands) on the
+    /// AVX-512 levels.
+    const PASS_TOKENS: usize = 8;
     #[cfg(target_arch = "x86_64")]
-    const _: () = assert!(FUSED_MAX_TOKENS == crate::cpu::kernel::FUSED_MAX_TOKENS);
+    const _: () = assert!(PASS_TOKENS == crate::cpu::kernel::PASS_TOKENS);
 
     /// A random problem: weights, activations and a row band.
     #[derive(Debug, Clone)]
@@ -205,7 +211,7 @@ mod tests {
                 mag[i * m + j] = (0..c.cols).map(|k| (row[k] as f64 * xf[i * c.cols + k] as f64).abs()).sum();
             }
         }
-        // The FP16 level (fused FP8 decode only) rounds products and short
+        // The FP16 level (FP8 weights only) rounds products and short
         // sums to FP16's 11 bits, and FP16 subnormals are spaced 2⁻²⁴ apart
         // in units where the largest activation is ≥ 2¹⁰ and a weight is its
         // value × 2⁻⁸ / scale: per term at most 2⁻²⁵ · 2⁸ · 2⁻¹⁰ · max|x| · scale.
@@ -215,7 +221,7 @@ mod tests {
         for isa in isa::supported() {
             let mut got = vec![f32::NAN; c.n * m];
             matmul_bf16(isa, &w, c.band.clone(), &c.x, c.n, &mut got);
-            let fp16 = isa == Isa::Avx512Fp16 && matches!(c.format, WeightFormat::Fp8E4m3 { .. }) && c.n <= FUSED_MAX_TOKENS;
+            let fp16 = isa == Isa::Avx512Fp16 && matches!(c.format, WeightFormat::Fp8E4m3 { .. });
             let (relative, floor) = if fp16 { (2f64.powi(-10), fp16_floor) } else { (1e-5, 0.0) };
             for k in 0..c.n * m {
                 let err = (got[k] as f64 - want[k] as f64).abs();
@@ -240,7 +246,7 @@ mod tests {
     proptest! {
         #![proptest_config(ProptestConfig::with_cases(24))]
         #[test]
-        fn matches_reference_large_batch(c in case(60, 400, 20).prop_filter("prefill", |c| c.n > FUSED_MAX_TOKENS)) {
+        fn matches_reference_large_batch(c in case(60, 400, 20).prop_filter("prefill", |c| c.n > PASS_TOKENS)) {
             check(&c)?;
         }
     }
@@ -305,32 +311,115 @@ mod tests {
         }
     }
 
-    /// The exact decode paths keep the two NaN codes NaN: the portable
-    /// reference and the prefill tiles of the AVX-512 levels.
+    /// NaN codes: NaN on the portable level; ±480 on the SIMD levels, for
+    /// any number of tokens (one kernel per level, whatever the batch).
     #[test]
-    fn nan_codes_give_nan_on_exact_paths() {
-        let (rows, cols, n) = (3, 70, FUSED_MAX_TOKENS + 1);
+    fn nan_codes_read_the_same_for_every_token_count() {
+        let (rows, cols) = (3, 70);
         for nan in [0x7fu8, 0xff] {
             let mut data = vec![0x38u8; rows * cols];
             data[cols + 5] = nan; // row 1
             let scales = vec![1.0f32; 1];
             let w = WeightView { rows, cols, format: WeightFormat::Fp8E4m3 { block: [128, 128] }, data: &data, scales: &scales };
-            let x = vec![half::bf16::from_f32(0.5).to_bits(); n * cols];
-            let levels = isa::supported().into_iter().filter(|&i| i == Isa::Portable || i >= Isa::Avx512);
-            for isa in levels {
-                let mut out = vec![0.0; n * rows];
-                matmul_bf16(isa, &w, 0..rows, &x, n, &mut out);
-                for t in 0..n {
-                    assert!(out[t * rows + 1].is_nan(), "{isa}: token {t} should be NaN");
-                    assert_eq!(out[t * rows], 35.0, "{isa}: token {t}, row 0");
+            // 0.5 · 69 · 1.0 (code 0x38) + 0.5 · ±480.
+            let simd = 0.5 * 69.0 + if nan == 0x7f { 240.0 } else { -240.0 };
+            for n in [1, 3, PASS_TOKENS + 1] {
+                let x = vec![half::bf16::from_f32(0.5).to_bits(); n * cols];
+                for isa in isa::supported() {
+                    let mut out = vec![0.0; n * rows];
+                    matmul_bf16(isa, &w, 0..rows, &x, n, &mut out);
+                    for t in 0..n {
+                        if isa == Isa::Portable {
+                            assert!(out[t * rows + 1].is_nan(), "{isa} n={n}: token {t} should be NaN");
+                        } else {
+                            assert_eq!(out[t * rows + 1], simd, "{isa} n={n}: token {t}");
+                        }
+                        assert_eq!(out[t * rows], 35.0, "{isa} n={n}: token {t}, row 0");
+                    }
                 }
             }
         }
     }
 
+    /// Batch invariance: each token's outputs are the same bits computed
+    /// alone, with any other tokens, and over any band of rows containing
+    /// them, at every level.
+    fn check_invariant(c: &Case) -> Result<(), TestCaseError> {
+        let w = WeightView { rows: c.rows, cols: c.cols, format: c.format, data: &c.data, scales: &c.scales };
+        let m = c.band.len();
+        // A sub-band: rows cut off at both ends of the case's band.
+        let sub = c.band.start + m / 3..c.band.end - m / 4;
+        for isa in isa::supported() {
+            let mut all = vec![f32::NAN; c.n * m];
+            matmul_bf16(isa, &w, c.band.clone(), &c.x, c.n, &mut all);
+            for t in 0..c.n {
+                let mut alone = vec![f32::NAN; m];
+                matmul_bf16(isa, &w, c.band.clone(), &c.x[t * c.cols..(t + 1) * c.cols], 1, &mut alone);
+                let want: Vec<u32> = all[t * m..(t + 1) * m].iter().map(|v| v.to_bits()).collect();
+                let got: Vec<u32> = alone.iter().map(|v| v.to_bits()).collect();
+                prop_assert_eq!(got, want, "{} {:?} {}x{} n={} band {:?}: token {} alone", isa, c.format, c.rows, c.cols, c.n, c.band, t);
+            }
+            let mut part = vec![f32::NAN; c.n * sub.len()];
+            matmul_bf16(isa, &w, sub.clone(), &c.x, c.n, &mut part);
+            for t in 0..c.n {
+                for (j, r) in sub.clone().enumerate() {
+                    let (got, want) = (part[t * sub.len() + j], all[t * m + r - c.band.start]);
+                    prop_assert_eq!(got.to_bits(), want.to_bits(), "{} {:?} n={} row {} of band {:?} in {:?}", isa, c.format, c.n, r, sub, c.band);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(48))]
+        #[test]
+        fn each_token_alone_gives_the_same_bits(c in case(300, 600, 20)) {
+            check_invariant(&c)?;
+        }
+    }
+
+    /// Batch invariance on model-like shapes: long bands (the eight-stream
+    /// steps), rows of at most 128 columns (the FP16 level's sixteen-row
+    /// steps, with a ragged end), BF16 weights, tokens of very different
+    /// sizes (the FP16 level scales each on its own) and a token holding a
+    /// NaN (which must not change the others).
+    #[test]
+    fn batch_invariance_on_model_shapes() {
+        let mut seed = 0x2545f4914f6cdd1du64;
+        let mut next = move || {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            seed
+        };
+        let shapes = [(512usize, 1024usize, WeightFormat::Fp8E4m3 { block: [128, 128] }), (301, 100, WeightFormat::Fp8E4m3 { block: [128, 128] }), (300, 1000, WeightFormat::Bf16)];
+        for (rows, cols, format) in shapes {
+            let data: Vec<u8> = match format {
+                WeightFormat::Bf16 => (0..rows * cols).flat_map(|_| half::bf16::from_f32(((next() >> 40) as f32 / (1u64 << 24) as f32) - 0.5).to_le_bytes()).collect(),
+                _ => (0..rows * cols).map(|_| (next() >> 56) as u8).map(|c| if c & 0x7f == 0x7f { 0x38 } else { c }).collect(),
+            };
+            let scales: Vec<f32> = (0..rows.div_ceil(128) * cols.div_ceil(128)).map(|i| 0.01 + (i % 5) as f32 * 0.3).collect();
+            for n in [2, 6, 12] {
+                let mut x: Vec<u16> = (0..n * cols)
+                    .map(|i| {
+                        let size = [1.0f32, 1e-3, 300.0][(i / cols) % 3];
+                        half::bf16::from_f32((((next() >> 40) as f32 / (1u64 << 24) as f32) - 0.5) * size).to_bits()
+                    })
+                    .collect();
+                if n == 6 {
+                    x[cols + 7] = half::bf16::from_f32(f32::NAN).to_bits();
+                }
+                let c = Case { rows, cols, n, format, data: data.clone(), scales: scales.clone(), x, band: 0..rows };
+                check_invariant(&c).unwrap();
+            }
+        }
+    }
+
     /// The FP16 level scales activations into FP16's range whatever their
-    /// size, and leaves NaN and infinite ones to the BF16 kernels, which
-    /// propagate them (its results then match that level bit for bit).
+    /// size, and leaves a token holding NaN or infinite ones to the BF16
+    /// kernels, which propagate them (that token's results then match that
+    /// level bit for bit; the other tokens' do not change).
     #[test]
     fn fp16_level_takes_activations_of_any_size() {
         if isa::hardware() < Isa::Avx512Fp16 {
@@ -353,9 +442,17 @@ mod tests {
                 let [mut fp16, mut bf16] = [0, 1].map(|_| vec![0.0f32; n * rows]);
                 matmul_bf16(Isa::Avx512Fp16, &w, 0..rows, &x, n, &mut fp16);
                 matmul_bf16(Isa::Avx512Bf16, &w, 0..rows, &x, n, &mut bf16);
-                assert!(fp16.iter().any(|v| !v.is_finite()), "{odd}");
+                assert!(fp16[..rows].iter().any(|v| !v.is_finite()), "{odd}");
                 let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
-                assert_eq!(bits(&fp16), bits(&bf16), "{odd}");
+                // The token holding it runs the BF16 kernels; the others
+                // keep their FP16 results, as if computed alone.
+                assert_eq!(bits(&fp16[..rows]), bits(&bf16[..rows]), "{odd}");
+                for t in 1..n {
+                    let mut alone = vec![0.0f32; rows];
+                    matmul_bf16(Isa::Avx512Fp16, &w, 0..rows, &x[t * cols..(t + 1) * cols], 1, &mut alone);
+                    assert_eq!(bits(&fp16[t * rows..(t + 1) * rows]), bits(&alone), "{odd}, token {t}");
+                    assert!(alone.iter().all(|v| v.is_finite()), "{odd}, token {t}");
+                }
             }
         }
     }

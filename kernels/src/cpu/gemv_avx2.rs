@@ -12,9 +12,7 @@
 // lockstep; index loops say that more plainly than zipped iterators.
 #![allow(clippy::needless_range_loop)]
 
-use super::kernel::{
-    decode_tile_portable, for_each_tile, prefetch_ahead, token_groups, Bf16Rows, Job, RowKernel, FUSED_MAX_TOKENS,
-};
+use super::kernel::{bands, prefetch_ahead, token_groups, Bf16Rows, Job, RowKernel};
 use super::gemv::bf16_to_f32;
 use super::pack::Packed;
 use std::arch::x86_64::*;
@@ -172,7 +170,7 @@ unsafe fn bf16_weights<const R: usize, const N: usize>(
             }
         }
         for r in 0..R {
-            let s = _mm256_set1_ps(scales[r][cb] * w.scale_mul);
+            let s = _mm256_set1_ps(scales[r][cb]);
             for t in 0..N {
                 total[r][t] = _mm256_fmadd_ps(acc[r][t], s, total[r][t]);
             }
@@ -182,26 +180,30 @@ unsafe fn bf16_weights<const R: usize, const N: usize>(
 }
 
 /// `matmul_bf16` at the `Avx2` level. Token groups are at most 4: sixteen
-/// ymm registers hold R·N pairs of accumulators plus the decoded weights.
+/// ymm registers hold R·N accumulators plus the decoded weights. FP8
+/// weights are decoded on the fly for any number of tokens, so that a
+/// token's sums never depend on the batch (see `kernel::bands`); the decode
+/// is three integer ops and two conversions per 16 codes.
 ///
 /// # Safety
 /// AVX2/FMA/F16C present; shapes checked by the caller.
 #[target_feature(enable = "avx2,fma,f16c")]
 pub(super) unsafe fn run(job: &Job, rows: Range<usize>, x: &[u16], n: usize, out: &mut [f32]) {
     let (m, first, b1) = (rows.len(), rows.start, job.block[1]);
-    if job.fp8 && n <= FUSED_MAX_TOKENS {
+    let passes = n.div_ceil(4);
+    if job.fp8 {
         let x = Packed::new::<16, 1>(x, n, job.cols, b1, [0], bf16_to_f32);
         let k = Fused { job, x: &x };
-        // SAFETY: forwarded.
-        unsafe { token_groups!(&k, rows, first, n, out, m, 4, {1 => 4, 2 => 2, 3 => 1, 4 => 1}) };
+        for band in bands(rows, passes) {
+            // SAFETY: forwarded.
+            unsafe { token_groups!(&k, band, first, n, out, m, 4, {1 => 4, 2 => 2, 3 => 1, 4 => 1}) };
+        }
     } else {
         let x = Packed::new::<16, 2>(x, n, job.cols, b1, [0, 1], bf16_to_f32);
-        // SAFETY: forwarded.
-        unsafe {
-            for_each_tile(job, rows, n.div_ceil(4), decode_tile_portable, |band, w| {
-                let k = Bf16Fma { job, w, x: &x };
-                token_groups!(&k, band, first, n, out, m, 4, {1 => 4, 2 => 2, 3 => 1, 4 => 1});
-            })
-        };
+        let k = Bf16Fma { job, w: Bf16Rows::new(job), x: &x };
+        for band in bands(rows, passes) {
+            // SAFETY: forwarded.
+            unsafe { token_groups!(&k, band, first, n, out, m, 4, {1 => 4, 2 => 2, 3 => 1, 4 => 1}) };
+        }
     }
 }

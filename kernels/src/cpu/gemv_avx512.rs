@@ -30,8 +30,8 @@
 //! `vdpbf16ps` issues about once per two cycles and dominates: 64 codes cost
 //! two of them plus the five decode ops, and one core with its weights in
 //! cache is barely faster than one core's DRAM read (`DUPLEX_ISA=avx512bf16
-//! duplex bench-kernels`, last row). Where AVX512-FP16 exists, the decode
-//! GEMV takes FP16 instead (see [`fused_fp16`]).
+//! duplex bench-kernels`, last row). Where AVX512-FP16 exists, the FP8
+//! GEMV takes FP16 instead, for any number of tokens (see [`fused_fp16`]).
 //!
 //! The `Avx512` level splits the same BF16 words into f32 lanes (BF16 is the
 //! top half of an f32) — four lane classes per 64 codes — and uses FMA.
@@ -40,9 +40,7 @@
 // lockstep; index loops say that more plainly than zipped iterators.
 #![allow(clippy::needless_range_loop)]
 
-use super::kernel::{
-    for_each_tile, prefetch_ahead, token_groups, Bf16Rows, Job, RowKernel, E4M3_BF16_X256, FUSED_MAX_TOKENS, UNBIAS,
-};
+use super::kernel::{bands, prefetch_ahead, token_groups, Bf16Rows, Job, RowKernel, E4M3_BF16_X256, PASS_TOKENS, UNBIAS};
 use super::gemv::bf16_to_f32;
 use super::pack::Packed;
 use std::arch::x86_64::*;
@@ -106,33 +104,6 @@ fn exact_words(codes: __m512i) -> __m512i {
 #[target_feature(enable = "avx512f,avx512bw")]
 fn exact_odd_even(raw: __m512i) -> (__m512i, __m512i) {
     (exact_words(_mm512_srli_epi16::<8>(raw)), exact_words(_mm512_and_si512(raw, _mm512_set1_epi16(0xff))))
-}
-
-/// The full decode table, magnitudes 0..128 × 2⁸ as BF16, in four vectors.
-#[derive(Clone, Copy)]
-struct Lut([__m512i; 4]);
-
-impl Lut {
-    #[inline]
-    #[target_feature(enable = "avx512f")]
-    fn load() -> Lut {
-        // SAFETY: the table has 256 entries; we read the first 128.
-        Lut(array::from_fn(|i| unsafe { _mm512_loadu_si512(E4M3_BF16_X256.as_ptr().add(32 * i).cast()) }))
-    }
-
-    /// Exact BF16 × 2⁸ for 32 codes held zero-extended in 16-bit lanes,
-    /// subnormals and NaN included (for prefill tiles, where the decode is
-    /// amortised over many tokens).
-    #[inline]
-    #[target_feature(enable = "avx512f,avx512bw")]
-    fn decode(&self, codes: __m512i) -> __m512i {
-        let [t0, t1, t2, t3] = self.0;
-        let low = _mm512_permutex2var_epi16(t0, codes, t1); // magnitudes 0..64 by bits 5..0
-        let high = _mm512_permutex2var_epi16(t2, codes, t3); // 64..128
-        let mag = _mm512_mask_blend_epi16(_mm512_test_epi16_mask(codes, _mm512_set1_epi16(0x40)), low, high);
-        // a | (b & c): the code's sign bit, moved to bit 15.
-        _mm512_ternarylogic_epi32::<0xf8>(mag, _mm512_slli_epi16::<8>(codes), _mm512_set1_epi16(0x8000u16 as i16))
-    }
 }
 
 /// The f32 lane classes of 64 codes from their odd/even BF16 words: a BF16
@@ -211,7 +182,7 @@ fn reduce<const R: usize, const N: usize>(acc: &[[__m512; N]; R]) -> [[f32; N]; 
 }
 
 // ---------------------------------------------------------------------------
-// Fused FP8 decode + dot (n ≤ FUSED_MAX_TOKENS)
+// Fused FP8 decode + dot (any number of tokens)
 
 struct FusedBf16<'a> {
     job: &'a Job<'a>,
@@ -229,9 +200,10 @@ impl RowKernel for FusedBf16<'_> {
 /// AVX512-BF16 present; `rows` and tokens `t0..t0 + N` in range.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16")]
 unsafe fn fused_bf16<const R: usize, const N: usize>(job: &Job, x: &Packed<u16>, rows: [usize; R], t0: usize) -> [[f32; N]; R] {
-    // With few independent sums, split each into two chains (odd and even
-    // bytes) so the dot-product latency is hidden.
-    let second = usize::from(R * N <= 4);
+    // Two chains per sum, odd and even bytes, whatever R and N: the order
+    // of a row's sum must not depend on how many rows and tokens share the
+    // step (batch invariance, see `kernel::bands`). With few independent
+    // sums the two chains also hide the dot-product latency.
     // SAFETY: every row is < the matrix's rows, so its `cols` bytes are inside `data`.
     let row: [*const u8; R] = rows.map(|r| unsafe { job.data.as_ptr().add(r * job.cols) });
     let scales: [&[f32]; R] = rows.map(|r| job.scale_row(r));
@@ -247,7 +219,7 @@ unsafe fn fused_bf16<const R: usize, const N: usize>(job: &Job, x: &Packed<u16>,
             let mut dot = |r: usize, (odd, even): (__m512i, __m512i)| {
                 for t in 0..N {
                     acc[r][t][0] = _mm512_dpbf16_ps(acc[r][t][0], bh(odd), xo[t]);
-                    acc[r][t][second] = _mm512_dpbf16_ps(acc[r][t][second], bh(even), xe[t]);
+                    acc[r][t][1] = _mm512_dpbf16_ps(acc[r][t][1], bh(even), xe[t]);
                 }
             };
             if len == 64 {
@@ -288,7 +260,7 @@ unsafe fn fused_bf16<const R: usize, const N: usize>(job: &Job, x: &Packed<u16>,
 }
 
 // ---------------------------------------------------------------------------
-// Fused FP8 decode + FP16 FMA (n ≤ FUSED_MAX_TOKENS, the `Avx512Fp16` level)
+// Fused FP8 decode + FP16 FMA (the `Avx512Fp16` level)
 
 /// Decode of 64 codes (a raw 64-byte load) to two vectors of FP16 × 2⁻⁸: the
 /// odd bytes, then the even bytes. Exact for every code, zero and subnormal
@@ -336,10 +308,10 @@ fn bf16_to_fp16_scaled(values: &mut [u16], scale: f32) {
 
 struct FusedFp16<'a> {
     job: &'a Job<'a>,
-    /// FP16 activations × 2⁻ˢ (see [`run_fp16`]).
+    /// FP16 activations, token `t` × 2⁻ˢ⁽ᵗ⁾ (see [`run_fp16`]).
     x: &'a Packed<u16>,
-    /// 2⁸⁺ˢ: undoes the decode's 2⁻⁸ and the activations' 2⁻ˢ.
-    post: f32,
+    /// Per token, 2⁸⁺ˢ⁽ᵗ⁾: undoes the decode's 2⁻⁸ and the activations' 2⁻ˢ⁽ᵗ⁾.
+    post: &'a [f32],
 }
 
 impl RowKernel for FusedFp16<'_> {
@@ -365,7 +337,7 @@ impl RowKernel for FusedFp16<'_> {
 /// # Safety
 /// AVX512-FP16 present; `rows` and tokens `t0..t0 + N` in range.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512fp16")]
-unsafe fn fused_fp16<const R: usize, const N: usize>(job: &Job, x: &Packed<u16>, rows: [usize; R], t0: usize, post: f32) -> [[f32; N]; R] {
+unsafe fn fused_fp16<const R: usize, const N: usize>(job: &Job, x: &Packed<u16>, rows: [usize; R], t0: usize, post: &[f32]) -> [[f32; N]; R] {
     // SAFETY: every row is < the matrix's rows, so its `cols` bytes are inside `data`.
     let row: [*const u8; R] = rows.map(|r| unsafe { job.data.as_ptr().add(r * job.cols) });
     let scales: [&[f32]; R] = rows.map(|r| job.scale_row(r));
@@ -399,7 +371,7 @@ unsafe fn fused_fp16<const R: usize, const N: usize>(job: &Job, x: &Packed<u16>,
             }
         }
     }
-    reduce(&total).map(|row| row.map(|v| v * post))
+    reduce(&total).map(|row| array::from_fn(|t| row[t] * post[t0 + t]))
 }
 
 /// The sums of sixteen vectors, in one: lane `i` of the result is the sum
@@ -421,7 +393,7 @@ fn sum16(v: [__m512; 16]) -> __m512 {
     fold(fold(four[0], four[1]), fold(four[2], four[3]))
 }
 
-/// [`fused_fp16`] for one token over rows of at most 128 columns: one scale
+/// [`fused_fp16`] for token `t` over rows of at most 128 columns: one scale
 /// block and at most two lines a row, as in MLA's absorbed query products
 /// (512 rows of 128 per head). Such rows cost their reduction and the call
 /// more than their FMAs, so this takes sixteen neighbouring rows a step and
@@ -431,19 +403,28 @@ fn sum16(v: [__m512; 16]) -> __m512 {
 /// runs); inside the model, where each head's band comes from DRAM, the
 /// absorbed query products took ~12% less time.
 ///
+/// Every row of such a matrix goes through here, for any number of tokens
+/// and any band (the last step of a band pads its sixteen with zero
+/// vectors), so that a row's sum never depends on the batch or the band:
+/// `sum16` folds each vector on its own, in a fixed order.
+///
 /// # Safety
 /// AVX512-FP16 present; `job.cols ≤ 128` in one column block; `rows` inside
-/// the matrix; `out` holds `rows.len()` values.
+/// the matrix; `t` a token of `x`; `out` holds `rows.len()` values.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512fp16")]
-unsafe fn short_rows_fp16(job: &Job, x: &Packed<u16>, rows: Range<usize>, post: f32, out: &mut [f32]) {
+unsafe fn short_rows_fp16(job: &Job, x: &Packed<u16>, t: usize, rows: Range<usize>, post: f32, out: &mut [f32]) {
     let cols = job.cols;
     let lines = cols.div_ceil(64);
     // SAFETY: chunks 0 and (when there are two lines) 1 of block 0 exist.
-    let xo: [__m512h; 2] = array::from_fn(|q| _mm512_castsi512_ph(if q < lines { unsafe { _mm512_load_si512(x.chunk(0, 0, q).cast()) } } else { _mm512_setzero_si512() }));
-    let xe: [__m512h; 2] = array::from_fn(|q| _mm512_castsi512_ph(if q < lines { unsafe { _mm512_load_si512(x.chunk(0, 0, q).add(32).cast()) } } else { _mm512_setzero_si512() }));
+    let xo: [__m512h; 2] = array::from_fn(|q| _mm512_castsi512_ph(if q < lines { unsafe { _mm512_load_si512(x.chunk(t, 0, q).cast()) } } else { _mm512_setzero_si512() }));
+    let xe: [__m512h; 2] = array::from_fn(|q| _mm512_castsi512_ph(if q < lines { unsafe { _mm512_load_si512(x.chunk(t, 0, q).add(32).cast()) } } else { _mm512_setzero_si512() }));
     let mut r = rows.start;
-    while r + 16 <= rows.end {
+    while r < rows.end {
+        let count = (rows.end - r).min(16);
         let sums: [__m512; 16] = array::from_fn(|i| {
+            if i >= count {
+                return _mm512_setzero_ps();
+            }
             let row = job.data.as_ptr().wrapping_add((r + i) * cols);
             // One sequential stream (the rows are neighbours), read from
             // DRAM a head at a time: fetch 4 KiB ahead, 32 rows of 128
@@ -466,15 +447,14 @@ unsafe fn short_rows_fp16(job: &Job, x: &Packed<u16>, rows: Range<usize>, post: 
             }
             widen_fp16(acc)
         });
-        let scales: [f32; 16] = array::from_fn(|i| job.scale_row(r + i)[0] * post);
-        // SAFETY: `scales` holds 16 floats; out[r − start ..][..16] is inside `out`.
-        unsafe { _mm512_storeu_ps(out.as_mut_ptr().add(r - rows.start), _mm512_mul_ps(sum16(sums), _mm512_loadu_ps(scales.as_ptr()))) };
-        r += 16;
-    }
-    let k = FusedFp16 { job, x, post };
-    for r in r..rows.end {
-        // SAFETY: forwarded; row r is inside `rows`.
-        out[r - rows.start] = unsafe { k.rows::<1, 1>([r], 0) }[0][0];
+        let scales: [f32; 16] = array::from_fn(|i| if i < count { job.scale_row(r + i)[0] * post } else { 0.0 });
+        // SAFETY: `scales` holds 16 floats; the mask keeps the store to
+        // out[r − start ..][..count], inside `out`.
+        unsafe {
+            let v = _mm512_mul_ps(sum16(sums), _mm512_loadu_ps(scales.as_ptr()));
+            _mm512_mask_storeu_ps(out.as_mut_ptr().add(r - rows.start), ((1u32 << count) - 1) as u16, v);
+        }
+        r += count;
     }
 }
 
@@ -496,7 +476,7 @@ impl RowKernel for FusedF32<'_> {
 /// AVX-512 F/BW/VL present; rows and tokens in range.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,fma")]
 unsafe fn fused_f32<const R: usize, const N: usize>(job: &Job, x: &Packed<f32>, rows: [usize; R], t0: usize) -> [[f32; N]; R] {
-    let second = usize::from(R * N <= 4);
+    // Two chains whatever R and N, as in `fused_bf16`.
     // SAFETY: every row is < the matrix's rows, so its `cols` bytes are inside `data`.
     let row: [*const u8; R] = rows.map(|r| unsafe { job.data.as_ptr().add(r * job.cols) });
     let scales: [&[f32]; R] = rows.map(|r| job.scale_row(r));
@@ -521,8 +501,7 @@ unsafe fn fused_f32<const R: usize, const N: usize>(job: &Job, x: &Packed<f32>, 
                     for (i, &wi) in w.iter().enumerate() {
                         // SAFETY: the packed chunk holds 64 f32.
                         let xv = unsafe { _mm512_load_ps(c.add(16 * i)) };
-                        let a = if i % 2 == 0 { 0 } else { second };
-                        acc[r][t][a] = _mm512_fmadd_ps(wi, xv, acc[r][t][a]);
+                        acc[r][t][i % 2] = _mm512_fmadd_ps(wi, xv, acc[r][t][i % 2]);
                     }
                 }
             }
@@ -539,7 +518,7 @@ unsafe fn fused_f32<const R: usize, const N: usize>(job: &Job, x: &Packed<f32>, 
 }
 
 // ---------------------------------------------------------------------------
-// BF16 weights (BF16 checkpoints, and FP8 rows decoded into prefill tiles)
+// BF16 weights (BF16 checkpoints)
 
 struct Bf16Dot<'a> {
     job: &'a Job<'a>,
@@ -564,7 +543,7 @@ unsafe fn bf16_weights_dot<const R: usize, const N: usize>(
     rows: [usize; R],
     t0: usize,
 ) -> [[f32; N]; R] {
-    let chains = if R * N <= 4 { 2 } else { 1 };
+    // Two chains (alternate chunks) whatever R and N, as in `fused_bf16`.
     // SAFETY: the rows are in the view.
     let row: [*const u8; R] = rows.map(|r| unsafe { w.row(r) });
     let scales: [&[f32]; R] = rows.map(|r| job.scale_row(r));
@@ -581,13 +560,12 @@ unsafe fn bf16_weights_dot<const R: usize, const N: usize>(
                 // SAFETY: masked lanes stay inside the block of this row.
                 let wv = bh(unsafe { _mm512_maskz_loadu_epi16(mask, row[r].add(2 * (k0 + 32 * q)).cast()) });
                 for t in 0..N {
-                    let a = q % chains;
-                    acc[r][t][a] = _mm512_dpbf16_ps(acc[r][t][a], wv, xv[t]);
+                    acc[r][t][q % 2] = _mm512_dpbf16_ps(acc[r][t][q % 2], wv, xv[t]);
                 }
             }
         }
         for r in 0..R {
-            let s = _mm512_set1_ps(scales[r][cb] * w.scale_mul);
+            let s = _mm512_set1_ps(scales[r][cb]);
             for t in 0..N {
                 total[r][t] = _mm512_fmadd_ps(_mm512_add_ps(acc[r][t][0], acc[r][t][1]), s, total[r][t]);
             }
@@ -620,7 +598,7 @@ unsafe fn bf16_weights_fma<const R: usize, const N: usize>(
     t0: usize,
 ) -> [[f32; N]; R] {
     let high = _mm512_set1_epi32(0xffff_0000u32 as i32);
-    let second = usize::from(R * N <= 4);
+    // Two chains (even and odd columns) whatever R and N, as in `fused_bf16`.
     // SAFETY: the rows are in the view.
     let row: [*const u8; R] = rows.map(|r| unsafe { w.row(r) });
     let scales: [&[f32]; R] = rows.map(|r| job.scale_row(r));
@@ -641,43 +619,18 @@ unsafe fn bf16_weights_fma<const R: usize, const N: usize>(
                     // SAFETY: the packed chunk holds 32 f32 (even, then odd columns).
                     let (xe, xo) = unsafe { (_mm512_load_ps(c), _mm512_load_ps(c.add(16))) };
                     acc[r][t][0] = _mm512_fmadd_ps(even, xe, acc[r][t][0]);
-                    acc[r][t][second] = _mm512_fmadd_ps(odd, xo, acc[r][t][second]);
+                    acc[r][t][1] = _mm512_fmadd_ps(odd, xo, acc[r][t][1]);
                 }
             }
         }
         for r in 0..R {
-            let s = _mm512_set1_ps(scales[r][cb] * w.scale_mul);
+            let s = _mm512_set1_ps(scales[r][cb]);
             for t in 0..N {
                 total[r][t] = _mm512_fmadd_ps(_mm512_add_ps(acc[r][t][0], acc[r][t][1]), s, total[r][t]);
             }
         }
     }
     reduce(&total)
-}
-
-// ---------------------------------------------------------------------------
-// Prefill tiles
-
-/// Decode FP8 rows `rows` exactly into `tile` (BF16 × 2⁸, `stride` u16 per row).
-///
-/// # Safety
-/// AVX-512 F/BW/VL present; `rows` inside the matrix; `tile` holds
-/// `rows.len() · stride` values with `stride ≥ cols`.
-#[target_feature(enable = "avx512f,avx512bw,avx512vl")]
-unsafe fn decode_tile(job: &Job, rows: Range<usize>, tile: &mut [u16], stride: usize) {
-    let lut = Lut::load();
-    for (i, r) in rows.enumerate() {
-        // SAFETY: row r is inside `data`; the tile row holds `stride ≥ cols` values.
-        let (src, dst) = unsafe { (job.data.as_ptr().add(r * job.cols), tile.as_mut_ptr().add(i * stride)) };
-        for k in (0..job.cols).step_by(32) {
-            let mask = tail_mask32(job.cols - k);
-            // SAFETY: masked lanes stay inside the row and the tile row.
-            unsafe {
-                let codes = _mm512_cvtepu8_epi16(_mm256_maskz_loadu_epi8(mask, src.add(k).cast()));
-                _mm512_mask_storeu_epi16(dst.add(k).cast(), mask, lut.decode(codes));
-            }
-        }
-    }
 }
 
 // ---------------------------------------------------------------------------
@@ -691,81 +644,108 @@ unsafe fn decode_tile(job: &Job, rows: Range<usize>, tile: &mut [u16], stride: u
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16")]
 pub(super) unsafe fn run_bf16(job: &Job, rows: Range<usize>, x: &[u16], n: usize, out: &mut [f32]) {
     let (m, first, b1) = (rows.len(), rows.start, job.block[1]);
-    if job.fp8 && n <= FUSED_MAX_TOKENS {
+    let passes = n.div_ceil(PASS_TOKENS);
+    if job.fp8 {
         let x = Packed::new::<64, 2>(x, n, job.cols, b1, [1, 0], |v| v);
         let k = FusedBf16 { job, x: &x };
-        // SAFETY: forwarded.
-        unsafe { token_groups!(&k, rows, first, n, out, m, 8, {1 => 4, 2 => 4, 3 => 2, 4 => 2, 5 => 1, 6 => 1, 7 => 1, 8 => 1}) };
+        for band in bands(rows, passes) {
+            // SAFETY: forwarded.
+            unsafe { token_groups!(&k, band, first, n, out, m, 8, {1 => 4, 2 => 4, 3 => 2, 4 => 2, 5 => 1, 6 => 1, 7 => 1, 8 => 1}) };
+        }
     } else {
         let x = Packed::new::<32, 1>(x, n, job.cols, b1, [0], |v| v);
-        // SAFETY: forwarded.
-        unsafe {
-            for_each_tile(job, rows, n.div_ceil(8), decode_tile, |band, w| {
-                let k = Bf16Dot { job, w, x: &x };
-                // A single token over BF16 weights in place takes eight read
-                // streams, as `run_fp16` does for FP8 bands of 512 KiB or
-                // more (64 KiB a stream): one of the changes that took
-                // `lm_head` from ~0.8 to ~1.0 of the read bandwidth (see
-                // `for_each_tile`).
-                if !job.fp8 && 2 * band.len() * job.cols >= 8 << 16 {
-                    token_groups!(&k, band, first, n, out, m, 8, {1 => 8, 2 => 4, 3 => 2, 4 => 2, 5 => 1, 6 => 1, 7 => 1, 8 => 1});
-                } else {
-                    token_groups!(&k, band, first, n, out, m, 8, {1 => 4, 2 => 4, 3 => 2, 4 => 2, 5 => 1, 6 => 1, 7 => 1, 8 => 1});
-                }
-            })
-        };
+        let k = Bf16Dot { job, w: Bf16Rows::new(job), x: &x };
+        for band in bands(rows, passes) {
+            // A single token over a long band takes eight read streams, as
+            // `run_fp16` does for FP8 bands of 512 KiB or more (64 KiB a
+            // stream): one of the changes that took `lm_head` from ~0.8 to
+            // ~1.0 of the read bandwidth (see `kernel::bands`).
+            // SAFETY (both): forwarded.
+            if 2 * band.len() * job.cols >= 8 << 16 {
+                unsafe { token_groups!(&k, band, first, n, out, m, 8, {1 => 8, 2 => 4, 3 => 2, 4 => 2, 5 => 1, 6 => 1, 7 => 1, 8 => 1}) };
+            } else {
+                unsafe { token_groups!(&k, band, first, n, out, m, 8, {1 => 4, 2 => 4, 3 => 2, 4 => 2, 5 => 1, 6 => 1, 7 => 1, 8 => 1}) };
+            }
+        }
     }
 }
 
-/// `matmul_bf16` at the `Avx512Fp16` level: FP8 weights with few tokens
-/// take [`fused_fp16`]; everything else, and activations holding a NaN or an
-/// infinity (which the BF16 kernels propagate as f32 arithmetic does), runs
-/// the `Avx512Bf16` code.
+/// The largest BF16 magnitude of `x`, as bits (BF16 magnitudes order like
+/// integers): `0x7f80` and up is an infinity or a NaN.
+fn top_bits(x: &[u16]) -> u16 {
+    x.iter().fold(0u16, |a, &b| a.max(b & 0x7fff))
+}
+
+/// `matmul_bf16` at the `Avx512Fp16` level: FP8 weights take [`fused_fp16`]
+/// (or [`short_rows_fp16`]) for any number of tokens; BF16 weights, and the
+/// tokens whose activations hold a NaN or an infinity (which the BF16
+/// kernels propagate as f32 arithmetic does), run the `Avx512Bf16` code.
+///
+/// Each token's activations are scaled into FP16's range on their own, and
+/// a non-finite token is split off on its own, so that no token's result
+/// depends on the others in the call (batch invariance, see
+/// `kernel::bands`).
 ///
 /// # Safety
 /// AVX512-FP16 and AVX512-BF16 present; shapes checked by the caller.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16,avx512fp16")]
 pub(super) unsafe fn run_fp16(job: &Job, rows: Range<usize>, x: &[u16], n: usize, out: &mut [f32]) {
-    // The largest magnitude, as bits (BF16 magnitudes order like integers).
-    let top = x.iter().fold(0u16, |a, &b| a.max(b & 0x7fff));
-    if !job.fp8 || n > FUSED_MAX_TOKENS || top >= 0x7f80 {
+    let (m, first, b1, cols) = (rows.len(), rows.start, job.block[1], job.cols);
+    if !job.fp8 || (n == 1 && top_bits(x) >= 0x7f80) {
         // SAFETY: forwarded; this level implies the BF16 one.
         return unsafe { run_bf16(job, rows, x, n, out) };
     }
-    let (m, first, b1) = (rows.len(), rows.start, job.block[1]);
+    if n > 1 && top_bits(x) >= 0x7f80 {
+        // Rare (the model has already gone wrong): one token at a time.
+        for (xt, ot) in x.chunks_exact(cols.max(1)).zip(out.chunks_exact_mut(m)) {
+            // SAFETY: forwarded, for one token.
+            unsafe { run_fp16(job, rows.clone(), xt, 1, ot) };
+        }
+        return;
+    }
     FP16_ACTIVATIONS.with_borrow_mut(|last| {
-        let same = last.as_ref().is_some_and(|p| p.cols == job.cols && p.block == b1 && p.x == x);
+        let same = last.as_ref().is_some_and(|p| p.cols == cols && p.block == b1 && p.x == x);
         if !same {
             let mut bits = last.take().map(|p| p.x).unwrap_or_default();
             bits.clear();
             bits.extend_from_slice(x);
-            // Scale the activations by 2⁻ˢ so that the largest lies in
-            // [2¹⁰, 2¹¹): the FP16 sums then keep clear of overflow (see
-            // `fused_fp16`) and the activations keep FP16's full precision
-            // down to 2⁻²⁴ of the largest. (Clamped so that both powers of
-            // two stay finite f32s.)
-            let shift = (i32::from(top >> 7) - 127 - 10).clamp(-127, 119);
-            let mut packed = Packed::new::<64, 2>(x, n, job.cols, b1, [1, 0], |v| v);
-            bf16_to_fp16_scaled(packed.as_mut_slice(), 2f32.powi(-shift));
-            *last = Some(Fp16Activations { x: bits, cols: job.cols, block: b1, packed, post: 2f32.powi(8 + shift) });
+            let mut packed = Packed::new::<64, 2>(x, n, cols, b1, [1, 0], |v| v);
+            let mut post = Vec::with_capacity(n);
+            for t in 0..n {
+                let xt = &x[t * cols..(t + 1) * cols];
+                // Scale the token's activations by 2⁻ˢ so that the largest
+                // lies in [2¹⁰, 2¹¹): the FP16 sums then keep clear of
+                // overflow (see `fused_fp16`) and the activations keep
+                // FP16's full precision down to 2⁻²⁴ of the largest.
+                // (Clamped so that both powers of two stay finite f32s.)
+                let shift = (i32::from(top_bits(xt) >> 7) - 127 - 10).clamp(-127, 119);
+                bf16_to_fp16_scaled(packed.token_mut(t), 2f32.powi(-shift));
+                post.push(2f32.powi(8 + shift));
+            }
+            *last = Some(Fp16Activations { x: bits, cols, block: b1, packed, post });
         }
         let p = last.as_ref().expect("packed above");
-        if n == 1 && job.col_blocks == 1 && job.cols <= 128 {
-            // SAFETY: forwarded; one block of at most 128 columns.
-            return unsafe { short_rows_fp16(job, &p.packed, rows, p.post, out) };
+        if job.col_blocks == 1 && cols <= 128 {
+            for (t, ot) in out.chunks_exact_mut(m).enumerate() {
+                // SAFETY: forwarded; one block of at most 128 columns.
+                unsafe { short_rows_fp16(job, &p.packed, t, rows.clone(), p.post[t], ot) };
+            }
+            return;
         }
-        let k = FusedFp16 { job, x: &p.packed, post: p.post };
-        // A single token over a long band takes eight rows (eight read
-        // streams) per step: with the FP16 kernel's slack over DRAM, that
-        // moved ~10% more bytes per second than four on the V3 shapes of
-        // `duplex bench-kernels`. Short streams do not pay for the
-        // prefetchers' ramp-up (the 128-row tiles of small experts ran
-        // slower), so a band needs 64 KiB per stream.
-        // SAFETY (both): forwarded.
-        if m * job.cols >= 8 << 16 {
-            unsafe { token_groups!(&k, rows, first, n, out, m, 8, {1 => 8, 2 => 4, 3 => 2, 4 => 2, 5 => 1, 6 => 1, 7 => 1, 8 => 1}) };
-        } else {
-            unsafe { token_groups!(&k, rows, first, n, out, m, 8, {1 => 4, 2 => 4, 3 => 2, 4 => 2, 5 => 1, 6 => 1, 7 => 1, 8 => 1}) };
+        let k = FusedFp16 { job, x: &p.packed, post: &p.post };
+        for band in bands(rows, n.div_ceil(PASS_TOKENS)) {
+            // A single token over a long band takes eight rows (eight read
+            // streams) per step: with the FP16 kernel's slack over DRAM,
+            // that moved ~10% more bytes per second than four on the V3
+            // shapes of `duplex bench-kernels`. Short streams do not pay for
+            // the prefetchers' ramp-up (the 128-row tiles of small experts
+            // ran slower), so a band needs 64 KiB per stream.
+            // SAFETY (both): forwarded.
+            if band.len() * cols >= 8 << 16 {
+                unsafe { token_groups!(&k, band, first, n, out, m, 8, {1 => 8, 2 => 4, 3 => 2, 4 => 2, 5 => 1, 6 => 1, 7 => 1, 8 => 1}) };
+            } else {
+                unsafe { token_groups!(&k, band, first, n, out, m, 8, {1 => 4, 2 => 4, 3 => 2, 4 => 2, 5 => 1, 6 => 1, 7 => 1, 8 => 1}) };
+            }
         }
     });
 }
@@ -777,7 +757,8 @@ struct Fp16Activations {
     cols: usize,
     block: usize,
     packed: Packed<u16>,
-    post: f32,
+    /// Per token, the factor undoing its scaling and the decode's 2⁻⁸.
+    post: Vec<f32>,
 }
 
 thread_local! {
@@ -797,20 +778,21 @@ thread_local! {
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,fma")]
 pub(super) unsafe fn run_f32(job: &Job, rows: Range<usize>, x: &[u16], n: usize, out: &mut [f32]) {
     let (m, first, b1) = (rows.len(), rows.start, job.block[1]);
-    if job.fp8 && n <= FUSED_MAX_TOKENS {
+    let passes = n.div_ceil(PASS_TOKENS);
+    if job.fp8 {
         let x = Packed::new::<64, 4>(x, n, job.cols, b1, C4_ORDER, bf16_to_f32);
         let k = FusedF32 { job, x: &x };
-        // SAFETY: forwarded.
-        unsafe { token_groups!(&k, rows, first, n, out, m, 8, {1 => 4, 2 => 4, 3 => 2, 4 => 2, 5 => 1, 6 => 1, 7 => 1, 8 => 1}) };
+        for band in bands(rows, passes) {
+            // SAFETY: forwarded.
+            unsafe { token_groups!(&k, band, first, n, out, m, 8, {1 => 4, 2 => 4, 3 => 2, 4 => 2, 5 => 1, 6 => 1, 7 => 1, 8 => 1}) };
+        }
     } else {
         let x = Packed::new::<32, 2>(x, n, job.cols, b1, [0, 1], bf16_to_f32);
-        // SAFETY: forwarded.
-        unsafe {
-            for_each_tile(job, rows, n.div_ceil(8), decode_tile, |band, w| {
-                let k = Bf16Fma { job, w, x: &x };
-                token_groups!(&k, band, first, n, out, m, 8, {1 => 4, 2 => 4, 3 => 2, 4 => 2, 5 => 1, 6 => 1, 7 => 1, 8 => 1});
-            })
-        };
+        let k = Bf16Fma { job, w: Bf16Rows::new(job), x: &x };
+        for band in bands(rows, passes) {
+            // SAFETY: forwarded.
+            unsafe { token_groups!(&k, band, first, n, out, m, 8, {1 => 4, 2 => 4, 3 => 2, 4 => 2, 5 => 1, 6 => 1, 7 => 1, 8 => 1}) };
+        }
     }
 }
 
@@ -820,8 +802,8 @@ mod tests {
     use crate::cpu::isa::{self, Isa};
 
     /// Every decoder against the scalar table, for all 256 codes: the fast
-    /// one for nonzero exponents, the fused fallback and the FP16 decode for
-    /// all (NaN as ±480), the tile decode for all (NaN as NaN).
+    /// one for nonzero exponents, the exact fallback and the FP16 decode for
+    /// all (NaN as ±480).
     #[test]
     fn decoders_agree_with_the_table() {
         if isa::hardware() < Isa::Avx512 {
@@ -844,7 +826,6 @@ mod tests {
             out
         };
         let store16 = |v: __m512i| words(v).map(bf16_to_f32);
-        let lut = Lut::load();
         for chunk in bytes.chunks(64) {
             // SAFETY: 64 readable bytes.
             let raw = unsafe { _mm512_loadu_si512(chunk.as_ptr().cast()) };
@@ -867,15 +848,6 @@ mod tests {
                     assert_eq!(fast[half][j / 2], fused(c), "fast {c:#04x}");
                     let class = C4_ORDER.iter().position(|&k| k == j % 4).unwrap();
                     assert_eq!(classes[class][j / 4], fused(c), "class {c:#04x}");
-                }
-            }
-            // The tile decode, on zero-extended codes.
-            for half in 0..2 {
-                // SAFETY: 32 readable bytes.
-                let codes = _mm512_cvtepu8_epi16(unsafe { _mm256_loadu_si256(chunk.as_ptr().add(32 * half).cast()) });
-                for (j, v) in store16(lut.decode(codes)).into_iter().enumerate() {
-                    let c = chunk[32 * half + j];
-                    assert!(v == table(c) || (v.is_nan() && table(c).is_nan()), "tile {c:#04x}");
                 }
             }
         }

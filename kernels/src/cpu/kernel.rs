@@ -1,8 +1,7 @@
 //! What the SIMD GEMV kernels share: the problem description, the row-band
-//! driver (which rows a kernel step takes, in what order), prefetching, and
-//! the prefill tiles. x86-64 only; the portable level needs none of it.
+//! driver (which rows a kernel step takes, in what order) and prefetching.
+//! x86-64 only; the portable level needs none of it.
 
-use super::pack::AlignedBuf;
 use crate::linear::{WeightFormat, WeightView};
 use std::ops::Range;
 
@@ -53,7 +52,7 @@ impl<'a> Job<'a> {
 
 /// FP8 codes with their BF16 bit patterns, pre-multiplied by 2⁸ like every
 /// SIMD decode here (so scales are applied with a 2⁻⁸ factor). Exact,
-/// NaN codes included. Used to decode prefill tiles on the AVX2 level.
+/// NaN codes included. The AVX-512 exact decode takes its subnormals from it.
 pub(super) static E4M3_BF16_X256: [u16; 256] = {
     let mut t = [0u16; 256];
     let mut i = 0;
@@ -67,82 +66,54 @@ pub(super) static E4M3_BF16_X256: [u16; 256] = {
 /// Post-scale factor undoing the 2⁸ of every SIMD FP8 decode.
 pub(super) const UNBIAS: f32 = 1.0 / 256.0;
 
-/// Above this many tokens a call decodes each row band once into a BF16 tile
-/// instead of decoding on the fly per token group.
-pub(super) const FUSED_MAX_TOKENS: usize = 8;
+/// Tokens one pass of the AVX-512 kernels takes (its largest token group).
+pub(super) const PASS_TOKENS: usize = 8;
 
-/// Rows decoded per prefill tile: 16 rows × 7168 columns of BF16 is 224 KiB,
-/// comfortably L2-resident next to a token group's activations.
-pub(super) const TILE_ROWS: usize = 16;
+/// Rows per band when a call makes several passes: 16 rows × 7168 columns
+/// is 112 KiB of FP8 (224 KiB of BF16), which stays in L2 from one pass
+/// to the next.
+pub(super) const BAND_ROWS: usize = 16;
 
-/// Rows of BF16 weights: row `r` starts at `base + (r - first) · stride` bytes.
+/// Rows of BF16 weights in place: row `r` starts at `base + r · stride` bytes.
 #[derive(Clone, Copy)]
 pub(super) struct Bf16Rows {
     pub base: *const u8,
     pub stride: usize,
-    pub first: usize,
-    /// Multiplies every block scale (2⁻⁸ for decoded FP8 tiles).
-    pub scale_mul: f32,
 }
 
 impl Bf16Rows {
+    pub fn new(job: &Job) -> Self {
+        Bf16Rows { base: job.data.as_ptr(), stride: 2 * job.cols }
+    }
+
     /// # Safety
-    /// `r` is one of the rows this view was made for.
+    /// `r` is a row of the matrix.
     #[inline(always)]
     pub unsafe fn row(&self, r: usize) -> *const u8 {
-        // SAFETY: per the contract the row lies inside the tile or matrix.
-        unsafe { self.base.add((r - self.first) * self.stride) }
+        // SAFETY: per the contract the row lies inside the matrix.
+        unsafe { self.base.add(r * self.stride) }
     }
 }
 
-/// Decodes FP8 rows `rows` into a tile of BF16 × 2⁸, `stride` values per row.
-pub(super) type TileDecoder = unsafe fn(job: &Job, rows: Range<usize>, tile: &mut [u16], stride: usize);
-
-/// Run `per_band` over bands of `TILE_ROWS` rows: for FP8, each band is first
-/// decoded into a BF16 tile. BF16 weights are used in place, in one band
-/// when the kernel makes a single pass over them (`passes`, one per group
-/// of tokens): its read streams then run the length of the rows instead of
-/// restarting every 16 rows. (With eight streams, that moved the 134 MB
-/// BF16 `lm_head` of the `bench` preset at ~1.0 of the read bandwidth
-/// instead of ~0.8.) With several passes the bands keep each one's rows in
-/// cache across them.
+/// The row bands a call runs its token groups over, `passes` of them (one
+/// per token group). One band when a single pass covers every token: its
+/// read streams then run the length of the rows instead of restarting every
+/// 16 rows (with eight streams, that moved the 134 MB BF16 `lm_head` of the
+/// `bench` preset at ~1.0 of the read bandwidth instead of ~0.8). With
+/// several passes, bands of [`BAND_ROWS`] keep each band's rows in cache
+/// across them.
 ///
-/// # Safety
-/// `decode`'s CPU features are present; `rows` inside the matrix.
-pub(super) unsafe fn for_each_tile(
-    job: &Job,
-    rows: Range<usize>,
-    passes: usize,
-    decode: TileDecoder,
-    mut per_band: impl FnMut(Range<usize>, Bf16Rows),
-) {
-    if !job.fp8 {
-        let in_place = Bf16Rows { base: job.data.as_ptr(), stride: 2 * job.cols, first: 0, scale_mul: 1.0 };
-        let band = if passes == 1 { rows.len().max(1) } else { TILE_ROWS };
-        for b in (rows.start..rows.end).step_by(band) {
-            per_band(b..(b + band).min(rows.end), in_place);
-        }
-        return;
-    }
-    // Tile rows start 64-byte aligned so full-width loads don't split lines.
-    let stride = job.cols.div_ceil(32) * 32;
-    let mut tile = AlignedBuf::<u16>::zeroed(TILE_ROWS * stride);
-    for b in (rows.start..rows.end).step_by(TILE_ROWS) {
-        let band = b..(b + TILE_ROWS).min(rows.end);
-        // SAFETY: forwarded; the tile holds TILE_ROWS rows of `stride`.
-        unsafe { decode(job, band.clone(), tile.as_mut_slice(), stride) };
-        per_band(band.clone(), Bf16Rows { base: tile.as_slice().as_ptr().cast(), stride: 2 * stride, first: band.start, scale_mul: UNBIAS });
-    }
-}
-
-/// [`TileDecoder`] by table lookup, for levels without a vector decode.
-pub(super) fn decode_tile_portable(job: &Job, rows: Range<usize>, tile: &mut [u16], stride: usize) {
-    for (i, r) in rows.enumerate() {
-        let src = &job.data[r * job.cols..(r + 1) * job.cols];
-        for (d, &c) in tile[i * stride..].iter_mut().zip(src) {
-            *d = E4M3_BF16_X256[c as usize];
-        }
-    }
+/// Batch invariance: every kernel computes a row's dot product for a token
+/// in an order fixed by the row and the columns alone, whatever the band,
+/// the rows taken with it in a step (`R`), the tokens taken with it (`N`)
+/// or the number of tokens in the call. So a sequence's result does not
+/// depend on the batch it was computed in. (Prefill used to decode FP8
+/// bands into BF16 tiles for a different kernel, and the decode kernels
+/// used one accumulator chain or two depending on `R · N`: each changed
+/// the summation order with the batch.)
+pub(super) fn bands(rows: Range<usize>, passes: usize) -> impl Iterator<Item = Range<usize>> {
+    let band = if passes <= 1 { rows.len().max(1) } else { BAND_ROWS };
+    (rows.start..rows.end).step_by(band).map(move |b| b..(b + band).min(rows.end))
 }
 
 /// A kernel that produces `R` rows × `N` tokens of output at a time.

@@ -153,9 +153,10 @@ impl<T: Pod> Packed<T> {
         Self { buf, stride, chunk: CHUNK, cpb }
     }
 
-    /// Every packed element, padding included, for a conversion in place.
-    pub fn as_mut_slice(&mut self) -> &mut [T] {
-        self.buf.as_mut_slice()
+    /// Every packed element of token `t`, padding included.
+    pub fn token_mut(&mut self, t: usize) -> &mut [T] {
+        let stride = self.stride;
+        &mut self.buf.as_mut_slice()[t * stride..(t + 1) * stride]
     }
 
     #[cfg(test)]
