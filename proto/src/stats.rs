@@ -13,6 +13,8 @@ pub struct StatsCell {
     pub kv_blocks_total: AtomicU32,
     pub kv_block_size: AtomicU32,
     pub pool_epoch: AtomicU64,
+    /// See `WorkerStats.progress`: bumped by the engine each time it moves.
+    pub progress: AtomicU64,
     context_length: u32,
     weights_fingerprint: String,
 }
@@ -26,6 +28,10 @@ impl StatsCell {
         field.store(value.min(u32::MAX as usize) as u32, Relaxed);
     }
 
+    pub fn progressed(&self) {
+        self.progress.fetch_add(1, Relaxed);
+    }
+
     pub fn snapshot(&self) -> WorkerStats {
         WorkerStats {
             running: self.running.load(Relaxed),
@@ -36,6 +42,7 @@ impl StatsCell {
             pool_epoch: self.pool_epoch.load(Relaxed),
             context_length: self.context_length,
             weights_fingerprint: self.weights_fingerprint.clone(),
+            progress: self.progress.load(Relaxed),
         }
     }
 }

@@ -9,9 +9,27 @@
 //! the check for a departed client happens at the start of every step, so a
 //! cancelled request stops within one step and its blocks return at once.
 //!
-//! A sequence reserves the blocks for its prompt plus `max_tokens` when it
-//! is admitted, so it can never run out of cache mid-generation (no
-//! preemption is needed); a request that would never fit is refused.
+//! KV admission. Every request reserves its whole need, prompt plus
+//! `max_tokens` within the context, before it starts: a sequence on this
+//! worker's path when it leaves the queue, a long prompt when its lease for
+//! the prefill worker is granted. Admitted work can therefore always finish,
+//! and nothing is ever preempted. Preemption (free the newest sequence's
+//! blocks, recompute it later, as vLLM does) would use the pool better when
+//! requests stop early, but here the costly part of a long prompt is its
+//! prefill on the other worker, whose KV lives in blocks lent across
+//! processes: evicting it would redo minutes of work, and a lease that could
+//! be taken back mid-prefill would need a protocol of its own. Reserving the
+//! prompt alone and the output later is what deadlocked: leases holding the
+//! pool, each sequence waiting for the few blocks of output the others held.
+//!
+//! Requests that do not fit yet wait in one queue, leases and sequences
+//! alike, first come first served: the front waits for blocks and holds
+//! back those behind it, so a long prompt is not starved by short ones. The
+//! queue is bounded (`max_waiting_requests`; beyond it RESOURCE_EXHAUSTED),
+//! and a request whose need exceeds the whole pool is refused at once
+//! (INVALID_ARGUMENT: it would never run). Sequences holding their blocks
+//! then wait only for a place in the batch, which running sequences free as
+//! they finish.
 
 use crate::kv_alloc::KvAllocator;
 use duplex_model::model::ForwardError;
@@ -28,6 +46,7 @@ use tokio::sync::{mpsc, oneshot};
 use tonic::Status;
 
 pub type EventSender = mpsc::UnboundedSender<Result<DecodeEvent, Status>>;
+pub type LeaseReply = oneshot::Sender<Result<KvLease, Status>>;
 
 /// A validated request to decode.
 pub struct Admission {
@@ -49,7 +68,9 @@ pub struct Prefilled {
 
 pub enum Command {
     Admit(Box<Admission>),
-    AllocateKv { request_id: String, tokens: usize, reply: oneshot::Sender<Result<KvLease, Status>> },
+    /// A lease for a prompt of `tokens` tokens that may generate up to
+    /// `max_tokens`; answered when the blocks are granted.
+    AllocateKv { request_id: String, tokens: usize, max_tokens: usize, reply: LeaseReply },
     FreeKv { request_id: String, reply: oneshot::Sender<bool> },
     Cancel { request_id: String, reply: oneshot::Sender<bool> },
 }
@@ -60,6 +81,8 @@ pub struct Limits {
     pub lease_timeout: Duration,
     pub max_batch_size: usize,
     pub prefill_chunk_tokens: usize,
+    /// Requests that may wait for KV blocks at once; more are refused.
+    pub max_waiting_requests: usize,
 }
 
 struct Sequence {
@@ -76,6 +99,56 @@ struct Sequence {
     arrived: Instant,
     /// When it first took part in a step.
     started: Option<Instant>,
+}
+
+/// A request waiting for its KV blocks.
+enum Waiter {
+    /// To prefill and decode here; holds no blocks yet.
+    Sequence(Sequence),
+    /// A lease for the prefill worker.
+    Lease(LeaseAsk),
+}
+
+struct LeaseAsk {
+    request_id: String,
+    tokens: usize,
+    /// Prompt plus `max_tokens`, within the context.
+    positions: usize,
+    reply: LeaseReply,
+    arrived: Instant,
+}
+
+impl Waiter {
+    fn request_id(&self) -> &str {
+        match self {
+            Waiter::Sequence(s) => &s.request_id,
+            Waiter::Lease(l) => &l.request_id,
+        }
+    }
+
+    fn arrived(&self) -> Instant {
+        match self {
+            Waiter::Sequence(s) => s.arrived,
+            Waiter::Lease(l) => l.arrived,
+        }
+    }
+
+    /// Its caller has gone (a closed stream, a router that stopped waiting).
+    fn is_gone(&self) -> bool {
+        match self {
+            Waiter::Sequence(s) => s.events.is_closed(),
+            Waiter::Lease(l) => l.reply.is_closed(),
+        }
+    }
+
+    fn refuse(self, status: Status) {
+        match self {
+            Waiter::Sequence(s) => reject(&s.events, status),
+            Waiter::Lease(l) => {
+                let _ = l.reply.send(Err(status));
+            }
+        }
+    }
 }
 
 impl Sequence {
@@ -112,7 +185,10 @@ pub struct Batcher {
     kv: KvAllocator,
     limits: Limits,
     precision: Precision,
-    waiting: VecDeque<Sequence>,
+    /// Waiting for KV blocks, in arrival order.
+    waiting: VecDeque<Waiter>,
+    /// Holding their blocks, waiting for a place in the batch.
+    ready: VecDeque<Sequence>,
     running: Vec<Sequence>,
     stats: Arc<StatsCell>,
 }
@@ -122,14 +198,15 @@ impl Batcher {
         stats.pool_epoch.store(kv.epoch(), std::sync::atomic::Ordering::Relaxed);
         StatsCell::set(&stats.kv_blocks_total, kv.total_blocks());
         StatsCell::set(&stats.kv_block_size, kv.block_size());
-        Batcher { model, kv, limits, precision, waiting: VecDeque::new(), running: vec![], stats }
+        Batcher { model, kv, limits, precision, waiting: VecDeque::new(), ready: VecDeque::new(), running: vec![], stats }
     }
 
     /// Run until every sender of `commands` is gone.
     pub fn run(mut self, commands: Receiver<Command>) {
         loop {
-            // Nothing running: block for work (briefly, when sequences wait
-            // for blocks a lease holds). Busy: take what has arrived and step.
+            // Nothing running: block for work (briefly, when requests wait
+            // for blocks a lease holds, so that departed waiters are noticed).
+            // Busy: take what has arrived and step.
             let first = if self.running.is_empty() {
                 let wait = if self.waiting.is_empty() { Duration::from_secs(1) } else { Duration::from_millis(10) };
                 match commands.recv_timeout(wait) {
@@ -157,11 +234,17 @@ impl Batcher {
     fn handle(&mut self, command: Command) {
         match command {
             Command::Admit(a) => self.admit(*a),
-            Command::AllocateKv { request_id, tokens, reply } => {
-                let _ = reply.send(self.kv.lease(&request_id, tokens));
-            }
+            Command::AllocateKv { request_id, tokens, max_tokens, reply } => match self.check_lease(&request_id, tokens, max_tokens) {
+                Ok(positions) => self.enqueue(Waiter::Lease(LeaseAsk { request_id, tokens, positions, reply, arrived: Instant::now() })),
+                Err(status) => {
+                    let _ = reply.send(Err(status));
+                }
+            },
             Command::FreeKv { request_id, reply } => {
-                let _ = reply.send(self.kv.free_lease(&request_id));
+                // A lease still waiting for blocks is withdrawn; a granted
+                // one freed (and one not asked for yet, refused when asked).
+                let found = self.withdraw(&request_id, |w| matches!(w, Waiter::Lease(_))) || self.kv.free_lease(&request_id);
+                let _ = reply.send(found);
             }
             Command::Cancel { request_id, reply } => {
                 let found = self.kv.free_lease(&request_id) | self.cancel(&request_id);
@@ -192,8 +275,10 @@ impl Batcher {
             arrived: a.arrived,
             started: None,
         };
+        let positions = reserve_len(&seq, self.limits.context_length);
         if let Some(p) = a.prefilled {
-            match self.kv.take_lease(&seq.request_id, &p.lease, seq.prompt.len()) {
+            // The lease already holds the whole need: no wait for blocks.
+            match self.kv.take_lease(&seq.request_id, &p.lease, seq.prompt.len(), positions) {
                 Ok(table) => seq.table = table,
                 Err(status) => return reject(&seq.events, status),
             }
@@ -202,22 +287,111 @@ impl Batcher {
             if let Some(reason) = seq.finish_reason(self.limits.context_length) {
                 return self.finish(seq, reason);
             }
+            self.ready.push_back(seq);
+            return;
         }
-        let need = self.kv.blocks_for(reserve_len(&seq, self.limits.context_length));
-        if need > self.kv.total_blocks() {
-            let status = Status::resource_exhausted(format!(
-                "the request needs {need} KV blocks (prompt plus max_tokens) but the pool has only {}",
-                self.kv.total_blocks()
-            ));
-            self.kv.release(&mut seq.table);
+        if let Err(status) = self.fits(positions) {
             return reject(&seq.events, status);
         }
-        self.waiting.push_back(seq);
+        self.enqueue(Waiter::Sequence(seq));
+    }
+
+    /// Refuses, at once, a need the whole pool could never hold.
+    fn fits(&self, positions: usize) -> Result<(), Status> {
+        let (need, total) = (self.kv.blocks_for(positions), self.kv.total_blocks());
+        if need > total {
+            return Err(Status::invalid_argument(format!(
+                "the request needs {need} KV blocks ({positions} positions: prompt plus max_tokens, within the context of {}) but the pool has only {total}; it can never run on this worker",
+                self.limits.context_length
+            )));
+        }
+        Ok(())
+    }
+
+    /// Checks an AllocateKv; returns the positions the lease must hold.
+    fn check_lease(&mut self, request_id: &str, tokens: usize, max_tokens: usize) -> Result<usize, Status> {
+        let context = self.limits.context_length;
+        if tokens == 0 {
+            return Err(Status::invalid_argument("a KV lease needs at least one prompt token"));
+        }
+        if max_tokens == 0 {
+            return Err(Status::invalid_argument("max_tokens must be at least 1: the lease holds the prompt plus the output"));
+        }
+        if tokens >= context {
+            return Err(Status::invalid_argument(format!("prompt has {tokens} tokens; the context length is {context}")));
+        }
+        if self.waiting.iter().any(|w| w.request_id() == request_id) {
+            return Err(Status::already_exists(format!("request {request_id} already waits for a KV lease")));
+        }
+        self.kv.check_lease(request_id)?;
+        let positions = (tokens + max_tokens).min(context);
+        self.fits(positions)?;
+        Ok(positions)
+    }
+
+    /// Queue a request for its blocks, behind those already waiting; grant
+    /// what the pool allows; refuse it if that leaves too many waiting.
+    fn enqueue(&mut self, waiter: Waiter) {
+        self.waiting.push_back(waiter);
+        self.grant();
+        // Granting is in arrival order, so a newcomer still waiting is last.
+        if self.waiting.len() > self.limits.max_waiting_requests {
+            if let Some(waiter) = self.waiting.pop_back() {
+                waiter.refuse(Status::resource_exhausted(format!(
+                    "{} requests already wait for KV blocks on the decode worker (max_waiting_requests); retry later",
+                    self.waiting.len()
+                )));
+            }
+        }
+    }
+
+    /// Give blocks to the waiting requests in arrival order while the pool
+    /// has enough for the one in front.
+    fn grant(&mut self) {
+        while let Some(front) = self.waiting.front() {
+            let positions = match front {
+                Waiter::Sequence(seq) => reserve_len(seq, self.limits.context_length),
+                Waiter::Lease(ask) => ask.positions,
+            };
+            if self.kv.blocks_for(positions) > self.kv.free_blocks() {
+                break; // first come, first served: wait for blocks to free up
+            }
+            let Some(waiter) = self.waiting.pop_front() else { break };
+            metrics::histogram!(names::KV_WAIT_TIME).record(waiter.arrived().elapsed().as_secs_f64());
+            self.stats.progressed();
+            match waiter {
+                Waiter::Sequence(mut seq) => match self.kv.reserve(&mut seq.table, positions) {
+                    Ok(()) => self.ready.push_back(seq),
+                    Err(e) => reject(&seq.events, Status::internal(format!("cannot reserve KV blocks the pool reported free: {e}"))),
+                },
+                Waiter::Lease(ask) => match self.kv.lease(&ask.request_id, ask.tokens, positions) {
+                    Ok(lease) => {
+                        if ask.reply.send(Ok(lease)).is_err() {
+                            // The router stopped waiting just now.
+                            self.kv.free_lease(&ask.request_id);
+                        }
+                    }
+                    Err(e) => {
+                        let _ = ask.reply.send(Err(Status::internal(format!("cannot reserve KV blocks the pool reported free: {e}"))));
+                    }
+                },
+            }
+        }
+    }
+
+    /// Remove the waiting request `request_id` if `which` holds of it,
+    /// telling its caller it was cancelled; whether there was one.
+    fn withdraw(&mut self, request_id: &str, which: impl Fn(&Waiter) -> bool) -> bool {
+        let Some(i) = self.waiting.iter().position(|w| w.request_id() == request_id && which(w)) else { return false };
+        if let Some(waiter) = self.waiting.remove(i) {
+            waiter.refuse(Status::cancelled("cancelled while waiting for KV blocks"));
+        }
+        true
     }
 
     fn cancel(&mut self, request_id: &str) -> bool {
-        let before = self.running.len() + self.waiting.len();
-        let (kv, running, waiting) = (&mut self.kv, &mut self.running, &mut self.waiting);
+        let before = self.running.len() + self.ready.len();
+        let (kv, running, ready) = (&mut self.kv, &mut self.running, &mut self.ready);
         let mut drop_seq = |s: &mut Sequence| {
             if s.request_id == request_id {
                 let _ = s.events.send(Err(Status::cancelled("cancelled")));
@@ -228,15 +402,16 @@ impl Batcher {
             }
         };
         running.retain_mut(&mut drop_seq);
-        waiting.retain_mut(&mut drop_seq);
-        before != self.running.len() + self.waiting.len()
+        ready.retain_mut(&mut drop_seq);
+        let dropped = before != self.running.len() + self.ready.len();
+        self.withdraw(request_id, |_| true) || dropped
     }
 
-    /// Drop sequences whose client has gone, then fill the batch from the
-    /// queue in arrival order while blocks last.
+    /// Drop requests whose caller has gone, grant blocks in arrival order
+    /// while they last, then fill the batch with sequences that hold theirs.
     fn schedule(&mut self) {
         let kv = &mut self.kv;
-        let gone = |s: &mut Sequence| {
+        let mut gone = |s: &mut Sequence| {
             if s.events.is_closed() {
                 kv.release(&mut s.table);
                 false
@@ -244,16 +419,13 @@ impl Batcher {
                 true
             }
         };
-        let mut gone = gone;
         self.running.retain_mut(&mut gone);
-        self.waiting.retain_mut(&mut gone);
+        self.ready.retain_mut(&mut gone);
+        // Waiters hold no blocks; one that left must not hold back the rest.
+        self.waiting.retain(|w| !w.is_gone());
+        self.grant();
         while self.running.len() < self.limits.max_batch_size {
-            let Some(seq) = self.waiting.front_mut() else { break };
-            let len = reserve_len(seq, self.limits.context_length);
-            if self.kv.reserve(&mut seq.table, len).is_err() {
-                break; // first come, first served: wait for blocks to free up
-            }
-            let seq = self.waiting.pop_front().expect("front exists");
+            let Some(seq) = self.ready.pop_front() else { break };
             self.running.push(seq);
         }
     }
@@ -281,6 +453,7 @@ impl Batcher {
         metrics::histogram!(names::DECODE_STEP_TIME, "part" => "total").record(started.elapsed().as_secs_f64());
         metrics::histogram!(names::DECODE_STEP_TIME, "part" => "attention").record(timings.attention.as_secs_f64());
         metrics::histogram!(names::DECODE_STEP_TIME, "part" => "moe").record(timings.ffn.as_secs_f64());
+        self.stats.progressed();
         match result {
             Ok(logits) => self.advance(&members, &logits),
             Err(e) => self.fail_members(&members, e),
@@ -343,11 +516,12 @@ impl Batcher {
     }
 
     fn export_gauges(&self) {
+        let waiting = self.waiting.len() + self.ready.len();
         StatsCell::set(&self.stats.running, self.running.len());
-        StatsCell::set(&self.stats.waiting, self.waiting.len());
+        StatsCell::set(&self.stats.waiting, waiting);
         StatsCell::set(&self.stats.kv_blocks_used, self.kv.used_blocks());
         metrics::gauge!(names::DECODE_RUNNING).set(self.running.len() as f64);
-        metrics::gauge!(names::DECODE_WAITING).set(self.waiting.len() as f64);
+        metrics::gauge!(names::DECODE_WAITING).set(waiting as f64);
         metrics::gauge!(names::KV_BLOCKS_USED).set(self.kv.used_blocks() as f64);
         metrics::gauge!(names::KV_BLOCKS_CAPACITY).set(self.kv.total_blocks() as f64);
     }

@@ -32,6 +32,9 @@ pub struct DecodeConfig {
     /// admitted nor freed within this many seconds is freed; longer than the
     /// router's prefill deadline.
     pub lease_timeout_seconds: u64,
+    /// Requests that may wait for KV blocks at once (first come first
+    /// served); beyond it the worker answers RESOURCE_EXHAUSTED.
+    pub max_waiting_requests: usize,
     /// Numeric path: `bf16` (the fast one) or `f32` (the scalar reference,
     /// whose results do not depend on how requests are batched).
     pub dtype: String,
@@ -61,6 +64,7 @@ impl Default for DecodeConfig {
             max_batch_size: 6,
             prefill_chunk_tokens: 256,
             lease_timeout_seconds: 900,
+            max_waiting_requests: 256,
             dtype: "bf16".into(),
             threads: 0,
             numa_nodes: 1,
@@ -108,6 +112,9 @@ pub struct DecodeArgs {
     /// Free KV leases not admitted within this many seconds [default: 900].
     #[arg(long)]
     pub lease_timeout_seconds: Option<u64>,
+    /// Requests that may wait for KV blocks; more are refused [default: 256].
+    #[arg(long)]
+    pub max_waiting_requests: Option<usize>,
     /// Numeric path: bf16 or f32 [default: bf16].
     #[arg(long)]
     pub dtype: Option<String>,
@@ -128,7 +135,7 @@ impl DecodeArgs {
         macro_rules! take {
             ($($field:ident),*) => { $(if let Some(v) = self.$field { c.$field = v; })* };
         }
-        take!(model, host, port, metrics_port, shm_dir, instance, context_length, kv_blocks, max_batch_size, prefill_chunk_tokens, lease_timeout_seconds, dtype, threads, numa_nodes);
+        take!(model, host, port, metrics_port, shm_dir, instance, context_length, kv_blocks, max_batch_size, prefill_chunk_tokens, lease_timeout_seconds, max_waiting_requests, dtype, threads, numa_nodes);
         if c.max_batch_size == 0 || c.prefill_chunk_tokens == 0 {
             anyhow::bail!("max_batch_size and prefill_chunk_tokens must be at least 1");
         }

@@ -3,10 +3,13 @@
 //! Sequences reserve blocks as they are admitted. For a long prompt the
 //! router first takes a *lease*: blocks reserved under the request's id and
 //! lent to the prefill worker, which writes the prompt's KV into them in
-//! place. Admission then takes the lease over; a lease that is never admitted
-//! is freed by `FreeKv` (or `Cancel`), or, should its router vanish without
-//! either, when it expires. Leases carry the pool's epoch, so one granted
-//! before a restart of this worker is refused afterwards.
+//! place. A lease holds the request's whole need (prompt plus `max_tokens`,
+//! within the context), as any admission does, and no more: admission takes
+//! it over only for the same prompt length and need, so no request holds
+//! more KV than its own prompt and output can fill. A lease that is never
+//! admitted is freed by `FreeKv` (or `Cancel`), or, should its router vanish
+//! without either, when it expires. Leases carry the pool's epoch, so one
+//! granted before a restart of this worker is refused afterwards.
 
 use duplex_model::kv_cache::KvError;
 use duplex_model::{BlockTable, KvPool};
@@ -18,14 +21,23 @@ use tonic::Status;
 pub struct KvAllocator {
     pool: KvPool,
     epoch: u64,
-    /// Granted, not yet admitted: the blocks and when they were granted.
-    leases: HashMap<String, (BlockTable, Instant)>,
+    /// Granted, not yet admitted.
+    leases: HashMap<String, Lease>,
     /// Requests freed (or cancelled) while they held no lease, newest last.
     /// `FreeKv` and `AllocateKv` travel as separate calls, and a router whose
     /// client hangs up frees at once, so the free can overtake the
     /// allocation; a lease granted after it would sit unused until it
     /// expires. Such an allocation is refused instead.
     freed_early: VecDeque<String>,
+}
+
+struct Lease {
+    table: BlockTable,
+    /// Prompt tokens the lease is for.
+    tokens: usize,
+    /// Positions reserved: prompt plus `max_tokens`, within the context.
+    positions: usize,
+    granted: Instant,
 }
 
 /// How many early frees are remembered (request ids are unique, and the
@@ -37,10 +49,9 @@ impl KvAllocator {
         KvAllocator { pool, epoch, leases: HashMap::new(), freed_early: VecDeque::new() }
     }
 
-    pub fn lease(&mut self, request_id: &str, tokens: usize) -> Result<KvLease, Status> {
-        if tokens == 0 {
-            return Err(Status::invalid_argument("a KV lease needs at least one token"));
-        }
+    /// Whether `request_id` may ask for a lease: it holds none, and was not
+    /// freed before asking (then it is refused, and forgotten).
+    pub fn check_lease(&mut self, request_id: &str) -> Result<(), Status> {
         if self.leases.contains_key(request_id) {
             return Err(Status::already_exists(format!("request {request_id} already holds a KV lease")));
         }
@@ -48,10 +59,17 @@ impl KvAllocator {
             self.freed_early.remove(i);
             return Err(Status::cancelled(format!("request {request_id} was freed before its KV lease was granted")));
         }
+        Ok(())
+    }
+
+    /// Reserve `positions` positions for the prompt of `tokens` tokens of
+    /// `request_id`; fails while the pool is short, taking nothing.
+    pub fn lease(&mut self, request_id: &str, tokens: usize, positions: usize) -> Result<KvLease, KvError> {
+        debug_assert!(0 < tokens && tokens <= positions);
         let mut table = BlockTable::default();
-        self.pool.reserve(&mut table, tokens).map_err(|e| Status::resource_exhausted(e.to_string()))?;
+        self.pool.reserve(&mut table, positions)?;
         let lease = KvLease { pool_epoch: self.epoch, request_id: request_id.to_string(), blocks: table.blocks.clone() };
-        self.leases.insert(request_id.to_string(), (table, Instant::now()));
+        self.leases.insert(request_id.to_string(), Lease { table, tokens, positions, granted: Instant::now() });
         Ok(lease)
     }
 
@@ -59,8 +77,8 @@ impl KvAllocator {
     /// then a lease asked for later under this id is refused).
     pub fn free_lease(&mut self, request_id: &str) -> bool {
         match self.leases.remove(request_id) {
-            Some((mut table, _)) => {
-                self.pool.release(&mut table);
+            Some(mut lease) => {
+                self.pool.release(&mut lease.table);
                 true
             }
             None => {
@@ -74,27 +92,39 @@ impl KvAllocator {
     }
 
     /// Take over the lease of `request_id`, whose first `filled` positions
-    /// the prefill worker has written.
-    pub fn take_lease(&mut self, request_id: &str, lease: &KvLease, filled: usize) -> Result<BlockTable, Status> {
+    /// (the prompt) the prefill worker has written, for a sequence that
+    /// needs `positions` positions in all. The lease must be for exactly
+    /// that prompt and need: one made for less would have to grow here,
+    /// where the pool may be short, and one made for more would hold blocks
+    /// the sequence never uses.
+    pub fn take_lease(&mut self, request_id: &str, lease: &KvLease, filled: usize, positions: usize) -> Result<BlockTable, Status> {
         if lease.pool_epoch != self.epoch {
             return Err(Status::failed_precondition(format!(
                 "KV lease of request {request_id} is from pool epoch {}, but the pool is now epoch {} (the decode worker restarted)",
                 lease.pool_epoch, self.epoch
             )));
         }
-        match self.leases.get(request_id).map(|(t, _)| t) {
-            Some(t) if t.blocks == lease.blocks && filled <= self.pool.capacity(t) => {}
-            Some(_) => return Err(Status::invalid_argument(format!("KV lease of request {request_id} does not match the blocks granted, or is too small for its prompt"))),
+        match self.leases.get(request_id) {
             None => return Err(Status::failed_precondition(format!("request {request_id} holds no KV lease"))),
+            Some(held) if held.table.blocks != lease.blocks => {
+                return Err(Status::invalid_argument(format!("KV lease of request {request_id} does not match the blocks granted")))
+            }
+            Some(held) if (held.tokens, held.positions) != (filled, positions) => {
+                return Err(Status::invalid_argument(format!(
+                    "KV lease of request {request_id} is for a prompt of {} tokens and {} positions in all, but the request has {filled} prompt tokens and needs {positions} positions (prompt plus max_tokens)",
+                    held.tokens, held.positions
+                )))
+            }
+            Some(_) => {}
         }
-        let (mut table, _) = self.leases.remove(request_id).expect("checked above");
+        let mut table = self.leases.remove(request_id).expect("checked above").table;
         table.len = filled;
         Ok(table)
     }
 
     /// Free the leases older than `max_age`; returns their request ids.
     pub fn expire_leases(&mut self, max_age: Duration) -> Vec<String> {
-        let expired: Vec<String> = self.leases.iter().filter(|(_, (_, granted))| granted.elapsed() > max_age).map(|(id, _)| id.clone()).collect();
+        let expired: Vec<String> = self.leases.iter().filter(|(_, lease)| lease.granted.elapsed() > max_age).map(|(id, _)| id.clone()).collect();
         for id in &expired {
             self.free_lease(id);
         }
@@ -115,6 +145,10 @@ impl KvAllocator {
 
     pub fn used_blocks(&self) -> usize {
         self.pool.total_blocks() - self.pool.free_blocks()
+    }
+
+    pub fn free_blocks(&self) -> usize {
+        self.pool.free_blocks()
     }
 
     pub fn total_blocks(&self) -> usize {
@@ -145,41 +179,48 @@ mod tests {
     fn a_free_before_the_lease_refuses_the_lease() {
         let mut kv = KvAllocator::new(KvPool::new(8, 16, 2, 4), 7);
         assert!(!kv.free_lease("late"));
-        assert_eq!(kv.lease("late", 40).unwrap_err().code(), Code::Cancelled);
+        assert_eq!(kv.check_lease("late").unwrap_err().code(), Code::Cancelled);
+        assert!(kv.check_lease("late").is_ok(), "refused once, then forgotten");
         assert_eq!(kv.used_blocks(), 0);
         for i in 0..2 * FREED_EARLY_MAX {
             kv.free_lease(&format!("gone-{i}"));
         }
         assert_eq!(kv.freed_early.len(), FREED_EARLY_MAX);
         // Other requests are untouched.
-        assert_eq!(kv.lease("b", 16).unwrap().blocks.len(), 1);
+        kv.check_lease("b").unwrap();
+        assert_eq!(kv.lease("b", 16, 16).unwrap().blocks.len(), 1);
     }
 
     #[test]
     fn leases_are_granted_taken_over_and_freed() {
         let mut kv = KvAllocator::new(KvPool::new(8, 16, 2, 4), 7);
-        let lease = kv.lease("a", 40).unwrap();
+        // A 40-token prompt with up to 8 tokens of output: 48 positions, 3 blocks.
+        let lease = kv.lease("a", 40, 48).unwrap();
         assert_eq!((lease.blocks.len(), lease.pool_epoch, kv.used_blocks()), (3, 7, 3));
-        assert_eq!(kv.lease("a", 1).unwrap_err().code(), Code::AlreadyExists);
-        assert_eq!(kv.lease("b", 16 * 6).unwrap_err().code(), Code::ResourceExhausted);
-        assert_eq!(kv.lease("b", 0).unwrap_err().code(), Code::InvalidArgument);
+        assert_eq!(kv.check_lease("a").unwrap_err().code(), Code::AlreadyExists);
+        assert!(kv.lease("b", 16 * 6, 16 * 6).is_err(), "only 5 blocks are free");
+        assert_eq!(kv.used_blocks(), 3, "a failed lease takes nothing");
 
         let stale = KvLease { pool_epoch: 6, ..lease.clone() };
-        assert_eq!(kv.take_lease("a", &stale, 40).unwrap_err().code(), Code::FailedPrecondition);
+        assert_eq!(kv.take_lease("a", &stale, 40, 48).unwrap_err().code(), Code::FailedPrecondition);
         let forged = KvLease { blocks: vec![5, 6, 7], ..lease.clone() };
-        assert_eq!(kv.take_lease("a", &forged, 40).unwrap_err().code(), Code::InvalidArgument);
-        assert_eq!(kv.take_lease("a", &lease, 49).unwrap_err().code(), Code::InvalidArgument);
-        let mut table = kv.take_lease("a", &lease, 40).unwrap();
+        assert_eq!(kv.take_lease("a", &forged, 40, 48).unwrap_err().code(), Code::InvalidArgument);
+        // Another prompt length, or another need, than the lease was made for.
+        assert_eq!(kv.take_lease("a", &lease, 41, 48).unwrap_err().code(), Code::InvalidArgument);
+        assert_eq!(kv.take_lease("a", &lease, 40, 64).unwrap_err().code(), Code::InvalidArgument);
+        let smaller = kv.take_lease("a", &lease, 40, 41).unwrap_err();
+        assert!(smaller.message().contains("needs 41 positions"), "{}", smaller.message());
+        let mut table = kv.take_lease("a", &lease, 40, 48).unwrap();
         assert_eq!(table.len, 40);
         assert!(!kv.free_lease("a"), "the lease became the sequence's table");
         kv.release(&mut table);
         assert_eq!(kv.used_blocks(), 0);
 
-        kv.lease("c", 5).unwrap();
+        kv.lease("c", 5, 5).unwrap();
         assert!(kv.free_lease("c"));
         assert_eq!(kv.used_blocks(), 0);
 
-        kv.lease("d", 5).unwrap();
+        kv.lease("d", 5, 5).unwrap();
         assert!(kv.expire_leases(Duration::from_secs(60)).is_empty());
         std::thread::sleep(Duration::from_millis(5));
         assert_eq!(kv.expire_leases(Duration::from_millis(1)), ["d"]);

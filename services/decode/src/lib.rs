@@ -60,7 +60,7 @@ fn start_engine(cfg: &DecodeConfig) -> anyhow::Result<(Batcher, Arc<StatsCell>, 
     let epoch = segment.epoch();
     tracing::info!("KV segment {}: {n_blocks} blocks of {block_size} tokens, epoch {epoch}", segment.path().display());
     let kv = KvAllocator::new(segment.into_pool(true)?, epoch);
-    let limits = Limits { context_length, lease_timeout: std::time::Duration::from_secs(cfg.lease_timeout_seconds), max_batch_size: cfg.max_batch_size.max(1), prefill_chunk_tokens: cfg.prefill_chunk_tokens.max(1) };
+    let limits = Limits { context_length, lease_timeout: std::time::Duration::from_secs(cfg.lease_timeout_seconds), max_batch_size: cfg.max_batch_size.max(1), prefill_chunk_tokens: cfg.prefill_chunk_tokens.max(1), max_waiting_requests: cfg.max_waiting_requests };
     let vocab = model.cfg.vocab_size;
     let stats = Arc::new(StatsCell::new(context_length, store.fingerprint().to_string()));
     Ok((Batcher::new(model, kv, limits, cfg.precision()?, stats.clone()), stats, vocab, context_length))

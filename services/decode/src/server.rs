@@ -85,7 +85,9 @@ impl DecodeWorker for DecodeService {
         if r.request_id.is_empty() {
             return Err(Status::invalid_argument("request_id is empty"));
         }
-        let lease = self.ask(|reply| Command::AllocateKv { request_id: r.request_id, tokens: r.tokens as usize, reply }).await??;
+        // Waits while the pool is short; if the caller gives up first, the
+        // engine notices the dropped reply and lets the place go.
+        let lease = self.ask(|reply| Command::AllocateKv { request_id: r.request_id, tokens: r.tokens as usize, max_tokens: r.max_tokens as usize, reply }).await??;
         Ok(Response::new(lease))
     }
 

@@ -27,11 +27,17 @@ pub struct RouterConfig {
     pub max_pending_requests: usize,
     /// `max_tokens` of a request that does not set it.
     pub default_max_tokens: u32,
-    /// Deadline of the short unary worker calls (AllocateKv, FreeKv, Cancel,
-    /// Stats) and of connecting to a worker.
+    /// Deadline of the short unary worker calls (FreeKv, Cancel, Stats) and
+    /// of connecting to a worker.
     pub worker_timeout_seconds: f64,
     /// Deadline of one Prefill call: a long prompt on a CPU takes minutes.
     pub prefill_timeout_seconds: f64,
+    /// How long a long prompt may wait in the decode worker's queue for its
+    /// KV blocks (AllocateKv); then 429 / RESOURCE_EXHAUSTED.
+    pub kv_wait_timeout_seconds: f64,
+    /// Health reports NOT_SERVING when the decode worker has work but has
+    /// made no progress (no step, no blocks granted) for this long.
+    pub stall_timeout_seconds: f64,
 }
 
 impl Default for RouterConfig {
@@ -49,6 +55,8 @@ impl Default for RouterConfig {
             default_max_tokens: 256,
             worker_timeout_seconds: 10.0,
             prefill_timeout_seconds: 600.0,
+            kv_wait_timeout_seconds: 600.0,
+            stall_timeout_seconds: 60.0,
         }
     }
 }
@@ -101,6 +109,12 @@ pub struct RouterArgs {
     /// Deadline of one prefill, in seconds [default: 600].
     #[arg(long)]
     pub prefill_timeout_seconds: Option<f64>,
+    /// Longest wait for a long prompt's KV blocks, in seconds [default: 600].
+    #[arg(long)]
+    pub kv_wait_timeout_seconds: Option<f64>,
+    /// NOT_SERVING after this many seconds of work without progress [default: 60].
+    #[arg(long)]
+    pub stall_timeout_seconds: Option<f64>,
 }
 
 impl RouterArgs {
@@ -112,7 +126,7 @@ impl RouterArgs {
         macro_rules! take {
             ($($field:ident),*) => { $(if let Some(v) = self.$field { c.$field = v; })* };
         }
-        take!(model, host, http_port, grpc_port, decode_worker, prefill_worker, prefill_threshold_tokens, max_pending_requests, default_max_tokens, worker_timeout_seconds, prefill_timeout_seconds);
+        take!(model, host, http_port, grpc_port, decode_worker, prefill_worker, prefill_threshold_tokens, max_pending_requests, default_max_tokens, worker_timeout_seconds, prefill_timeout_seconds, kv_wait_timeout_seconds, stall_timeout_seconds);
         if self.served_model_name.is_some() {
             c.served_model_name = self.served_model_name;
         }
@@ -141,6 +155,8 @@ impl RouterConfig {
         };
         positive("worker_timeout_seconds", self.worker_timeout_seconds)?;
         positive("prefill_timeout_seconds", self.prefill_timeout_seconds)?;
+        positive("kv_wait_timeout_seconds", self.kv_wait_timeout_seconds)?;
+        positive("stall_timeout_seconds", self.stall_timeout_seconds)?;
         if self.max_pending_requests == 0 {
             return Err(ConfigError("max_pending_requests must be at least 1".into()));
         }
@@ -156,6 +172,14 @@ impl RouterConfig {
 
     pub fn prefill_timeout(&self) -> Duration {
         Duration::from_secs_f64(self.prefill_timeout_seconds)
+    }
+
+    pub fn kv_wait_timeout(&self) -> Duration {
+        Duration::from_secs_f64(self.kv_wait_timeout_seconds)
+    }
+
+    pub fn stall_timeout(&self) -> Duration {
+        Duration::from_secs_f64(self.stall_timeout_seconds)
     }
 }
 
@@ -207,6 +231,9 @@ mod tests {
         assert_eq!((c.http_port, c.grpc_port, c.served_model_name()), (9100, 9001, "m".into()));
         assert_eq!(resolve("", &[]).unwrap(), RouterConfig::default());
         assert!(resolve("", &["--worker-timeout-seconds", "0"]).unwrap_err().contains("worker_timeout_seconds"));
+        assert!(resolve("", &["--stall-timeout-seconds", "0"]).unwrap_err().contains("stall_timeout_seconds"));
+        let c = resolve("[router]\nstall_timeout_seconds = 2.5\n", &["--kv-wait-timeout-seconds", "30"]).unwrap();
+        assert_eq!((c.stall_timeout(), c.kv_wait_timeout()), (Duration::from_millis(2500), Duration::from_secs(30)));
     }
 
     #[test]

@@ -156,14 +156,19 @@ impl Router {
                 // Held from before the call: AllocateKv may succeed on the
                 // worker after this request has given up waiting.
                 *held = Held::Lease;
-                let lease = self.workers.allocate_kv(&req.id, req.prompt.len()).await?;
+                // The lease holds the whole request (prompt plus max_tokens),
+                // so once granted it can always run to its end; the decode
+                // worker queues it until that much is free.
+                let kv_wait = Instant::now();
+                let lease = self.workers.allocate_kv(&req.id, req.prompt.len(), req.max_tokens).await?;
+                let kv_wait = kv_wait.elapsed();
                 *held = Held::Prefilling;
                 let prefill_req =
                     PrefillRequest { request_id: req.id.clone(), prompt: req.prompt.clone(), sampling: Some(req.worker_sampling()), lease: Some(lease.clone()) };
                 let prefill = self.workers.prefill(prefill_req).await?;
                 *held = Held::Lease;
                 let first = prefill.first_token.ok_or_else(|| Error::Unavailable("prefill worker failed: its response has no first token".into()))?;
-                let queue = router_wait + secs(prefill.queue_seconds);
+                let queue = router_wait + kv_wait + secs(prefill.queue_seconds);
                 if let Some(reason) = out.token(first.clone()).await? {
                     // Done after one token: the lease is never admitted, and
                     // `give_back` frees it.

@@ -1,6 +1,7 @@
 //! One gRPC client per worker: lazy connections that reconnect on their
 //! own, deadlines on unary calls, worker errors mapped to what a client
-//! should see, and a readiness poller that calls Stats on both workers.
+//! should see, and a readiness poller that calls Stats on both workers and
+//! watches the decode worker's progress.
 
 use crate::config::RouterConfig;
 use crate::error::Error;
@@ -13,7 +14,7 @@ use duplex_proto::worker::{
     WorkerStats,
 };
 use std::future::Future;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 use tokio::sync::watch;
 use tonic::transport::{Channel, Endpoint};
 use tonic::{Response, Status, Streaming};
@@ -31,22 +32,30 @@ pub struct AddressError {
     source: tonic::transport::Error,
 }
 
-/// What the last Stats poll of each worker said: its stats, or why it failed.
+/// What the last Stats poll of each worker said: its stats, or why it
+/// failed; and whether the decode worker has stalled.
 #[derive(Clone, Debug)]
 pub struct Readiness {
     pub decode: Result<WorkerStats, String>,
     pub prefill: Result<WorkerStats, String>,
+    /// Why the server cannot make progress although both workers answer.
+    pub stalled: Option<String>,
 }
 
 impl Readiness {
     pub fn is_ready(&self) -> bool {
-        self.decode.is_ok() && self.prefill.is_ok()
+        self.check().is_ok()
     }
 
-    /// Both workers answer: what `/health` and the gRPC health status say.
+    /// Both workers answer and the decode worker is not stalled: what
+    /// `/health` and the gRPC health status say.
     pub fn check(&self) -> Result<(), Error> {
         self.limits()?;
-        self.prefill_ready()
+        self.prefill_ready()?;
+        match &self.stalled {
+            Some(why) => Err(Error::Unavailable(why.clone())),
+            None => Ok(()),
+        }
     }
 
     /// The limits every request is validated against, from the decode
@@ -69,11 +78,58 @@ fn not_ready(worker: &str, why: &str) -> Error {
     Error::Unavailable(format!("the {worker} worker is not ready: {why}"))
 }
 
+/// Watches the decode worker's progress counter: requests running, or
+/// waiting while nothing else moves, with the counter standing still for
+/// `timeout`, is a stall (an engine that hangs, or blocks that never free).
+#[derive(Debug)]
+struct StallWatch {
+    timeout: Duration,
+    /// The counter and pool epoch last seen (a restarted worker counts anew).
+    last: Option<(u64, u64)>,
+    /// Since when the counter has stood still with work to do.
+    since: Instant,
+}
+
+impl StallWatch {
+    fn new(timeout: Duration) -> Self {
+        StallWatch { timeout, last: None, since: Instant::now() }
+    }
+
+    /// Why the decode worker is stalled, if it is, given its latest stats
+    /// and whether the prefill worker has work. Waiting requests may wait
+    /// for blocks lent to a prefill in progress: that is progress too.
+    fn observe(&mut self, decode: Option<&WorkerStats>, prefill_busy: bool, now: Instant) -> Option<String> {
+        let Some(decode) = decode else {
+            self.last = None; // down: reported as such, not as a stall
+            return None;
+        };
+        let mark = (decode.progress, decode.pool_epoch);
+        let busy = decode.running > 0 || (decode.waiting > 0 && !prefill_busy);
+        if !busy || self.last != Some(mark) {
+            self.last = Some(mark);
+            self.since = now;
+            return None;
+        }
+        let still = now.duration_since(self.since);
+        (still >= self.timeout).then(|| {
+            format!(
+                "the decode worker has made no progress for {:.1} s with {} requests running and {} waiting (stall_timeout_seconds is {})",
+                still.as_secs_f64(),
+                decode.running,
+                decode.waiting,
+                self.timeout.as_secs_f64()
+            )
+        })
+    }
+}
+
 pub struct Workers {
     decode: DecodeWorkerClient<Channel>,
     prefill: PrefillWorkerClient<Channel>,
     timeout: Duration,
     prefill_timeout: Duration,
+    kv_wait_timeout: Duration,
+    stall_timeout: Duration,
     readiness: watch::Sender<Readiness>,
 }
 
@@ -88,7 +144,9 @@ impl Workers {
             prefill: PrefillWorkerClient::new(channel("prefill", &config.prefill_worker, timeout)?),
             timeout,
             prefill_timeout: config.prefill_timeout(),
-            readiness: watch::Sender::new(Readiness { decode: never_polled(), prefill: never_polled() }),
+            kv_wait_timeout: config.kv_wait_timeout(),
+            stall_timeout: config.stall_timeout(),
+            readiness: watch::Sender::new(Readiness { decode: never_polled(), prefill: never_polled(), stalled: None }),
         })
     }
 
@@ -96,9 +154,20 @@ impl Workers {
         self.readiness.borrow().clone()
     }
 
-    pub async fn allocate_kv(&self, request_id: &str, tokens: usize) -> Result<KvLease, Error> {
-        let req = AllocateKvRequest { request_id: request_id.into(), tokens: u32::try_from(tokens).unwrap_or(u32::MAX) };
-        deadline("decode", "AllocateKv", self.timeout, self.decode.clone().allocate_kv(req)).await
+    /// A lease of KV blocks for the whole request: its prompt of `tokens`
+    /// tokens plus up to `max_tokens` of output. The decode worker answers
+    /// once the blocks are free (its queue is first come first served), so
+    /// this waits up to `kv_wait_timeout_seconds`, not the short deadline.
+    pub async fn allocate_kv(&self, request_id: &str, tokens: usize, max_tokens: u32) -> Result<KvLease, Error> {
+        let req = AllocateKvRequest { request_id: request_id.into(), tokens: u32::try_from(tokens).unwrap_or(u32::MAX), max_tokens };
+        match tokio::time::timeout(self.kv_wait_timeout, self.decode.clone().allocate_kv(req)).await {
+            Ok(Ok(response)) => Ok(response.into_inner()),
+            Ok(Err(status)) => Err(Error::from_worker("decode", &status)),
+            Err(_) => Err(Error::Overloaded(format!(
+                "no KV blocks became free for this request within {:?} (kv_wait_timeout_seconds); retry later",
+                self.kv_wait_timeout
+            ))),
+        }
     }
 
     pub async fn free_kv(&self, request_id: &str) -> Result<(), Error> {
@@ -124,12 +193,14 @@ impl Workers {
 
     /// Polls both workers' Stats every [`POLL_INTERVAL`] for as long as the
     /// returned task runs, and reports `duplex.v1.Generation` (and the
-    /// server as a whole) SERVING exactly while both answer.
+    /// server as a whole) SERVING exactly while both answer and the decode
+    /// worker is not stalled.
     pub fn spawn_poller(self: std::sync::Arc<Self>, health: HealthReporter) -> tokio::task::JoinHandle<()> {
         tokio::spawn(async move {
             let mut interval = tokio::time::interval(POLL_INTERVAL);
             interval.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
             let mut was_ready = None;
+            let mut stall = StallWatch::new(self.stall_timeout);
             loop {
                 interval.tick().await;
                 let (mut decode, mut prefill) = (self.decode.clone(), self.prefill.clone());
@@ -137,16 +208,17 @@ impl Workers {
                     deadline("decode", "Stats", self.timeout, decode.stats(StatsRequest {})),
                     deadline("prefill", "Stats", self.timeout, prefill.stats(StatsRequest {})),
                 );
-                let now = Readiness { decode: decode.map_err(|e| e.to_string()), prefill: prefill.map_err(|e| e.to_string()) };
+                let prefill_busy = prefill.as_ref().is_ok_and(|p| p.running > 0 || p.waiting > 0);
+                let stalled = stall.observe(decode.as_ref().ok(), prefill_busy, Instant::now());
+                let now = Readiness { decode: decode.map_err(|e| e.to_string()), prefill: prefill.map_err(|e| e.to_string()), stalled };
                 let ready = now.is_ready();
                 if was_ready != Some(ready) {
                     let status = if ready { ServingStatus::Serving } else { ServingStatus::NotServing };
                     health.set_service_status(SERVICE_NAME, status).await;
                     health.set_service_status("", status).await;
-                    match (&now.decode, &now.prefill) {
-                        _ if ready => tracing::info!("both workers are ready"),
-                        (Err(e), _) | (_, Err(e)) => tracing::warn!("workers not ready: {e}"),
-                        _ => {}
+                    match now.check() {
+                        Ok(()) => tracing::info!("both workers are ready"),
+                        Err(e) => tracing::warn!("not serving: {e}"),
                     }
                     was_ready = Some(ready);
                 }
@@ -176,5 +248,43 @@ async fn deadline<T>(worker: &str, rpc: &str, timeout: Duration, call: impl Futu
         Ok(Ok(response)) => Ok(response.into_inner()),
         Ok(Err(status)) => Err(Error::from_worker(worker, &status)),
         Err(_) => Err(Error::Unavailable(format!("{worker} worker failed: no answer to {rpc} within {timeout:?}"))),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn stats(running: u32, waiting: u32, progress: u64) -> WorkerStats {
+        WorkerStats { running, waiting, progress, pool_epoch: 1, ..Default::default() }
+    }
+
+    #[test]
+    fn a_stall_is_work_without_progress_for_the_timeout() {
+        let t0 = Instant::now();
+        let at = |s: u64| t0 + Duration::from_secs(s);
+        let mut w = StallWatch::new(Duration::from_secs(10));
+        // Idle: never a stall, however long.
+        assert_eq!(w.observe(Some(&stats(0, 0, 5)), false, at(0)), None);
+        assert_eq!(w.observe(Some(&stats(0, 0, 5)), false, at(100)), None);
+        // Waiting, nothing moves: a stall once the timeout has passed.
+        assert_eq!(w.observe(Some(&stats(0, 3, 5)), false, at(101)), None);
+        assert_eq!(w.observe(Some(&stats(0, 3, 5)), false, at(109)), None);
+        let why = w.observe(Some(&stats(0, 3, 5)), false, at(112)).unwrap();
+        assert!(why.contains("no progress") && why.contains("3 waiting"), "{why}");
+        // Progress clears it.
+        assert_eq!(w.observe(Some(&stats(1, 2, 6)), false, at(113)), None);
+        // Running steps without moving is a stall too, prefill or not.
+        assert_eq!(w.observe(Some(&stats(1, 0, 6)), true, at(120)), None);
+        assert!(w.observe(Some(&stats(1, 0, 6)), true, at(124)).is_some());
+        // Requests waiting while the prefill worker fills a lease are not.
+        let mut w = StallWatch::new(Duration::from_secs(10));
+        assert_eq!(w.observe(Some(&stats(0, 3, 5)), true, at(0)), None);
+        assert_eq!(w.observe(Some(&stats(0, 3, 5)), true, at(60)), None);
+        // A worker that is down is reported as down, and then counts anew.
+        assert_eq!(w.observe(None, false, at(61)), None);
+        assert_eq!(w.observe(Some(&stats(0, 3, 5)), false, at(62)), None);
+        assert_eq!(w.observe(Some(&stats(0, 3, 5)), false, at(71)), None);
+        assert!(w.observe(Some(&stats(0, 3, 5)), false, at(72)).is_some());
     }
 }

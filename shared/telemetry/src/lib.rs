@@ -87,7 +87,9 @@ metrics_table! {
     DECODE_RUNNING = "duplex_decode_running_sequences", Gauge, Decode, NONE,
         "Sequences in the decode worker's running batch.";
     DECODE_WAITING = "duplex_decode_waiting_sequences", Gauge, Decode, NONE,
-        "Sequences waiting for a place in the decode worker's batch.";
+        "Requests waiting in the decode worker: for their KV blocks (sequences and leases, first come first served) or for a place in the batch.";
+    KV_WAIT_TIME = "duplex_decode_kv_wait_seconds", Histogram, Decode, LATENCY,
+        "Time a request waited in the decode worker's first-come first-served queue until its KV blocks (prompt plus max_tokens) were granted.";
     PREFILL_THROUGHPUT = "duplex_prefill_tokens_per_second", Histogram, Prefill, THROUGHPUT,
         "Prompt tokens per second of each prefill; label worker = prefill | decode.";
     PREFILL_TOKENS = "duplex_prefill_tokens_total", Counter, Prefill, NONE,

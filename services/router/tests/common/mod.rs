@@ -202,6 +202,7 @@ impl DecodeWorker for Decode {
             pool_epoch: 7,
             context_length: c.context_length,
             weights_fingerprint: "mock-fingerprint".into(),
+            progress: 0,
         }))
     }
 }
