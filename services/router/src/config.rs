@@ -32,6 +32,18 @@ pub struct RouterConfig {
     pub worker_timeout_seconds: f64,
     /// Deadline of one Prefill call: a long prompt on a CPU takes minutes.
     pub prefill_timeout_seconds: f64,
+    /// Clients of the public APIs must present this key (`Authorization:
+    /// Bearer <key>` on HTTP, `authorization` metadata on gRPC); unset: no
+    /// key. `/health` and `/metrics` stay open. Also `DUPLEX_API_KEY`.
+    pub api_key: Option<String>,
+    /// Largest HTTP request body and gRPC request message; larger ones are
+    /// refused (413 / RESOURCE_EXHAUSTED) without being read.
+    pub max_request_body_bytes: usize,
+    /// Open connections per public port; more wait to be accepted.
+    pub max_connections: usize,
+    /// How long a connection may send nothing: request headers over HTTP
+    /// (also between keep-alive requests), its first bytes over gRPC.
+    pub idle_timeout_seconds: f64,
     /// How long a long prompt may wait in the decode worker's queue for its
     /// KV blocks (AllocateKv); then 429 / RESOURCE_EXHAUSTED.
     pub kv_wait_timeout_seconds: f64,
@@ -55,6 +67,10 @@ impl Default for RouterConfig {
             default_max_tokens: 256,
             worker_timeout_seconds: 10.0,
             prefill_timeout_seconds: 600.0,
+            api_key: None,
+            max_request_body_bytes: 8 << 20,
+            max_connections: 512,
+            idle_timeout_seconds: 30.0,
             kv_wait_timeout_seconds: 600.0,
             stall_timeout_seconds: 60.0,
         }
@@ -109,6 +125,19 @@ pub struct RouterArgs {
     /// Deadline of one prefill, in seconds [default: 600].
     #[arg(long)]
     pub prefill_timeout_seconds: Option<f64>,
+    /// Key clients must send (Authorization: Bearer <key>; gRPC `authorization` metadata)
+    /// [default: $DUPLEX_API_KEY, else none].
+    #[arg(long)]
+    pub api_key: Option<String>,
+    /// Largest request body / gRPC message, in bytes [default: 8388608].
+    #[arg(long)]
+    pub max_request_body_bytes: Option<usize>,
+    /// Open connections per public port [default: 512].
+    #[arg(long)]
+    pub max_connections: Option<usize>,
+    /// Seconds a connection may send nothing before it is closed [default: 30].
+    #[arg(long)]
+    pub idle_timeout_seconds: Option<f64>,
     /// Longest wait for a long prompt's KV blocks, in seconds [default: 600].
     #[arg(long)]
     pub kv_wait_timeout_seconds: Option<f64>,
@@ -119,6 +148,11 @@ pub struct RouterArgs {
 
 impl RouterArgs {
     pub fn resolve(self) -> anyhow::Result<RouterConfig> {
+        self.resolve_with(std::env::var("DUPLEX_API_KEY").ok())
+    }
+
+    /// `resolve`, with the value of `DUPLEX_API_KEY` given.
+    fn resolve_with(self, env_api_key: Option<String>) -> anyhow::Result<RouterConfig> {
         let mut c: RouterConfig = match &self.config {
             Some(path) => duplex_telemetry::process::load_section(path, "router")?,
             None => RouterConfig::default(),
@@ -129,6 +163,12 @@ impl RouterArgs {
         take!(model, host, http_port, grpc_port, decode_worker, prefill_worker, prefill_threshold_tokens, max_pending_requests, default_max_tokens, worker_timeout_seconds, prefill_timeout_seconds, kv_wait_timeout_seconds, stall_timeout_seconds);
         if self.served_model_name.is_some() {
             c.served_model_name = self.served_model_name;
+        }
+        take!(max_request_body_bytes, max_connections, idle_timeout_seconds);
+        // The flag, else the environment (which keeps the key out of `ps`),
+        // else the config file.
+        if let Some(key) = self.api_key.or(env_api_key) {
+            c.api_key = Some(key);
         }
         c.validate()?;
         Ok(c)
@@ -157,6 +197,16 @@ impl RouterConfig {
         positive("prefill_timeout_seconds", self.prefill_timeout_seconds)?;
         positive("kv_wait_timeout_seconds", self.kv_wait_timeout_seconds)?;
         positive("stall_timeout_seconds", self.stall_timeout_seconds)?;
+        positive("idle_timeout_seconds", self.idle_timeout_seconds)?;
+        if self.api_key.as_deref().is_some_and(|k| k.trim().is_empty()) {
+            return Err(ConfigError("api_key must not be empty (leave it unset for no key)".into()));
+        }
+        if self.max_request_body_bytes < 1024 {
+            return Err(ConfigError(format!("max_request_body_bytes must be at least 1024, got {}", self.max_request_body_bytes)));
+        }
+        if self.max_connections == 0 {
+            return Err(ConfigError("max_connections must be at least 1".into()));
+        }
         if self.max_pending_requests == 0 {
             return Err(ConfigError("max_pending_requests must be at least 1".into()));
         }
@@ -172,6 +222,10 @@ impl RouterConfig {
 
     pub fn prefill_timeout(&self) -> Duration {
         Duration::from_secs_f64(self.prefill_timeout_seconds)
+    }
+
+    pub fn idle_timeout(&self) -> Duration {
+        Duration::from_secs_f64(self.idle_timeout_seconds)
     }
 
     pub fn kv_wait_timeout(&self) -> Duration {
@@ -218,7 +272,8 @@ mod tests {
         let path = dir.path().join("duplex.toml");
         std::fs::write(&path, toml).unwrap();
         let argv = ["duplex-router", "--config", path.to_str().unwrap()].into_iter().chain(flags.iter().copied());
-        Cli::parse_from(argv).args.resolve().map_err(|e| format!("{e:#}"))
+        // Independent of the test runner's environment.
+        Cli::parse_from(argv).args.resolve_with(None).map_err(|e| format!("{e:#}"))
     }
 
     #[test]
@@ -234,6 +289,25 @@ mod tests {
         assert!(resolve("", &["--stall-timeout-seconds", "0"]).unwrap_err().contains("stall_timeout_seconds"));
         let c = resolve("[router]\nstall_timeout_seconds = 2.5\n", &["--kv-wait-timeout-seconds", "30"]).unwrap();
         assert_eq!((c.stall_timeout(), c.kv_wait_timeout()), (Duration::from_millis(2500), Duration::from_secs(30)));
+    }
+
+    #[test]
+    fn api_key_from_flag_then_environment_then_file() {
+        use clap::Parser;
+        #[derive(clap::Parser)]
+        struct Cli {
+            #[command(flatten)]
+            args: RouterArgs,
+        }
+        let parse = |flags: &[&str]| Cli::parse_from(["duplex-router"].into_iter().chain(flags.iter().copied())).args;
+        assert_eq!(parse(&[]).resolve_with(None).unwrap().api_key, None);
+        assert_eq!(parse(&[]).resolve_with(Some("env".into())).unwrap().api_key.as_deref(), Some("env"));
+        assert_eq!(parse(&["--api-key", "flag"]).resolve_with(Some("env".into())).unwrap().api_key.as_deref(), Some("flag"));
+        assert!(parse(&["--api-key", " "]).resolve_with(None).is_err());
+        let c = resolve("[router]\napi_key = \"file\"\nmax_connections = 3\n", &["--idle-timeout-seconds", "2"]).unwrap();
+        assert_eq!((c.max_connections, c.idle_timeout()), (3, Duration::from_secs(2)));
+        assert_eq!(c.api_key.as_deref(), Some("file"));
+        assert!(resolve("", &["--max-connections", "0"]).unwrap_err().contains("max_connections"));
     }
 
     #[test]

@@ -11,6 +11,12 @@ pub enum Error {
     Invalid { param: Option<&'static str>, message: String },
     #[error("the model `{asked}` does not exist; this server serves `{served}`")]
     ModelNotFound { asked: String, served: String },
+    /// The server has an API key and the client did not present it.
+    #[error("{0}")]
+    Unauthenticated(String),
+    /// The request is larger than the server accepts (`max_request_body_bytes`).
+    #[error("{0}")]
+    TooLarge(String),
     /// Admission refused: too many requests in flight, or a worker is full.
     #[error("{0}")]
     Overloaded(String),
@@ -31,7 +37,8 @@ impl Error {
     /// with this error.
     pub fn outcome(&self) -> &'static str {
         match self {
-            Error::Invalid { .. } | Error::ModelNotFound { .. } => "invalid",
+            Error::Invalid { .. } | Error::ModelNotFound { .. } | Error::TooLarge(_) => "invalid",
+            Error::Unauthenticated(_) => "unauthenticated",
             Error::Overloaded(_) => "rejected",
             Error::Unavailable(_) | Error::Internal(_) => "error",
         }
@@ -56,6 +63,8 @@ impl From<Error> for Status {
         let code = match &e {
             Error::Invalid { .. } => Code::InvalidArgument,
             Error::ModelNotFound { .. } => Code::NotFound,
+            Error::Unauthenticated(_) => Code::Unauthenticated,
+            Error::TooLarge(_) => Code::ResourceExhausted,
             Error::Overloaded(_) => Code::ResourceExhausted,
             Error::Unavailable(_) => Code::Unavailable,
             Error::Internal(_) => Code::Internal,

@@ -26,14 +26,15 @@ pub use generate::Router;
 
 use anyhow::Context;
 use api::grpc::GrpcApi;
+use api::listener::{self, Acceptor};
 use duplex_proto::v1::generation_server::GenerationServer;
 use futures::FutureExt;
+use tonic::codegen::http;
 use metrics_exporter_prometheus::PrometheusHandle;
 use std::future::Future;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tokio::net::TcpListener;
-use tokio_stream::wrappers::TcpListenerStream;
 
 /// Binds the configured ports and serves until Ctrl-C or SIGTERM.
 pub async fn run(config: RouterConfig) -> anyhow::Result<()> {
@@ -44,6 +45,7 @@ pub async fn run(config: RouterConfig) -> anyhow::Result<()> {
     };
     let http = bind(config.http_port).await?;
     let grpc = bind(config.grpc_port).await?;
+    listener::raise_fd_limit(2 * config.max_connections + listener::RESERVE_CONNECTIONS);
     tracing::info!(model = %config.model.display(), decode = %config.decode_worker, prefill = %config.prefill_worker, "router serving HTTP on {} and gRPC on {}", http.local_addr()?, grpc.local_addr()?);
     let shutdown = async {
         duplex_telemetry::process::shutdown_signal().await;
@@ -65,21 +67,66 @@ pub async fn serve(config: RouterConfig, http: TcpListener, grpc: TcpListener, s
     let _poller = AbortOnDrop(router.workers.clone().spawn_poller(health));
     let _upkeep = AbortOnDrop(tokio::spawn(upkeep(metrics.clone())));
     let reflection = tonic_reflection::server::Builder::configure()
-        .register_encoded_file_descriptor_set(duplex_proto::FILE_DESCRIPTOR_SET)
+        .register_file_descriptor_set(public_descriptors()?)
         .build_v1()?;
+
+    let api_key = api::ApiKey::new(config.api_key.as_deref());
+    let grpc_key = api_key.clone();
+    let authorize = move |request: tonic::Request<()>| {
+        let presented = request.metadata().get("authorization").map(|v| v.as_bytes());
+        match grpc_key.check(presented) {
+            Ok(()) => Ok(request),
+            Err(e) => {
+                generate::count_refused(&e);
+                Err(tonic::Status::from(e))
+            }
+        }
+    };
+    let generation = GenerationServer::new(GrpcApi::new(router.clone()))
+        .max_decoding_message_size(config.max_request_body_bytes);
+    let idle = config.idle_timeout();
 
     let shutdown = shutdown.shared();
     let grpc_server = tonic::transport::Server::builder()
+        // Pings find dead peers; a connection that never sends its first
+        // bytes is closed by the listener.
+        .http2_keepalive_interval(Some(idle))
+        .http2_keepalive_timeout(Some(Duration::from_secs(20)))
+        .layer(tower::util::MapResponseLayer::new(oversize_is_resource_exhausted))
         .add_service(health_service)
         .add_service(reflection)
-        .add_service(GenerationServer::new(GrpcApi::new(router.clone())))
-        .serve_with_incoming_shutdown(TcpListenerStream::new(grpc), shutdown.clone());
-    let http_server = axum::serve(http, api::openai::routes(router, metrics)).with_graceful_shutdown(shutdown);
-    tokio::try_join!(
-        async { grpc_server.await.context("gRPC server failed") },
-        async { http_server.await.context("HTTP server failed") },
-    )?;
+        .add_service(tonic::service::interceptor::InterceptedService::new(generation, authorize))
+        .serve_with_incoming_shutdown(listener::incoming(Acceptor::new(grpc, config.max_connections, 0, idle)), shutdown.clone());
+    let app = api::openai::routes(router, metrics, api_key, config.max_request_body_bytes);
+    let http_acceptor = Acceptor::new(http, config.max_connections, listener::RESERVE_CONNECTIONS, idle);
+    let http_server = listener::serve_http(http_acceptor, app, idle, shutdown);
+    tokio::try_join!(async { grpc_server.await.context("gRPC server failed") }, async {
+        http_server.await;
+        Ok(())
+    },)?;
     Ok(())
+}
+
+/// The descriptors that reflection shows: the public API only, not the
+/// workers' protocol, which the public port does not serve.
+fn public_descriptors() -> anyhow::Result<prost_types::FileDescriptorSet> {
+    use prost::Message;
+    let mut set = prost_types::FileDescriptorSet::decode(duplex_proto::FILE_DESCRIPTOR_SET).context("the bundled proto descriptors do not decode")?;
+    set.file.retain(|f| !f.package().starts_with("duplex.worker"));
+    Ok(set)
+}
+
+/// tonic answers a request message over `max_decoding_message_size` with
+/// OUT_OF_RANGE; the client sent too much, which gRPC calls
+/// RESOURCE_EXHAUSTED (as grpc-go and grpc-java do).
+fn oversize_is_resource_exhausted<B>(mut response: http::Response<B>) -> http::Response<B> {
+    let headers = response.headers_mut();
+    let out_of_range = headers.get("grpc-status").is_some_and(|v| v.as_bytes() == b"11");
+    let too_large = headers.get("grpc-message").and_then(|m| m.to_str().ok()).is_some_and(|m| m.replace("%20", " ").contains("message length too large"));
+    if out_of_range && too_large {
+        headers.insert("grpc-status", http::HeaderValue::from_static("8"));
+    }
+    response
 }
 
 /// The process's metrics recorder. A process can install only one, and

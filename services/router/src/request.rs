@@ -9,18 +9,41 @@ use duplex_model::sampling::{SamplingError, SamplingParams, MAX_LOGPROBS};
 use duplex_model::tokenizer::{ChatMessage, Tokenizer, TokenizerError};
 use duplex_model::ModelConfig;
 use duplex_proto::worker;
+use std::sync::Arc;
 use std::time::Instant;
+use tokio::sync::Semaphore;
 
 /// What to continue, as the client gave it.
 #[derive(Clone, Debug)]
 pub enum Prompt {
-    /// Plain text; BOS is added as the tokenizer config says.
+    /// Plain text: special-token strings in it are text, never special ids;
+    /// BOS is added as the tokenizer config says.
     Text(String),
+    /// Text whose special-token strings become their ids, for a client that
+    /// opted in (it renders its own template); BOS as for `Text`.
+    TextWithSpecialTokens(String),
     /// Token ids, used as they are.
     Tokens(Vec<u32>),
-    /// Chat messages, rendered with the chat template and the generation prompt.
+    /// Chat messages, rendered with the chat template and the generation
+    /// prompt; their contents are plain text.
     Chat(Vec<ChatMessage>),
 }
+
+impl Prompt {
+    /// Bytes of client text to tokenize (0 for token ids).
+    pub fn text_bytes(&self) -> usize {
+        match self {
+            Prompt::Text(t) | Prompt::TextWithSpecialTokens(t) => t.len(),
+            Prompt::Tokens(_) => 0,
+            Prompt::Chat(messages) => messages.iter().map(|m| m.content.len() + m.role.len()).sum(),
+        }
+    }
+}
+
+/// The roles a chat message may have. `developer` is OpenAI's newer name
+/// for `system` and is rendered as one. Anything else is refused rather
+/// than left to the template, which drops roles it does not know silently.
+const CHAT_ROLES: &str = "system, developer, user or assistant";
 
 /// The client's options in front-door-neutral terms; `None` takes the
 /// model's (sampling) or the server's (max_tokens) default.
@@ -48,7 +71,11 @@ pub struct RequestOptions {
 /// A validated request, ready for the workers.
 #[derive(Clone, Debug)]
 pub struct GenerationRequest {
+    /// The id the workers know the request by (KV leases, Cancel). Never
+    /// shown to the client: anyone who knew it could cancel the request.
     pub id: String,
+    /// The id the client sees (in response ids), drawn independently.
+    pub public_id: String,
     pub prompt: Vec<u32>,
     /// Client values over the model's defaults; `seed` is always set.
     pub sampling: SamplingParams,
@@ -110,7 +137,16 @@ pub struct ServedModel {
     pub context_length: usize,
     pub eos_token_ids: Vec<u32>,
     pub default_max_tokens: u32,
+    /// Prompts with more bytes of text than this cannot fit the context
+    /// and are refused before tokenizing (see `max_prompt_bytes`).
+    pub max_prompt_bytes: usize,
+    /// Tokenizations running at once, on the blocking pool.
+    pub tokenize_slots: Arc<Semaphore>,
 }
+
+/// Margin of the prompt-size bound over the longest token: a normaliser
+/// may shrink text (NFC composes up to three code points into one).
+const NORMALIZATION_MARGIN: usize = 4;
 
 impl ServedModel {
     pub fn load(config: &RouterConfig) -> Result<Self, LoadError> {
@@ -123,7 +159,13 @@ impl ServedModel {
                 eos_token_ids.push(*id);
             }
         }
+        let max_prompt_bytes = max_prompt_bytes(model.max_position_embeddings, tokenizer.max_token_bytes());
+        // One tokenization per core: more would only take turns, and the
+        // async threads must stay free for I/O and /health.
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
         Ok(ServedModel {
+            max_prompt_bytes,
+            tokenize_slots: Arc::new(Semaphore::new(cores)),
             name: config.served_model_name(),
             defaults: sampling_defaults(dir),
             vocab_size: model.vocab_size,
@@ -142,12 +184,36 @@ impl ServedModel {
         }
     }
 
+    /// Refuses text that cannot fit the context whatever it tokenizes to:
+    /// cheap, and done before tokenizing, which costs about a microsecond
+    /// and a hundred bytes of memory per byte of text.
+    pub fn check_size(&self, prompt: &Prompt) -> Result<(), Error> {
+        let param = if let Prompt::Chat(_) = prompt { "messages" } else { "prompt" };
+        self.check_text_bytes(param, prompt.text_bytes())
+    }
+
+    /// `check_size` for `bytes` of text in field `param`.
+    pub fn check_text_bytes(&self, param: &'static str, bytes: usize) -> Result<(), Error> {
+        if bytes > self.max_prompt_bytes {
+            let message = format!(
+                "`{param}` has {bytes} bytes of text, more than the {} that can fit the context of {} tokens; shorten it",
+                self.max_prompt_bytes, self.context_length
+            );
+            return Err(Error::invalid(param, message));
+        }
+        Ok(())
+    }
+
     /// Turns a prompt into token ids.
     pub fn tokenize(&self, prompt: &Prompt) -> Result<Vec<u32>, Error> {
         let tok = &self.tokenizer;
+        self.check_size(prompt)?;
         let ids = match prompt {
-            Prompt::Text(text) if text.is_empty() => return Err(Error::invalid("prompt", "prompt must not be empty")),
-            Prompt::Text(text) => tok.encode(text).map_err(|e| Error::invalid("prompt", e.to_string()))?,
+            Prompt::Text(text) | Prompt::TextWithSpecialTokens(text) if text.is_empty() => {
+                return Err(Error::invalid("prompt", "prompt must not be empty"))
+            }
+            Prompt::Text(text) => tok.encode_text(text).map_err(|e| Error::invalid("prompt", e.to_string()))?,
+            Prompt::TextWithSpecialTokens(text) => tok.encode(text).map_err(|e| Error::invalid("prompt", e.to_string()))?,
             Prompt::Tokens(ids) => {
                 if let Some((i, id)) = ids.iter().enumerate().find(|(_, &id)| id as usize >= self.vocab_size) {
                     let message = format!("prompt token {id} at position {i} is outside the vocabulary (0..{})", self.vocab_size);
@@ -157,11 +223,11 @@ impl ServedModel {
             }
             Prompt::Chat(messages) if messages.is_empty() => return Err(Error::invalid("messages", "messages must not be empty")),
             Prompt::Chat(messages) => {
-                let text = tok.apply_chat_template(messages, true).map_err(|e| match e {
+                let messages = chat_roles(messages)?;
+                tok.encode_chat(&messages, true).map_err(|e| match e {
                     TokenizerError::NoChatTemplate { .. } => Error::invalid("messages", "this model has no chat template; send a plain prompt instead"),
                     e => Error::invalid("messages", e.to_string()),
-                })?;
-                tok.encode_raw(&text).map_err(|e| Error::invalid("messages", e.to_string()))?
+                })?
             }
         };
         if ids.is_empty() {
@@ -235,6 +301,7 @@ impl ServedModel {
         }
         Ok(GenerationRequest {
             id: uuid::Uuid::new_v4().simple().to_string(),
+            public_id: uuid::Uuid::new_v4().simple().to_string(),
             prompt,
             sampling,
             seed,
@@ -246,6 +313,35 @@ impl ServedModel {
             arrival,
         })
     }
+}
+
+/// The messages with their roles checked, and `developer` renamed `system`.
+fn chat_roles(messages: &[ChatMessage]) -> Result<Vec<ChatMessage>, Error> {
+    messages
+        .iter()
+        .enumerate()
+        .map(|(i, m)| {
+            let role = match m.role.as_str() {
+                "system" | "user" | "assistant" => m.role.clone(),
+                "developer" => "system".into(),
+                "tool" | "function" => {
+                    let message = format!("messages[{i}].role `{}` is not supported: this server does not implement tool calls; roles are {CHAT_ROLES}", m.role);
+                    return Err(Error::invalid("messages", message));
+                }
+                "" => return Err(Error::invalid("messages", format!("messages[{i}].role must not be empty; roles are {CHAT_ROLES}"))),
+                other => return Err(Error::invalid("messages", format!("messages[{i}].role `{other}` is not a role; roles are {CHAT_ROLES} (lower case)"))),
+            };
+            Ok(ChatMessage { role, content: m.content.clone() })
+        })
+        .collect()
+}
+
+/// The most bytes of text a prompt of `context_length` tokens can have:
+/// no token stands for more bytes than its vocabulary string has (byte-level
+/// and SentencePiece strings are at least as long as their text), with a
+/// margin for normalisers that shrink text.
+fn max_prompt_bytes(context_length: usize, max_token_bytes: usize) -> usize {
+    context_length.saturating_mul(max_token_bytes.max(1)).saturating_mul(NORMALIZATION_MARGIN)
 }
 
 /// The field a sampling error blames; its message already names it.
@@ -344,6 +440,37 @@ mod tests {
         assert_eq!(invalid_param(m.request(&Prompt::Tokens(vec![5; 16]), RequestOptions::default(), &limits)), "prompt");
         let r = m.request(&Prompt::Tokens(vec![5; 10]), RequestOptions::default(), &limits).unwrap();
         assert_eq!(r.max_tokens, 6);
+    }
+
+    #[test]
+    fn roles_are_checked_and_developer_is_system() {
+        let m = model();
+        let chat = |role: &str| Prompt::Chat(vec![ChatMessage { role: role.into(), content: "Be brief.".into() }, ChatMessage { role: "user".into(), content: "Hi".into() }]);
+        assert_eq!(m.tokenize(&chat("developer")).unwrap(), m.tokenize(&chat("system")).unwrap());
+        for role in ["tool", "function", "SYSTEM", "", "critic"] {
+            let e = m.tokenize(&chat(role)).unwrap_err();
+            assert!(matches!(&e, Error::Invalid { param: Some("messages"), .. }), "{role}: {e:?}");
+            assert!(e.to_string().contains(&format!("messages[0].role")) && (role.is_empty() || e.to_string().contains(&format!("`{role}`"))), "{e}");
+        }
+    }
+
+    #[test]
+    fn text_too_long_for_the_context_is_refused_before_tokenizing() {
+        let m = model();
+        // tiny-dsv3: 1024 positions, longest vocabulary string 74 bytes.
+        assert_eq!(m.max_prompt_bytes, 1024 * 74 * NORMALIZATION_MARGIN);
+        let big = "a".repeat(m.max_prompt_bytes + 1);
+        let e = m.tokenize(&Prompt::Text(big.clone())).unwrap_err();
+        assert!(matches!(&e, Error::Invalid { param: Some("prompt"), .. }) && e.to_string().contains("bytes"), "{e:?}");
+        let e = m.tokenize(&Prompt::Chat(vec![ChatMessage { role: "user".into(), content: big }])).unwrap_err();
+        assert!(matches!(&e, Error::Invalid { param: Some("messages"), .. }), "{e:?}");
+    }
+
+    #[test]
+    fn public_and_worker_ids_differ() {
+        let r = model().request(&text("Hello"), RequestOptions::default(), &LIMITS).unwrap();
+        assert_ne!(r.id, r.public_id);
+        assert!(!r.id.contains(&r.public_id) && !r.public_id.contains(&r.id));
     }
 
     #[test]

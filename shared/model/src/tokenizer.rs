@@ -563,6 +563,19 @@ impl Tokenizer {
         self.inner.get_vocab_size(true)
     }
 
+    /// Bytes of the longest string in the vocabulary, added tokens
+    /// included. No token stands for more text than that: byte-level and
+    /// SentencePiece vocabularies spell each byte or space with at least one
+    /// byte. Bounds how much text a given number of tokens can hold.
+    pub fn max_token_bytes(&self) -> usize {
+        self.inner
+            .get_vocab(true)
+            .keys()
+            .map(String::len)
+            .max()
+            .unwrap_or(0)
+    }
+
     /// The BOS id, if the tokenizer or model config defines one.
     pub fn bos_token_id(&self) -> Option<u32> {
         self.bos_id

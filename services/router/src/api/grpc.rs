@@ -41,18 +41,28 @@ impl Generation for GrpcApi {
                 return Err(e.into());
             }
         };
+        let prompt = super::tokenized(&self.router, prompt).await.inspect_err(count_refused)?;
         let (req, permit) = self.router.admit(&prompt, options(r.model, r.sampling.unwrap_or_default(), r.stopping.unwrap_or_default()))?;
         let events = self.router.generate(req, permit).map(|event| event.map(response).map_err(Status::from));
         Ok(Response::new(Box::pin(events)))
     }
 
     async fn tokenize(&self, request: Request<TokenizeRequest>) -> Result<Response<TokenizeResponse>, Status> {
+        // As Generate would: text and chat contents are plain text.
         let ids = match request.into_inner().input {
             // Empty text is a fine thing to tokenize, unlike to generate from.
             Some(tokenize_request::Input::Text(text)) => {
-                self.router.model.tokenizer.encode(&text).map_err(|e| Error::invalid("text", e.to_string()))?
+                self.router.model.check_text_bytes("text", text.len())?;
+                super::on_tokenizer_pool(&self.router, text.len(), move |model| {
+                    model.tokenizer.encode_text(&text).map_err(|e| Error::invalid("text", e.to_string()))
+                })
+                .await?
             }
-            Some(tokenize_request::Input::Chat(c)) => self.router.model.tokenize(&Prompt::Chat(chat(c)))?,
+            Some(tokenize_request::Input::Chat(c)) => {
+                let prompt = Prompt::Chat(chat(c));
+                self.router.model.check_size(&prompt)?;
+                super::on_tokenizer_pool(&self.router, prompt.text_bytes(), move |model| model.tokenize(&prompt)).await?
+            }
             None => return Err(Error::invalid("input", "input is required: set text or chat").into()),
         };
         Ok(Response::new(TokenizeResponse { ids }))

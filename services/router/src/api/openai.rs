@@ -6,12 +6,14 @@
 //! official clients to work unmodified: unknown fields are ignored, and
 //! every error is OpenAI's `{"error": {message, type, param, code}}`.
 
+use super::ApiKey;
 use crate::error::Error;
 use crate::generate::{count_refused, Event, Finished, Router, Token};
 use crate::request::{Prompt, RequestOptions};
 use axum::body::Bytes;
 use axum::extract::{DefaultBodyLimit, FromRequest, Request, State};
 use axum::http::{header, StatusCode};
+use axum::middleware::Next;
 use axum::response::sse::{KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
@@ -29,9 +31,6 @@ use std::convert::Infallible;
 use std::sync::Arc;
 use std::time::{SystemTime, UNIX_EPOCH};
 
-/// Long prompts sent as token-id arrays are large; axum's 2 MB default is not enough.
-const MAX_BODY_BYTES: usize = 64 << 20;
-
 #[derive(Clone)]
 struct App {
     router: Arc<Router>,
@@ -39,17 +38,35 @@ struct App {
     started: u64,
 }
 
-pub fn routes(router: Arc<Router>, metrics: PrometheusHandle) -> axum::Router {
+/// The HTTP API. `api_key`: what `/v1/*` requires (`/health` and
+/// `/metrics` stay open, for probes and scrapers). `max_body_bytes`: larger
+/// bodies get 413 without being read.
+pub fn routes(router: Arc<Router>, metrics: PrometheusHandle, api_key: ApiKey, max_body_bytes: usize) -> axum::Router {
     let app = App { router, metrics, started: unix_now() };
-    axum::Router::new()
+    let api = axum::Router::new()
         .route("/v1/completions", post(completions))
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/models", get(models))
+        .fallback(|| async { ApiError::new(StatusCode::NOT_FOUND, "invalid_request_error", "no such endpoint") })
+        .layer(axum::middleware::from_fn_with_state(api_key, authorize));
+    axum::Router::new()
         .route("/health", get(health))
         .route("/metrics", get(metrics_text))
-        .fallback(|| async { ApiError::new(StatusCode::NOT_FOUND, "invalid_request_error", "no such endpoint") })
-        .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
+        .merge(api)
+        .layer(DefaultBodyLimit::max(max_body_bytes))
         .with_state(app)
+}
+
+/// Lets a request through only with the API key, if the server has one.
+async fn authorize(State(key): State<ApiKey>, request: Request, next: Next) -> Response {
+    let presented = request.headers().get(header::AUTHORIZATION).map(|v| v.as_bytes());
+    match key.check(presented) {
+        Ok(()) => next.run(request).await,
+        Err(e) => {
+            count_refused(&e);
+            ApiError::from(e).into_response()
+        }
+    }
 }
 
 // ---------------------------------------------------------------- errors
@@ -88,6 +105,11 @@ impl From<Error> for ApiError {
                 code: Some("model_not_found"),
                 ..ApiError::new(StatusCode::NOT_FOUND, "invalid_request_error", message)
             },
+            Error::Unauthenticated(_) => ApiError {
+                code: Some("invalid_api_key"),
+                ..ApiError::new(StatusCode::UNAUTHORIZED, "invalid_request_error", message)
+            },
+            Error::TooLarge(_) => ApiError::new(StatusCode::PAYLOAD_TOO_LARGE, "invalid_request_error", message),
             Error::Overloaded(_) => ApiError::new(StatusCode::TOO_MANY_REQUESTS, "rate_limit_error", message),
             Error::Unavailable(_) => ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "service_unavailable_error", message),
             Error::Internal(_) => ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "server_error", message),
@@ -97,7 +119,11 @@ impl From<Error> for ApiError {
 
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
-        (self.status, Json(self.body())).into_response()
+        let mut response = (self.status, Json(self.body())).into_response();
+        if self.status == StatusCode::UNAUTHORIZED {
+            response.headers_mut().insert(header::WWW_AUTHENTICATE, header::HeaderValue::from_static("Bearer"));
+        }
+        response
     }
 }
 
@@ -119,7 +145,12 @@ impl<S: Send + Sync, T: DeserializeOwned> FromRequest<S> for JsonBody<T> {
 
 impl<T: DeserializeOwned> JsonBody<T> {
     async fn parse<S: Send + Sync>(req: Request, state: &S) -> Result<Self, ApiError> {
-        let bytes = Bytes::from_request(req, state).await.map_err(|e| ApiError::new(e.status(), "invalid_request_error", e.body_text()))?;
+        let bytes = Bytes::from_request(req, state).await.map_err(|e| match e.status() {
+            StatusCode::PAYLOAD_TOO_LARGE => {
+                ApiError::from(Error::TooLarge(format!("the request body is larger than this server accepts (max_request_body_bytes): {}", e.body_text())))
+            }
+            status => ApiError::new(status, "invalid_request_error", e.body_text()),
+        })?;
         let text = std::str::from_utf8(&bytes).map_err(|e| ApiError::invalid(None, format!("the request body is not valid UTF-8: {e}")))?;
         let mut de = serde_json::Deserializer::from_str(text);
         let value = serde_path_to_error::deserialize(&mut de).map_err(|e| {
@@ -174,6 +205,16 @@ struct ApiRequest {
     suffix: Option<String>,
     stream: Option<bool>,
     stream_options: Option<StreamOptions>,
+    /// Completions: encode special-token strings in `prompt` as the special
+    /// tokens (for clients that render their own chat template). Off by
+    /// default: a prompt is plain text.
+    parse_special_tokens: Option<bool>,
+    /// Not implemented; refused rather than ignored (see `unsupported`).
+    tools: Option<Value>,
+    tool_choice: Option<Value>,
+    functions: Option<Value>,
+    function_call: Option<Value>,
+    response_format: Option<Value>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -236,6 +277,33 @@ impl ApiRequest {
         })
     }
 
+    /// Refuses what this server does not implement but a client relies on:
+    /// ignoring `tools` or a JSON `response_format` would hand back text the
+    /// client cannot use, with a 200.
+    fn unsupported(&self) -> Result<(), Error> {
+        let set = |v: &Option<Value>| v.as_ref().is_some_and(|v| !v.is_null());
+        let tools = |v: &Option<Value>| set(v) && v.as_ref().and_then(Value::as_array).is_none_or(|a| !a.is_empty());
+        for (param, value) in [("tools", &self.tools), ("functions", &self.functions)] {
+            if tools(value) {
+                return Err(Error::invalid(param, format!("`{param}` is not supported: this server does not implement tool calls")));
+            }
+        }
+        // "none" (and "auto" with no tools) asks for what the server does anyway.
+        for (param, value) in [("tool_choice", &self.tool_choice), ("function_call", &self.function_call)] {
+            if set(value) && !matches!(value.as_ref().and_then(Value::as_str), Some("none" | "auto")) {
+                return Err(Error::invalid(param, format!("`{param}` is not supported: this server does not implement tool calls")));
+            }
+        }
+        if set(&self.response_format) {
+            let kind = self.response_format.as_ref().and_then(|f| f.get("type")).and_then(Value::as_str);
+            if kind != Some("text") {
+                let kind = kind.unwrap_or("unknown");
+                return Err(Error::invalid("response_format", format!("response_format of type `{kind}` is not supported: this server generates plain text only")));
+            }
+        }
+        Ok(())
+    }
+
     fn include_usage(&self) -> bool {
         self.stream_options.as_ref().and_then(|o| o.include_usage).unwrap_or(false)
     }
@@ -252,6 +320,7 @@ async fn chat_completions(State(app): State<App>, JsonBody(body): JsonBody<ApiRe
 }
 
 fn completion_request(body: &ApiRequest) -> Result<(Prompt, RequestOptions), Error> {
+    body.unsupported()?;
     if body.echo == Some(true) {
         return Err(Error::invalid("echo", "echo is not supported"));
     }
@@ -261,7 +330,10 @@ fn completion_request(body: &ApiRequest) -> Result<(Prompt, RequestOptions), Err
     if body.suffix.as_ref().is_some_and(|s| !s.is_empty()) {
         return Err(Error::invalid("suffix", "suffix is not supported"));
     }
-    let prompt = completion_prompt(body.prompt.as_ref())?;
+    let prompt = match completion_prompt(body.prompt.as_ref())? {
+        Prompt::Text(text) if body.parse_special_tokens == Some(true) => Prompt::TextWithSpecialTokens(text),
+        prompt => prompt,
+    };
     let (logprobs, top) = match &body.logprobs {
         None | Some(Value::Null) => (false, None),
         Some(Value::Bool(b)) => (*b, None),
@@ -275,6 +347,10 @@ fn completion_request(body: &ApiRequest) -> Result<(Prompt, RequestOptions), Err
 }
 
 fn chat_request(body: &ApiRequest) -> Result<(Prompt, RequestOptions), Error> {
+    body.unsupported()?;
+    if body.parse_special_tokens.is_some() {
+        return Err(Error::invalid("parse_special_tokens", "parse_special_tokens applies to /v1/completions only: chat messages are always plain text"));
+    }
     let messages = chat_messages(body.messages.as_deref())?;
     let logprobs = match &body.logprobs {
         None | Some(Value::Null) => false,
@@ -440,9 +516,11 @@ fn usage(f: &Finished) -> Value {
 
 impl App {
     async fn respond(&self, kind: Kind, prompt: Prompt, opts: RequestOptions, body: &ApiRequest) -> Result<Response, ApiError> {
+        let prompt = super::tokenized(&self.router, prompt).await.inspect_err(count_refused)?;
         let (req, permit) = self.router.admit(&prompt, opts)?;
         let prefix = if kind == Kind::Chat { "chatcmpl" } else { "cmpl" };
-        let reply = Reply { kind, id: format!("{prefix}-{}", req.id), created: unix_now(), model: self.router.model.name.clone(), include_usage: body.include_usage() };
+        // The public id, never the one the workers know (see GenerationRequest).
+        let reply = Reply { kind, id: format!("{prefix}-{}", req.public_id), created: unix_now(), model: self.router.model.name.clone(), include_usage: body.include_usage() };
         let mut events = self.router.generate(req, permit);
         // Wait for the first event before answering, so that a request the
         // workers refuse outright gets its own status rather than a 200
@@ -582,6 +660,28 @@ mod tests {
         let msgs: Vec<ApiMessage> = serde_json::from_value(json!([{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}])).unwrap();
         let e = chat_messages(Some(&msgs)).unwrap_err();
         assert!(e.to_string().contains("image_url"), "{e}");
+    }
+
+    #[test]
+    fn tools_and_response_formats_are_refused() {
+        let req = |v: Value| serde_json::from_value::<ApiRequest>(v).unwrap();
+        let fine = [json!({}), json!({"tools": null}), json!({"tools": []}), json!({"tool_choice": "none"}), json!({"response_format": {"type": "text"}})];
+        for body in fine {
+            assert!(req(body.clone()).unsupported().is_ok(), "{body}");
+        }
+        let refused = [
+            (json!({"tools": [{"type": "function", "function": {"name": "f"}}]}), "tools"),
+            (json!({"tool_choice": "required"}), "tool_choice"),
+            (json!({"tool_choice": {"type": "function", "function": {"name": "f"}}}), "tool_choice"),
+            (json!({"functions": [{"name": "f"}]}), "functions"),
+            (json!({"function_call": {"name": "f"}}), "function_call"),
+            (json!({"response_format": {"type": "json_object"}}), "response_format"),
+            (json!({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}}), "response_format"),
+        ];
+        for (body, field) in refused {
+            let e = req(body.clone()).unsupported().unwrap_err();
+            assert!(matches!(&e, Error::Invalid { param: Some(p), .. } if *p == field), "{body}: {e:?}");
+        }
     }
 
     #[test]
