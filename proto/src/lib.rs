@@ -5,6 +5,7 @@
 //! - `duplex.worker.v1`: router ↔ workers (KV leases, prefill, admit and
 //!   decode, cancel, stats). Only token ids and block numbers cross it.
 
+pub mod auth;
 pub mod convert;
 pub mod stats;
 

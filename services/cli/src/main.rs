@@ -22,7 +22,6 @@ mod serve;
 use std::io::Write;
 use std::path::{Path, PathBuf};
 
-use duplex_model::BUNDLED_MODEL;
 
 #[derive(Parser)]
 #[command(name = "duplex", version, about = "Duplex: DeepSeek-V3-family inference on one workstation")]
@@ -115,7 +114,7 @@ struct BenchArgs {
 #[derive(Args)]
 struct ModelArgs {
     /// Checkpoint directory (Hugging Face layout). Defaults to the bundled tiny model.
-    #[arg(long, default_value = BUNDLED_MODEL)]
+    #[arg(long, default_value_os_t = duplex_model::bundled_model())]
     model: PathBuf,
     /// Numeric path: f32 (reference) or bf16.
     #[arg(long, default_value = "bf16")]
@@ -269,9 +268,21 @@ fn run(cli: Cli) -> Result<()> {
     match cli.command {
         Command::Generate(args) => generate(args),
         Command::Serve(args) => serve::run(args),
-        Command::Router(args) => block_on(duplex_router::run(args.resolve()?)),
-        Command::Prefill(args) => block_on(duplex_prefill::run(args.resolve()?)),
-        Command::Decode(args) => block_on(duplex_decode::run(args.resolve()?)),
+        Command::Router(args) => {
+            let config = args.resolve()?;
+            duplex_model::check_model_dir(&config.model).map_err(anyhow::Error::msg)?;
+            block_on(duplex_router::run(config))
+        }
+        Command::Prefill(args) => {
+            let config = args.resolve()?;
+            duplex_model::check_model_dir(&config.model).map_err(anyhow::Error::msg)?;
+            block_on(duplex_prefill::run(config))
+        }
+        Command::Decode(args) => {
+            let config = args.resolve()?;
+            duplex_model::check_model_dir(&config.model).map_err(anyhow::Error::msg)?;
+            block_on(duplex_decode::run(config))
+        }
         Command::Logits(args) => logits(args),
         Command::Synth(args) => synth(args),
         Command::BenchKernels(args) => bench::kernels(args),
@@ -307,6 +318,7 @@ fn load_progress(dir: &Path) -> (ProgressBar, impl FnMut(usize, usize)) {
 
 fn generate(args: GenerateArgs) -> Result<()> {
     let dir = &args.model.model;
+    duplex_model::check_model_dir(dir).map_err(anyhow::Error::msg)?;
     let (bar, mut progress) = load_progress(dir);
     let mut engine = Engine::load(dir, args.model.dtype, args.max_context, &mut progress)
         .with_context(|| format!("loading model from {}", dir.display()))?;
@@ -404,6 +416,7 @@ fn generate(args: GenerateArgs) -> Result<()> {
 
 fn logits(args: LogitsArgs) -> Result<()> {
     let dir = &args.model.model;
+    duplex_model::check_model_dir(dir).map_err(anyhow::Error::msg)?;
     let tokens = parse_tokens(&args.tokens)?;
     let (bar, mut progress) = load_progress(dir);
     let model = Model::load(dir, &mut progress).with_context(|| format!("loading model from {}", dir.display()))?;

@@ -4,23 +4,38 @@
 //! `router` subcommands), waits until the router reports ready, prints the
 //! endpoints, and restarts any process that dies. A restarted worker attaches
 //! to the weight segment instead of reading the checkpoint again. On Ctrl-C
-//! or SIGTERM it stops the children and removes the shared segments.
+//! or SIGTERM, at any moment, it stops the children and removes the shared
+//! segments.
+//!
+//! What keeps an unlucky operator out of trouble:
+//! - the instance lock: one supervisor per instance name and shm directory,
+//!   so a second `duplex serve` never removes the segments of a live one;
+//! - the ports are checked before anything starts, so a second server on
+//!   busy ports fails at once instead of polling the first one's `/health`;
+//! - children die with the supervisor (`PR_SET_PDEATHSIG`), even under
+//!   `kill -9`, so they never linger as orphans holding the ports;
+//! - restarts back off exponentially, and a child that keeps crashing ends
+//!   `duplex serve` with its last error instead of looping for ever.
 
-use anyhow::{bail, Context, Result};
+use anyhow::{anyhow, bail, Context, Result};
 use clap::Args;
 use duplex_decode::config::DecodeArgs;
 use duplex_ipc::{KvSegment, WeightStore};
 use duplex_prefill::config::PrefillArgs;
 use duplex_router::config::RouterArgs;
-use std::path::PathBuf;
-use std::process::ExitStatus;
+use std::collections::VecDeque;
+use std::path::{Path, PathBuf};
+use std::process::{ExitStatus, Stdio};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
+use tokio::io::AsyncBufReadExt;
 use tokio::process::{Child, Command};
+use tokio::sync::watch;
 
 #[derive(Args)]
 pub struct ServeArgs {
     /// Checkpoint directory.
-    #[arg(long, default_value = duplex_model::BUNDLED_MODEL)]
+    #[arg(long, default_value_os_t = duplex_model::bundled_model())]
     model: PathBuf,
     /// Address every process listens on.
     #[arg(long, default_value = "127.0.0.1")]
@@ -43,37 +58,118 @@ pub struct ServeArgs {
     /// Give up if the server is not ready within this many seconds.
     #[arg(long, default_value_t = 600)]
     ready_timeout: u64,
+    /// Give up, exiting non-zero with its last error, when one process has
+    /// crashed this many times in a row (each within a minute of its start).
+    #[arg(long, default_value_t = 5)]
+    max_restarts: u32,
 }
 
-/// One supervised process: how to start it, and the running child.
+/// A process that runs for this long is healthy again: its next crash
+/// starts a fresh back-off.
+const HEALTHY_RUN: Duration = Duration::from_secs(60);
+/// The first restart's delay; each further crash in a row doubles it.
+const FIRST_BACKOFF: Duration = Duration::from_millis(500);
+const MAX_BACKOFF: Duration = Duration::from_secs(30);
+/// Lines of a child's stderr kept, to quote when it gives up.
+const LAST_LINES: usize = 20;
+/// How long a child is given to exit after SIGTERM before it is killed.
+const STOP_GRACE: Duration = Duration::from_secs(5);
+
+/// Whether Ctrl-C or SIGTERM has arrived. The signals are watched from the
+/// supervisor's first moment, so every wait (building the weights, the
+/// readiness poll, a restart's back-off) can end on them.
+#[derive(Clone)]
+struct Shutdown(watch::Receiver<bool>);
+
+impl Shutdown {
+    async fn install() -> Shutdown {
+        let (tx, rx) = watch::channel(false);
+        tokio::spawn(async move {
+            duplex_telemetry::process::shutdown_signal().await;
+            let _ = tx.send(true);
+        });
+        // Let the task register its signal handlers before anything else runs.
+        tokio::task::yield_now().await;
+        Shutdown(rx)
+    }
+
+    async fn requested(&mut self) {
+        let _ = self.0.wait_for(|&stop| stop).await;
+    }
+}
+
+/// Exponential back-off, capped: the delay before the `n`-th restart in a row.
+fn backoff(n: u32) -> Duration {
+    FIRST_BACKOFF.saturating_mul(1u32 << n.saturating_sub(1).min(16)).min(MAX_BACKOFF)
+}
+
+/// One supervised process: how to start it, the running child, its crashes
+/// in a row, and the last lines it wrote to stderr.
 struct Supervised {
     name: &'static str,
     args: Vec<String>,
+    /// The internal calls' secret, given in the environment.
+    token: String,
     child: Child,
-    restarts: u32,
+    started: Instant,
+    crashes: u32,
+    last_lines: Arc<Mutex<VecDeque<String>>>,
 }
 
 impl Supervised {
-    fn start(name: &'static str, args: Vec<String>) -> Result<Self> {
-        let child = spawn(name, &args)?;
-        Ok(Supervised { name, args, child, restarts: 0 })
+    fn start(name: &'static str, args: Vec<String>, token: &str) -> Result<Self> {
+        let last_lines = Arc::new(Mutex::new(VecDeque::new()));
+        let child = spawn(name, &args, token, &last_lines)?;
+        Ok(Supervised { name, args, token: token.to_string(), child, started: Instant::now(), crashes: 0, last_lines })
     }
 
-    async fn restart(&mut self, status: ExitStatus) -> Result<()> {
-        self.restarts += 1;
-        // Back off if it keeps dying, so a crash loop does not spin.
-        let delay = Duration::from_millis(250 * u64::from(self.restarts.min(40)));
-        eprintln!("duplex serve: the {} exited ({status}); restarting it in {:.1} s", self.name, delay.as_secs_f64());
-        tokio::time::sleep(delay).await;
-        self.child = spawn(self.name, &self.args)?;
-        Ok(())
+    fn last_error(&self) -> String {
+        let lines = self.last_lines.lock().unwrap_or_else(|e| e.into_inner());
+        if lines.is_empty() {
+            "(it wrote nothing to stderr)".into()
+        } else {
+            lines.iter().cloned().collect::<Vec<_>>().join("\n")
+        }
     }
 }
 
-fn spawn(name: &str, args: &[String]) -> Result<Child> {
+fn spawn(name: &str, args: &[String], token: &str, last_lines: &Arc<Mutex<VecDeque<String>>>) -> Result<Child> {
     let exe = std::env::current_exe().context("cannot find the duplex executable")?;
-    let child = Command::new(exe).args(args).kill_on_drop(true).spawn().with_context(|| format!("cannot start the {name}"))?;
+    let mut command = Command::new(exe);
+    command.args(args).env(duplex_proto::auth::TOKEN_ENV, token).kill_on_drop(true).stderr(Stdio::piped());
+    let supervisor = std::process::id();
+    // SAFETY: between fork and exec only async-signal-safe calls are made
+    // (prctl, getppid, _exit), as `pre_exec` requires.
+    unsafe {
+        command.pre_exec(move || {
+            // The child gets SIGTERM when the supervisor dies, however it
+            // dies. The supervisor runs on one thread (a current-thread
+            // runtime), and PDEATHSIG follows the thread that forked.
+            nix::sys::prctl::set_pdeathsig(nix::sys::signal::Signal::SIGTERM).map_err(std::io::Error::from)?;
+            // The supervisor may have died before the line above.
+            if std::os::unix::process::parent_id() != supervisor {
+                nix::libc::_exit(1);
+            }
+            Ok(())
+        });
+    }
+    let mut child = command.spawn().with_context(|| format!("cannot start the {name}"))?;
     eprintln!("duplex serve: started the {name} (pid {})", child.id().unwrap_or(0));
+    // Pass its stderr through, keeping the last lines to quote should it give up.
+    if let Some(stderr) = child.stderr.take() {
+        let last_lines = last_lines.clone();
+        tokio::spawn(async move {
+            let mut lines = tokio::io::BufReader::new(stderr).lines();
+            while let Ok(Some(line)) = lines.next_line().await {
+                eprintln!("{line}");
+                let mut kept = last_lines.lock().unwrap_or_else(|e| e.into_inner());
+                if kept.len() == LAST_LINES {
+                    kept.pop_front();
+                }
+                kept.push_back(line);
+            }
+        });
+    }
     Ok(child)
 }
 
@@ -81,12 +177,111 @@ fn flag(name: &str, value: impl ToString) -> [String; 2] {
     [format!("--{name}"), value.to_string()]
 }
 
+/// `host:port` for a URL: an IPv6 address goes in brackets.
+fn url_authority(host: &str, port: u16) -> String {
+    if host.contains(':') && !host.starts_with('[') {
+        format!("[{host}]:{port}")
+    } else {
+        format!("{host}:{port}")
+    }
+}
+
 pub fn run(args: ServeArgs) -> Result<()> {
-    let runtime = tokio::runtime::Runtime::new()?;
-    runtime.block_on(supervise(args))
+    // One thread: the children's death signal is tied to the thread that
+    // forked them, which must therefore live as long as the supervisor.
+    let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+    let result = runtime.block_on(supervise(args));
+    // A weight build interrupted by a signal may still be running on a
+    // blocking thread: do not wait for it.
+    runtime.shutdown_background();
+    result
+}
+
+/// Held while `duplex serve` runs: `<shm_dir>/<instance>.serve.lock`. A
+/// second supervisor of the same instance would remove the first one's
+/// segments when it stops; it is refused at once instead.
+struct InstanceLock {
+    path: PathBuf,
+    _file: std::fs::File,
+}
+
+impl InstanceLock {
+    fn take(shm_dir: &Path, instance: &str) -> Result<InstanceLock> {
+        std::fs::create_dir_all(shm_dir).with_context(|| format!("cannot create {}", shm_dir.display()))?;
+        let path = shm_dir.join(format!("{instance}.serve.lock"));
+        let file = std::fs::File::options().create(true).truncate(false).write(true).open(&path).with_context(|| format!("cannot open {}", path.display()))?;
+        match file.try_lock() {
+            Ok(()) => Ok(InstanceLock { path, _file: file }),
+            Err(std::fs::TryLockError::WouldBlock) => bail!(
+                "instance {instance:?} is already being served from {} (its lock {} is held); stop that server, or give this one another --instance",
+                shm_dir.display(),
+                path.display()
+            ),
+            Err(std::fs::TryLockError::Error(e)) => Err(e).with_context(|| format!("cannot lock {}", path.display())),
+        }
+    }
+}
+
+impl Drop for InstanceLock {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.path);
+    }
+}
+
+/// `<shm_dir>/<instance>.sockets/`, mode 0700: the workers' Unix sockets.
+/// Only this user's processes can connect to them, and the internal secret
+/// is checked on top. Removed when dropped; one left by a dead supervisor is
+/// replaced (the instance lock says there is no live one).
+struct SocketDir(PathBuf);
+
+impl SocketDir {
+    fn create(shm_dir: &Path, instance: &str) -> Result<SocketDir> {
+        use std::os::unix::fs::DirBuilderExt;
+        let path = shm_dir.join(format!("{instance}.sockets"));
+        if path.exists() {
+            std::fs::remove_dir_all(&path).with_context(|| format!("cannot remove the stale {}", path.display()))?;
+        }
+        std::fs::DirBuilder::new().mode(0o700).create(&path).with_context(|| format!("cannot create {}", path.display()))?;
+        Ok(SocketDir(path))
+    }
+
+    fn decode(&self) -> PathBuf {
+        self.0.join("decode.sock")
+    }
+
+    fn prefill(&self) -> PathBuf {
+        self.0.join("prefill.sock")
+    }
+}
+
+impl Drop for SocketDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// Fail at once, naming the address, if any port is taken: otherwise the
+/// router would die on it after the weights were built, and the readiness
+/// poll might even be answered by the server already on that port.
+fn check_ports_free(host: &str, ports: &[(&str, u16)]) -> Result<()> {
+    for &(what, port) in ports {
+        if port == 0 {
+            continue;
+        }
+        let addr = url_authority(host, port);
+        if let Err(e) = std::net::TcpListener::bind((host, port)) {
+            if e.kind() == std::io::ErrorKind::AddrInUse {
+                bail!("cannot listen on {addr} ({what}): address in use; is another server running there? Stop it or choose another port");
+            }
+            return Err(e).with_context(|| format!("cannot listen on {addr} ({what})"));
+        }
+    }
+    Ok(())
 }
 
 async fn supervise(a: ServeArgs) -> Result<()> {
+    let mut stop = Shutdown::install().await;
+    duplex_model::check_model_dir(&a.model).map_err(anyhow::Error::msg)?;
     let shm_dir = a.shm_dir.clone().unwrap_or_else(duplex_ipc::default_shm_dir);
     // What each process will run with: its section of the config file under
     // the flags given here.
@@ -96,10 +291,48 @@ async fn supervise(a: ServeArgs) -> Result<()> {
     let router = RouterArgs { config: config(), ..RouterArgs::default() }.resolve()?;
     let http_port = a.http_port.unwrap_or(router.http_port);
     let grpc_port = a.grpc_port.unwrap_or(router.grpc_port);
+    // The workers take internal calls on Unix sockets, not TCP ports.
+    check_ports_free(
+        &a.host,
+        &[("HTTP", http_port), ("gRPC", grpc_port), ("decode worker metrics", decode.metrics_port), ("prefill worker metrics", prefill.metrics_port)],
+    )?;
+    let instance_lock = InstanceLock::take(&shm_dir, &a.instance)?;
+    let sockets = match SocketDir::create(&shm_dir, &a.instance) {
+        Ok(s) => s,
+        Err(e) => {
+            drop(instance_lock);
+            return Err(e);
+        }
+    };
 
     let started = Instant::now();
     let weights = duplex_ipc::weight_segment_name(&a.instance);
-    let (store, provenance) = tokio::task::block_in_place(|| WeightStore::open_or_build(&shm_dir, &weights, &a.model))?;
+    let build = {
+        let (shm_dir, weights, model) = (shm_dir.clone(), weights.clone(), a.model.clone());
+        tokio::task::spawn_blocking(move || {
+            let mut progress = duplex_telemetry::progress::ByteProgress::new("duplex serve: building the weight segment");
+            let r = WeightStore::open_or_build_reporting(&shm_dir, &weights, &model, &mut |done, total| progress.update(done, total));
+            progress.finish();
+            r
+        })
+    };
+    let built = tokio::select! {
+        r = build => r.context("the weight segment's builder panicked")?,
+        _ = stop.requested() => {
+            // The build goes on for the moments until the process exits;
+            // what it wrote is removed now.
+            let _ = WeightStore::remove(&shm_dir, &weights);
+            drop(instance_lock);
+            bail!("interrupted while building the weight segment");
+        }
+    };
+    let (store, provenance) = match built {
+        Ok(b) => b,
+        Err(e) => {
+            drop(instance_lock);
+            return Err(e.into());
+        }
+    };
     eprintln!(
         "duplex serve: weight segment {} ({:.1} MiB) {provenance:?} in {:.2} s",
         store.path().display(),
@@ -124,47 +357,81 @@ async fn supervise(a: ServeArgs) -> Result<()> {
         v
     };
     let mut decode_args = worker("decode");
-    decode_args.extend(flag("port", decode.port));
+    decode_args.extend(flag("unix-socket", sockets.decode().display()));
     let mut prefill_args = worker("prefill");
-    prefill_args.extend(flag("port", prefill.port));
+    prefill_args.extend(flag("unix-socket", sockets.prefill().display()));
     let mut router_args = common("router");
     router_args.extend(flag("http-port", http_port));
     router_args.extend(flag("grpc-port", grpc_port));
-    router_args.extend(flag("decode-worker", format!("http://{}:{}", a.host, decode.port)));
-    router_args.extend(flag("prefill-worker", format!("http://{}:{}", a.host, prefill.port)));
+    router_args.extend(flag("decode-worker", format!("unix:{}", sockets.decode().display())));
+    router_args.extend(flag("prefill-worker", format!("unix:{}", sockets.prefill().display())));
 
-    let mut children = vec![
-        Supervised::start("decode worker", decode_args)?,
-        Supervised::start("prefill worker", prefill_args)?,
-        Supervised::start("router", router_args)?,
-    ];
+    // Router ↔ worker calls carry this secret (see `duplex_proto::auth`):
+    // the operator's, when given, else a fresh one per start.
+    let token = duplex_proto::auth::token_from_env().unwrap_or_else(duplex_proto::auth::new_token);
+    let mut children = Vec::new();
+    for (name, args) in [("decode worker", decode_args), ("prefill worker", prefill_args), ("router", router_args)] {
+        match Supervised::start(name, args, &token) {
+            Ok(c) => children.push(c),
+            Err(e) => {
+                shutdown(&mut children, &shm_dir, &a.instance).await;
+                return Err(e);
+            }
+        }
+    }
 
     let result = tokio::select! {
         r = wait_ready(&a.host, http_port, Duration::from_secs(a.ready_timeout), &mut children) => r,
-        _ = duplex_telemetry::process::shutdown_signal() => Err(anyhow::anyhow!("interrupted before the server was ready")),
+        _ = stop.requested() => Err(anyhow!("interrupted before the server was ready")),
     };
     if let Err(e) = result {
         shutdown(&mut children, &shm_dir, &a.instance).await;
         return Err(e);
     }
+    let http = url_authority(&a.host, http_port);
     println!("Duplex is ready: model {}", a.model.display());
-    println!("  OpenAI HTTP  http://{}:{http_port}/v1  (health /health, metrics /metrics)", a.host);
-    println!("  gRPC         {}:{grpc_port}  (duplex.v1.Generation, grpc.health.v1, reflection)", a.host);
+    println!("  OpenAI HTTP  http://{http}/v1  (health /health, metrics /metrics)");
+    println!("  gRPC         {}  (duplex.v1.Generation, grpc.health.v1, reflection)", url_authority(&a.host, grpc_port));
     if decode.metrics_port != 0 || prefill.metrics_port != 0 {
-        println!("  worker metrics  http://{}:{}/metrics (decode), http://{}:{}/metrics (prefill)", a.host, decode.metrics_port, a.host, prefill.metrics_port);
+        println!(
+            "  worker metrics  http://{}/metrics (decode), http://{}/metrics (prefill)",
+            url_authority(&a.host, decode.metrics_port),
+            url_authority(&a.host, prefill.metrics_port)
+        );
     }
 
-    loop {
-        tokio::select! {
-            (i, status) = first_exit(&mut children) => {
-                let status = status?;
-                children[i].restart(status).await?;
-            }
-            _ = duplex_telemetry::process::shutdown_signal() => break,
-        }
-    }
+    let outcome = supervise_running(&mut children, &mut stop, a.max_restarts).await;
     shutdown(&mut children, &shm_dir, &a.instance).await;
-    Ok(())
+    drop(sockets);
+    drop(instance_lock);
+    outcome
+}
+
+/// Restart children as they die, until a signal (Ok) or a crash loop (Err).
+async fn supervise_running(children: &mut [Supervised], stop: &mut Shutdown, max_restarts: u32) -> Result<()> {
+    loop {
+        let (i, status) = tokio::select! {
+            exit = first_exit(children) => exit,
+            _ = stop.requested() => return Ok(()),
+        };
+        let status = status?;
+        let c = &mut children[i];
+        if c.started.elapsed() >= HEALTHY_RUN {
+            c.crashes = 0;
+        }
+        c.crashes += 1;
+        if c.crashes > max_restarts {
+            bail!("the {} crashed {} times in a row (last: {status}); giving up. Its last error:\n{}", c.name, c.crashes, c.last_error());
+        }
+        let delay = backoff(c.crashes);
+        eprintln!("duplex serve: the {} exited ({status}); restarting it in {:.1} s (crash {} of at most {max_restarts} in a row)", c.name, delay.as_secs_f64(), c.crashes);
+        tokio::select! {
+            _ = tokio::time::sleep(delay) => {}
+            _ = stop.requested() => return Ok(()),
+        }
+        c.child = spawn(c.name, &c.args, &c.token, &c.last_lines)?;
+        c.started = Instant::now();
+    }
 }
 
 /// The index and exit status of the first child to exit.
@@ -175,13 +442,13 @@ async fn first_exit(children: &mut [Supervised]) -> (usize, std::io::Result<Exit
 
 /// Poll the router's `/health` until it answers 200 (both workers ready).
 async fn wait_ready(host: &str, http_port: u16, timeout: Duration, children: &mut [Supervised]) -> Result<()> {
-    let url = format!("http://{host}:{http_port}/health");
+    let url = format!("http://{}/health", url_authority(host, http_port));
     let client = reqwest::Client::new();
     let deadline = Instant::now() + timeout;
     loop {
         for c in children.iter_mut() {
             if let Some(status) = c.child.try_wait()? {
-                bail!("the {} exited ({status}) before the server was ready", c.name);
+                bail!("the {} exited ({status}) before the server was ready. Its last error:\n{}", c.name, c.last_error());
             }
         }
         if let Ok(r) = client.get(&url).timeout(Duration::from_secs(2)).send().await {
@@ -197,19 +464,44 @@ async fn wait_ready(host: &str, http_port: u16, timeout: Duration, children: &mu
 }
 
 /// SIGTERM every child, wait for them (killing stragglers), then remove the
-/// shared segments: a clean shutdown leaves nothing in /dev/shm.
-async fn shutdown(children: &mut [Supervised], shm_dir: &std::path::Path, instance: &str) {
+/// shared segments: a clean shutdown leaves nothing in /dev/shm. The KV
+/// segment is removed only if its owner (the decode worker) is dead.
+async fn shutdown(children: &mut [Supervised], shm_dir: &Path, instance: &str) {
     eprintln!("duplex serve: shutting down");
     for c in children.iter() {
         if let Some(pid) = c.child.id() {
             let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid as i32), nix::sys::signal::Signal::SIGTERM);
         }
     }
-    for c in children.iter_mut() {
-        if tokio::time::timeout(Duration::from_secs(10), c.child.wait()).await.is_err() {
+    let waits = children.iter_mut().map(|c| async move {
+        if tokio::time::timeout(STOP_GRACE, c.child.wait()).await.is_err() {
+            eprintln!("duplex serve: the {} did not stop within {} s; killing it", c.name, STOP_GRACE.as_secs());
             let _ = c.child.kill().await;
         }
-    }
+    });
+    futures::future::join_all(waits).await;
     let _ = WeightStore::remove(shm_dir, &duplex_ipc::weight_segment_name(instance));
-    let _ = KvSegment::remove(shm_dir, &duplex_ipc::kv_segment_name(instance));
+    match KvSegment::remove_if_unowned(shm_dir, &duplex_ipc::kv_segment_name(instance)) {
+        Ok(true) => {}
+        Ok(false) => eprintln!("duplex serve: the KV segment is still owned by a live process; left in place"),
+        Err(e) => eprintln!("duplex serve: cannot remove the KV segment: {e}"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn backoff_doubles_and_is_capped() {
+        let d: Vec<u64> = (1..=9).map(|n| backoff(n).as_millis() as u64).collect();
+        assert_eq!(d, [500, 1000, 2000, 4000, 8000, 16000, 30000, 30000, 30000]);
+    }
+
+    #[test]
+    fn ipv6_hosts_are_bracketed_in_urls() {
+        assert_eq!(url_authority("::1", 80), "[::1]:80");
+        assert_eq!(url_authority("127.0.0.1", 80), "127.0.0.1:80");
+        assert_eq!(url_authority("localhost", 80), "localhost:80");
+    }
 }

@@ -131,3 +131,33 @@ fn bench_engine_is_the_engine_benchmark_and_bench_the_load_generator() {
         assert!(stdout.contains(needle), "{needle:?} missing from:\n{stdout}");
     }
 }
+
+/// A copy of the binary installed under `<prefix>/bin`, with the bundled
+/// model under `<prefix>/share/duplex/tiny-dsv3`, finds that model, wherever
+/// it is run from: the default is resolved at run time, not compiled in.
+#[test]
+fn an_installed_binary_finds_the_bundled_model_beside_it() {
+    let prefix = tempfile::tempdir().unwrap();
+    std::fs::create_dir_all(prefix.path().join("bin")).unwrap();
+    let share = prefix.path().join("share/duplex/tiny-dsv3");
+    std::fs::create_dir_all(&share).unwrap();
+    for entry in std::fs::read_dir(fixture()).unwrap() {
+        let entry = entry.unwrap();
+        std::fs::copy(entry.path(), share.join(entry.file_name())).unwrap();
+    }
+    let exe = prefix.path().join("bin/duplex");
+    std::fs::copy(env!("CARGO_BIN_EXE_duplex"), &exe).unwrap();
+    let out = Command::new(&exe).args(["generate", "--help"]).current_dir("/").output().unwrap();
+    let help = String::from_utf8_lossy(&out.stdout);
+    assert!(help.contains(&share.display().to_string()), "the default model should be the installed copy:\n{help}");
+    let out = Command::new(&exe).args(["generate", "--tokens", "1,2,3", "--max-tokens", "2", "--json"]).current_dir("/").output().unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+}
+
+#[test]
+fn a_missing_model_directory_is_a_clear_error() {
+    let out = duplex(&["generate", "--model", "/nonexistent/model", "--tokens", "1"]);
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("/nonexistent/model is not a model directory"), "{err}");
+}

@@ -12,6 +12,11 @@ pub struct DecodeConfig {
     pub host: String,
     /// Internal gRPC port the router calls.
     pub port: u16,
+    /// Take the internal gRPC calls on this Unix socket instead of
+    /// `host:port` (what `duplex serve` does: only processes that may open
+    /// the socket's directory can connect).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub unix_socket: Option<PathBuf>,
     /// Port of this process's Prometheus `/metrics`; 0 turns it off.
     pub metrics_port: u16,
     /// tmpfs directory holding the shared weight and KV segments.
@@ -53,9 +58,10 @@ impl DecodeConfig {
 impl Default for DecodeConfig {
     fn default() -> Self {
         DecodeConfig {
-            model: PathBuf::from(duplex_model::BUNDLED_MODEL),
+            model: duplex_model::bundled_model(),
             host: "127.0.0.1".into(),
             port: 50061,
+            unix_socket: None,
             metrics_port: 9161,
             shm_dir: duplex_ipc::default_shm_dir(),
             instance: "duplex".into(),
@@ -88,6 +94,9 @@ pub struct DecodeArgs {
     /// Internal gRPC port [default: 50061].
     #[arg(long)]
     pub port: Option<u16>,
+    /// Listen on this Unix socket instead of host:port [default: none].
+    #[arg(long)]
+    pub unix_socket: Option<PathBuf>,
     /// Prometheus /metrics port, 0 for none [default: 9161].
     #[arg(long)]
     pub metrics_port: Option<u16>,
@@ -134,6 +143,9 @@ impl DecodeArgs {
         };
         macro_rules! take {
             ($($field:ident),*) => { $(if let Some(v) = self.$field { c.$field = v; })* };
+        }
+        if let Some(path) = self.unix_socket {
+            c.unix_socket = Some(path);
         }
         take!(model, host, port, metrics_port, shm_dir, instance, context_length, kv_blocks, max_batch_size, prefill_chunk_tokens, lease_timeout_seconds, max_waiting_requests, dtype, threads, numa_nodes);
         if c.max_batch_size == 0 || c.prefill_chunk_tokens == 0 {

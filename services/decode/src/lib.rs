@@ -21,34 +21,35 @@ use duplex_proto::stats::StatsCell;
 use std::future::Future;
 use std::sync::Arc;
 use std::time::Instant;
-use tokio::net::TcpListener;
+use duplex_telemetry::process::Listener;
 
 /// Serve on `listener` until `shutdown` resolves. Loads the model first; the
 /// router sees the worker as ready once `Stats` answers.
-pub async fn serve(config: DecodeConfig, listener: TcpListener, shutdown: impl Future<Output = ()> + Send + 'static) -> anyhow::Result<()> {
+pub async fn serve(config: DecodeConfig, listener: impl Into<Listener>, shutdown: impl Future<Output = ()> + Send + 'static) -> anyhow::Result<()> {
+    let listener = listener.into();
     let cfg = config.clone();
     let (batcher, stats, vocab, context) = tokio::task::spawn_blocking(move || start_engine(&cfg)).await??;
     let (commands, receiver) = std::sync::mpsc::channel();
     std::thread::Builder::new().name("decode-engine".into()).spawn(move || batcher.run(receiver))?;
     let service = server::DecodeService::new(commands, stats, vocab, context);
-    tracing::info!("decode worker serving on {}", listener.local_addr()?);
-    tonic::transport::Server::builder()
-        .add_service(DecodeWorkerServer::new(service))
-        .serve_with_incoming_shutdown(tokio_stream::wrappers::TcpListenerStream::new(listener), shutdown)
-        .await?;
+    tracing::info!("decode worker serving on {listener}");
+    let router = tonic::transport::Server::builder().add_service(DecodeWorkerServer::with_interceptor(service, duplex_proto::auth::CheckToken::from_env()));
+    duplex_telemetry::process::serve_grpc(router, listener, shutdown).await?;
     Ok(())
 }
 
 /// Bind, export metrics, serve until Ctrl-C or SIGTERM.
 pub async fn run(config: DecodeConfig) -> anyhow::Result<()> {
-    let listener = duplex_telemetry::process::start_worker(&config.host, config.port, config.metrics_port).await?;
+    let listener = duplex_telemetry::process::start_worker_on(&config.host, config.port, config.unix_socket.as_deref(), config.metrics_port).await?;
     serve(config, listener, duplex_telemetry::process::shutdown_signal()).await
 }
 
 fn start_engine(cfg: &DecodeConfig) -> anyhow::Result<(Batcher, Arc<StatsCell>, usize, usize)> {
     let started = Instant::now();
     let pool = PoolConfig::split(cfg.threads, cfg.numa_nodes).map_err(|e| anyhow::anyhow!("threads/numa_nodes: {e}"))?;
-    let (model, store, provenance) = duplex_ipc::open_shared_model(&cfg.shm_dir, &cfg.instance, &cfg.model, &pool)?;
+    let mut progress = duplex_telemetry::progress::ByteProgress::new("building the weight segment");
+    let (model, store, provenance) = duplex_ipc::open_shared_model(&cfg.shm_dir, &cfg.instance, &cfg.model, &pool, &mut |done, total| progress.update(done, total))?;
+    progress.finish();
     tracing::info!("weight segment {} {provenance:?} and model loaded in {:.3} s ({} bytes)", store.path().display(), started.elapsed().as_secs_f64(), store.size_bytes());
     metrics::gauge!(duplex_telemetry::WEIGHT_SEGMENT_BYTES).set(store.size_bytes() as f64);
     let max_context = model.cfg.max_position_embeddings;

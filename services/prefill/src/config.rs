@@ -12,6 +12,11 @@ pub struct PrefillConfig {
     pub host: String,
     /// Internal gRPC port the router calls.
     pub port: u16,
+    /// Take the internal gRPC calls on this Unix socket instead of
+    /// `host:port` (what `duplex serve` does: only processes that may open
+    /// the socket's directory can connect).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub unix_socket: Option<PathBuf>,
     /// Port of this process's Prometheus `/metrics`; 0 turns it off.
     pub metrics_port: u16,
     /// tmpfs directory holding the shared weight and KV segments.
@@ -81,9 +86,10 @@ impl PrefillConfig {
 impl Default for PrefillConfig {
     fn default() -> Self {
         PrefillConfig {
-            model: PathBuf::from(duplex_model::BUNDLED_MODEL),
+            model: duplex_model::bundled_model(),
             host: "127.0.0.1".into(),
             port: 50071,
+            unix_socket: None,
             metrics_port: 9171,
             shm_dir: duplex_ipc::default_shm_dir(),
             instance: "duplex".into(),
@@ -119,6 +125,9 @@ pub struct PrefillArgs {
     /// Internal gRPC port [default: 50071].
     #[arg(long)]
     pub port: Option<u16>,
+    /// Listen on this Unix socket instead of host:port [default: none].
+    #[arg(long)]
+    pub unix_socket: Option<PathBuf>,
     /// Prometheus /metrics port, 0 for none [default: 9171].
     #[arg(long)]
     pub metrics_port: Option<u16>,
@@ -174,6 +183,9 @@ impl PrefillArgs {
         };
         macro_rules! take {
             ($($field:ident),*) => { $(if let Some(v) = self.$field { c.$field = v; })* };
+        }
+        if let Some(path) = self.unix_socket {
+            c.unix_socket = Some(path);
         }
         take!(model, host, port, metrics_port, shm_dir, instance, chunk_tokens, dtype, threads, numa_nodes);
         take!(device, slp_threshold_tokens, device_memory_mib, cuda_device, emulated_h2d_gb_per_s, ring_slots, ring_turning_point_tokens, dense_budget_mib);

@@ -20,11 +20,14 @@ use duplex_proto::worker::{KvLease, PrefillResponse, SampledToken as WireToken};
 use duplex_telemetry as names;
 use std::collections::VecDeque;
 use std::path::PathBuf;
-use std::sync::mpsc::Receiver;
+use std::sync::mpsc::{Receiver, RecvTimeoutError};
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 use tokio::sync::oneshot;
 use tonic::Status;
+
+/// How often an idle engine checks whether its KV segment was removed.
+const KV_WATCH_INTERVAL: Duration = Duration::from_millis(500);
 
 pub struct Job {
     pub request_id: String,
@@ -52,7 +55,14 @@ struct Current {
 pub struct KvSource {
     pub shm_dir: PathBuf,
     pub name: String,
-    attached: Option<(KvPool, u64)>,
+    attached: Option<Attached>,
+}
+
+/// A mapped KV segment: its pool, its epoch, and a watch on its file.
+struct Attached {
+    pool: KvPool,
+    epoch: u64,
+    watch: duplex_ipc::LinkWatch,
 }
 
 impl KvSource {
@@ -63,17 +73,30 @@ impl KvSource {
     /// The pool of epoch `epoch`: the decode worker makes a new segment when
     /// it restarts, so map it again when a lease names another epoch.
     fn pool(&mut self, epoch: u64) -> Result<&mut KvPool, Status> {
-        if self.attached.as_ref().is_none_or(|(_, e)| *e != epoch) {
+        self.release_if_unlinked();
+        if self.attached.as_ref().is_none_or(|a| a.epoch != epoch) {
             self.attached = None;
             let segment = KvSegment::attach(&self.shm_dir, &self.name).map_err(|e| Status::unavailable(format!("cannot map the KV pool: {e}")))?;
             let found = segment.epoch();
             if found != epoch {
                 return Err(Status::failed_precondition(format!("KV lease is for pool epoch {epoch}, but the pool is now epoch {found} (the decode worker restarted)")));
             }
+            let watch = segment.link_watch().map_err(|e| Status::unavailable(e.to_string()))?;
             let pool = segment.into_pool(false).map_err(|e| Status::unavailable(e.to_string()))?;
-            self.attached = Some((pool, found));
+            self.attached = Some(Attached { pool, epoch: found, watch });
         }
-        Ok(&mut self.attached.as_mut().expect("attached above").0)
+        Ok(&mut self.attached.as_mut().expect("attached above").pool)
+    }
+
+    /// Unmap a segment whose file is gone: its decode worker died (or
+    /// restarted), and while this mapping lives its pages cannot return to
+    /// the tmpfs, so a restarted decode worker on a small /dev/shm would find
+    /// no room for its new segment.
+    pub fn release_if_unlinked(&mut self) {
+        if self.attached.as_ref().is_some_and(|a| a.watch.is_unlinked()) {
+            tracing::info!("the KV segment of epoch {} was removed; unmapping it", self.attached.as_ref().map_or(0, |a| a.epoch));
+            self.attached = None;
+        }
     }
 
 }
@@ -109,9 +132,14 @@ impl Engine {
     pub fn run(mut self, commands: Receiver<Command>) {
         loop {
             if self.inbox.queue.is_empty() {
-                match commands.recv() {
+                // Idle: wake now and then to let go of a removed KV segment.
+                match commands.recv_timeout(KV_WATCH_INTERVAL) {
                     Ok(c) => self.inbox.handle(c),
-                    Err(_) => return,
+                    Err(RecvTimeoutError::Timeout) => {
+                        self.kv.release_if_unlinked();
+                        continue;
+                    }
+                    Err(RecvTimeoutError::Disconnected) => return,
                 }
             }
             self.inbox.drain(&commands);
@@ -130,6 +158,8 @@ impl Engine {
         for waiter in self.inbox.current.take().map(|c| c.waiters).unwrap_or_default() {
             let _ = waiter.send(true);
         }
+        // `Stats` must say idle as soon as the job ends, not at the next command.
+        StatsCell::set(&self.inbox.stats.running, 0);
         let _ = job.reply.send(result);
     }
 

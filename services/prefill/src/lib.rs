@@ -24,31 +24,32 @@ use duplex_proto::stats::StatsCell;
 use std::future::Future;
 use std::sync::Arc;
 use std::time::Instant;
-use tokio::net::TcpListener;
+use duplex_telemetry::process::Listener;
 
 /// Serve on `listener` until `shutdown` resolves. Loads the model first.
-pub async fn serve(config: PrefillConfig, listener: TcpListener, shutdown: impl Future<Output = ()> + Send + 'static) -> anyhow::Result<()> {
+pub async fn serve(config: PrefillConfig, listener: impl Into<Listener>, shutdown: impl Future<Output = ()> + Send + 'static) -> anyhow::Result<()> {
+    let listener = listener.into();
     let (engine, stats) = tokio::task::spawn_blocking(move || start_engine(&config)).await??;
     let (commands, receiver) = std::sync::mpsc::channel();
     std::thread::Builder::new().name("prefill-engine".into()).spawn(move || engine.run(receiver))?;
-    tracing::info!("prefill worker serving on {}", listener.local_addr()?);
-    tonic::transport::Server::builder()
-        .add_service(PrefillWorkerServer::new(server::PrefillService::new(commands, stats)))
-        .serve_with_incoming_shutdown(tokio_stream::wrappers::TcpListenerStream::new(listener), shutdown)
-        .await?;
+    tracing::info!("prefill worker serving on {listener}");
+    let router = tonic::transport::Server::builder().add_service(PrefillWorkerServer::with_interceptor(server::PrefillService::new(commands, stats), duplex_proto::auth::CheckToken::from_env()));
+    duplex_telemetry::process::serve_grpc(router, listener, shutdown).await?;
     Ok(())
 }
 
 /// Bind, export metrics, serve until Ctrl-C or SIGTERM.
 pub async fn run(config: PrefillConfig) -> anyhow::Result<()> {
-    let listener = duplex_telemetry::process::start_worker(&config.host, config.port, config.metrics_port).await?;
+    let listener = duplex_telemetry::process::start_worker_on(&config.host, config.port, config.unix_socket.as_deref(), config.metrics_port).await?;
     serve(config, listener, duplex_telemetry::process::shutdown_signal()).await
 }
 
 fn start_engine(cfg: &PrefillConfig) -> anyhow::Result<(Engine, Arc<StatsCell>)> {
     let started = Instant::now();
     let pool = PoolConfig::split(cfg.threads, cfg.numa_nodes).map_err(|e| anyhow::anyhow!("threads/numa_nodes: {e}"))?;
-    let (model, store, provenance) = duplex_ipc::open_shared_model(&cfg.shm_dir, &cfg.instance, &cfg.model, &pool)?;
+    let mut progress = duplex_telemetry::progress::ByteProgress::new("building the weight segment");
+    let (model, store, provenance) = duplex_ipc::open_shared_model(&cfg.shm_dir, &cfg.instance, &cfg.model, &pool, &mut |done, total| progress.update(done, total))?;
+    progress.finish();
     tracing::info!("weight segment {} {provenance:?} and model loaded in {:.3} s ({} bytes)", store.path().display(), started.elapsed().as_secs_f64(), store.size_bytes());
     metrics::gauge!(duplex_telemetry::WEIGHT_SEGMENT_BYTES).set(store.size_bytes() as f64);
     let kv = KvSource::new(cfg.shm_dir.clone(), duplex_ipc::kv_segment_name(&cfg.instance));

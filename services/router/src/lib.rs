@@ -40,8 +40,9 @@ use tokio::net::TcpListener;
 pub async fn run(config: RouterConfig) -> anyhow::Result<()> {
     duplex_telemetry::init_logging();
     let bind = |port: u16| {
-        let addr = format!("{}:{port}", config.host);
-        async move { TcpListener::bind(&addr).await.with_context(|| format!("cannot listen on {addr}")) }
+        // A (host, port) pair takes IPv4, IPv6 (`::1`, unbracketed) and names.
+        let host = config.host.clone();
+        async move { TcpListener::bind((host.as_str(), port)).await.with_context(|| format!("cannot listen on {host} port {port}")) }
     };
     let http = bind(config.http_port).await?;
     let grpc = bind(config.grpc_port).await?;

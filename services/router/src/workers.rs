@@ -16,6 +16,8 @@ use duplex_proto::worker::{
 use std::future::Future;
 use std::time::{Duration, Instant};
 use tokio::sync::watch;
+use duplex_proto::auth::AddToken;
+use tonic::service::interceptor::InterceptedService;
 use tonic::transport::{Channel, Endpoint};
 use tonic::{Response, Status, Streaming};
 use tonic_health::server::HealthReporter;
@@ -123,9 +125,12 @@ impl StallWatch {
     }
 }
 
+/// A worker connection whose every call carries the internal secret.
+type Authed = InterceptedService<Channel, AddToken>;
+
 pub struct Workers {
-    decode: DecodeWorkerClient<Channel>,
-    prefill: PrefillWorkerClient<Channel>,
+    decode: DecodeWorkerClient<Authed>,
+    prefill: PrefillWorkerClient<Authed>,
     timeout: Duration,
     prefill_timeout: Duration,
     kv_wait_timeout: Duration,
@@ -140,8 +145,8 @@ impl Workers {
         let timeout = config.worker_timeout();
         let never_polled = || Err("not polled yet".to_string());
         Ok(Workers {
-            decode: DecodeWorkerClient::new(channel("decode", &config.decode_worker, timeout)?),
-            prefill: PrefillWorkerClient::new(channel("prefill", &config.prefill_worker, timeout)?),
+            decode: DecodeWorkerClient::with_interceptor(channel("decode", &config.decode_worker, timeout)?, AddToken::from_env()),
+            prefill: PrefillWorkerClient::with_interceptor(channel("prefill", &config.prefill_worker, timeout)?, AddToken::from_env()),
             timeout,
             prefill_timeout: config.prefill_timeout(),
             kv_wait_timeout: config.kv_wait_timeout(),
@@ -228,18 +233,31 @@ impl Workers {
     }
 }
 
+/// A lazy connection to `address`: `unix:/path/to.sock`, a URL, or a bare
+/// `host:port`.
 fn channel(worker: &'static str, address: &str, timeout: Duration) -> Result<Channel, AddressError> {
-    // Accept a bare "host:port" as well as a URL.
-    let url = if address.contains("://") { address.to_string() } else { format!("http://{address}") };
+    let unix = address.strip_prefix("unix:").map(std::path::PathBuf::from);
+    // A Unix socket's endpoint URL names no host; the connector below dials.
+    let url = match &unix {
+        Some(_) => "http://worker.invalid".to_string(),
+        None if address.contains("://") => address.to_string(),
+        None => format!("http://{address}"),
+    };
     let endpoint = Endpoint::from_shared(url).map_err(|source| AddressError { worker, address: address.into(), source })?;
-    Ok(endpoint
+    let endpoint = endpoint
         .connect_timeout(timeout)
         .tcp_nodelay(true)
         // Pings notice a worker that vanished without closing its socket
         // (a power-cut host), which would otherwise hang a token stream.
         .http2_keep_alive_interval(Duration::from_secs(10))
-        .keep_alive_timeout(Duration::from_secs(10))
-        .connect_lazy())
+        .keep_alive_timeout(Duration::from_secs(10));
+    Ok(match unix {
+        Some(path) => endpoint.connect_with_connector_lazy(tower::service_fn(move |_: tonic::codegen::http::Uri| {
+            let path = path.clone();
+            async move { Ok::<_, std::io::Error>(hyper_util::rt::TokioIo::new(tokio::net::UnixStream::connect(path).await?)) }
+        })),
+        None => endpoint.connect_lazy(),
+    })
 }
 
 /// One unary call with a deadline; errors become what a client should see.

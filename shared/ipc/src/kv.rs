@@ -52,12 +52,37 @@ pub struct KvSegment {
     map: MmapMut,
     epoch: u64,
     geometry: KvGeometry,
+    file: File,
+    /// The creator's lock on `<name>.lock`, held while the segment lives.
+    owner: Option<File>,
+}
+
+/// How long `create` waits for the previous owner of a segment to exit (a
+/// decode worker shutting down is given 10 s by the supervisor) before
+/// refusing to touch it.
+const OWNER_WAIT: std::time::Duration = std::time::Duration::from_secs(15);
+/// How long `create` waits for other processes to unmap a reclaimed segment.
+const RECLAIM_WAIT: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// Tells whether a mapped segment's file is still the one under its name.
+#[derive(Debug)]
+pub struct LinkWatch(File);
+
+impl LinkWatch {
+    /// True once the file was removed or replaced: its owner is gone (or a
+    /// new one made a fresh segment), and holding the mapping would keep the
+    /// old pages from returning to the tmpfs.
+    pub fn is_unlinked(&self) -> bool {
+        nix::sys::stat::fstat(&self.0).map(|st| st.st_nlink == 0).unwrap_or(true)
+    }
 }
 
 /// The data region of a mapped KV segment, as the pool's memory.
 struct MappedFloats {
     map: MmapMut,
     floats: usize,
+    /// The owner's lock lives as long as the pool does.
+    _owner: Option<File>,
 }
 
 impl KvMemory for MappedFloats {
@@ -92,11 +117,39 @@ impl KvSegment {
     /// one atomically. The decode worker calls this at start, so that a
     /// restarted decode worker never shares blocks with writes still in
     /// flight for its predecessor: those land in the old, unlinked file.
+    ///
+    /// The creator owns the segment: it holds `<name>.lock` for as long as the
+    /// returned segment (or the pool made of it) lives. So a segment whose
+    /// lock is free was left by a dead owner (even one killed with `kill -9`),
+    /// and is reclaimed here before the space check; one whose owner still
+    /// lives is never touched ([`IpcError::Owned`] after waiting a while for
+    /// an owner that is shutting down).
     pub fn create(shm_dir: &Path, name: &str, geometry: KvGeometry) -> Result<KvSegment, IpcError> {
+        Self::create_within(shm_dir, name, geometry, OWNER_WAIT)
+    }
+
+    fn create_within(shm_dir: &Path, name: &str, geometry: KvGeometry, owner_wait: std::time::Duration) -> Result<KvSegment, IpcError> {
         let data = geometry.data_bytes().map_err(|reason| IpcError::BadGeometry { geometry, reason })?;
-        let _lock = segment::lock(shm_dir, name)?;
+        let path = segment::segment_path(shm_dir, name)?;
+        let owner = segment::try_lock_for(shm_dir, name, owner_wait)?.ok_or_else(|| IpcError::Owned { path: path.clone() })?;
         segment::remove_stale_temps(shm_dir, name);
-        let temp = segment::create_reserved(shm_dir, name, (DATA_OFFSET + data) as u64)?;
+        let reclaimed = match std::fs::remove_file(&path) {
+            Ok(()) => true,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => false,
+            Err(e) => return Err(IpcError::Io { path, source: e }),
+        };
+        // The dead owner's pages return to the tmpfs only once every process
+        // mapping them lets go; the prefill worker drops a mapping whose file
+        // was unlinked within about a second (see `KvSegment::is_unlinked`).
+        let deadline = std::time::Instant::now() + RECLAIM_WAIT;
+        let temp = loop {
+            match segment::create_reserved(shm_dir, name, (DATA_OFFSET + data) as u64) {
+                Err(IpcError::NoSpace { .. }) if reclaimed && std::time::Instant::now() < deadline => {
+                    std::thread::sleep(std::time::Duration::from_millis(100));
+                }
+                r => break r?,
+            }
+        };
         let epoch: u64 = rand::random();
         let mut header = Vec::with_capacity(HEADER_LEN);
         header.extend_from_slice(MAGIC);
@@ -110,8 +163,8 @@ impl KvSegment {
         // The mapping follows the inode, so it stays valid across the rename.
         let map = map_mut(temp.as_file(), temp.path())?;
         let path = shm_dir.join(name);
-        temp.persist(&path).map_err(|e| IpcError::Io { path: path.clone(), source: e.error })?;
-        Ok(KvSegment { path, map, epoch, geometry })
+        let file = temp.persist(&path).map_err(|e| IpcError::Io { path: path.clone(), source: e.error })?;
+        Ok(KvSegment { path, map, epoch, geometry, file, owner: Some(owner) })
     }
 
     /// Map the existing segment `<shm_dir>/<name>` read-write (the prefill worker).
@@ -135,7 +188,7 @@ impl KvSegment {
         if field(5) != DATA_OFFSET || map.len() != DATA_OFFSET + data {
             return Err(corrupt(format!("data at {} and {} bytes do not match geometry {geometry:?}", field(5), map.len())));
         }
-        Ok(KvSegment { path, map, epoch, geometry })
+        Ok(KvSegment { path, map, epoch, geometry, file, owner: None })
     }
 
     /// Random at creation: tells a segment from its predecessor of the same name.
@@ -151,12 +204,27 @@ impl KvSegment {
         &self.path
     }
 
+    /// A watch on this segment's file, kept beside the pool.
+    pub fn link_watch(&self) -> Result<LinkWatch, IpcError> {
+        self.file.try_clone().map(LinkWatch).map_err(io_err(&self.path))
+    }
+
+    /// Remove segment `name` and its lock file, unless a live process owns
+    /// it; true if it was removed (or was not there).
+    pub fn remove_if_unowned(shm_dir: &Path, name: &str) -> std::io::Result<bool> {
+        if segment::is_locked(shm_dir, name) {
+            return Ok(false);
+        }
+        segment::remove(shm_dir, name)?;
+        Ok(true)
+    }
+
     /// The pool over this memory: `owning` (the decode worker) starts with
     /// every block free; otherwise (the prefill worker) it is lent, with no
     /// free blocks, and writes only into the tables it is given.
     pub fn into_pool(self, owning: bool) -> Result<KvPool, IpcError> {
         let g = self.geometry;
-        let memory = Box::new(MappedFloats { map: self.map, floats: KvPool::floats_needed(g.n_blocks, g.block_size, g.n_layers, g.entry_dim) });
+        let memory = Box::new(MappedFloats { map: self.map, floats: KvPool::floats_needed(g.n_blocks, g.block_size, g.n_layers, g.entry_dim), _owner: self.owner });
         let make = if owning { KvPool::owning } else { KvPool::lent };
         Ok(make(memory, g.n_blocks, g.block_size, g.n_layers, g.entry_dim)?)
     }
@@ -193,6 +261,7 @@ mod tests {
 
         let attached = KvSegment::attach(shm.path(), "kv").unwrap();
         assert_eq!((attached.epoch(), attached.geometry()), (epoch, G));
+        let attached_watch = attached.link_watch().unwrap();
         let mut prefill = attached.into_pool(false).unwrap();
         assert_eq!(prefill.free_blocks(), 0);
         prefill.check_table(&table).unwrap();
@@ -204,16 +273,35 @@ mod tests {
         // And the other way: prefill writes, decode reads.
         prefill.entry_mut(&table, 2, 1).fill(-7.0);
         assert!(decode.entry(&table, 2, 1).iter().all(|&v| v == -7.0));
+        // The creator owns the segment while its pool lives.
+        assert!(!KvSegment::remove_if_unowned(shm.path(), "kv").unwrap());
+        let watch = attached_watch;
+        assert!(!watch.is_unlinked());
+        drop(decode);
 
         let fresh = KvSegment::create(shm.path(), "kv", G).unwrap();
         let fresh_epoch = fresh.epoch();
         assert_ne!(fresh_epoch, epoch);
+        assert!(watch.is_unlinked(), "the old segment was replaced");
         prefill.entry_mut(&table, 0, 0).fill(9.0);
         let fresh = fresh.into_pool(false).unwrap();
         assert!(fresh.entry(&table, 0, 0).iter().all(|&v| v == 0.0), "old writes land in the old segment");
         assert_eq!(KvSegment::attach(shm.path(), "kv").unwrap().epoch(), fresh_epoch);
-        KvSegment::remove(shm.path(), "kv").unwrap();
+        drop(fresh);
+        assert!(KvSegment::remove_if_unowned(shm.path(), "kv").unwrap());
         assert!(matches!(KvSegment::attach(shm.path(), "kv"), Err(IpcError::Io { .. })));
+    }
+
+    #[test]
+    fn a_live_owners_segment_is_never_taken_and_a_dead_owners_is_reclaimed() {
+        let shm = tempfile::tempdir().unwrap();
+        let first = KvSegment::create(shm.path(), "kv", G).unwrap().into_pool(true).unwrap();
+        let err = KvSegment::create_within(shm.path(), "kv", G, std::time::Duration::from_millis(100)).unwrap_err();
+        assert!(matches!(err, IpcError::Owned { .. }), "{err}");
+        assert!(err.to_string().contains("--instance"), "{err}");
+        assert!(shm.path().join("kv").exists(), "a live owner's segment stays");
+        drop(first); // as the owner's death does
+        KvSegment::create_within(shm.path(), "kv", G, std::time::Duration::ZERO).unwrap();
     }
 
     #[test]

@@ -28,7 +28,7 @@ mod residency;
 mod segment;
 mod weights;
 
-pub use kv::{KvGeometry, KvSegment};
+pub use kv::{KvGeometry, KvSegment, LinkWatch};
 pub use residency::{mapping_residency, Residency};
 pub use segment::check_fits;
 pub use weights::{checkpoint_fingerprint, load_model, Provenance, WeightStore};
@@ -68,8 +68,9 @@ pub fn open_shared_model(
     instance: &str,
     model_dir: &std::path::Path,
     pool: &duplex_kernels::pool::PoolConfig,
+    progress: &mut dyn FnMut(u64, u64),
 ) -> Result<(duplex_model::Model, WeightStore, Provenance), IpcError> {
-    let (store, provenance) = WeightStore::open_or_build(shm_dir, &weight_segment_name(instance), model_dir)?;
+    let (store, provenance) = WeightStore::open_or_build_reporting(shm_dir, &weight_segment_name(instance), model_dir, progress)?;
     let model = load_model(&store, model_dir, pool)?;
     Ok((model, store, provenance))
 }
@@ -91,6 +92,8 @@ pub enum IpcError {
     ConfigMismatch { config: PathBuf, segment: PathBuf },
     #[error("{name:?} is not a valid segment name: {reason}")]
     BadName { name: String, reason: String },
+    #[error("{} is owned by a live process (its lock {}.lock is held): another decode worker of this instance is still running; stop it, or give this server another --instance", path.display(), path.display())]
+    Owned { path: PathBuf },
     #[error("KV segment geometry {geometry:?} is invalid: {reason}")]
     BadGeometry { geometry: KvGeometry, reason: String },
     #[error(transparent)]

@@ -58,6 +58,39 @@ pub fn lock(shm_dir: &Path, name: &str) -> Result<File, IpcError> {
     Ok(file)
 }
 
+/// Take the lock `<shm_dir>/<name>.lock` for as long as the returned file is
+/// kept, waiting at most `wait` for another holder to let go. The KV
+/// segment's creator keeps it for the segment's whole life, so "the lock is
+/// free" means "its owner is dead": flock locks die with their process, even
+/// under `kill -9`, which is what makes it safe to reclaim a segment then.
+/// `None` when a live process still holds it after `wait`.
+pub fn try_lock_for(shm_dir: &Path, name: &str, wait: std::time::Duration) -> Result<Option<File>, IpcError> {
+    check_name(name)?;
+    std::fs::create_dir_all(shm_dir).map_err(io_err(shm_dir))?;
+    let path = shm_dir.join(format!("{name}.lock"));
+    let file = File::options().create(true).truncate(false).write(true).open(&path).map_err(io_err(&path))?;
+    let deadline = std::time::Instant::now() + wait;
+    loop {
+        match file.try_lock() {
+            Ok(()) => return Ok(Some(file)),
+            Err(std::fs::TryLockError::WouldBlock) if std::time::Instant::now() < deadline => {
+                std::thread::sleep(std::time::Duration::from_millis(50));
+            }
+            Err(std::fs::TryLockError::WouldBlock) => return Ok(None),
+            Err(std::fs::TryLockError::Error(e)) => return Err(IpcError::Io { path, source: e }),
+        }
+    }
+}
+
+/// Whether a live process holds `<shm_dir>/<name>.lock` (see [`try_lock_for`]).
+pub fn is_locked(shm_dir: &Path, name: &str) -> bool {
+    let path = shm_dir.join(format!("{name}.lock"));
+    match File::options().write(true).open(&path) {
+        Ok(file) => matches!(file.try_lock(), Err(std::fs::TryLockError::WouldBlock)),
+        Err(_) => false,
+    }
+}
+
 /// Remove temp files that a builder killed mid-way left behind; they would
 /// otherwise hold tmpfs memory until reboot. Call only under [`lock`].
 pub fn remove_stale_temps(shm_dir: &Path, name: &str) {

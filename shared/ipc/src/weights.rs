@@ -141,7 +141,24 @@ impl WeightStore {
     /// version or checkpoint) build it from the checkpoint and rename it over
     /// the old one. Processes still mapping the old one keep their copy.
     pub fn open_or_build(shm_dir: &Path, name: &str, model_dir: &Path) -> Result<(WeightStore, Provenance), IpcError> {
-        let _lock = segment::lock(shm_dir, name)?;
+        Self::open_or_build_reporting(shm_dir, name, model_dir, &mut |_, _| {})
+    }
+
+    /// [`Self::open_or_build`], calling `progress(bytes written, total)` as
+    /// a build goes (a real checkpoint's segment takes minutes to fill). A
+    /// build that fails leaves no files behind: the temp file goes with it,
+    /// and so does the lock file when there is no segment to guard.
+    pub fn open_or_build_reporting(shm_dir: &Path, name: &str, model_dir: &Path, progress: &mut dyn FnMut(u64, u64)) -> Result<(WeightStore, Provenance), IpcError> {
+        let lock = segment::lock(shm_dir, name)?;
+        let result = Self::open_or_build_locked(shm_dir, name, model_dir, progress);
+        if result.is_err() && !shm_dir.join(name).exists() {
+            let _ = std::fs::remove_file(shm_dir.join(format!("{name}.lock")));
+        }
+        drop(lock);
+        result
+    }
+
+    fn open_or_build_locked(shm_dir: &Path, name: &str, model_dir: &Path, progress: &mut dyn FnMut(u64, u64)) -> Result<(WeightStore, Provenance), IpcError> {
         let config_path = model_dir.join("config.json");
         let config_bytes = std::fs::read(&config_path).map_err(io_err(&config_path))?;
         let config_hash = sha256_hex(&config_bytes);
@@ -153,11 +170,11 @@ impl WeightStore {
         }
         segment::remove_stale_temps(shm_dir, name);
         let cfg = parse_config(&config_bytes, &config_path)?;
-        Self::build(shm_dir, name, &ck, cfg.num_hidden_layers, &fingerprint, &config_hash)?;
+        Self::build(shm_dir, name, &ck, cfg.num_hidden_layers, &fingerprint, &config_hash, progress)?;
         Ok((Self::attach(shm_dir, name, Some(&fingerprint))?, Provenance::Built))
     }
 
-    fn build(shm_dir: &Path, name: &str, ck: &Checkpoint, n_layers: usize, fingerprint: &str, config_hash: &str) -> Result<(), IpcError> {
+    fn build(shm_dir: &Path, name: &str, ck: &Checkpoint, n_layers: usize, fingerprint: &str, config_hash: &str, progress: &mut dyn FnMut(u64, u64)) -> Result<(), IpcError> {
         let mut tensors: Vec<_> = ck.raw_tensors().filter(|(n, ..)| !is_mtp(n, n_layers)).collect();
         tensors.sort_by_key(|t| t.0);
         let mut directory = BTreeMap::new();
@@ -186,8 +203,11 @@ impl WeightStore {
         debug_assert_eq!(header.len(), HEADER_LEN);
         write(&header, 0)?;
         write(&dir_json, HEADER_LEN)?;
+        let mut written = 0u64;
         for &(n, _, _, bytes) in &tensors {
             write(bytes, data_offset + directory[n].data_offsets.0)?;
+            written += bytes.len() as u64;
+            progress(written, end as u64);
         }
         write(&1u32.to_le_bytes(), COMPLETE_AT)?;
         let path = shm_dir.join(name);
@@ -268,9 +288,11 @@ impl WeightStore {
         Checkpoint::from_mapping(self.path.clone(), self.map.clone(), self.data_offset, self.directory.clone(), fp8_block)
     }
 
-    /// Remove segment `name` and its lock file. Processes mapping it keep
-    /// their mapping; a missing segment is not an error.
+    /// Remove segment `name`, its lock file and any temp file of an
+    /// interrupted build. Processes mapping it keep their mapping; a missing
+    /// segment is not an error.
     pub fn remove(shm_dir: &Path, name: &str) -> std::io::Result<()> {
+        segment::remove_stale_temps(shm_dir, name);
         segment::remove(shm_dir, name)
     }
 }

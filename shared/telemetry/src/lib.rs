@@ -9,6 +9,7 @@
 //! than retyping names.
 
 pub mod process;
+pub mod progress;
 
 use metrics_exporter_prometheus::{BuildError, Matcher, PrometheusBuilder, PrometheusHandle};
 use std::net::SocketAddr;
@@ -165,7 +166,9 @@ pub fn install(listen: Option<SocketAddr>) -> Result<PrometheusHandle, Telemetry
 /// Log to stderr; `RUST_LOG` filters (default `info`).
 pub fn init_logging() {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    let _ = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).try_init();
+    // Colour codes only on a terminal: in a log file they are noise.
+    let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr());
+    let _ = tracing_subscriber::fmt().with_env_filter(filter).with_ansi(ansi).with_writer(std::io::stderr).try_init();
 }
 
 #[cfg(test)]
