@@ -3,7 +3,7 @@
 //! so `Stats` answers at once even in the middle of a long prefill.
 
 use crate::worker::WorkerStats;
-use std::sync::atomic::{AtomicU32, AtomicU64, Ordering::Relaxed};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering::Relaxed};
 
 #[derive(Debug, Default)]
 pub struct StatsCell {
@@ -15,6 +15,9 @@ pub struct StatsCell {
     pub pool_epoch: AtomicU64,
     /// See `WorkerStats.progress`: bumped by the engine each time it moves.
     pub progress: AtomicU64,
+    /// Set when the engine thread has ended (it panicked, or was shut
+    /// down): the process still answers, but can serve nothing.
+    pub engine_stopped: AtomicBool,
     context_length: u32,
     weights_fingerprint: String,
 }

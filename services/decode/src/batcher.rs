@@ -203,6 +203,14 @@ impl Batcher {
 
     /// Run until every sender of `commands` is gone.
     pub fn run(mut self, commands: Receiver<Command>) {
+        // However the loop ends, a panic included, Stats says so from then on.
+        struct Stopped(Arc<StatsCell>);
+        impl Drop for Stopped {
+            fn drop(&mut self) {
+                self.0.engine_stopped.store(true, std::sync::atomic::Ordering::Relaxed);
+            }
+        }
+        let _stopped = Stopped(self.stats.clone());
         loop {
             // Nothing running: block for work (briefly, when requests wait
             // for blocks a lease holds, so that departed waiters are noticed).

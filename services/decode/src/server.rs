@@ -115,7 +115,12 @@ impl DecodeWorker for DecodeService {
         Ok(Response::new(CancelResponse { found }))
     }
 
+    /// Fails once the engine thread has ended, so that the router's health
+    /// reports this worker down rather than ready for work it cannot do.
     async fn stats(&self, _: Request<StatsRequest>) -> Result<Response<WorkerStats>, Status> {
+        if self.stats.engine_stopped.load(std::sync::atomic::Ordering::Relaxed) {
+            return Err(Status::unavailable("the decode engine has stopped"));
+        }
         Ok(Response::new(self.stats.snapshot()))
     }
 }

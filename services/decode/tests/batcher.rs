@@ -264,3 +264,21 @@ fn a_lease_is_the_requests_own_need_and_no_more() {
     assert_eq!((tokens.len(), reason.unwrap().as_str()), (11, "length"));
     wait_until("every block back", || stats.kv_blocks_used.load(Relaxed) == 0);
 }
+
+/// A decode worker whose engine thread has ended (a panic, say) still
+/// answers gRPC, but can serve nothing: its Stats fails from then on, so the
+/// router's health reports it down instead of ready.
+#[test]
+fn stats_fail_once_the_engine_has_stopped() {
+    use duplex_proto::worker::decode_worker_server::DecodeWorker;
+    let (commands, stats) = start(10);
+    let (unused, _receiver) = std::sync::mpsc::channel();
+    let service = duplex_decode::server::DecodeService::new(unused, stats.clone(), 2048, 1024);
+    let rt = tokio::runtime::Builder::new_current_thread().build().unwrap();
+    let ask = || rt.block_on(service.stats(tonic::Request::new(duplex_proto::worker::StatsRequest {})));
+    assert_eq!(ask().unwrap().into_inner().kv_blocks_total, 10);
+    drop(commands); // the engine's only sender: its loop ends
+    wait_until("the engine to stop", || stats.engine_stopped.load(Relaxed));
+    let status = ask().unwrap_err();
+    assert_eq!(status.code(), Code::Unavailable, "{status:?}");
+}
