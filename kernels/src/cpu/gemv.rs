@@ -5,9 +5,11 @@
 //! once, every token's dot product is taken against each decoded weight
 //! vector while it is in registers, and each scale block's sum is multiplied
 //! by its scale once ("post-scaling", as `linear::matmul_rows` does).
-//! Prefill (many tokens) runs the same kernels over bands of 16 rows, one
-//! pass per group of 8 tokens (4 on AVX2), so that each band's weights stay
-//! in cache across the passes.
+//! Prefill (many tokens) runs over bands of 16 rows, one pass per group of
+//! 8 tokens (4 on AVX2), so that each band's weights stay in cache across
+//! the passes; at the `Avx512Bf16` level an FP8 band is first decoded into
+//! a BF16 tile in the decode kernel's word order, and the passes take the
+//! decode kernel's sums over it.
 //!
 //! Batch invariance: every output is computed in an order fixed by its row
 //! and the columns, never by the number of tokens in the call, the token

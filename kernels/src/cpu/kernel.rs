@@ -108,9 +108,9 @@ impl Bf16Rows {
 /// the rows taken with it in a step (`R`), the tokens taken with it (`N`)
 /// or the number of tokens in the call. So a sequence's result does not
 /// depend on the batch it was computed in. (Prefill used to decode FP8
-/// bands into BF16 tiles for a different kernel, and the decode kernels
-/// used one accumulator chain or two depending on `R · N`: each changed
-/// the summation order with the batch.)
+/// bands into BF16 tiles for a kernel with another lane order, and the
+/// decode kernels used one accumulator chain or two depending on `R · N`:
+/// each changed the summation order with the batch.)
 pub(super) fn bands(rows: Range<usize>, passes: usize) -> impl Iterator<Item = Range<usize>> {
     let band = if passes <= 1 { rows.len().max(1) } else { BAND_ROWS };
     (rows.start..rows.end).step_by(band).map(move |b| b..(b + band).min(rows.end))
