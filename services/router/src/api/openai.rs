@@ -519,7 +519,9 @@ impl App {
         let prompt = super::tokenized(&self.router, prompt).await.inspect_err(count_refused)?;
         let (req, permit) = self.router.admit(&prompt, opts)?;
         let prefix = if kind == Kind::Chat { "chatcmpl" } else { "cmpl" };
-        // The public id, never the one the workers know (see GenerationRequest).
+        // The public id, never the one the workers know (see GenerationRequest);
+        // the log pairs them for whoever follows a client's report.
+        tracing::debug!(public_id = %req.public_id, request_id = %req.id, "request admitted");
         let reply = Reply { kind, id: format!("{prefix}-{}", req.public_id), created: unix_now(), model: self.router.model.name.clone(), include_usage: body.include_usage() };
         let mut events = self.router.generate(req, permit);
         // Wait for the first event before answering, so that a request the
