@@ -216,12 +216,18 @@ async fn idle_connections_beyond_the_limit_do_not_stop_health() {
     assert!(open <= 4, "{open} idle connections still open");
     drop(idle);
 
-    // An idle connection gives its slot back after the idle timeout.
+    // An idle connection gives its slot back after the idle timeout, on
+    // both ports.
     let router = start(MockConfig::default(), |c| c.idle_timeout_seconds = 0.5).await;
-    let mut conn = tokio::net::TcpStream::connect(router.http.trim_start_matches("http://")).await.unwrap();
-    let mut buf = [0u8; 64];
-    let read = timeout(Duration::from_secs(5), tokio::io::AsyncReadExt::read(&mut conn, &mut buf)).await.expect("the idle connection stays open");
-    assert!(matches!(read, Ok(0) | Err(_)), "{read:?}");
+    for url in [&router.http, &router.grpc] {
+        let mut conn = tokio::net::TcpStream::connect(url.trim_start_matches("http://")).await.unwrap();
+        // Read to the end: an HTTP/2 server speaks first (its SETTINGS).
+        let mut sink = Vec::new();
+        let read = timeout(Duration::from_secs(5), tokio::io::AsyncReadExt::read_to_end(&mut conn, &mut sink)).await;
+        assert!(read.is_ok(), "{url}: the idle connection stays open");
+    }
+    // A gRPC client that talks is not idle.
+    assert!(router.grpc_client().await.tokenize(TokenizeRequest { input: Some(duplex_proto::v1::tokenize_request::Input::Text("Hi".into())) }).await.is_ok());
 }
 
 #[tokio::test]
