@@ -416,3 +416,25 @@ fn a_standalone_worker_on_tcp_wants_the_internal_token() {
         std::panic::resume_unwind(e);
     }
 }
+
+#[test]
+fn serve_api_key_guards_the_public_api_and_stays_off_command_lines() {
+    let dir = tempfile::tempdir().unwrap();
+    let shm = tempfile::tempdir().unwrap();
+    let ports = free_ports();
+    let serve = Serve::start(&config(dir.path(), ports), ports, shm.path(), "apikey", &["--api-key", "k3y-for-the-test"]);
+    serve.wait_ready();
+    assert_eq!(complete(serve.http), 401, "no key");
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    let with_key = rt.block_on(async {
+        let body = serde_json::json!({"prompt": "Hello", "max_tokens": 2});
+        let url = format!("http://127.0.0.1:{}/v1/completions", serve.http);
+        reqwest::Client::new().post(url).bearer_auth("k3y-for-the-test").json(&body).send().await.unwrap().status().as_u16()
+    });
+    assert_eq!(with_key, 200);
+    assert_eq!(health(serve.http), Some(200), "/health stays open");
+    for pid in serve.children() {
+        let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap();
+        assert!(!String::from_utf8_lossy(&cmdline).contains("k3y-for-the-test"), "pid {pid} shows the key in its command line");
+    }
+}

@@ -62,6 +62,11 @@ pub struct ServeArgs {
     /// crashed this many times in a row (each within a minute of its start).
     #[arg(long, default_value_t = 5)]
     max_restarts: u32,
+    /// Key the public HTTP and gRPC APIs require (`Authorization: Bearer`);
+    /// `/health` and `/metrics` stay open [default: $DUPLEX_API_KEY, else
+    /// none]. Given to the router in its environment, not its command line.
+    #[arg(long)]
+    api_key: Option<String>,
 }
 
 /// A process that runs for this long is healthy again: its next crash
@@ -108,8 +113,8 @@ fn backoff(n: u32) -> Duration {
 struct Supervised {
     name: &'static str,
     args: Vec<String>,
-    /// The internal calls' secret, given in the environment.
-    token: String,
+    /// Environment for it: the internal calls' secret, the API key.
+    env: Vec<(&'static str, String)>,
     child: Child,
     started: Instant,
     crashes: u32,
@@ -117,10 +122,10 @@ struct Supervised {
 }
 
 impl Supervised {
-    fn start(name: &'static str, args: Vec<String>, token: &str) -> Result<Self> {
+    fn start(name: &'static str, args: Vec<String>, env: Vec<(&'static str, String)>) -> Result<Self> {
         let last_lines = Arc::new(Mutex::new(VecDeque::new()));
-        let child = spawn(name, &args, token, &last_lines)?;
-        Ok(Supervised { name, args, token: token.to_string(), child, started: Instant::now(), crashes: 0, last_lines })
+        let child = spawn(name, &args, &env, &last_lines)?;
+        Ok(Supervised { name, args, env, child, started: Instant::now(), crashes: 0, last_lines })
     }
 
     fn last_error(&self) -> String {
@@ -133,10 +138,10 @@ impl Supervised {
     }
 }
 
-fn spawn(name: &str, args: &[String], token: &str, last_lines: &Arc<Mutex<VecDeque<String>>>) -> Result<Child> {
+fn spawn(name: &str, args: &[String], env: &[(&'static str, String)], last_lines: &Arc<Mutex<VecDeque<String>>>) -> Result<Child> {
     let exe = std::env::current_exe().context("cannot find the duplex executable")?;
     let mut command = Command::new(exe);
-    command.args(args).env(duplex_proto::auth::TOKEN_ENV, token).kill_on_drop(true).stderr(Stdio::piped());
+    command.args(args).envs(env.iter().map(|(k, v)| (k, v))).kill_on_drop(true).stderr(Stdio::piped());
     let supervisor = std::process::id();
     // SAFETY: between fork and exec only async-signal-safe calls are made
     // (prctl, getppid, _exit), as `pre_exec` requires.
@@ -371,7 +376,11 @@ async fn supervise(a: ServeArgs) -> Result<()> {
     let token = duplex_proto::auth::token_from_env().unwrap_or_else(duplex_proto::auth::new_token);
     let mut children = Vec::new();
     for (name, args) in [("decode worker", decode_args), ("prefill worker", prefill_args), ("router", router_args)] {
-        match Supervised::start(name, args, &token) {
+        let mut env = vec![(duplex_proto::auth::TOKEN_ENV, token.clone())];
+        if let (Some(key), "router") = (&a.api_key, name) {
+            env.push(("DUPLEX_API_KEY", key.clone()));
+        }
+        match Supervised::start(name, args, env) {
             Ok(c) => children.push(c),
             Err(e) => {
                 shutdown(&mut children, &shm_dir, &a.instance).await;
@@ -429,7 +438,7 @@ async fn supervise_running(children: &mut [Supervised], stop: &mut Shutdown, max
             _ = tokio::time::sleep(delay) => {}
             _ = stop.requested() => return Ok(()),
         }
-        c.child = spawn(c.name, &c.args, &c.token, &c.last_lines)?;
+        c.child = spawn(c.name, &c.args, &c.env, &c.last_lines)?;
         c.started = Instant::now();
     }
 }
