@@ -18,8 +18,7 @@
 
 use duplex_proto::worker::decode_worker_client::DecodeWorkerClient;
 use duplex_proto::worker::{AllocateKvRequest, DecodeRequest, FreeKvRequest, Sampling, StatsRequest, WorkerStats};
-use duplex_tests::{collect, greedy_request, prompt, v1};
-use std::sync::Mutex;
+use duplex_tests::{collect, greedy_request, prompt, runtime, serial, v1, within};
 use std::time::{Duration, Instant};
 use tokio::net::TcpListener;
 use tonic::transport::Channel;
@@ -27,22 +26,6 @@ use tonic::Code;
 use tonic_health::pb::health_check_response::ServingStatus;
 use tonic_health::pb::health_client::HealthClient;
 use tonic_health::pb::HealthCheckRequest;
-
-/// One server at a time: CI machines have two cores.
-static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
-
-fn serial() -> std::sync::MutexGuard<'static, ()> {
-    ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner())
-}
-
-fn runtime() -> tokio::runtime::Runtime {
-    tokio::runtime::Builder::new_multi_thread().enable_all().build().unwrap()
-}
-
-/// Every wait is bounded, so a deadlock fails the test instead of hanging it.
-async fn within<T>(seconds: u64, what: &str, f: impl std::future::Future<Output = T>) -> T {
-    tokio::time::timeout(Duration::from_secs(seconds), f).await.unwrap_or_else(|_| panic!("{what} took more than {seconds} s"))
-}
 
 struct Settings {
     kv_blocks: usize,

@@ -3,7 +3,7 @@
 //! a second server on busy ports or the same instance, a crash loop, and a
 //! start that fails. After each, no process and no file is left behind.
 
-use duplex_tests::{duplex_bin, free_ports};
+use duplex_tests::{duplex_bin, free_ports, runtime};
 use nix::sys::signal::{kill, Signal};
 use nix::unistd::Pid;
 use std::io::{BufRead, BufReader};
@@ -17,8 +17,6 @@ struct Serve {
     child: Child,
     log: Arc<Mutex<String>>,
     http: u16,
-    ports: [u16; 4],
-    shm: PathBuf,
 }
 
 fn config(dir: &Path, [http, grpc, decode, prefill]: [u16; 4]) -> PathBuf {
@@ -54,7 +52,7 @@ impl Serve {
                 }
             });
         }
-        Serve { child, log, http: ports[0], ports, shm: shm.to_path_buf() }
+        Serve { child, log, http: ports[0] }
     }
 
     fn log(&self) -> String {
@@ -133,7 +131,7 @@ fn files_in(dir: &Path) -> Vec<String> {
 }
 
 fn health(port: u16) -> Option<u16> {
-    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    let rt = runtime();
     rt.block_on(async {
         let r = reqwest::Client::new().get(format!("http://127.0.0.1:{port}/health")).timeout(Duration::from_secs(2)).send().await.ok()?;
         Some(r.status().as_u16())
@@ -142,7 +140,7 @@ fn health(port: u16) -> Option<u16> {
 
 /// Status of a short `/v1/completions` request.
 fn complete(port: u16) -> u16 {
-    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    let rt = runtime();
     rt.block_on(async {
         let body = serde_json::json!({"prompt": "Hello", "max_tokens": 4});
         let r = reqwest::Client::new().post(format!("http://127.0.0.1:{port}/v1/completions")).json(&body).timeout(Duration::from_secs(60)).send().await.unwrap();
@@ -322,7 +320,7 @@ fn ipv6_loopback_serves() {
     let ports = free_ports();
     let serve = Serve::start(&config(dir.path(), ports), ports, shm.path(), "ipv6", &["--host", "::1"]);
     serve.wait_ready();
-    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    let rt = runtime();
     let status = rt.block_on(async { reqwest::get(format!("http://[::1]:{}/health", serve.http)).await.unwrap().status().as_u16() });
     assert_eq!(status, 200);
     assert!(serve.log().contains(&format!("http://[::1]:{}/v1", serve.http)), "{}", serve.log());
@@ -356,7 +354,7 @@ fn serve_keeps_the_workers_on_private_sockets_that_want_the_internal_token() {
     }
     let sockets = shm.path().join("auth.sockets");
     assert_eq!(std::fs::metadata(&sockets).unwrap().permissions().mode() & 0o777, 0o700);
-    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    let rt = runtime();
     rt.block_on(async {
         // Even a process that may open the socket needs the secret.
         let mut decode = DecodeWorkerClient::new(unix_channel(sockets.join("decode.sock")).await);
@@ -387,7 +385,7 @@ fn a_standalone_worker_on_tcp_wants_the_internal_token() {
         .stderr(Stdio::null())
         .spawn()
         .unwrap();
-    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    let rt = runtime();
     let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
         rt.block_on(async {
             let channel = tonic::transport::Endpoint::from_shared(format!("http://127.0.0.1:{port}")).unwrap();
@@ -425,7 +423,7 @@ fn serve_api_key_guards_the_public_api_and_stays_off_command_lines() {
     let serve = Serve::start(&config(dir.path(), ports), ports, shm.path(), "apikey", &["--api-key", "k3y-for-the-test"]);
     serve.wait_ready();
     assert_eq!(complete(serve.http), 401, "no key");
-    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    let rt = runtime();
     let with_key = rt.block_on(async {
         let body = serde_json::json!({"prompt": "Hello", "max_tokens": 2});
         let url = format!("http://127.0.0.1:{}/v1/completions", serve.http);

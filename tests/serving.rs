@@ -5,25 +5,9 @@
 //! The tests run one at a time (a lock), so that two-core CI machines are
 //! not asked to run several servers at once.
 
-use duplex_tests::{collect, generate_cli, greedy_request, prompt, v1, Options, Server};
-use std::sync::Mutex;
+use duplex_tests::{collect, generate_cli, greedy_request, prompt, runtime, serial, v1, within, Options, Server};
 use std::time::{Duration, Instant};
 use tonic::Code;
-
-static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
-
-fn serial() -> std::sync::MutexGuard<'static, ()> {
-    ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner())
-}
-
-fn runtime() -> tokio::runtime::Runtime {
-    tokio::runtime::Builder::new_multi_thread().enable_all().build().unwrap()
-}
-
-/// Every test is bounded, so a bug fails CI instead of hanging it.
-async fn within<T>(seconds: u64, what: &str, f: impl std::future::Future<Output = T>) -> T {
-    tokio::time::timeout(Duration::from_secs(seconds), f).await.unwrap_or_else(|_| panic!("{what} took more than {seconds} s"))
-}
 
 /// Poll a metric until `pred` holds of it.
 async fn wait_metric(server: &Server, url: &str, name: &str, labels: &str, pred: impl Fn(f64) -> bool) -> f64 {

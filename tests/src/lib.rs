@@ -261,3 +261,21 @@ pub fn prompt(n: usize) -> Vec<u32> {
     let ids: Vec<u32> = json["prompts"][3]["input_ids"].as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect();
     ids.iter().cycle().take(n).copied().collect()
 }
+
+/// One server at a time within a test binary: CI machines have two cores.
+static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
+
+/// Hold while a test runs a server.
+pub fn serial() -> std::sync::MutexGuard<'static, ()> {
+    ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+pub fn runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_multi_thread().enable_all().build().unwrap()
+}
+
+/// Every wait is bounded, so a deadlock or a bug fails the test instead of
+/// hanging CI.
+pub async fn within<T>(seconds: u64, what: &str, f: impl std::future::Future<Output = T>) -> T {
+    tokio::time::timeout(Duration::from_secs(seconds), f).await.unwrap_or_else(|_| panic!("{what} took more than {seconds} s"))
+}
