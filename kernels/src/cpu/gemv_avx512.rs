@@ -649,14 +649,17 @@ unsafe fn bf16_weights_dot<const R: usize, const N: usize>(
     rows: [usize; R],
     t0: usize,
 ) -> [[f32; N]; R] {
-    // Two chains (alternate chunks) whatever R and N, as in `fused_bf16`.
+    // One chain whatever R and N, so that a row's order never depends on
+    // the step (see `kernel::bands`). One, not two: a single token over
+    // the BF16 `lm_head` takes eight rows a step (eight chains already),
+    // and with a second chain there decode steps ran ~2% slower in A/B runs.
     // SAFETY: the rows are in the view.
     let row: [*const u8; R] = rows.map(|r| unsafe { w.row(r) });
     let scales: [&[f32]; R] = rows.map(|r| job.scale_row(r));
     let mut total = [[_mm512_setzero_ps(); N]; R];
     for cb in 0..job.col_blocks {
         let (k0, width) = job.block_cols(cb);
-        let mut acc = [[[_mm512_setzero_ps(); 2]; N]; R];
+        let mut acc = [[_mm512_setzero_ps(); N]; R];
         for q in 0..width.div_ceil(32) {
             let mask = tail_mask32(width - 32 * q);
             // SAFETY: the packed chunk holds 32 u16.
@@ -666,14 +669,14 @@ unsafe fn bf16_weights_dot<const R: usize, const N: usize>(
                 // SAFETY: masked lanes stay inside the block of this row.
                 let wv = bh(unsafe { _mm512_maskz_loadu_epi16(mask, row[r].add(2 * (k0 + 32 * q)).cast()) });
                 for t in 0..N {
-                    acc[r][t][q % 2] = _mm512_dpbf16_ps(acc[r][t][q % 2], wv, xv[t]);
+                    acc[r][t] = _mm512_dpbf16_ps(acc[r][t], wv, xv[t]);
                 }
             }
         }
         for r in 0..R {
             let s = _mm512_set1_ps(scales[r][cb]);
             for t in 0..N {
-                total[r][t] = _mm512_fmadd_ps(_mm512_add_ps(acc[r][t][0], acc[r][t][1]), s, total[r][t]);
+                total[r][t] = _mm512_fmadd_ps(acc[r][t], s, total[r][t]);
             }
         }
     }
