@@ -16,6 +16,8 @@ use std::time::{Duration, Instant};
 struct Serve {
     child: Child,
     log: Arc<Mutex<String>>,
+    /// Output streams closed: 2 once the process has exited.
+    closed: Arc<std::sync::atomic::AtomicUsize>,
     http: u16,
 }
 
@@ -43,16 +45,18 @@ impl Serve {
             .spawn()
             .expect("start duplex serve");
         let log = Arc::new(Mutex::new(String::new()));
+        let closed = Arc::new(std::sync::atomic::AtomicUsize::new(0));
         for stream in [Box::new(child.stdout.take().unwrap()) as Box<dyn std::io::Read + Send>, Box::new(child.stderr.take().unwrap())] {
-            let log = log.clone();
+            let (log, closed) = (log.clone(), closed.clone());
             std::thread::spawn(move || {
                 for line in BufReader::new(stream).lines().map_while(Result::ok) {
                     eprintln!("[serve] {line}");
                     log.lock().unwrap().push_str(&(line + "\n"));
                 }
+                closed.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
             });
         }
-        Serve { child, log, http: ports[0] }
+        Serve { child, log, closed, http: ports[0] }
     }
 
     fn log(&self) -> String {
@@ -68,7 +72,9 @@ impl Serve {
     }
 
     fn wait_ready(&self) {
-        self.wait_for("the server to be ready", Duration::from_secs(180), |l| l.contains("Duplex is ready"));
+        let exited = || self.closed.load(std::sync::atomic::Ordering::SeqCst) == 2;
+        self.wait_for("the server to be ready", Duration::from_secs(180), |l| l.contains("Duplex is ready") || exited());
+        assert!(!exited(), "duplex serve exited instead of becoming ready; log:\n{}", self.log());
     }
 
     /// Pids of every `name` started so far ("decode worker", "prefill worker", "router").
