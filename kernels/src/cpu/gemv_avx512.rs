@@ -652,7 +652,7 @@ unsafe fn bf16_weights_dot<const R: usize, const N: usize>(
     // One chain whatever R and N, so that a row's order never depends on
     // the step (see `kernel::bands`). One, not two: a single token over
     // the BF16 `lm_head` takes eight rows a step (eight chains already),
-    // and with a second chain there decode steps ran ~2% slower in A/B runs.
+    // and one chain keeps that hot step's code as it was.
     // SAFETY: the rows are in the view.
     let row: [*const u8; R] = rows.map(|r| unsafe { w.row(r) });
     let scales: [&[f32]; R] = rows.map(|r| job.scale_row(r));
