@@ -24,6 +24,7 @@ use duplex_ipc::{KvSegment, WeightStore};
 use duplex_prefill::config::PrefillArgs;
 use duplex_router::config::RouterArgs;
 use std::collections::VecDeque;
+use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::process::{ExitStatus, Stdio};
 use std::sync::{Arc, Mutex};
@@ -166,7 +167,9 @@ fn spawn(name: &str, args: &[String], env: &[(&'static str, String)], last_lines
         tokio::spawn(async move {
             let mut lines = tokio::io::BufReader::new(stderr).lines();
             while let Ok(Some(line)) = lines.next_line().await {
-                eprintln!("{line}");
+                // Keep draining even if our own stderr is gone (`| head`):
+                // a child blocked on a full pipe would stop serving.
+                let _ = writeln!(std::io::stderr(), "{line}");
                 let mut kept = last_lines.lock().unwrap_or_else(|e| e.into_inner());
                 if kept.len() == LAST_LINES {
                     kept.pop_front();
