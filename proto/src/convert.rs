@@ -3,8 +3,7 @@
 //! are validated by whoever builds a `Sampler`).
 
 use crate::worker;
-use duplex_model::sampling::{SampledToken, SamplingParams};
-use duplex_model::BlockTable;
+use duplex_text::sampling::{SampledToken, SamplingParams};
 
 impl From<&worker::Sampling> for SamplingParams {
     fn from(s: &worker::Sampling) -> Self {
@@ -53,13 +52,6 @@ impl From<&SampledToken> for worker::SampledToken {
 impl From<&worker::SampledToken> for SampledToken {
     fn from(t: &worker::SampledToken) -> Self {
         SampledToken { id: t.id, logprob: t.logprob, top_logprobs: t.top_logprobs.iter().map(|t| (t.id, t.logprob)).collect() }
-    }
-}
-
-impl worker::KvLease {
-    /// The lease's blocks as an empty block table (nothing written yet).
-    pub fn table(&self) -> BlockTable {
-        BlockTable { blocks: self.blocks.clone(), len: 0 }
     }
 }
 

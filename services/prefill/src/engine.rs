@@ -14,7 +14,7 @@ use duplex_ipc::KvSegment;
 use duplex_model::sampling::{Sampler, SamplingParams};
 use crate::slp::{SlpEngine, SlpError, SlpReport};
 use duplex_model::staged::StagedError;
-use duplex_model::{KvPool, Logits, Model, Precision};
+use duplex_model::{BlockTable, KvPool, Logits, Model, Precision};
 use duplex_proto::stats::StatsCell;
 use duplex_proto::worker::{KvLease, PrefillResponse, SampledToken as WireToken};
 use duplex_telemetry as names;
@@ -166,7 +166,8 @@ impl Engine {
     fn prefill(&mut self, job: &Job, commands: &Receiver<Command>) -> Result<PrefillResponse, Status> {
         let started = Instant::now();
         let mut sampler = Sampler::new(job.sampling.clone(), &job.prompt).map_err(|e| Status::invalid_argument(e.to_string()))?;
-        let mut table = job.lease.table();
+        // The lease's blocks, nothing written in them yet.
+        let mut table = BlockTable { blocks: job.lease.blocks.clone(), len: 0 };
         let pool = self.kv.pool(job.lease.pool_epoch)?;
         self.inbox.stats.pool_epoch.store(job.lease.pool_epoch, std::sync::atomic::Ordering::Relaxed);
         pool.check_table(&table).map_err(|e| Status::invalid_argument(e.to_string()))?;

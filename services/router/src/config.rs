@@ -55,7 +55,7 @@ pub struct RouterConfig {
 impl Default for RouterConfig {
     fn default() -> Self {
         RouterConfig {
-            model: duplex_model::bundled_model(),
+            model: duplex_text::bundled_model(),
             served_model_name: None,
             host: "127.0.0.1".into(),
             http_port: 8000,

@@ -4,10 +4,10 @@
 
 use crate::config::RouterConfig;
 use crate::error::Error;
-use duplex_model::generation::sampling_defaults;
-use duplex_model::sampling::{SamplingError, SamplingParams, MAX_LOGPROBS};
-use duplex_model::tokenizer::{ChatMessage, Tokenizer, TokenizerError};
-use duplex_model::ModelConfig;
+use duplex_text::sampling_defaults;
+use duplex_text::sampling::{SamplingError, SamplingParams, MAX_LOGPROBS};
+use duplex_text::tokenizer::{ChatMessage, Tokenizer, TokenizerError};
+use duplex_text::ServedConfig;
 use duplex_proto::worker;
 use std::sync::Arc;
 use std::time::Instant;
@@ -121,7 +121,7 @@ pub enum LoadError {
     #[error(transparent)]
     Tokenizer(#[from] TokenizerError),
     #[error(transparent)]
-    Config(#[from] duplex_model::config::ConfigError),
+    Config(#[from] duplex_text::ServedConfigError),
 }
 
 /// The served model, as far as the router needs it: tokenizer, defaults and
@@ -152,7 +152,7 @@ impl ServedModel {
     pub fn load(config: &RouterConfig) -> Result<Self, LoadError> {
         let dir = &config.model;
         let tokenizer = Tokenizer::from_dir(dir)?;
-        let model = ModelConfig::from_file(&dir.join("config.json"))?;
+        let model = ServedConfig::from_file(&dir.join("config.json"))?;
         let mut eos_token_ids = tokenizer.eos_token_ids().to_vec();
         for id in &model.eos_token_ids {
             if !eos_token_ids.contains(id) {

@@ -5,7 +5,7 @@
 mod common;
 
 use common::{start, MockConfig, TestRouter};
-use duplex_model::tokenizer::{ChatMessage, Tokenizer};
+use duplex_text::tokenizer::{ChatMessage, Tokenizer};
 use duplex_proto::v1::{generate_request, GenerateRequest, StoppingCriteria, TokenizeRequest};
 use serde_json::{json, Value};
 use std::path::Path;
@@ -20,7 +20,7 @@ const USER: u32 = 2;
 const ASSISTANT: u32 = 3;
 
 fn tokenizer() -> Tokenizer {
-    Tokenizer::from_dir(Path::new(duplex_model::BUNDLED_MODEL)).unwrap()
+    Tokenizer::from_dir(Path::new(duplex_text::BUNDLED_MODEL)).unwrap()
 }
 
 fn count(ids: &[u32], id: u32) -> usize {

@@ -3,9 +3,9 @@
 mod common;
 
 use common::{sse_data, start, Mock, MockConfig, TIMEOUT};
-use duplex_model::tokenizer::Tokenizer;
+use duplex_text::tokenizer::Tokenizer;
 use duplex_proto::v1::{generate_request, generate_response, GenerateRequest, GenerateResponse, SamplingParameters, StoppingCriteria, TokenIds};
-use duplex_model::BUNDLED_MODEL;
+use duplex_text::BUNDLED_MODEL;
 use serde_json::{json, Value};
 use std::path::Path;
 use std::time::Duration;

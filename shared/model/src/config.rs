@@ -402,14 +402,7 @@ fn parse_yarn(v: &serde_json::Value, max_pos: usize) -> Result<Yarn, String> {
     Ok(y)
 }
 
-/// An id or a list of ids, as `eos_token_id` may be either.
-pub fn parse_token_ids(v: &serde_json::Value) -> Option<Vec<u32>> {
-    match v {
-        serde_json::Value::Number(n) => n.as_u64().and_then(|x| u32::try_from(x).ok()).map(|x| vec![x]),
-        serde_json::Value::Array(a) => a.iter().map(|x| x.as_u64().and_then(|x| u32::try_from(x).ok())).collect(),
-        _ => None,
-    }
-}
+pub use duplex_text::parse_token_ids;
 
 #[cfg(test)]
 mod tests {

@@ -69,22 +69,7 @@ impl Default for GenerationParams {
     }
 }
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum FinishReason {
-    /// A stop token or stop string.
-    Stop,
-    /// `max_tokens` or the context limit.
-    Length,
-}
-
-impl FinishReason {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            FinishReason::Stop => "stop",
-            FinishReason::Length => "length",
-        }
-    }
-}
+pub use duplex_text::FinishReason;
 
 /// One generated token, as streamed.
 #[derive(Clone, Debug)]
@@ -123,36 +108,7 @@ impl Generation {
     }
 }
 
-/// The model's recommended sampling defaults from `generation_config.json`
-/// (as vLLM applies them): `do_sample: false` means greedy; `temperature`,
-/// `top_p`, `top_k` and `repetition_penalty` are taken when present. A missing
-/// or unreadable file gives plain defaults.
-pub fn sampling_defaults(dir: &Path) -> SamplingParams {
-    let mut p = SamplingParams::default();
-    let Ok(text) = std::fs::read_to_string(dir.join("generation_config.json")) else {
-        return p;
-    };
-    let Ok(json) = serde_json::from_str::<serde_json::Value>(&text) else {
-        return p;
-    };
-    let num = |k: &str| json.get(k).and_then(|v| v.as_f64()).map(|v| v as f32);
-    if let Some(t) = num("temperature") {
-        p.temperature = t;
-    }
-    if let Some(t) = num("top_p") {
-        p.top_p = t;
-    }
-    if let Some(k) = json.get("top_k").and_then(|v| v.as_u64()) {
-        p.top_k = k as usize;
-    }
-    if let Some(r) = num("repetition_penalty") {
-        p.repetition_penalty = r;
-    }
-    if json.get("do_sample").and_then(|v| v.as_bool()) == Some(false) {
-        p.temperature = 0.0;
-    }
-    p
-}
+pub use duplex_text::sampling_defaults;
 
 pub struct Engine {
     pub model: Model,

@@ -4,7 +4,7 @@
 use crate::error::Error;
 use crate::generate::{count_refused, Event, Router};
 use crate::request::{Prompt, RequestOptions};
-use duplex_model::tokenizer::ChatMessage;
+use duplex_text::tokenizer::ChatMessage;
 use duplex_proto::v1::generation_server::Generation;
 use duplex_proto::v1::{
     self, generate_request, generate_response, tokenize_request, GenerateRequest, GenerateResponse, ModelInfoRequest, ModelInfoResponse,

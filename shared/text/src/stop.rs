@@ -1,7 +1,7 @@
 //! Stop strings over streamed text: holds back text that might be the start
 //! of a stop string, and finds stop strings that span token boundaries.
 //!
-//! Shared by the single-request engine ([`crate::generation`]) and the
+//! Shared by the single-request engine (`duplex_model::generation`) and the
 //! router, which applies stop strings to the tokens the workers stream.
 
 /// Matches stop strings against text that arrives in pieces.

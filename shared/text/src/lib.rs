@@ -1,0 +1,161 @@
+//! duplex-text: the request-text side of Duplex, which the router needs
+//! and the engine shares: the tokenizer and chat template, sampling
+//! parameters and the sampler, stop strings, why a generation finished, the
+//! served model's facts from its `config.json` and `generation_config.json`,
+//! and where the bundled model is. It knows nothing of weights or kernels,
+//! so the router and the wire protocol build without them.
+
+pub mod sampling;
+pub mod stop;
+pub mod tokenizer;
+
+pub use stop::StopStrings;
+
+use sampling::SamplingParams;
+use std::path::Path;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FinishReason {
+    /// A stop token or stop string.
+    Stop,
+    /// `max_tokens` or the context limit.
+    Length,
+}
+
+impl FinishReason {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            FinishReason::Stop => "stop",
+            FinishReason::Length => "length",
+        }
+    }
+}
+
+/// The model's recommended sampling defaults from `generation_config.json`
+/// (as vLLM applies them): `do_sample: false` means greedy; `temperature`,
+/// `top_p`, `top_k` and `repetition_penalty` are taken when present. A missing
+/// or unreadable file gives plain defaults.
+pub fn sampling_defaults(dir: &Path) -> SamplingParams {
+    let mut p = SamplingParams::default();
+    let Ok(text) = std::fs::read_to_string(dir.join("generation_config.json")) else {
+        return p;
+    };
+    let Ok(json) = serde_json::from_str::<serde_json::Value>(&text) else {
+        return p;
+    };
+    let num = |k: &str| json.get(k).and_then(|v| v.as_f64()).map(|v| v as f32);
+    if let Some(t) = num("temperature") {
+        p.temperature = t;
+    }
+    if let Some(t) = num("top_p") {
+        p.top_p = t;
+    }
+    if let Some(k) = json.get("top_k").and_then(|v| v.as_u64()) {
+        p.top_k = k as usize;
+    }
+    if let Some(r) = num("repetition_penalty") {
+        p.repetition_penalty = r;
+    }
+    if json.get("do_sample").and_then(|v| v.as_bool()) == Some(false) {
+        p.temperature = 0.0;
+    }
+    p
+}
+
+/// An id or a list of ids, as `eos_token_id` may be either.
+pub fn parse_token_ids(v: &serde_json::Value) -> Option<Vec<u32>> {
+    match v {
+        serde_json::Value::Number(n) => n.as_u64().and_then(|x| u32::try_from(x).ok()).map(|x| vec![x]),
+        serde_json::Value::Array(a) => a.iter().map(|x| x.as_u64().and_then(|x| u32::try_from(x).ok())).collect(),
+        _ => None,
+    }
+}
+
+/// What the router needs of a checkpoint's `config.json`: the vocabulary,
+/// the context and the end-of-sequence ids. The engine reads the whole file
+/// (`duplex_model::ModelConfig`); this reads only these, so that serving
+/// text needs no model code.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ServedConfig {
+    pub vocab_size: usize,
+    pub max_position_embeddings: usize,
+    pub eos_token_ids: Vec<u32>,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ServedConfigError {
+    #[error("cannot read {path}: {source}")]
+    Io { path: String, source: std::io::Error },
+    #[error("{path}: {message}")]
+    Invalid { path: String, message: String },
+}
+
+impl ServedConfig {
+    pub fn from_file(path: &Path) -> Result<Self, ServedConfigError> {
+        let shown = path.display().to_string();
+        let text = std::fs::read_to_string(path).map_err(|source| ServedConfigError::Io { path: shown.clone(), source })?;
+        let invalid = |message: String| ServedConfigError::Invalid { path: shown.clone(), message };
+        let json: serde_json::Value = serde_json::from_str(&text).map_err(|e| invalid(e.to_string()))?;
+        let count = |key: &str| {
+            json.get(key).and_then(|v| v.as_u64()).and_then(|v| usize::try_from(v).ok()).filter(|&v| v > 0).ok_or_else(|| invalid(format!("{key} must be a positive integer")))
+        };
+        let eos_token_ids = match json.get("eos_token_id") {
+            None | Some(serde_json::Value::Null) => vec![],
+            Some(v) => parse_token_ids(v).ok_or_else(|| invalid("eos_token_id must be an integer or a list of integers".into()))?,
+        };
+        Ok(ServedConfig { vocab_size: count("vocab_size")?, max_position_embeddings: count("max_position_embeddings")?, eos_token_ids })
+    }
+}
+
+/// The tiny DeepSeek-V3 checkpoint bundled with the sources, where this
+/// crate was built: for tests and tools that run inside the source tree. A
+/// binary finds it at run time with [`bundled_model`].
+pub const BUNDLED_MODEL: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../../tests/fixtures/tiny-dsv3");
+
+/// Where the bundled model is looked for, in order: beside the executable
+/// (`<dir>/tests/fixtures/tiny-dsv3` or an installed `<dir>/share/duplex/tiny-dsv3`
+/// for each of the executable's first few parent directories, which covers
+/// `target/{debug,release}/duplex` in a checkout and `bin/duplex` under an
+/// install prefix), then above the working directory, then where the
+/// sources were at build time.
+pub fn bundled_model_candidates() -> Vec<std::path::PathBuf> {
+    const PLACES: [&str; 2] = ["tests/fixtures/tiny-dsv3", "share/duplex/tiny-dsv3"];
+    let mut roots: Vec<std::path::PathBuf> = vec![];
+    if let Ok(exe) = std::env::current_exe() {
+        let real = std::fs::canonicalize(&exe).unwrap_or(exe.clone());
+        for e in [exe, real] {
+            roots.extend(e.ancestors().skip(1).take(5).map(std::path::Path::to_path_buf));
+        }
+    }
+    if let Ok(cwd) = std::env::current_dir() {
+        roots.extend(cwd.ancestors().map(std::path::Path::to_path_buf));
+    }
+    let mut out: Vec<std::path::PathBuf> = roots.iter().flat_map(|r| PLACES.iter().map(move |p| r.join(p))).collect();
+    out.push(std::path::PathBuf::from(BUNDLED_MODEL));
+    let mut seen = std::collections::HashSet::new();
+    out.retain(|p| seen.insert(p.clone()));
+    out
+}
+
+/// Every command's default model, so that a fresh clone runs without a
+/// download: the first of [`bundled_model_candidates`] that holds a
+/// `config.json`, or (none does) the build-time path, which
+/// [`check_model_dir`] then explains.
+pub fn bundled_model() -> std::path::PathBuf {
+    bundled_model_candidates().into_iter().find(|p| p.join("config.json").is_file()).unwrap_or_else(|| std::path::PathBuf::from(BUNDLED_MODEL))
+}
+
+/// A clear error when `dir` holds no `config.json`, saying where the
+/// bundled model was looked for when `dir` is that default.
+pub fn check_model_dir(dir: &std::path::Path) -> Result<(), String> {
+    if dir.join("config.json").is_file() {
+        return Ok(());
+    }
+    let mut msg = format!("{} is not a model directory (it has no config.json)", dir.display());
+    if dir == std::path::Path::new(BUNDLED_MODEL) {
+        let looked: Vec<String> = bundled_model_candidates().iter().map(|p| p.display().to_string()).collect();
+        msg.push_str(&format!("; the bundled tiny model was looked for in: {}. Pass --model DIR", looked.join(", ")));
+    }
+    Err(msg)
+}
+
