@@ -1,7 +1,7 @@
 //! The MoE layer and the parallel linear layer allocate nothing once their
 //! scratch has grown: a counting global allocator watches a warmed-up call.
 
-use duplex_kernels::bench::{fp8_view, random_fp8};
+use duplex_toolkit::kernel_bench::{fp8_view, random_fp8};
 use duplex_kernels::cpu::isa;
 use duplex_kernels::moe::{moe_forward, ExpertCall, ExpertWeights, MoeScratch};
 use duplex_kernels::parallel_linear::{par_matmul, LinearScratch};

@@ -4,7 +4,7 @@
 
 use crate::{load_progress, BenchArgs, BenchKernelsArgs};
 use anyhow::{bail, Result};
-use duplex_kernels::bench::{gemv_bandwidth, moe_layer_bandwidth, random_fp8, read_bandwidth};
+use duplex_toolkit::kernel_bench::{gemv_bandwidth, moe_layer_bandwidth, random_fp8, read_bandwidth};
 use duplex_kernels::cpu::isa;
 use duplex_kernels::pool::{PoolConfig, ThreadPool};
 use duplex_model::{BlockTable, ForwardTimings, Logits, Model, SeqInput};

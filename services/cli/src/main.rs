@@ -9,7 +9,7 @@
 use anyhow::{bail, Context, Result};
 use clap::{Args, Parser, Subcommand};
 use duplex_model::generation::{sampling_defaults, Engine, GenerationParams};
-use duplex_model::synth::{self, SynthConfig, WriteOptions};
+use duplex_toolkit::synth::{self, SynthConfig, WriteOptions};
 use duplex_model::tokenizer::ChatMessage;
 use duplex_model::{BlockTable, Logits, Model, Precision};
 use duplex_kernels::pool::PoolConfig;

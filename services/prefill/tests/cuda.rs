@@ -6,7 +6,7 @@
 #![cfg(feature = "cuda")]
 
 use duplex_kernels::device::cuda::CudaDevice;
-use duplex_model::reference::{self, max_abs_diff, Bf16Gate, F32_MAX_ABS_DIFF};
+use duplex_toolkit::reference::{self, max_abs_diff, Bf16Gate, F32_MAX_ABS_DIFF};
 use duplex_model::{BlockTable, Logits, Model, Precision, BUNDLED_MODEL};
 use duplex_prefill::slp::{SlpConfig, SlpEngine};
 use std::path::Path;

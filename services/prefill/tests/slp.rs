@@ -6,7 +6,7 @@
 use duplex_kernels::device::emulated::{EmulatedConfig, EmulatedDevice, Jitter};
 use duplex_kernels::device::Device;
 use duplex_model::staged::{workspace_bytes, ModuleKind};
-use duplex_model::reference::{self, max_abs_diff, Bf16Gate, F32_MAX_ABS_DIFF};
+use duplex_toolkit::reference::{self, max_abs_diff, Bf16Gate, F32_MAX_ABS_DIFF};
 use duplex_model::{BlockTable, KvPool, Logits, Model, Precision, BUNDLED_MODEL};
 use duplex_prefill::slp::{SlpConfig, SlpEngine, SlpError};
 use std::path::Path;

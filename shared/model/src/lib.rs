@@ -13,10 +13,8 @@ pub mod generation;
 pub mod kv_cache;
 pub mod model;
 pub mod moe;
-pub mod reference;
 pub mod rope;
 pub mod staged;
-pub mod synth;
 
 pub use duplex_text::{bundled_model, bundled_model_candidates, check_model_dir, BUNDLED_MODEL};
 pub use config::ModelConfig;

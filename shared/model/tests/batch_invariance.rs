@@ -8,7 +8,7 @@
 //! steps (one token per sequence, batches of 6 and of 12 — past the kernels'
 //! 8-token groups) and for prefill chunks batched with other prompts.
 
-use duplex_model::reference::{self, argmax};
+use duplex_toolkit::reference::{self, argmax};
 use duplex_model::{BlockTable, ForwardTimings, Logits, Model, Precision, SeqInput};
 use std::path::{Path, PathBuf};
 

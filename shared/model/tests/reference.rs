@@ -2,7 +2,7 @@
 //! tiny checkpoint: logits, greedy continuations, KV-cache decode and chunked
 //! prefill.
 
-use duplex_model::reference::{self, argmax, max_abs_diff, Bf16Gate, ReferencePrompt, F32_MAX_ABS_DIFF};
+use duplex_toolkit::reference::{self, argmax, max_abs_diff, Bf16Gate, ReferencePrompt, F32_MAX_ABS_DIFF};
 use duplex_model::{BlockTable, KvPool, Logits, Model, Precision};
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;

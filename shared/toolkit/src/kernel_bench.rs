@@ -2,12 +2,12 @@
 //! bandwidth from the same run (machines are shared and noisy, so absolute
 //! numbers mean little; ratios to a limit measured alongside do).
 
-use crate::cpu::{bandwidth::read_bytes, elementwise, isa::Isa};
-use crate::moe::{moe_forward, ExpertCall, ExpertWeights, MoeScratch};
-use crate::parallel_linear::{par_matmul, LinearScratch};
-use crate::pool::ThreadPool;
-use crate::shared::SharedSlice;
-use crate::{WeightFormat, WeightView};
+use duplex_kernels::cpu::{bandwidth::read_bytes, elementwise, isa::Isa};
+use duplex_kernels::moe::{moe_forward, ExpertCall, ExpertWeights, MoeScratch};
+use duplex_kernels::parallel_linear::{par_matmul, LinearScratch};
+use duplex_kernels::pool::ThreadPool;
+use duplex_kernels::shared::SharedSlice;
+use duplex_kernels::{WeightFormat, WeightView};
 use std::time::Instant;
 
 /// Best-of-`passes` read bandwidth in bytes/s over `buf`, read by `threads`
@@ -185,8 +185,8 @@ pub fn elementwise_bandwidth(isa: Isa, len: usize, row: usize, min_bytes: usize,
         rms_norm_scalar: time(
             &mut || {
                 for (o, xi) in out.chunks_mut(row).zip(x.chunks(row)) {
-                    crate::elementwise::rms_norm(xi, &weight, 1e-6, o);
-                    crate::round_bf16_slice(o);
+                    duplex_kernels::elementwise::rms_norm(xi, &weight, 1e-6, o);
+                    duplex_kernels::round_bf16_slice(o);
                 }
             },
             8 * len,
@@ -201,7 +201,7 @@ pub fn elementwise_bandwidth(isa: Isa, len: usize, row: usize, min_bytes: usize,
         },
         8 * len,
     );
-    r.silu_mul_scalar = time(&mut || crate::elementwise::silu_mul(&mut gate, &up), 12 * len);
+    r.silu_mul_scalar = time(&mut || duplex_kernels::elementwise::silu_mul(&mut gate, &up), 12 * len);
     gate.copy_from_slice(&gate0);
     r.silu_mul_simd = time(&mut || elementwise::silu_mul(isa, &mut gate, &up), 12 * len);
     std::hint::black_box((&out, &gate));
@@ -222,7 +222,7 @@ mod tests {
             println!("{label}:");
             println!("| level | RMSNorm+BF16 scalar | fused | speedup | SiLU·up scalar | SIMD | speedup |");
             println!("| --- | --- | --- | --- | --- | --- | --- |");
-            for isa in crate::cpu::isa::supported() {
+            for isa in duplex_kernels::cpu::isa::supported() {
                 let b = elementwise_bandwidth(isa, len, row, 1 << 30, 5);
                 println!(
                     "| {isa} | {:.1} GB/s | {:.1} GB/s | {:.2}× | {:.1} GB/s | {:.1} GB/s | {:.2}× |",

@@ -12,8 +12,8 @@
 //! Values are deterministic in `(seed, tensor name)`, independent of sharding
 //! and of the order tensors are written in.
 
-use crate::checkpoint::{INDEX_FILE, SINGLE_FILE};
-use crate::config::{ConfigError, ModelConfig};
+use duplex_model::checkpoint::{INDEX_FILE, SINGLE_FILE};
+use duplex_model::config::{ConfigError, ModelConfig};
 use duplex_kernels::fp8::E4M3_TABLE;
 use rand::{RngCore, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -919,9 +919,9 @@ pub fn parse_size(s: &str) -> Result<u64, String> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::checkpoint::Checkpoint;
-    use crate::generation::{Engine, GenerationParams};
-    use crate::{BlockTable, Logits, Model, Precision};
+    use duplex_model::checkpoint::Checkpoint;
+    use duplex_model::generation::{Engine, GenerationParams};
+    use duplex_model::{BlockTable, Logits, Model, Precision};
     use std::collections::BTreeSet;
 
     const FIXTURE: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../../tests/fixtures/tiny-dsv3");
