@@ -103,8 +103,9 @@ struct Sequence {
 
 /// A request waiting for its KV blocks.
 enum Waiter {
-    /// To prefill and decode here; holds no blocks yet.
-    Sequence(Sequence),
+    /// To prefill and decode here; holds no blocks yet (boxed: a sequence
+    /// is far larger than a lease request).
+    Sequence(Box<Sequence>),
     /// A lease for the prefill worker.
     Lease(LeaseAsk),
 }
@@ -301,7 +302,7 @@ impl Batcher {
         if let Err(status) = self.fits(positions) {
             return reject(&seq.events, status);
         }
-        self.enqueue(Waiter::Sequence(seq));
+        self.enqueue(Waiter::Sequence(Box::new(seq)));
     }
 
     /// Refuses, at once, a need the whole pool could never hold.
@@ -369,7 +370,7 @@ impl Batcher {
             self.stats.progressed();
             match waiter {
                 Waiter::Sequence(mut seq) => match self.kv.reserve(&mut seq.table, positions) {
-                    Ok(()) => self.ready.push_back(seq),
+                    Ok(()) => self.ready.push_back(*seq),
                     Err(e) => reject(&seq.events, Status::internal(format!("cannot reserve KV blocks the pool reported free: {e}"))),
                 },
                 Waiter::Lease(ask) => match self.kv.lease(&ask.request_id, ask.tokens, positions) {

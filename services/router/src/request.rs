@@ -450,7 +450,7 @@ mod tests {
         for role in ["tool", "function", "SYSTEM", "", "critic"] {
             let e = m.tokenize(&chat(role)).unwrap_err();
             assert!(matches!(&e, Error::Invalid { param: Some("messages"), .. }), "{role}: {e:?}");
-            assert!(e.to_string().contains(&format!("messages[0].role")) && (role.is_empty() || e.to_string().contains(&format!("`{role}`"))), "{e}");
+            assert!(e.to_string().contains("messages[0].role") && (role.is_empty() || e.to_string().contains(&format!("`{role}`"))), "{e}");
         }
     }
 

@@ -27,9 +27,11 @@ fn msg(role: &str, content: &str) -> ChatMessage {
     ChatMessage { role: role.into(), content: content.into() }
 }
 
-/// (fixture, its special markers, conversations of ordinary text the
-/// template accepts).
-fn cases() -> Vec<(&'static str, Vec<&'static str>, Vec<Vec<ChatMessage>>)> {
+/// A fixture, its special markers, and conversations of ordinary text its
+/// template accepts.
+type Case = (&'static str, Vec<&'static str>, Vec<Vec<ChatMessage>>);
+
+fn cases() -> Vec<Case> {
     let ordinary = |system: bool| {
         let mut chats = vec![
             vec![msg("user", "Hi there")],

@@ -254,7 +254,7 @@ pub fn raise_fd_limit(connections: usize) {
         }
         // Worker channels, the log, the model files: a margin for the rest.
         let needed = connections as u64 + 128;
-        if (limit.rlim_cur as u64) < needed {
+        if limit.rlim_cur < needed {
             tracing::warn!(
                 "the file-descriptor limit is {}, but the connection limits allow {connections} connections; lower max_connections or raise the limit (ulimit -n)",
                 limit.rlim_cur
