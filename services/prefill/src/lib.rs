@@ -40,7 +40,7 @@ pub async fn serve(config: PrefillConfig, listener: impl Into<Listener>, shutdow
 
 /// Bind, export metrics, serve until Ctrl-C or SIGTERM.
 pub async fn run(config: PrefillConfig) -> anyhow::Result<()> {
-    let listener = duplex_telemetry::process::start_worker_on(&config.host, config.port, config.unix_socket.as_deref(), config.metrics_port).await?;
+    let listener = duplex_telemetry::process::start_worker(&config.host, config.port, config.unix_socket.as_deref(), config.metrics_port).await?;
     serve(config, listener, duplex_telemetry::process::shutdown_signal()).await
 }
 

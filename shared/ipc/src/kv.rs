@@ -229,11 +229,6 @@ impl KvSegment {
         Ok(make(memory, g.n_blocks, g.block_size, g.n_layers, g.entry_dim)?)
     }
 
-    /// Remove segment `name` and its lock file. Processes mapping it keep
-    /// their mapping; a missing segment is not an error.
-    pub fn remove(shm_dir: &Path, name: &str) -> std::io::Result<()> {
-        segment::remove(shm_dir, name)
-    }
 }
 
 #[cfg(test)]

@@ -50,12 +50,18 @@ fn temp_prefix(name: &str) -> String {
 /// free. Held while a segment is checked and (re)built, so concurrent
 /// starters build it once. Released when the returned file is dropped.
 pub fn lock(shm_dir: &Path, name: &str) -> Result<File, IpcError> {
+    let (file, path) = open_lock_file(shm_dir, name)?;
+    file.lock().map_err(io_err(&path))?;
+    Ok(file)
+}
+
+/// `<shm_dir>/<name>.lock`, created if missing, not locked yet.
+fn open_lock_file(shm_dir: &Path, name: &str) -> Result<(File, PathBuf), IpcError> {
     check_name(name)?;
     std::fs::create_dir_all(shm_dir).map_err(io_err(shm_dir))?;
     let path = shm_dir.join(format!("{name}.lock"));
     let file = File::options().create(true).truncate(false).write(true).open(&path).map_err(io_err(&path))?;
-    file.lock().map_err(io_err(&path))?;
-    Ok(file)
+    Ok((file, path))
 }
 
 /// Take the lock `<shm_dir>/<name>.lock` for as long as the returned file is
@@ -65,10 +71,7 @@ pub fn lock(shm_dir: &Path, name: &str) -> Result<File, IpcError> {
 /// under `kill -9`, which is what makes it safe to reclaim a segment then.
 /// `None` when a live process still holds it after `wait`.
 pub fn try_lock_for(shm_dir: &Path, name: &str, wait: std::time::Duration) -> Result<Option<File>, IpcError> {
-    check_name(name)?;
-    std::fs::create_dir_all(shm_dir).map_err(io_err(shm_dir))?;
-    let path = shm_dir.join(format!("{name}.lock"));
-    let file = File::options().create(true).truncate(false).write(true).open(&path).map_err(io_err(&path))?;
+    let (file, path) = open_lock_file(shm_dir, name)?;
     let deadline = std::time::Instant::now() + wait;
     loop {
         match file.try_lock() {

@@ -93,21 +93,15 @@ pub fn bind_unix(path: &Path) -> Result<tokio::net::UnixListener, StartError> {
 
 /// A worker's start: logging, its Prometheus endpoint on `metrics_port` (0:
 /// none), and its gRPC listener: `unix_socket` if given, else `host:port`.
-pub async fn start_worker_on(host: &str, port: u16, unix_socket: Option<&Path>, metrics_port: u16) -> Result<Listener, StartError> {
-    match unix_socket {
-        Some(path) => {
-            start_worker_metrics(host, metrics_port).await?;
-            Ok(Listener::Unix(bind_unix(path)?))
-        }
-        None => start_worker(host, port, metrics_port).await.map(Listener::Tcp),
-    }
-}
-
-/// A worker's start: logging, its Prometheus endpoint on `metrics_port` (0:
-/// none), and its gRPC listener.
-pub async fn start_worker(host: &str, port: u16, metrics_port: u16) -> Result<tokio::net::TcpListener, StartError> {
+pub async fn start_worker(host: &str, port: u16, unix_socket: Option<&Path>, metrics_port: u16) -> Result<Listener, StartError> {
     start_worker_metrics(host, metrics_port).await?;
-    tokio::net::TcpListener::bind((host, port)).await.map_err(|source| StartError::Listen { addr: format!("{host}:{port}"), source })
+    match unix_socket {
+        Some(path) => Ok(Listener::Unix(bind_unix(path)?)),
+        None => {
+            let tcp = tokio::net::TcpListener::bind((host, port)).await;
+            tcp.map(Listener::Tcp).map_err(|source| StartError::Listen { addr: format!("{host}:{port}"), source })
+        }
+    }
 }
 
 async fn start_worker_metrics(host: &str, metrics_port: u16) -> Result<(), StartError> {
