@@ -107,6 +107,22 @@ impl ServedConfig {
     }
 }
 
+/// Every id that ends a generation of the served model: the tokenizer's
+/// set (`generation_config.json`'s `eos_token_id`, then `config.json`'s,
+/// then `tokenizer_config.json`'s `eos_token`, in that order) and
+/// `config`'s, without repeats. Qwen3 lists `[<|im_end|>, <|endoftext|>]`
+/// in `generation_config.json` but only `<|im_end|>` in `config.json`;
+/// transformers' `generate` stops on both.
+pub fn served_eos_token_ids(tokenizer: &tokenizer::Tokenizer, config: &ServedConfig) -> Vec<u32> {
+    let mut ids = tokenizer.eos_token_ids().to_vec();
+    for &id in &config.eos_token_ids {
+        if !ids.contains(&id) {
+            ids.push(id);
+        }
+    }
+    ids
+}
+
 /// The tiny DeepSeek-V3 checkpoint bundled with the sources, where this
 /// crate was built: for tests and tools that run inside the source tree. A
 /// binary finds it at run time with [`bundled_model`].

@@ -101,7 +101,37 @@ pub enum TokenizerError {
         #[source]
         source: tokenizers::Error,
     },
+    /// A request's extra chat-template variables ([`ChatTemplateKwargs`])
+    /// are not acceptable: a reserved name, or a special-token string in a
+    /// value. The client's fault, so no server path in the message.
+    #[error("chat_template_kwargs: {message}")]
+    TemplateKwargs { message: String },
 }
+
+impl TokenizerError {
+    /// The error as a client may see it: for a template that refused the
+    /// conversation (`raise_exception`, e.g. Mixtral's "Conversation roles
+    /// must alternate ...") only the template's reason, without the server's
+    /// file paths; other errors in full.
+    pub fn client_message(&self) -> String {
+        match self {
+            TokenizerError::TemplateRender { message, .. } => format!("the chat template rejected the messages: {message}"),
+            e => e.to_string(),
+        }
+    }
+}
+
+/// Extra variables for a chat template, as `transformers`'
+/// `apply_chat_template(..., **kwargs)` and vLLM's `chat_template_kwargs`
+/// request field pass them: e.g. `{"enable_thinking": false}` for Qwen3. A
+/// variable not given is undefined in the template (Qwen3's default,
+/// thinking on, is "`enable_thinking` undefined").
+pub type ChatTemplateKwargs = serde_json::Map<String, Json>;
+
+/// Template variables that [`ChatTemplateKwargs`] may not set: they are the
+/// request itself (`messages`, `add_generation_prompt`) or the tokenizer's
+/// own markers (`bos_token`, `eos_token`), which a client must not replace.
+const RESERVED_TEMPLATE_VARIABLES: [&str; 4] = ["messages", "add_generation_prompt", "bos_token", "eos_token"];
 
 /// One chat turn, as sent by OpenAI-style clients and as seen by the chat
 /// template (`message['role']`, `message['content']`).
@@ -223,9 +253,14 @@ impl Tokenizer {
         let tc_eos = resolve("eos_token")?;
 
         // The tokenizer's own BOS is authoritative for encoding; the model
-        // configs are fallbacks for checkpoints without tokenizer_config.json.
+        // configs are fallbacks for checkpoints that do not say. An explicit
+        // `"bos_token": null` does say: no BOS (Qwen: the configs'
+        // `bos_token_id` is `<|endoftext|>`, which transformers' tokenizer
+        // never adds nor hands the template).
+        let no_bos = tc.as_ref().and_then(|j| j.get("bos_token")).is_some_and(Json::is_null);
         let bos_id = match &tc_bos {
             Some((_, id)) => Some(*id),
+            None if no_bos => None,
             None => match token_ids(gen.as_ref(), &gen_path, "bos_token_id")?.first() {
                 Some(&id) => Some(id),
                 None => token_ids(cfg.as_ref(), &cfg_path, "bos_token_id")?
@@ -382,6 +417,20 @@ impl Tokenizer {
         messages: &[ChatMessage],
         add_generation_prompt: bool,
     ) -> Result<String, TokenizerError> {
+        self.apply_chat_template_with(messages, add_generation_prompt, &ChatTemplateKwargs::new())
+    }
+
+    /// [`Tokenizer::apply_chat_template`] with extra template variables
+    /// (e.g. `{"enable_thinking": false}`), checked by
+    /// [`Tokenizer::check_template_kwargs`]. A BOS or EOS token the
+    /// tokenizer does not have is left undefined, as in `transformers`.
+    pub fn apply_chat_template_with(
+        &self,
+        messages: &[ChatMessage],
+        add_generation_prompt: bool,
+        kwargs: &ChatTemplateKwargs,
+    ) -> Result<String, TokenizerError> {
+        self.check_template_kwargs(kwargs)?;
         let env = self
             .chat_env
             .as_ref()
@@ -393,14 +442,50 @@ impl Tokenizer {
             message: jinja_message(&e),
         };
         let template = env.get_template(TEMPLATE_NAME).map_err(render_err)?;
-        template
-            .render(minijinja::context! {
-                messages => Value::from_serialize(messages),
-                add_generation_prompt => add_generation_prompt,
-                bos_token => &self.bos_token,
-                eos_token => &self.eos_token,
-            })
-            .map_err(render_err)
+        let mut context: std::collections::BTreeMap<&str, Value> =
+            kwargs.iter().map(|(k, v)| (k.as_str(), Value::from_serialize(v))).collect();
+        context.insert("messages", Value::from_serialize(messages));
+        context.insert("add_generation_prompt", Value::from(add_generation_prompt));
+        for (name, token) in [("bos_token", &self.bos_token), ("eos_token", &self.eos_token)] {
+            if !token.is_empty() {
+                context.insert(name, Value::from(token.as_str()));
+            }
+        }
+        template.render(Value::from(context)).map_err(render_err)
+    }
+
+    /// Refuses extra template variables that would replace the request or
+    /// the tokenizer's markers ([`RESERVED_TEMPLATE_VARIABLES`]), and any
+    /// special-token string in them (in a value or a key, at any depth): a
+    /// template may print a variable, and [`Tokenizer::encode_chat`] keeps
+    /// special-token strings outside the messages special, so a client
+    /// could forge a turn through one.
+    pub fn check_template_kwargs(&self, kwargs: &ChatTemplateKwargs) -> Result<(), TokenizerError> {
+        if let Some(name) = RESERVED_TEMPLATE_VARIABLES.iter().find(|&&name| kwargs.contains_key(name)) {
+            return Err(TokenizerError::TemplateKwargs {
+                message: format!("`{name}` cannot be set here; it is part of the request or of the tokenizer"),
+            });
+        }
+        let Some(matcher) = &self.special_matcher else {
+            return Ok(());
+        };
+        fn find_special(matcher: &aho_corasick::AhoCorasick, value: &Json) -> Option<usize> {
+            let in_text = |s: &str| matcher.find(s).map(|m| m.pattern().as_usize());
+            match value {
+                Json::String(s) => in_text(s),
+                Json::Array(items) => items.iter().find_map(|v| find_special(matcher, v)),
+                Json::Object(map) => map.iter().find_map(|(k, v)| in_text(k).or_else(|| find_special(matcher, v))),
+                Json::Null | Json::Bool(_) | Json::Number(_) => None,
+            }
+        }
+        for (name, value) in kwargs {
+            if let Some(token) = matcher.find(name.as_str()).map(|m| m.pattern().as_usize()).or_else(|| find_special(matcher, value)) {
+                return Err(TokenizerError::TemplateKwargs {
+                    message: format!("`{name}` contains the special token {:?}, which is not allowed in template variables", self.specials[token].content),
+                });
+            }
+        }
+        Ok(())
     }
 
     /// The ids of a chat: the template rendered with `messages`, where the
@@ -425,12 +510,31 @@ impl Tokenizer {
         messages: &[ChatMessage],
         add_generation_prompt: bool,
     ) -> Result<Vec<u32>, TokenizerError> {
+        self.encode_chat_with(messages, add_generation_prompt, &ChatTemplateKwargs::new())
+    }
+
+    /// [`Tokenizer::encode_chat`] with extra template variables (e.g.
+    /// `{"enable_thinking": false}`); see
+    /// [`Tokenizer::apply_chat_template_with`]. Encoded as the rendered
+    /// text is: nothing is added (a template that writes BOS, like
+    /// Mixtral's, gets exactly one).
+    pub fn encode_chat_with(
+        &self,
+        messages: &[ChatMessage],
+        add_generation_prompt: bool,
+        kwargs: &ChatTemplateKwargs,
+    ) -> Result<Vec<u32>, TokenizerError> {
+        let render = |messages: &[ChatMessage]| self.apply_chat_template_with(messages, add_generation_prompt, kwargs);
         let Some(matcher) = &self.special_matcher else {
-            return self.encode_raw(&self.apply_chat_template(messages, add_generation_prompt)?);
+            return self.encode_raw(&render(messages)?);
         };
         if !messages.iter().any(|m| matcher.is_match(&m.content)) {
-            return self.encode_raw(&self.apply_chat_template(messages, add_generation_prompt)?);
+            return self.encode_raw(&render(messages)?);
         }
+        // Checked before choosing placeholders, so that the error names
+        // the variable.
+        self.check_template_kwargs(kwargs)?;
+        let kwargs_text = serde_json::to_string(kwargs).unwrap_or_default();
 
         // One placeholder per special token that occurs in some content.
         let mut placeholder_of: HashMap<usize, char> = HashMap::new();
@@ -438,6 +542,7 @@ impl Tokenizer {
         let in_use = |c: char| {
             messages.iter().any(|m| m.content.contains(c) || m.role.contains(c))
                 || self.template_source.contains(c)
+                || kwargs_text.contains(c)
                 || self.bos_token.contains(c)
                 || self.eos_token.contains(c)
                 || self.specials.iter().any(|t| t.content.contains(c))
@@ -468,7 +573,7 @@ impl Tokenizer {
             content.push_str(&m.content[last..]);
             masked.push(ChatMessage { role: m.role.clone(), content });
         }
-        let rendered = self.apply_chat_template(&masked, add_generation_prompt)?;
+        let rendered = render(&masked)?;
         let token_of: HashMap<char, &str> = placeholder_of
             .iter()
             .map(|(&token, &c)| (c, self.specials[token].content.as_str()))
