@@ -12,6 +12,7 @@ pub mod cpu;
 pub mod device;
 pub mod elementwise;
 pub mod fp8;
+pub mod gqa;
 pub mod linear;
 pub mod mla;
 pub mod moe;

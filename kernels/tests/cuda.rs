@@ -10,7 +10,7 @@
 
 use duplex_kernels::device::cuda::CudaDevice;
 use duplex_kernels::device::emulated::{EmulatedConfig, EmulatedDevice};
-use duplex_kernels::device::{download_matrix, download_u32, Device, DeviceError, DevicePtr, DeviceWeight, HostBytes, Matrix, MlaDims, Op, StreamId, StreamKind};
+use duplex_kernels::device::{download_matrix, download_u32, Device, DeviceError, DevicePtr, DeviceWeight, GqaDims, HostBytes, Matrix, MlaDims, Op, StreamId, StreamKind};
 use duplex_kernels::linear::{matmul, WeightView};
 use duplex_kernels::router::{route, RouterParams, ScoringFunc};
 use duplex_kernels::{Precision, WeightFormat};
@@ -508,6 +508,33 @@ fn mla_decode_matches_reference() {
             });
             // Neither precision rounds this op's output.
             compare(&got, &want, 1e-4, &format!("mla_decode {heads}×{dc}, ctx {ctx}, {precision:?}"));
+        }
+    }
+}
+
+#[test]
+fn gqa_attention_matches_reference() {
+    let Some(gpu) = cuda_device() else { return };
+    let mut rng = Rng::new(10);
+    // Decode and prefill rows, groups of one, four and eight heads, head
+    // widths under and over the 128-thread block, contexts over several
+    // chunks of it, and k and v with rows to spare past start + n.
+    for (heads, kv_heads, head_dim, n, start, spare) in [(4, 1, 8, 1, 0, 0), (8, 2, 64, 1, 300, 3), (6, 6, 16, 5, 4, 0), (16, 2, 128, 7, 200, 1), (8, 1, 256, 3, 130, 0)] {
+        let dims = GqaDims { heads, kv_heads, head_dim };
+        let (q_width, kv_width, ctx) = (heads * head_dim, kv_heads * head_dim, start + n + spare);
+        // BF16-valued, as the BF16 path's callers provide them.
+        let mut bf16s = |len: usize| rng.f32s(len, -1.0, 1.0).into_iter().map(duplex_kernels::round_bf16).collect::<Vec<f32>>();
+        let (q, k, v) = (bf16s(n * q_width), bf16s(ctx * kv_width), bf16s(ctx * kv_width));
+        let out0 = rng.f32s(n * q_width, -1.0, 1.0);
+        for precision in PRECISIONS {
+            let (got, want) = run_both(&gpu, |b| {
+                let q = b.matrix(&q, n, q_width);
+                let k = b.matrix(&k, ctx, kv_width);
+                let v = b.matrix(&v, ctx, kv_width);
+                let out = b.matrix(&out0, n, q_width);
+                (Op::GqaAttention { q, k, v, out, start, dims, scale: 0.125, precision }, vec![Out::F32(out)])
+            });
+            compare(&got, &want, tolerance(precision), &format!("gqa_attention {heads}/{kv_heads}×{head_dim}, n {n}, start {start}, {precision:?}"));
         }
     }
 }

@@ -1,11 +1,14 @@
-//! The MoE layer and the parallel linear layer allocate nothing once their
-//! scratch has grown: a counting global allocator watches a warmed-up call.
+//! The MoE layer, the parallel linear layer and GQA decode attention
+//! allocate nothing once their scratch has grown: a counting global
+//! allocator watches a warmed-up call.
 
 use duplex_toolkit::kernel_bench::{fp8_view, random_fp8};
 use duplex_kernels::cpu::isa;
+use duplex_kernels::gqa::{gqa_attention, GqaDims, KvBlocks};
 use duplex_kernels::moe::{moe_forward, ExpertCall, ExpertWeights, MoeScratch};
 use duplex_kernels::parallel_linear::{par_matmul, LinearScratch};
 use duplex_kernels::pool::{PoolConfig, ThreadPool};
+use duplex_kernels::Precision;
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 
@@ -85,4 +88,28 @@ fn warmed_up_moe_and_linear_do_not_allocate() {
     }
     let n = allocations(|| run(&mut out, &mut moe_scratch, &mut lin_out, &mut lin_scratch));
     assert_eq!(n, 0, "a warmed-up MoE layer and linear layer allocated {n} times");
+}
+
+#[test]
+fn warmed_up_gqa_decode_does_not_allocate() {
+    let pool = ThreadPool::new(&PoolConfig::split(2, 2).unwrap());
+    // Qwen3-30B-A3B's heads (32 query heads on 4 kv heads of 128), over a
+    // paged cache long enough for several split-K parts.
+    let dims = GqaDims { heads: 32, kv_heads: 4, head_dim: 128 };
+    let (bs, ctx) = (16usize, 1000usize);
+    let entries: Vec<f32> = (0..ctx.div_ceil(bs) * bs * 2 * 4 * 128).map(|i| ((i * 13 % 29) as f32 - 14.0) / 14.0).collect();
+    let blocks: Vec<&[f32]> = entries.chunks(bs * 2 * 4 * 128).collect();
+    let cache = KvBlocks { blocks: &blocks, block_size: bs, kv_heads: 4, head_dim: 128 };
+    let q: Vec<f32> = (0..32 * 128).map(|i| (i % 7) as f32 / 7.0 - 0.5).collect();
+    let mut out = vec![0.0f32; 32 * 128];
+    let mut scratch = Vec::new();
+    let isa = isa::detect();
+    for precision in [Precision::Bf16, Precision::F32] {
+        let mut run = || gqa_attention(&pool, isa, &q, cache, ctx - 1, dims, 0.088, precision, &mut scratch, &mut out);
+        // Warm up: scratch grows.
+        run();
+        run();
+        let n = allocations(&mut run);
+        assert_eq!(n, 0, "a warmed-up {precision:?} GQA decode allocated {n} times");
+    }
 }

@@ -33,6 +33,7 @@ const SOURCE: &str = concat!(
     include_str!("../../cuda/elementwise.cu"),
     include_str!("../../cuda/route.cu"),
     include_str!("../../cuda/mla.cu"),
+    include_str!("../../cuda/gqa.cu"),
 );
 
 /// Blocks per launch at most; every kernel loops over what is left (grid
@@ -74,6 +75,7 @@ struct Kernels {
     embedding: CudaFunction,
     mla_prefill: CudaFunction,
     mla_decode: CudaFunction,
+    gqa_attention: CudaFunction,
 }
 
 impl Kernels {
@@ -100,6 +102,7 @@ impl Kernels {
             embedding: f("embedding")?,
             mla_prefill: f("mla_prefill")?,
             mla_decode: f("mla_decode")?,
+            gqa_attention: f("gqa_attention")?,
         })
     }
 }
@@ -464,6 +467,12 @@ impl CudaDevice {
                 self.check_matrix(latents, "mla latents")?;
                 self.check_matrix(out, "mla out")
             }
+            Op::GqaAttention { q, k, v, out, .. } => {
+                self.check_matrix(q, "gqa q")?;
+                self.check_matrix(k, "gqa k")?;
+                self.check_matrix(v, "gqa v")?;
+                self.check_matrix(out, "gqa out")
+            }
         }
     }
 
@@ -654,6 +663,29 @@ impl CudaDevice {
                     .f32(*scale)
                     .flag(false);
                 self.run(s, &k.mla_decode, blocks(heads, 1), threads, threads as usize * 4, params)
+            }
+            Op::GqaAttention { q, k: keys, v, out, start, dims: d, scale, precision } => {
+                if q.rows == 0 {
+                    return Ok(());
+                }
+                if d.head_dim > MAX_BLOCK_THREADS {
+                    return Err(DeviceError::Invalid(format!("gqa_attention: head width {} above the CUDA kernel's {MAX_BLOCK_THREADS}", d.head_dim)));
+                }
+                let threads = threads_for(d.head_dim, 128);
+                let params = Params::default()
+                    .matrix(q)
+                    .matrix(keys)
+                    .matrix(v)
+                    .matrix(out)
+                    .u64(q.rows)
+                    .u64(*start)
+                    .u64(d.heads)
+                    .u64(d.kv_heads)
+                    .u64(d.head_dim)
+                    .f32(*scale)
+                    .flag(bf16(precision));
+                // Shared memory: a weight per thread, then the query.
+                self.run(s, &k.gqa_attention, blocks(q.rows * d.heads, 1), threads, (threads as usize + d.head_dim) * 4, params)
             }
         }
     }

@@ -9,6 +9,7 @@
 use super::{DeviceError, DevicePtr, DeviceWeight, Matrix, Op};
 use crate::cpu::{elementwise as simd, isa::Isa};
 use crate::elementwise::{rms_norm, rope, silu_mul, softmax};
+use crate::gqa::{gqa_attention, KvBlocks};
 use crate::linear::{dot, matmul};
 use crate::mla::{decode_attention, prefill_attention, LatentCache};
 use crate::parallel_linear::{par_matmul, LinearScratch};
@@ -98,11 +99,12 @@ pub(crate) struct Executor {
     pub pool: ThreadPool,
     pub isa: Isa,
     linear: LinearScratch,
+    attention: Vec<f32>,
 }
 
 impl Executor {
     pub fn new(pool: ThreadPool, isa: Isa) -> Self {
-        Executor { pool, isa, linear: LinearScratch::default() }
+        Executor { pool, isa, linear: LinearScratch::default(), attention: Vec::new() }
     }
 
     /// Run one (validated) op. Fails only on what validation cannot see:
@@ -261,6 +263,26 @@ impl Executor {
                         decode_attention(&self.pool, isa, cache, ctx, &ql, &qp, *scale, &mut scores, &mut os);
                     }
                 }
+                mem.store(out, &os)
+            }
+            Op::GqaAttention { q, k, v, out, start, dims, scale, precision } => {
+                let (n, ctx) = (q.rows, start + q.rows);
+                if n == 0 {
+                    return Ok(());
+                }
+                let (qs, ks, vs) = (mem.read(q)?, mem.read(&k.rows(0..ctx))?, mem.read(&v.rows(0..ctx))?);
+                // The cache layout gqa_attention reads: one block of `ctx`
+                // entries `[k | v]`.
+                let width = k.cols;
+                let mut entries = Vec::with_capacity(ctx * 2 * width);
+                for (kt, vt) in ks.chunks(width).zip(vs.chunks(width)) {
+                    entries.extend_from_slice(kt);
+                    entries.extend_from_slice(vt);
+                }
+                let blocks = [entries.as_slice()];
+                let cache = KvBlocks { blocks: &blocks, block_size: ctx, kv_heads: dims.kv_heads, head_dim: dims.head_dim };
+                let mut os = vec![0.0; n * q.cols];
+                gqa_attention(&self.pool, isa, &qs, cache, *start, *dims, *scale, *precision, &mut self.attention, &mut os);
                 mem.store(out, &os)
             }
         }

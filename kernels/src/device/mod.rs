@@ -26,6 +26,7 @@ mod host_ops;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 
+pub use crate::gqa::GqaDims;
 pub use crate::mla::MlaDims;
 use crate::router::RouterParams;
 use crate::{Precision, WeightFormat};
@@ -221,6 +222,12 @@ pub enum Op {
     /// `q_latent` `[heads, dc]`, `q_pe` `[heads, dr]`, `latents` `[ctx, dc+dr]`;
     /// `out` `[heads, dc]` is the attention-weighted sum of latents.
     MlaDecode { q_latent: Matrix, q_pe: Matrix, latents: Matrix, out: Matrix, scale: f32, precision: Precision },
+    /// Grouped-query attention, causal: `q` is `[n, heads·head_dim]` for
+    /// positions `start..start+n`; `k` and `v` are `[ctx, kv_heads·head_dim]`
+    /// with `ctx ≥ start + n` (rows past `start + n` are not read); query row
+    /// `i` attends to positions `0..=start+i`, head `h` to kv head
+    /// `h / (heads / kv_heads)`. `out` is `[n, heads·head_dim]` (BF16: rounded).
+    GqaAttention { q: Matrix, k: Matrix, v: Matrix, out: Matrix, start: usize, dims: GqaDims, scale: f32, precision: Precision },
 }
 
 /// Which work a stream is meant for. Both run anything in order; the
@@ -488,6 +495,19 @@ impl Op {
                     return bad(format!("mla_decode: q_latent {}×{}, q_pe {}×{}, latents {}×{}, out {}×{}", heads, dc, q_pe.rows, q_pe.cols, latents.rows, latents.cols, out.rows, out.cols));
                 }
                 disjoint(out, &[q_latent, q_pe, latents], "mla_decode")
+            }
+            Op::GqaAttention { q, k, v, out, start, dims, .. } => {
+                for (m, what) in [(q, "gqa q"), (k, "gqa k"), (v, "gqa v"), (out, "gqa out")] {
+                    m.check(what)?;
+                }
+                dims.check().map_err(|e| DeviceError::Invalid(format!("gqa_attention: {e}")))?;
+                let (q_width, kv_width) = (dims.heads.checked_mul(dims.head_dim), dims.kv_heads.checked_mul(dims.head_dim));
+                let ctx = start.checked_add(q.rows);
+                let fits = |m: &Matrix| ctx.is_some_and(|ctx| m.rows >= ctx);
+                if q_width != Some(q.cols) || kv_width != Some(k.cols) || kv_width != Some(v.cols) || !fits(k) || !fits(v) || out.rows != q.rows || out.cols != q.cols {
+                    return bad(format!("gqa_attention: q {}×{}, k {}×{}, v {}×{}, out {}×{} for {dims:?} at start {start}", q.rows, q.cols, k.rows, k.cols, v.rows, v.cols, out.rows, out.cols));
+                }
+                disjoint(out, &[q, k, v], "gqa_attention")
             }
         }
     }
