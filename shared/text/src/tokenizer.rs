@@ -156,6 +156,10 @@ pub struct Tokenizer {
     /// (the matching the added vocabulary does); `None` without any.
     specials: Vec<SpecialToken>,
     special_matcher: Option<aho_corasick::AhoCorasick>,
+    /// The decoder's steps with `ByteFallback` swapped for
+    /// [`DecodeStep::LossyBytes`], for SentencePiece-style vocabularies
+    /// (Mixtral, Llama); `None` when the decoder has no `ByteFallback`.
+    byte_fallback_steps: Option<Vec<DecodeStep>>,
     /// `tokenizer.json` path, kept for error messages.
     tokenizer_path: PathBuf,
     bos_id: Option<u32>,
@@ -172,6 +176,22 @@ pub struct Tokenizer {
     template_path: PathBuf,
     /// The template's source, so that placeholders never collide with it.
     template_source: String,
+}
+
+/// One step of a decoder pipeline that [`Tokenizer::decode`] runs itself.
+#[derive(Clone, Debug)]
+enum DecodeStep {
+    Builtin(tokenizers::DecoderWrapper),
+    /// `ByteFallback` (`<0xE4>` tokens to bytes), but turning a run of bytes
+    /// that is not valid UTF-8 into text the lossy way (one U+FFFD per bad
+    /// sequence, valid characters kept, as SentencePiece itself does)
+    /// instead of `tokenizers`' all-or-nothing (one U+FFFD per byte of the
+    /// whole run as soon as any byte is bad). All-or-nothing lets a later
+    /// stray byte turn an already complete, already streamed character into
+    /// U+FFFD, so a stream could never equal the full decode; lossy decoding
+    /// never changes text that a later byte cannot complete. Valid UTF-8
+    /// decodes the same either way.
+    LossyBytes,
 }
 
 /// A special added token, with the options that change how it splits text.
@@ -328,7 +348,10 @@ impl Tokenizer {
             Some(matcher)
         };
 
+        let byte_fallback_steps = byte_fallback_steps(inner.get_decoder());
+
         Ok(Self {
+            byte_fallback_steps,
             inner,
             plain,
             specials,
@@ -659,7 +682,27 @@ impl Tokenizer {
         // `tokenizers` already drops unknown ids; the only remaining failure
         // is a decoder error, which for a response stream is better shown as
         // missing text than as a failed request.
-        self.inner.decode(ids, true).unwrap_or_default()
+        let Some(steps) = &self.byte_fallback_steps else {
+            return self.inner.decode(ids, true).unwrap_or_default();
+        };
+        // What `tokenizers::Tokenizer::decode` does (unknown ids and special
+        // tokens dropped, then the decoder chain), with the lossy byte step.
+        let added = self.inner.get_added_vocabulary();
+        let mut tokens: Vec<String> = ids
+            .iter()
+            .filter_map(|&id| self.inner.id_to_token(id))
+            .filter(|t| !added.is_special_token(t))
+            .collect();
+        for step in steps {
+            tokens = match step {
+                DecodeStep::Builtin(decoder) => match tokenizers::Decoder::decode_chain(decoder, tokens) {
+                    Ok(tokens) => tokens,
+                    Err(_) => return String::new(),
+                },
+                DecodeStep::LossyBytes => lossy_byte_fallback(tokens),
+            };
+        }
+        tokens.concat()
     }
 
     /// Tokenizer vocabulary size including added tokens. May be smaller than
@@ -779,6 +822,50 @@ impl IncrementalDecoder {
         self.read_offset = self.ids.len();
         delta
     }
+}
+
+/// The decoder's steps with `ByteFallback` made lossy ([`DecodeStep`]), when
+/// it has one: alone, or in a top-level `Sequence` (the SentencePiece
+/// conversions' `Replace("▁", " "), ByteFallback, Fuse, Strip`).
+fn byte_fallback_steps(decoder: Option<&tokenizers::DecoderWrapper>) -> Option<Vec<DecodeStep>> {
+    use tokenizers::DecoderWrapper as D;
+    let step = |d: &D| match d {
+        D::ByteFallback(_) => DecodeStep::LossyBytes,
+        other => DecodeStep::Builtin(other.clone()),
+    };
+    match decoder? {
+        D::ByteFallback(_) => Some(vec![DecodeStep::LossyBytes]),
+        D::Sequence(seq) if seq.get_decoders().iter().any(|d| matches!(d, D::ByteFallback(_))) => {
+            Some(seq.get_decoders().iter().map(step).collect())
+        }
+        _ => None,
+    }
+}
+
+/// `ByteFallback`'s step with lossy UTF-8 (see [`DecodeStep::LossyBytes`]):
+/// each run of `<0xHH>` tokens becomes one token of its text.
+fn lossy_byte_fallback(tokens: Vec<String>) -> Vec<String> {
+    let byte_of = |t: &str| {
+        (t.len() == 6 && t.starts_with("<0x") && t.ends_with('>')).then(|| u8::from_str_radix(&t[3..5], 16).ok()).flatten()
+    };
+    let mut out = Vec::with_capacity(tokens.len());
+    let mut run: Vec<u8> = Vec::new();
+    for token in tokens {
+        match byte_of(&token) {
+            Some(b) => run.push(b),
+            None => {
+                if !run.is_empty() {
+                    out.push(String::from_utf8_lossy(&run).into_owned());
+                    run.clear();
+                }
+                out.push(token);
+            }
+        }
+    }
+    if !run.is_empty() {
+        out.push(String::from_utf8_lossy(&run).into_owned());
+    }
+    out
 }
 
 /// Reads a JSON file that checkpoints may omit: absent is `None`, anything

@@ -258,6 +258,12 @@ fn mixtral_template_errors_are_clear() {
     // A valid multi-turn chat renders, `</s>` after the assistant turn.
     let text = tok.apply_chat_template(&[msg("user", "a"), msg("assistant", "b"), msg("user", "c")], true).unwrap();
     assert_eq!(text, "<s>[INST] a [/INST]b</s>[INST] c [/INST]");
+    // As in the README: after `</s>` too the text gets a "▁", so the next
+    // `[INST]` starts with `▁[` (630), the same id as after `<s>`.
+    let ids = tok.encode_chat(&[msg("user", "a"), msg("assistant", "b"), msg("user", "c")], true).unwrap();
+    let eos = ids.iter().position(|&i| i == 2).expect("</s> after the answer");
+    assert_eq!((ids[0], ids[1], ids[eos + 1]), (1, 630, 630), "{ids:?}");
+    assert_eq!(ids.iter().filter(|&&i| i == 1).count(), 1, "{ids:?}");
 }
 
 #[test]
@@ -305,6 +311,14 @@ fn mixtral_byte_fallback_characters_stream_whole() {
     let (pieces, tail) = stream(&tok, &ids[..2]);
     assert_eq!(pieces.concat() + &tail, tok.decode(&ids[..2]));
     assert!(tail.contains('\u{FFFD}'));
+    // A complete character followed by a stray continuation byte: the
+    // character stays (it was already streamed) and only the stray byte is
+    // U+FFFD, in the full decode as in the stream. (`tokenizers`' own
+    // ByteFallback turns the whole run into "\u{FFFD}\u{FFFD}\u{FFFD}".)
+    let ids = [3 + 0xC2, 3 + 0x80, 3 + 0x80];
+    assert_eq!(tok.decode(&ids), "\u{80}\u{FFFD}");
+    let (pieces, tail) = stream(&tok, &ids);
+    assert_eq!((pieces.concat(), tail), ("\u{80}".to_string(), "\u{FFFD}".to_string()));
 }
 
 #[test]
@@ -397,4 +411,31 @@ fn qwen3_release_template_renders_as_in_transformers() {
         render(&[msg("user", "Q"), msg("assistant", "A"), msg("tool", "42"), msg("tool", "43")], true, &none),
         "<|im_start|>user\nQ<|im_end|>\n<|im_start|>assistant\nA<|im_end|>\n<|im_start|>user\n<tool_response>\n42\n</tool_response>\n<tool_response>\n43\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
     );
+}
+
+// ------------------------------------------------- streaming, any ids --
+
+proptest::proptest! {
+    #![proptest_config(proptest::prelude::ProptestConfig::with_cases(128))]
+    /// Any id sequence a model could sample (the padded rows 2048..2112
+    /// included), for both vocabularies: the stream equals the full decode,
+    /// with Mixtral's one stripped leading space and byte-fallback bytes
+    /// that may or may not form characters.
+    #[test]
+    fn streamed_text_equals_full_decode(
+        ids in proptest::collection::vec(0u32..2112, 0..48),
+        // Byte-fallback ids (3..=258) often, to build multi-byte characters.
+        bytes in proptest::collection::vec((0usize..48, 0x80u32..0x100), 0..12),
+    ) {
+        for (name, tok) in [(QWEN3, load(QWEN3)), (MIXTRAL, load(MIXTRAL))] {
+            let mut ids = ids.clone();
+            if name == MIXTRAL {
+                for &(at, byte) in &bytes {
+                    ids.insert(at.min(ids.len()), 3 + byte);
+                }
+            }
+            let (pieces, tail) = stream(&tok, &ids);
+            proptest::prop_assert_eq!(pieces.concat() + &tail, tok.decode(&ids), "{}: {:?}", name, ids);
+        }
+    }
 }
