@@ -91,9 +91,10 @@ pub enum TokenizerError {
     )]
     NoChatTemplate { path: PathBuf },
     /// Rendering failed, including templates that call `raise_exception`
-    /// (the usual way templates reject e.g. a non-alternating conversation).
+    /// (the usual way templates reject e.g. a non-alternating conversation);
+    /// `reason` is then the template's own message.
     #[error("chat template from {} failed to render: {message}", path.display())]
-    TemplateRender { path: PathBuf, message: String },
+    TemplateRender { path: PathBuf, message: String, reason: Option<String> },
     /// The `tokenizers` pipeline rejected the input.
     #[error("tokenizer from {} failed to encode text: {source}", path.display())]
     Encode {
@@ -109,13 +110,14 @@ pub enum TokenizerError {
 }
 
 impl TokenizerError {
-    /// The error as a client may see it: for a template that refused the
-    /// conversation (`raise_exception`, e.g. Mixtral's "Conversation roles
-    /// must alternate ...") only the template's reason, without the server's
-    /// file paths; other errors in full.
+    /// The error as a client may see it, without the server's file paths:
+    /// for a template that refused the conversation (`raise_exception`, e.g.
+    /// Mixtral's "Conversation roles must alternate ...") only the
+    /// template's reason; other errors in full.
     pub fn client_message(&self) -> String {
         match self {
-            TokenizerError::TemplateRender { message, .. } => format!("the chat template rejected the messages: {message}"),
+            TokenizerError::TemplateRender { reason: Some(reason), .. } => format!("the chat template rejected the messages: {reason}"),
+            TokenizerError::TemplateRender { message, .. } => format!("the chat template failed to render: {message}"),
             e => e.to_string(),
         }
     }
@@ -463,6 +465,7 @@ impl Tokenizer {
         let render_err = |e: JinjaError| TokenizerError::TemplateRender {
             path: self.template_path.clone(),
             message: jinja_message(&e),
+            reason: raised_reason(&e),
         };
         let template = env.get_template(TEMPLATE_NAME).map_err(render_err)?;
         let mut context: std::collections::BTreeMap<&str, Value> =
@@ -583,6 +586,7 @@ impl Tokenizer {
                             TokenizerError::TemplateRender {
                                 path: self.template_path.clone(),
                                 message: "the messages use every placeholder character".into(),
+                                reason: None,
                             }
                         })?;
                         placeholder_of.insert(token, c);
@@ -1015,7 +1019,7 @@ fn build_env(source: String) -> Result<Environment<'static>, JinjaError> {
     env.add_function(
         "raise_exception",
         |msg: String| -> Result<Value, JinjaError> {
-            Err(JinjaError::new(JinjaErrorKind::InvalidOperation, msg))
+            Err(JinjaError::new(JinjaErrorKind::InvalidOperation, format!("{RAISED}{msg}")))
         },
     );
     env.add_function("strftime_now", |fmt: String| {
@@ -1026,6 +1030,23 @@ fn build_env(source: String) -> Result<Environment<'static>, JinjaError> {
     });
     env.add_template_owned(TEMPLATE_NAME, source)?;
     Ok(env)
+}
+
+/// How `raise_exception` marks its message, so that [`raised_reason`] can
+/// tell the template's own refusal from minijinja's invalid operations.
+const RAISED: &str = "raise_exception: ";
+
+/// The message a template passed to `raise_exception`, if that is what
+/// failed (at any depth of the cause chain: a macro or include may raise).
+fn raised_reason(e: &JinjaError) -> Option<String> {
+    let mut error: Option<&(dyn std::error::Error + 'static)> = Some(e);
+    while let Some(current) = error {
+        if let Some(reason) = current.downcast_ref::<JinjaError>().and_then(JinjaError::detail).and_then(|d| d.strip_prefix(RAISED)) {
+            return Some(reason.to_owned());
+        }
+        error = current.source();
+    }
+    None
 }
 
 /// A minijinja error with its cause chain, since `raise_exception` messages
