@@ -297,7 +297,12 @@ fn bf16_words(words: &mut [f32]) -> &mut [u16] {
 
 /// Several query rows (prefill) on the BF16 path: per (block of rows,
 /// head), the block's scores against every key it may see are one BF16
-/// GEMM; then per row the softmax and the weighted sum of the values.
+/// GEMM; then per row the softmax, and the weighted sums of the values.
+///
+/// On the AVX-512 levels the weighted sums of sixteen rows at a time are
+/// one `weighted_sum_16` (each value vector loaded feeds sixteen FMAs)
+/// instead of an `axpy` per (row, position): the same fused sums in the
+/// same order, the positions a row may not see weighing an exact zero.
 #[allow(clippy::too_many_arguments)]
 fn prefill_bf16(pool: &ThreadPool, isa: Isa, q: &[f32], cache: KvBlocks, start: usize, dims: GqaDims, scale: f32, scratch: &mut Vec<f32>, out: &mut [f32]) {
     let (heads, kv_heads, hd, group) = (dims.heads, dims.kv_heads, dims.head_dim, dims.group());
@@ -305,10 +310,13 @@ fn prefill_bf16(pool: &ThreadPool, isa: Isa, q: &[f32], cache: KvBlocks, start: 
     let ctx = start + n;
     // Scratch: the keys in BF16, `[kv_heads][ctx][hd]` (a weight matrix of
     // ctx rows per kv head), then per thread the scores of a block of rows
-    // `[rows][ctx]` and its queries in BF16 `[rows][hd]`.
+    // `[rows][ctx]`, its queries in BF16 `[rows][hd]` and the weighted
+    // sums of sixteen rows `[16][hd]`.
+    const L: usize = QUERY_LANES;
     let rows = QUERY_BLOCK.min(n);
     let keys_len = (kv_heads * ctx * hd).div_ceil(2);
-    let per_thread = rows * ctx + (rows * hd).div_ceil(2);
+    let per_thread = rows * ctx + (rows * hd).div_ceil(2) + L * hd;
+    let wide = isa.usable() >= Isa::Avx512;
     let all = scratch_of(scratch, keys_len + pool.threads() * per_thread);
     let (key_words, thread_words) = all.split_at_mut(keys_len);
     let keys = &mut bf16_words(key_words)[..kv_heads * ctx * hd];
@@ -343,7 +351,8 @@ fn prefill_bf16(pool: &ThreadPool, isa: Isa, q: &[f32], cache: KvBlocks, start: 
         // SAFETY: a thread runs one task at a time, and this part of the
         // scratch is its own.
         let mine = unsafe { per.slice_mut(thread_index() * per_thread, per_thread) };
-        let (scores, query_words) = mine.split_at_mut(rows * ctx);
+        let (scores, rest) = mine.split_at_mut(rows * ctx);
+        let (query_words, sums) = rest.split_at_mut((rows * hd).div_ceil(2));
         let queries = &mut bf16_words(query_words)[..(i1 - i0) * hd];
         for (i, row) in (i0..i1).zip(queries.chunks_exact_mut(hd)) {
             f32_to_bf16(isa, &q[(i * heads + h) * hd..(i * heads + h + 1) * hd], row);
@@ -355,13 +364,44 @@ fn prefill_bf16(pool: &ThreadPool, isa: Isa, q: &[f32], cache: KvBlocks, start: 
             let row = &mut row[..=start + i];
             row.iter_mut().for_each(|s| *s *= scale);
             softmax(isa, row);
-            // SAFETY: head h of row i is written by this task only.
-            let o = unsafe { out.slice_mut((i * heads + h) * hd, hd) };
-            o.fill(0.0);
-            for (t, &w) in row.iter().enumerate() {
-                axpy_f32(isa, w, cache.value(t, j), o);
+        }
+        let block = &*block;
+        // SAFETY: head h of row i is written by this task only.
+        let out_row = |i: usize| unsafe { out.slice_mut((i * heads + h) * hd, hd) };
+        if !wide {
+            for (i, row) in (i0..i1).zip(block.chunks(seen)) {
+                let o = out_row(i);
+                o.fill(0.0);
+                for (t, &w) in row[..=start + i].iter().enumerate() {
+                    axpy_f32(isa, w, cache.value(t, j), o);
+                }
+                round_bf16_slice(o);
             }
-            round_bf16_slice(o);
+            return;
+        }
+        for r0 in (i0..i1).step_by(L) {
+            let r1 = (r0 + L).min(i1);
+            let sums = &mut sums[..(r1 - r0) * hd];
+            sums.fill(0.0);
+            // Positions in chunks: their weights transposed, `[position][row]`.
+            const CHUNK: usize = 32;
+            let mut values = [&[] as &[f32]; CHUNK];
+            for c0 in (0..start + r1).step_by(CHUNK) {
+                let c1 = (c0 + CHUNK).min(start + r1);
+                let mut weights = [0.0f32; CHUNK * L];
+                for (k, t) in (c0..c1).enumerate() {
+                    values[k] = cache.value(t, j);
+                    for i in r0.max(t.saturating_sub(start))..r1 {
+                        weights[k * L + i - r0] = block[(i - i0) * seen + t];
+                    }
+                }
+                weighted_sum_16(isa, &weights[..(c1 - c0) * L], &values[..c1 - c0], sums, hd);
+            }
+            for (i, sum) in (r0..r1).zip(sums.chunks_exact(hd)) {
+                let o = out_row(i);
+                o.copy_from_slice(sum);
+                round_bf16_slice(o);
+            }
         }
     });
 }
