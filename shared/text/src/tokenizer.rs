@@ -297,10 +297,18 @@ impl Tokenizer {
         let mut seen = std::collections::HashSet::new();
         eos_ids.retain(|id| seen.insert(*id));
 
-        // HF's default is to add BOS whenever the tokenizer has one; without
-        // a BOS the switch is moot, so it is not an error.
-        let add_bos = optional_bool(tc.as_ref(), &tc_path, "add_bos_token")?.unwrap_or(true)
-            && bos_id.is_some();
+        // Without `add_bos_token`, BOS is added when tokenizer.json's
+        // post-processor adds it, as transformers' fast tokenizer does with
+        // tokenizer.json alone: DeepSeek's and Mixtral's do, Qwen's
+        // (ByteLevel) does not, although Qwen's configs name a
+        // `bos_token_id`. Without a BOS the switch is moot, so not an error.
+        let post_processor_adds = |bos: u32| {
+            inner.encode("a", true).is_ok_and(|enc| enc.get_ids().first() == Some(&bos))
+        };
+        let add_bos = match optional_bool(tc.as_ref(), &tc_path, "add_bos_token")? {
+            Some(add) => add && bos_id.is_some(),
+            None => bos_id.is_some_and(post_processor_adds),
+        };
         let add_eos = optional_bool(tc.as_ref(), &tc_path, "add_eos_token")?.unwrap_or(false)
             && !eos_ids.is_empty();
 

@@ -448,3 +448,25 @@ proptest::proptest! {
         }
     }
 }
+
+#[test]
+fn qwen3_without_tokenizer_config_adds_no_bos() {
+    // tokenizer.json and the model configs only: the configs' bos_token_id
+    // (<|endoftext|>) is not added, since the ByteLevel post-processor adds
+    // nothing (transformers' PreTrainedTokenizerFast on tokenizer.json).
+    let tmp = tempfile::tempdir().unwrap();
+    for file in ["tokenizer.json", "config.json", "generation_config.json"] {
+        std::fs::copy(dir(QWEN3).join(file), tmp.path().join(file)).unwrap();
+    }
+    let tok = Tokenizer::from_dir(tmp.path()).unwrap();
+    assert_eq!(tok.bos_token_id(), Some(2043));
+    let ids = &reference_prompts(QWEN3)[0];
+    assert_eq!(&tok.encode_text(&tok.decode(ids)).unwrap(), ids);
+    // Mixtral's post-processor does add its BOS.
+    let tmp = tempfile::tempdir().unwrap();
+    std::fs::copy(dir(MIXTRAL).join("tokenizer.json"), tmp.path().join("tokenizer.json")).unwrap();
+    std::fs::copy(dir(MIXTRAL).join("config.json"), tmp.path().join("config.json")).unwrap();
+    let tok = Tokenizer::from_dir(tmp.path()).unwrap();
+    let ids = &reference_prompts(MIXTRAL)[0];
+    assert_eq!(&tok.encode_text(&tok.decode(ids)).unwrap(), ids);
+}
