@@ -13,7 +13,6 @@
 use duplex_ipc::KvSegment;
 use duplex_model::sampling::{Sampler, SamplingParams};
 use crate::slp::{SlpEngine, SlpError, SlpReport};
-use duplex_model::staged::StagedError;
 use duplex_model::{BlockTable, KvPool, Logits, Model, Precision};
 use duplex_proto::stats::StatsCell;
 use duplex_proto::worker::{KvLease, PrefillResponse, SampledToken as WireToken};
@@ -180,7 +179,7 @@ impl Engine {
                 let mut stop = || inbox.stop(job, commands);
                 let (logits, report) = slp.engine.run(&self.model, pool, &mut table, &job.prompt, self.precision, Logits::Last, &mut stop).map_err(|e| match e {
                     SlpError::Cancelled => Status::cancelled("prefill cancelled"),
-                    SlpError::Staged(StagedError::Forward(e)) => Status::invalid_argument(e.to_string()),
+                    SlpError::Staged(e) if e.is_bad_input() => Status::invalid_argument(e.to_string()),
                     e => Status::internal(format!("stream-loading prefill failed: {e}")),
                 })?;
                 record_slp(&report);

@@ -119,7 +119,7 @@ fn ring_length_adapts_to_the_prompt_and_can_be_overridden() {
     assert_eq!(slp(&fixed, &tokens, Precision::Bf16, Logits::Last).unwrap().ring_slots, 5);
     // Device memory too small for the full ring: as many slots as fit.
     let expert = m.staged_modules(usize::MAX).iter().filter(|x| x.is_expert()).map(|x| x.device_bytes()).max().unwrap();
-    let memory = one_module_budget(m) + workspace_bytes(m, tokens.len(), Logits::Last, config().attention_kv_bytes) + 6 * expert + (64 << 10);
+    let memory = one_module_budget(m) + workspace_bytes(m, 0, tokens.len(), Logits::Last, config().attention_kv_bytes).unwrap() + 6 * expert + (64 << 10);
     let small = EmulatedDevice::new(EmulatedConfig { memory_bytes: memory, ..Default::default() }).unwrap();
     let engine = SlpEngine::new(m, small, SlpConfig { dense_budget_bytes: one_module_budget(m), ..config() }).unwrap();
     let slots = slp(&engine, &tokens, Precision::Bf16, Logits::Last).unwrap().ring_slots;

@@ -36,25 +36,72 @@ pub struct Fp8Quantization {
 
 pub use duplex_kernels::router::ScoringFunc;
 
-/// The model hyper-parameters, as the engine uses them.
+/// The model families Duplex runs, each with its Hugging Face layout.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Architecture {
+    /// `deepseek_v3` (and `kimi_k2`): MLA, group-limited sigmoid routing, shared experts.
+    DeepseekV3,
+    /// `qwen3_moe`: GQA with per-head q/k RMSNorm, softmax top-k routing.
+    Qwen3Moe,
+    /// `mixtral`: GQA, softmax top-2 routing, `block_sparse_moe` tensor names.
+    Mixtral,
+}
+
+impl Architecture {
+    pub fn name(self) -> &'static str {
+        match self {
+            Architecture::DeepseekV3 => "deepseek_v3",
+            Architecture::Qwen3Moe => "qwen3_moe",
+            Architecture::Mixtral => "mixtral",
+        }
+    }
+}
+
+/// Multi-head latent attention (DeepSeek-V3): keys and values compressed
+/// into one latent per token, plus a rotary key shared by every head.
 #[derive(Clone, Debug, PartialEq)]
-pub struct ModelConfig {
-    pub vocab_size: usize,
-    pub hidden_size: usize,
-    pub intermediate_size: usize,
-    pub moe_intermediate_size: usize,
-    pub num_hidden_layers: usize,
-    pub num_attention_heads: usize,
+pub struct MlaConfig {
     pub q_lora_rank: Option<usize>,
     pub kv_lora_rank: usize,
     pub qk_nope_head_dim: usize,
     pub qk_rope_head_dim: usize,
     pub v_head_dim: usize,
+}
+
+/// Grouped-query attention: `num_key_value_heads` key/value heads, each
+/// shared by `num_attention_heads / num_key_value_heads` query heads.
+#[derive(Clone, Debug, PartialEq)]
+pub struct GqaConfig {
+    pub num_key_value_heads: usize,
+    pub head_dim: usize,
+    /// Per-head RMSNorm of queries and keys before the rotation (Qwen3).
+    pub qk_norm: bool,
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub enum AttentionConfig {
+    Mla(MlaConfig),
+    Gqa(GqaConfig),
+}
+
+/// The model hyper-parameters, as the engine uses them.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ModelConfig {
+    pub architecture: Architecture,
+    pub vocab_size: usize,
+    pub hidden_size: usize,
+    /// Width of the dense layers' MLP.
+    pub intermediate_size: usize,
+    pub num_hidden_layers: usize,
+    pub num_attention_heads: usize,
+    pub attention: AttentionConfig,
+    /// Width of one routed (and of one shared) expert.
+    pub moe_intermediate_size: usize,
     pub n_routed_experts: usize,
     pub n_shared_experts: usize,
     pub num_experts_per_tok: usize,
-    pub first_k_dense_replace: usize,
-    pub moe_layer_freq: usize,
+    /// Per layer: a mixture of experts (else a dense MLP).
+    pub moe_layers: Vec<bool>,
     pub n_group: usize,
     pub topk_group: usize,
     pub norm_topk_prob: bool,
@@ -64,6 +111,7 @@ pub struct ModelConfig {
     pub use_correction_bias: bool,
     pub rope_theta: f64,
     pub rope_scaling: Option<Yarn>,
+    /// Rotate interleaved pairs (DeepSeek) rather than the two halves (Llama-style).
     pub rope_interleave: bool,
     pub rms_norm_eps: f32,
     pub max_position_embeddings: usize,
@@ -73,24 +121,49 @@ pub struct ModelConfig {
     pub eos_token_ids: Vec<u32>,
 }
 
-/// The raw JSON, before validation. Optional fields take the defaults of
-/// transformers' `DeepseekV3Config`.
+/// The raw JSON, before validation. Field names are the union of the three
+/// families' configs; optional fields take transformers' defaults, which
+/// differ per family and are applied in [`ModelConfig::from_json`].
 #[derive(Deserialize)]
 struct RawConfig {
     model_type: Option<String>,
     vocab_size: usize,
     hidden_size: usize,
-    intermediate_size: usize,
-    moe_intermediate_size: usize,
+    #[serde(default)]
+    intermediate_size: Option<usize>,
     num_hidden_layers: usize,
     num_attention_heads: usize,
+    // MLA
+    #[serde(default)]
     q_lora_rank: Option<usize>,
-    kv_lora_rank: usize,
-    qk_nope_head_dim: usize,
-    qk_rope_head_dim: usize,
-    v_head_dim: usize,
+    #[serde(default)]
+    kv_lora_rank: Option<usize>,
+    #[serde(default)]
+    qk_nope_head_dim: Option<usize>,
+    #[serde(default)]
+    qk_rope_head_dim: Option<usize>,
+    #[serde(default)]
+    v_head_dim: Option<usize>,
+    // GQA
+    #[serde(default)]
+    num_key_value_heads: Option<usize>,
+    #[serde(default)]
+    head_dim: Option<usize>,
+    #[serde(default)]
+    attention_bias: bool,
+    #[serde(default)]
+    use_sliding_window: bool,
+    #[serde(default)]
+    sliding_window: Option<serde_json::Value>,
+    // MoE, under each family's names
+    #[serde(default)]
+    moe_intermediate_size: Option<usize>,
     #[serde(default)]
     n_routed_experts: Option<usize>,
+    #[serde(default)]
+    num_experts: Option<usize>,
+    #[serde(default)]
+    num_local_experts: Option<usize>,
     #[serde(default)]
     n_shared_experts: Option<usize>,
     #[serde(default)]
@@ -100,25 +173,29 @@ struct RawConfig {
     #[serde(default = "one")]
     moe_layer_freq: usize,
     #[serde(default)]
+    mlp_only_layers: Vec<usize>,
+    #[serde(default = "one")]
+    decoder_sparse_step: usize,
+    #[serde(default)]
     n_group: Option<usize>,
     #[serde(default)]
     topk_group: Option<usize>,
-    #[serde(default = "yes")]
-    norm_topk_prob: bool,
+    #[serde(default)]
+    norm_topk_prob: Option<bool>,
     #[serde(default = "one_f64")]
     routed_scaling_factor: f64,
     #[serde(default = "sigmoid")]
     scoring_func: String,
     #[serde(default = "noaux_tc")]
     topk_method: String,
-    #[serde(default = "default_theta")]
-    rope_theta: f64,
+    #[serde(default)]
+    rope_theta: Option<f64>,
     #[serde(default)]
     rope_scaling: Option<serde_json::Value>,
-    #[serde(default = "yes")]
-    rope_interleave: bool,
-    #[serde(default = "default_eps")]
-    rms_norm_eps: f64,
+    #[serde(default)]
+    rope_interleave: Option<bool>,
+    #[serde(default)]
+    rms_norm_eps: Option<f64>,
     #[serde(default = "default_max_pos")]
     max_position_embeddings: usize,
     #[serde(default)]
@@ -139,20 +216,11 @@ fn one() -> usize {
 fn one_f64() -> f64 {
     1.0
 }
-fn yes() -> bool {
-    true
-}
 fn sigmoid() -> String {
     "sigmoid".into()
 }
 fn noaux_tc() -> String {
     "noaux_tc".into()
-}
-fn default_theta() -> f64 {
-    10000.0
-}
-fn default_eps() -> f64 {
-    1e-6
 }
 fn default_max_pos() -> usize {
     4096
@@ -176,26 +244,19 @@ impl ModelConfig {
             ConfigError::Parse { path: origin.into(), message }
         })?;
         let invalid = |message: String| ConfigError::Invalid { path: origin.into(), message };
+        let required = |name: &str, v: Option<usize>| v.ok_or_else(|| invalid(format!("missing field {name}")));
 
-        match raw.model_type.as_deref() {
-            Some("deepseek_v3") | Some("kimi_k2") | None => {}
-            Some(other) => return Err(invalid(format!("unsupported model_type {other:?}; expected \"deepseek_v3\""))),
-        }
+        let architecture = match raw.model_type.as_deref() {
+            Some("deepseek_v3") | Some("kimi_k2") | None => Architecture::DeepseekV3,
+            Some("qwen3_moe") => Architecture::Qwen3Moe,
+            Some("mixtral") => Architecture::Mixtral,
+            Some(other) => return Err(invalid(format!("unsupported model_type {other:?}; expected \"deepseek_v3\", \"kimi_k2\", \"qwen3_moe\" or \"mixtral\""))),
+        };
         if let Some(act) = raw.hidden_act.as_deref() {
             if act != "silu" {
                 return Err(invalid(format!("unsupported hidden_act {act:?}; only \"silu\" is supported")));
             }
         }
-        let scoring_func = match raw.scoring_func.as_str() {
-            "sigmoid" => ScoringFunc::Sigmoid,
-            "softmax" => ScoringFunc::Softmax,
-            other => return Err(invalid(format!("unsupported scoring_func {other:?}"))),
-        };
-        let use_correction_bias = match raw.topk_method.as_str() {
-            "noaux_tc" => true,
-            "greedy" => false,
-            other => return Err(invalid(format!("unsupported topk_method {other:?}; expected \"noaux_tc\" or \"greedy\""))),
-        };
         let quantization = match &raw.quantization_config {
             None => None,
             Some(q) => Some(parse_quantization(q).map_err(invalid)?),
@@ -208,40 +269,119 @@ impl ModelConfig {
             None | Some(serde_json::Value::Null) => vec![],
             Some(v) => parse_token_ids(v).ok_or_else(|| invalid("eos_token_id must be an integer or a list of integers".into()))?,
         };
+        let layers = raw.num_hidden_layers;
 
-        let n_routed_experts = raw.n_routed_experts.unwrap_or(0);
-        let cfg = ModelConfig {
-            vocab_size: raw.vocab_size,
-            hidden_size: raw.hidden_size,
-            intermediate_size: raw.intermediate_size,
-            moe_intermediate_size: raw.moe_intermediate_size,
-            num_hidden_layers: raw.num_hidden_layers,
-            num_attention_heads: raw.num_attention_heads,
-            q_lora_rank: raw.q_lora_rank,
-            kv_lora_rank: raw.kv_lora_rank,
-            qk_nope_head_dim: raw.qk_nope_head_dim,
-            qk_rope_head_dim: raw.qk_rope_head_dim,
-            v_head_dim: raw.v_head_dim,
-            n_routed_experts,
-            n_shared_experts: raw.n_shared_experts.unwrap_or(0),
-            num_experts_per_tok: raw.num_experts_per_tok.unwrap_or(0),
-            first_k_dense_replace: raw.first_k_dense_replace,
-            moe_layer_freq: raw.moe_layer_freq,
-            n_group: raw.n_group.unwrap_or(1),
-            topk_group: raw.topk_group.unwrap_or(1),
-            norm_topk_prob: raw.norm_topk_prob,
-            routed_scaling_factor: raw.routed_scaling_factor as f32,
-            scoring_func,
-            use_correction_bias,
-            rope_theta: raw.rope_theta,
-            rope_scaling,
-            rope_interleave: raw.rope_interleave,
-            rms_norm_eps: raw.rms_norm_eps as f32,
-            max_position_embeddings: raw.max_position_embeddings,
-            tie_word_embeddings: raw.tie_word_embeddings,
-            quantization,
-            bos_token_id: raw.bos_token_id,
-            eos_token_ids,
+        let cfg = match architecture {
+            Architecture::DeepseekV3 => {
+                let scoring_func = match raw.scoring_func.as_str() {
+                    "sigmoid" => ScoringFunc::Sigmoid,
+                    "softmax" => ScoringFunc::Softmax,
+                    other => return Err(invalid(format!("unsupported scoring_func {other:?}"))),
+                };
+                let use_correction_bias = match raw.topk_method.as_str() {
+                    "noaux_tc" => true,
+                    "greedy" => false,
+                    other => return Err(invalid(format!("unsupported topk_method {other:?}; expected \"noaux_tc\" or \"greedy\""))),
+                };
+                let n_routed_experts = raw.n_routed_experts.unwrap_or(0);
+                let freq = raw.moe_layer_freq.max(1);
+                if raw.moe_layer_freq == 0 {
+                    return Err(invalid("moe_layer_freq must be positive".into()));
+                }
+                ModelConfig {
+                    architecture,
+                    vocab_size: raw.vocab_size,
+                    hidden_size: raw.hidden_size,
+                    intermediate_size: raw.intermediate_size.unwrap_or(0),
+                    num_hidden_layers: layers,
+                    num_attention_heads: raw.num_attention_heads,
+                    attention: AttentionConfig::Mla(MlaConfig {
+                        q_lora_rank: raw.q_lora_rank,
+                        kv_lora_rank: required("kv_lora_rank", raw.kv_lora_rank)?,
+                        qk_nope_head_dim: required("qk_nope_head_dim", raw.qk_nope_head_dim)?,
+                        qk_rope_head_dim: required("qk_rope_head_dim", raw.qk_rope_head_dim)?,
+                        v_head_dim: required("v_head_dim", raw.v_head_dim)?,
+                    }),
+                    moe_intermediate_size: raw.moe_intermediate_size.unwrap_or(0),
+                    n_routed_experts,
+                    n_shared_experts: raw.n_shared_experts.unwrap_or(0),
+                    num_experts_per_tok: raw.num_experts_per_tok.unwrap_or(0),
+                    moe_layers: (0..layers).map(|l| n_routed_experts > 0 && l >= raw.first_k_dense_replace && l.is_multiple_of(freq)).collect(),
+                    n_group: raw.n_group.unwrap_or(1),
+                    topk_group: raw.topk_group.unwrap_or(1),
+                    norm_topk_prob: raw.norm_topk_prob.unwrap_or(true),
+                    routed_scaling_factor: raw.routed_scaling_factor as f32,
+                    scoring_func,
+                    use_correction_bias,
+                    rope_theta: raw.rope_theta.unwrap_or(10000.0),
+                    rope_scaling,
+                    rope_interleave: raw.rope_interleave.unwrap_or(true),
+                    rms_norm_eps: raw.rms_norm_eps.unwrap_or(1e-6) as f32,
+                    max_position_embeddings: raw.max_position_embeddings,
+                    tie_word_embeddings: raw.tie_word_embeddings,
+                    quantization,
+                    bos_token_id: raw.bos_token_id,
+                    eos_token_ids,
+                }
+            }
+            Architecture::Qwen3Moe | Architecture::Mixtral => {
+                if raw.attention_bias {
+                    return Err(invalid("attention_bias = true is not supported".into()));
+                }
+                let window = raw.sliding_window.as_ref().is_some_and(|v| !v.is_null());
+                if raw.use_sliding_window || (architecture == Architecture::Mixtral && window) {
+                    return Err(invalid("sliding-window attention is not supported (set sliding_window to null)".into()));
+                }
+                let heads = raw.num_attention_heads;
+                let qwen = architecture == Architecture::Qwen3Moe;
+                let experts = if qwen { raw.num_experts } else { raw.num_local_experts }.unwrap_or(0);
+                let step = raw.decoder_sparse_step;
+                if qwen && step == 0 {
+                    return Err(invalid("decoder_sparse_step must be positive".into()));
+                }
+                // Mixtral's experts are `intermediate_size` wide and every layer is MoE.
+                let (dense, expert) = if qwen {
+                    (raw.intermediate_size.unwrap_or(0), raw.moe_intermediate_size.unwrap_or(0))
+                } else {
+                    (0, required("intermediate_size", raw.intermediate_size)?)
+                };
+                ModelConfig {
+                    architecture,
+                    vocab_size: raw.vocab_size,
+                    hidden_size: raw.hidden_size,
+                    intermediate_size: dense,
+                    num_hidden_layers: layers,
+                    num_attention_heads: heads,
+                    attention: AttentionConfig::Gqa(GqaConfig {
+                        num_key_value_heads: raw.num_key_value_heads.unwrap_or(heads),
+                        head_dim: raw.head_dim.unwrap_or(if heads > 0 { raw.hidden_size / heads } else { 0 }),
+                        qk_norm: qwen,
+                    }),
+                    moe_intermediate_size: expert,
+                    n_routed_experts: experts,
+                    n_shared_experts: 0,
+                    num_experts_per_tok: raw.num_experts_per_tok.unwrap_or(if qwen { 8 } else { 2 }),
+                    moe_layers: (0..layers)
+                        .map(|l| experts > 0 && (!qwen || (!raw.mlp_only_layers.contains(&l) && (l + 1).is_multiple_of(step))))
+                        .collect(),
+                    n_group: 1,
+                    topk_group: 1,
+                    // Mixtral always renormalises its top-2; Qwen3 has a switch (off by default).
+                    norm_topk_prob: if qwen { raw.norm_topk_prob.unwrap_or(false) } else { true },
+                    routed_scaling_factor: 1.0,
+                    scoring_func: ScoringFunc::Softmax,
+                    use_correction_bias: false,
+                    rope_theta: raw.rope_theta.unwrap_or(if qwen { 10000.0 } else { 1e6 }),
+                    rope_scaling,
+                    rope_interleave: false,
+                    rms_norm_eps: raw.rms_norm_eps.unwrap_or(if qwen { 1e-6 } else { 1e-5 }) as f32,
+                    max_position_embeddings: raw.max_position_embeddings,
+                    tie_word_embeddings: raw.tie_word_embeddings,
+                    quantization,
+                    bos_token_id: raw.bos_token_id,
+                    eos_token_ids,
+                }
+            }
         };
         cfg.validate().map_err(invalid)?;
         Ok(cfg)
@@ -253,26 +393,40 @@ impl ModelConfig {
             ("hidden_size", self.hidden_size),
             ("num_hidden_layers", self.num_hidden_layers),
             ("num_attention_heads", self.num_attention_heads),
-            ("kv_lora_rank", self.kv_lora_rank),
-            ("qk_rope_head_dim", self.qk_rope_head_dim),
-            ("v_head_dim", self.v_head_dim),
-            ("moe_layer_freq", self.moe_layer_freq),
         ];
         for (name, v) in positive {
             if v == 0 {
                 return Err(format!("{name} must be positive"));
             }
         }
-        if self.q_lora_rank == Some(0) {
-            return Err("q_lora_rank must be positive or null".into());
+        match &self.attention {
+            AttentionConfig::Mla(m) => {
+                for (name, v) in [("kv_lora_rank", m.kv_lora_rank), ("qk_rope_head_dim", m.qk_rope_head_dim), ("v_head_dim", m.v_head_dim)] {
+                    if v == 0 {
+                        return Err(format!("{name} must be positive"));
+                    }
+                }
+                if m.q_lora_rank == Some(0) {
+                    return Err("q_lora_rank must be positive or null".into());
+                }
+            }
+            AttentionConfig::Gqa(g) => {
+                if g.head_dim == 0 || g.num_key_value_heads == 0 {
+                    return Err("head_dim and num_key_value_heads must be positive".into());
+                }
+                if !self.num_attention_heads.is_multiple_of(g.num_key_value_heads) {
+                    return Err(format!("num_key_value_heads ({}) must divide num_attention_heads ({})", g.num_key_value_heads, self.num_attention_heads));
+                }
+            }
         }
-        if !self.qk_rope_head_dim.is_multiple_of(2) || self.qk_rope_head_dim > 512 {
-            return Err(format!("qk_rope_head_dim must be even and at most 512, got {}", self.qk_rope_head_dim));
+        let rope = self.rope_dim();
+        if !rope.is_multiple_of(2) || rope > 512 {
+            return Err(format!("the rotary width (qk_rope_head_dim or head_dim) must be even and at most 512, got {rope}"));
         }
-        if self.first_k_dense_replace > 0 && self.intermediate_size == 0 {
+        if self.moe_layers.iter().any(|m| !m) && self.intermediate_size == 0 {
             return Err("intermediate_size must be positive when there are dense layers".into());
         }
-        if self.has_moe_layers() {
+        if self.moe_layers.iter().any(|&m| m) {
             let e = self.n_routed_experts;
             if self.moe_intermediate_size == 0 {
                 return Err("moe_intermediate_size must be positive".into());
@@ -308,26 +462,61 @@ impl ModelConfig {
 
     /// Whether layer `layer` uses a mixture of experts (else a dense MLP).
     pub fn is_moe_layer(&self, layer: usize) -> bool {
-        self.n_routed_experts > 0 && layer >= self.first_k_dense_replace && layer.is_multiple_of(self.moe_layer_freq)
+        self.moe_layers.get(layer).copied().unwrap_or(false)
     }
 
-    fn has_moe_layers(&self) -> bool {
-        (0..self.num_hidden_layers).any(|l| self.is_moe_layer(l))
+    /// The MLA shape, for a DeepSeek-family model.
+    pub fn mla(&self) -> Option<&MlaConfig> {
+        match &self.attention {
+            AttentionConfig::Mla(m) => Some(m),
+            AttentionConfig::Gqa(_) => None,
+        }
     }
 
+    pub fn gqa(&self) -> Option<&GqaConfig> {
+        match &self.attention {
+            AttentionConfig::Gqa(g) => Some(g),
+            AttentionConfig::Mla(_) => None,
+        }
+    }
+
+    /// Width of each head's query (and key).
     pub fn qk_head_dim(&self) -> usize {
-        self.qk_nope_head_dim + self.qk_rope_head_dim
+        match &self.attention {
+            AttentionConfig::Mla(m) => m.qk_nope_head_dim + m.qk_rope_head_dim,
+            AttentionConfig::Gqa(g) => g.head_dim,
+        }
     }
 
-    /// Floats per token per layer in the latent KV cache.
+    /// Width of each head's value (and attention output).
+    pub fn v_head_dim(&self) -> usize {
+        match &self.attention {
+            AttentionConfig::Mla(m) => m.v_head_dim,
+            AttentionConfig::Gqa(g) => g.head_dim,
+        }
+    }
+
+    /// Width of the rotated part of a query head.
+    pub fn rope_dim(&self) -> usize {
+        match &self.attention {
+            AttentionConfig::Mla(m) => m.qk_rope_head_dim,
+            AttentionConfig::Gqa(g) => g.head_dim,
+        }
+    }
+
+    /// Floats per token per layer in the paged KV cache: MLA's latent and
+    /// rotary key, or every KV head's key then every KV head's value.
     pub fn kv_entry_dim(&self) -> usize {
-        self.kv_lora_rank + self.qk_rope_head_dim
+        match &self.attention {
+            AttentionConfig::Mla(m) => m.kv_lora_rank + m.qk_rope_head_dim,
+            AttentionConfig::Gqa(g) => 2 * g.num_key_value_heads * g.head_dim,
+        }
     }
 
-    /// The attention softmax scale, including YaRN's mscale² correction.
+    /// The attention softmax scale, including YaRN's mscale² correction (MLA).
     pub fn softmax_scale(&self) -> f32 {
         let mut scale = (self.qk_head_dim() as f64).powf(-0.5);
-        if let Some(y) = &self.rope_scaling {
+        if let (Some(y), AttentionConfig::Mla(_)) = (&self.rope_scaling, &self.attention) {
             if y.mscale_all_dim != 0.0 {
                 let m = crate::rope::yarn_get_mscale(y.factor, y.mscale_all_dim);
                 scale *= m * m;
@@ -413,13 +602,56 @@ mod tests {
     #[test]
     fn parses_fixture() {
         let c = ModelConfig::from_file(Path::new(FIXTURE)).unwrap();
-        assert_eq!(c.q_lora_rank, Some(256));
+        assert_eq!(c.architecture, Architecture::DeepseekV3);
+        assert_eq!(c.mla().unwrap().q_lora_rank, Some(256));
         assert_eq!(c.n_group, 4);
         assert_eq!(c.quantization, Some(Fp8Quantization { weight_block_size: [128, 128] }));
         assert_eq!(c.rope_scaling.as_ref().unwrap().factor, 4.0);
         assert!(c.rope_interleave && c.use_correction_bias);
         assert_eq!(c.eos_token_ids, vec![1]);
         assert!(!c.is_moe_layer(0) && c.is_moe_layer(1));
+    }
+
+    fn fixture(name: &str) -> ModelConfig {
+        ModelConfig::from_file(&Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures").join(name).join("config.json")).unwrap()
+    }
+
+    #[test]
+    fn parses_qwen3_moe() {
+        let c = fixture("tiny-qwen3moe");
+        assert_eq!(c.architecture, Architecture::Qwen3Moe);
+        assert_eq!(c.attention, AttentionConfig::Gqa(GqaConfig { num_key_value_heads: 2, head_dim: 64, qk_norm: true }));
+        assert_eq!(c.moe_layers, vec![false, true, true, true], "mlp_only_layers [0]");
+        assert_eq!((c.n_routed_experts, c.num_experts_per_tok, c.moe_intermediate_size, c.intermediate_size), (16, 4, 128, 512));
+        assert!(c.norm_topk_prob && !c.rope_interleave && !c.use_correction_bias);
+        assert_eq!(c.scoring_func, ScoringFunc::Softmax);
+        assert_eq!(c.kv_entry_dim(), 2 * 2 * 64);
+        assert_eq!(c.softmax_scale(), 0.125);
+    }
+
+    #[test]
+    fn parses_mixtral() {
+        let c = fixture("tiny-mixtral");
+        assert_eq!(c.architecture, Architecture::Mixtral);
+        assert_eq!(c.attention, AttentionConfig::Gqa(GqaConfig { num_key_value_heads: 2, head_dim: 32, qk_norm: false }));
+        assert!(c.moe_layers.iter().all(|&m| m));
+        assert_eq!((c.n_routed_experts, c.num_experts_per_tok, c.moe_intermediate_size), (8, 2, 512));
+        assert!(c.norm_topk_prob);
+        assert_eq!(c.rms_norm_eps, 1e-5);
+    }
+
+    #[test]
+    fn qwen3_sparse_step_and_mlp_only_layers() {
+        let mut v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/tiny-qwen3moe/config.json")).unwrap()).unwrap();
+        v["decoder_sparse_step"] = 2.into();
+        v["mlp_only_layers"] = serde_json::json!([]);
+        let c = ModelConfig::from_json(&v.to_string(), "config.json").unwrap();
+        assert_eq!(c.moe_layers, vec![false, true, false, true]);
+        v["use_sliding_window"] = true.into();
+        assert!(ModelConfig::from_json(&v.to_string(), "config.json").unwrap_err().to_string().contains("sliding"));
+        v["use_sliding_window"] = false.into();
+        v["num_key_value_heads"] = 3.into();
+        assert!(ModelConfig::from_json(&v.to_string(), "config.json").unwrap_err().to_string().contains("num_key_value_heads"));
     }
 
     fn edited(f: impl FnOnce(&mut serde_json::Value)) -> Result<ModelConfig, ConfigError> {
@@ -431,7 +663,7 @@ mod tests {
     #[test]
     fn null_q_lora_rank_is_plain_q_proj() {
         let c = edited(|v| v["q_lora_rank"] = serde_json::Value::Null).unwrap();
-        assert_eq!(c.q_lora_rank, None);
+        assert_eq!(c.mla().unwrap().q_lora_rank, None);
     }
 
     #[test]

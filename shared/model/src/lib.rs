@@ -1,20 +1,26 @@
-//! duplex-model: one correct engine for the DeepSeek-V3 architecture.
+//! duplex-model: the models Duplex runs, each written once.
 //!
-//! Loads Hugging Face checkpoints (memory-mapped safetensors, FP8 block-scaled
-//! or BF16/F16/F32), runs the forward pass (MLA attention over a paged latent
-//! KV cache, group-limited MoE routing) and generates, sampling with the
+//! Loads Hugging Face checkpoints of the DeepSeek-V3, Qwen3-MoE and Mixtral
+//! families (memory-mapped safetensors, FP8 block-scaled or BF16/F16/F32)
+//! into named modules, runs the one forward program (`forward`: MLA or
+//! grouped-query attention over a paged KV cache, dense or MoE FFNs) on a
+//! backend (`cpu`, or a device through `staged`) and generates, sampling with the
 //! request-text side of `duplex-text` (tokenizer, chat template, sampler,
 //! stop strings), re-exported here under its old paths. Numerics live in
 //! `duplex-kernels`; this crate knows the model and nothing of SIMD.
 
+pub mod backend;
 pub mod checkpoint;
 pub mod config;
+pub mod cpu;
+pub mod forward;
 pub mod generation;
 pub mod kv_cache;
 pub mod model;
 pub mod moe;
 pub mod rope;
 pub mod staged;
+pub mod weights;
 
 pub use duplex_text::{bundled_model, bundled_model_candidates, check_model_dir, BUNDLED_MODEL};
 pub use config::ModelConfig;

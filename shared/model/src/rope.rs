@@ -19,7 +19,7 @@ fn find_correction_dim(num_rotations: f64, dim: usize, base: f64, max_pos: usize
 /// The per-frequency inverse frequencies (`dim / 2` of them) and the factor
 /// that scales cos and sin (`attention_factor` in transformers).
 pub fn inverse_frequencies(cfg: &ModelConfig) -> (Vec<f32>, f32) {
-    let dim = cfg.qk_rope_head_dim;
+    let dim = cfg.rope_dim();
     let base = cfg.rope_theta;
     // transformers computes `base ** (arange(0, dim, 2) / dim)` in float32.
     let pos_freqs: Vec<f32> = (0..dim / 2).map(|i| (base as f32).powf((2 * i) as f32 / dim as f32)).collect();
@@ -111,7 +111,7 @@ mod tests {
     fn check(y: Yarn) {
         let c = cfg(Some(y.clone()));
         let (inv, _) = inverse_frequencies(&c);
-        let want = reference(c.qk_rope_head_dim, c.rope_theta, &y);
+        let want = reference(c.rope_dim(), c.rope_theta, &y);
         for (g, w) in inv.iter().zip(&want) {
             assert!(((*g as f64) - w).abs() <= 1e-6 * w.abs(), "{g} vs {w}");
         }

@@ -1,23 +1,28 @@
-//! The engine against transformers' `DeepseekV3ForCausalLM` on the bundled
-//! tiny checkpoint: logits, greedy continuations, KV-cache decode and chunked
-//! prefill.
+//! The engine against transformers on the tiny checkpoint of every family
+//! (`DeepseekV3ForCausalLM`, `Qwen3MoeForCausalLM`, `MixtralForCausalLM`):
+//! logits, greedy continuations, KV-cache decode, batching, every SIMD level,
+//! and the staged (device) placement.
 
 use duplex_toolkit::reference::{self, argmax, max_abs_diff, Bf16Gate, ReferencePrompt, F32_MAX_ABS_DIFF};
 use duplex_model::{BlockTable, KvPool, Logits, Model, Precision};
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 
-fn fixture() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/tiny-dsv3")
+/// One checkpoint of each architecture, with transformers' outputs.
+const FIXTURES: [&str; 3] = ["tiny-dsv3", "tiny-qwen3moe", "tiny-mixtral"];
+
+fn fixture(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures").join(name)
 }
 
-fn model() -> &'static Model {
-    static MODEL: OnceLock<Model> = OnceLock::new();
-    MODEL.get_or_init(|| Model::load(&fixture(), &mut |_, _| {}).expect("fixture loads"))
+fn model(name: &str) -> &'static Model {
+    static MODELS: [OnceLock<Model>; 3] = [OnceLock::new(), OnceLock::new(), OnceLock::new()];
+    let i = FIXTURES.iter().position(|f| *f == name).expect("a known fixture");
+    MODELS[i].get_or_init(|| Model::load(&fixture(name), &mut |_, _| {}).expect("fixture loads"))
 }
 
-fn prompts() -> Vec<ReferencePrompt> {
-    reference::load(&fixture()).expect("the fixture's reference outputs")
+fn prompts(name: &str) -> Vec<ReferencePrompt> {
+    reference::load(&fixture(name)).expect("the fixture's reference outputs")
 }
 
 fn pool(m: &Model) -> KvPool {
@@ -44,23 +49,25 @@ fn greedy(m: &Model, prompt: &[u32], n: usize, p: Precision) -> Vec<u32> {
 
 #[test]
 fn f32_logits_match_transformers() {
-    let m = model();
+    for (f, m, prompts) in FIXTURES.map(|f| (f, model(f), prompts(f))) {
     let vocab = m.cfg.vocab_size;
-    for (i, p) in prompts().iter().enumerate() {
+    for (i, p) in prompts.iter().enumerate() {
         let got = teacher_forced(m, &p.input_ids, Precision::F32);
         assert_eq!(got.len(), p.input_ids.len() * vocab);
         let max_diff = max_abs_diff(&got, &p.logits);
-        println!("prompt {i}: {} tokens, f32 max |Δlogit| = {max_diff:.3e}", p.input_ids.len());
-        assert!(max_diff <= F32_MAX_ABS_DIFF, "prompt {i}: max |Δlogit| {max_diff}");
+        println!("{f} prompt {i}: {} tokens, f32 max |Δlogit| = {max_diff:.3e}", p.input_ids.len());
+        assert!(max_diff <= F32_MAX_ABS_DIFF, "{f} prompt {i}: max |Δlogit| {max_diff}");
+    }
     }
 }
 
 #[test]
 fn f32_greedy_continuations_match_transformers() {
-    let m = model();
-    for (i, p) in prompts().iter().enumerate() {
-        let got = greedy(m, &p.input_ids, p.greedy.len(), Precision::F32);
-        assert_eq!(got, p.greedy, "prompt {i}");
+    for (f, m, prompts) in FIXTURES.map(|f| (f, model(f), prompts(f))) {
+        for (i, p) in prompts.iter().enumerate() {
+            let got = greedy(m, &p.input_ids, p.greedy.len(), Precision::F32);
+            assert_eq!(got, p.greedy, "{f} prompt {i}");
+        }
     }
 }
 
@@ -72,23 +79,27 @@ fn check_bf16(label: &str, p: &ReferencePrompt, got: &[f32], vocab: usize) {
 
 #[test]
 fn bf16_logits_within_reference_bf16_error() {
-    let m = model();
-    for (i, p) in prompts().iter().enumerate() {
-        let got = teacher_forced(m, &p.input_ids, Precision::Bf16);
-        check_bf16(&format!("prompt {i}"), p, &got, m.cfg.vocab_size);
+    for (f, m, prompts) in FIXTURES.map(|f| (f, model(f), prompts(f))) {
+        for (i, p) in prompts.iter().enumerate() {
+            let got = teacher_forced(m, &p.input_ids, Precision::Bf16);
+            check_bf16(&format!("{f} prompt {i}"), p, &got, m.cfg.vocab_size);
+        }
     }
 }
 
-/// Every SIMD level this CPU can run gives the same quality (the kernels'
-/// own property tests check each level exactly against the scalar code).
+/// Every SIMD level this CPU can run meets the gates on every prompt of
+/// every fixture (the kernels' own property tests check each level exactly
+/// against the scalar code).
 #[test]
 fn bf16_logits_at_every_isa_level() {
-    for isa in duplex_kernels::cpu::isa::supported() {
-        let mut m = Model::load(&fixture(), &mut |_, _| {}).unwrap();
-        m.cpu.isa = isa;
-        for (i, p) in prompts().iter().enumerate().take(2) {
-            let got = teacher_forced(&m, &p.input_ids, Precision::Bf16);
-            check_bf16(&format!("{isa:?}, prompt {i}"), p, &got, m.cfg.vocab_size);
+    for f in FIXTURES {
+        for isa in duplex_kernels::cpu::isa::supported() {
+            let mut m = Model::load(&fixture(f), &mut |_, _| {}).unwrap();
+            m.cpu.isa = isa;
+            for (i, p) in prompts(f).iter().enumerate() {
+                let got = teacher_forced(&m, &p.input_ids, Precision::Bf16);
+                check_bf16(&format!("{f} {isa:?}, prompt {i}"), p, &got, m.cfg.vocab_size);
+            }
         }
     }
 }
@@ -97,9 +108,9 @@ fn bf16_logits_at_every_isa_level() {
 /// transformers as the BF16 prefill path does, at every SIMD level.
 #[test]
 fn bf16_decode_from_cache_tracks_reference() {
-    let prompts = prompts();
-    for isa in duplex_kernels::cpu::isa::supported() {
-        let mut m = Model::load(&fixture(), &mut |_, _| {}).unwrap();
+    for (f, isa) in FIXTURES.iter().flat_map(|f| duplex_kernels::cpu::isa::supported().into_iter().map(move |isa| (*f, isa))) {
+        let prompts = prompts(f);
+        let mut m = Model::load(&fixture(f), &mut |_, _| {}).unwrap();
         m.cpu.isa = isa;
         for (i, p) in prompts.iter().enumerate().take(2) {
             let mut pool = pool(&m);
@@ -108,7 +119,7 @@ fn bf16_decode_from_cache_tracks_reference() {
             for &t in &p.input_ids {
                 got.extend(m.forward(&mut pool, &mut table, &[t], Precision::Bf16, Logits::Last).unwrap());
             }
-            check_bf16(&format!("{isa:?}, prompt {i}, decode"), p, &got, m.cfg.vocab_size);
+            check_bf16(&format!("{f} {isa:?}, prompt {i}, decode"), p, &got, m.cfg.vocab_size);
         }
     }
 }
@@ -118,8 +129,9 @@ fn bf16_decode_from_cache_tracks_reference() {
 /// prefix) gives each sequence the logits it gets alone.
 #[test]
 fn batched_forward_equals_each_sequence_alone() {
-    let m = model();
-    let prompts = prompts();
+    for f in FIXTURES {
+    let m = model(f);
+    let prompts = prompts(f);
     let (a, b, c) = (&prompts[0].input_ids, &prompts[1].input_ids, &prompts[2].input_ids);
     for p in [Precision::F32, Precision::Bf16] {
         let mut pool = m.new_kv_pool(64, 16);
@@ -151,10 +163,11 @@ fn batched_forward_equals_each_sequence_alone() {
             // F32 is exact up to summation order; BF16 rounds activations,
             // and a batch of rows may take a different kernel than one row.
             let limit = if p == Precision::F32 { 1e-4 } else { 5e-2 };
-            println!("{p:?} seq {i}: max err {err}");
-            assert!(err <= limit * scale, "{p:?} sequence {i}: max error {err} vs scale {scale}");
-            assert_eq!(argmax(row), argmax(want), "{p:?} sequence {i}: greedy token differs");
+            println!("{f} {p:?} seq {i}: max err {err}");
+            assert!(err <= limit * scale, "{f} {p:?} sequence {i}: max error {err} vs scale {scale}");
+            assert_eq!(argmax(row), argmax(want), "{f} {p:?} sequence {i}: greedy token differs");
         }
+    }
     }
 }
 
@@ -168,14 +181,14 @@ fn staged_forward(m: &Model, tokens: &[u32], p: Precision, want: Logits, kv_byte
     let (copy, compute) = (dev.create_stream(StreamKind::Copy).unwrap(), dev.create_stream(StreamKind::Compute).unwrap());
     let mut kv = pool(m);
     let mut table = BlockTable::default();
-    let workspace = dev.alloc(workspace_bytes(m, tokens.len(), want, kv_bytes)).unwrap();
+    let workspace = dev.alloc(workspace_bytes(m, 0, tokens.len(), want, kv_bytes).unwrap()).unwrap();
     let mut pass = StagedPass::new(m, &*dev, compute, &mut kv, &mut table, tokens, p, want, workspace, kv_bytes).unwrap();
     for module in m.staged_modules(64 << 10) {
         let slot = dev.alloc(module.device_bytes()).unwrap();
         let weights = module.upload(&*dev, copy, slot).unwrap();
         let loaded = dev.record(copy).unwrap();
         dev.wait_event(compute, &loaded).unwrap();
-        pass.run(module.kind, &weights, &mut kv, &table).unwrap();
+        pass.run(module.kind, &weights, &mut kv).unwrap();
         let done = dev.record(compute).unwrap();
         dev.synchronize(&done).unwrap();
         dev.free(slot).unwrap();
@@ -198,17 +211,20 @@ fn staged_forward(m: &Model, tokens: &[u32], p: Precision, want: Logits, kv_byte
 
 #[test]
 fn staged_forward_on_emulated_device_matches_transformers() {
-    let m = model();
-    for (i, p) in prompts().iter().enumerate() {
-        // All heads' keys and values at once, and one scale block of heads at a time.
-        assert!(duplex_model::staged::kv_heads_per_step(m, p.input_ids.len(), 1) < m.cfg.num_attention_heads);
+    for (f, m, prompts) in FIXTURES.map(|f| (f, model(f), prompts(f))) {
+    for (i, p) in prompts.iter().enumerate() {
+        // MLA: all heads' keys and values at once, and one scale block of heads at a time.
+        if m.cfg.mla().is_some() {
+            assert!(duplex_model::forward::heads_per_step(&m.cfg, p.input_ids.len(), 1) < m.cfg.num_attention_heads);
+        }
         for kv_bytes in [usize::MAX, 1] {
             let got = staged_forward(m, &p.input_ids, Precision::F32, Logits::All, kv_bytes);
             let max_diff = max_abs_diff(&got, &p.logits);
-            println!("prompt {i}, kv_bytes {kv_bytes}: staged f32 max |Δlogit| = {max_diff:.3e}");
-            assert!(max_diff <= F32_MAX_ABS_DIFF, "prompt {i}: staged f32 max |Δlogit| {max_diff}");
+            println!("{f} prompt {i}, kv_bytes {kv_bytes}: staged f32 max |Δlogit| = {max_diff:.3e}");
+            assert!(max_diff <= F32_MAX_ABS_DIFF, "{f} prompt {i}: staged f32 max |Δlogit| {max_diff}");
             let got = staged_forward(m, &p.input_ids, Precision::Bf16, Logits::All, kv_bytes);
-            check_bf16(&format!("prompt {i} staged"), p, &got, m.cfg.vocab_size);
+            check_bf16(&format!("{f} prompt {i} staged"), p, &got, m.cfg.vocab_size);
         }
+    }
     }
 }

@@ -746,7 +746,7 @@ fn check_variant(what: &str, config: &Value, seed: u64, layout: Layout) -> (Mode
 fn variant_a_plain_q_proj_dense_layers_partial_fp8_blocks() {
     let cfg = variant_a();
     let (m, _) = check_variant("variant a", &cfg, 11, Layout { sharded: false, mtp: false });
-    assert_eq!(m.cfg.q_lora_rank, None);
+    assert_eq!(m.cfg.mla().unwrap().q_lora_rank, None);
     assert!(m.cfg.rope_scaling.is_none());
     assert_eq!(m.skipped_mtp_tensors, 0);
 }

@@ -339,7 +339,8 @@ impl Planner {
         let a = format!("{p}.self_attn");
         self.norm(format!("{p}.input_layernorm.weight"), d);
         self.set_part(Part::Attention);
-        match cfg.q_lora_rank {
+        let mla = cfg.mla().expect("synth writes DeepSeek-V3-family checkpoints");
+        match mla.q_lora_rank {
             Some(r) => {
                 self.fp8(&format!("{a}.q_a_proj"), r, d);
                 self.norm(format!("{a}.q_a_layernorm.weight"), r);
@@ -348,9 +349,9 @@ impl Planner {
             None => self.fp8(&format!("{a}.q_proj"), h * cfg.qk_head_dim(), d),
         }
         self.fp8(&format!("{a}.kv_a_proj_with_mqa"), cfg.kv_entry_dim(), d);
-        self.norm(format!("{a}.kv_a_layernorm.weight"), cfg.kv_lora_rank);
-        self.fp8(&format!("{a}.kv_b_proj"), h * (cfg.qk_nope_head_dim + cfg.v_head_dim), cfg.kv_lora_rank);
-        self.fp8(&format!("{a}.o_proj"), d, h * cfg.v_head_dim);
+        self.norm(format!("{a}.kv_a_layernorm.weight"), mla.kv_lora_rank);
+        self.fp8(&format!("{a}.kv_b_proj"), h * (mla.qk_nope_head_dim + mla.v_head_dim), mla.kv_lora_rank);
+        self.fp8(&format!("{a}.o_proj"), d, h * mla.v_head_dim);
         self.norm(format!("{p}.post_attention_layernorm.weight"), d);
         let m = format!("{p}.mlp");
         if cfg.is_moe_layer(l) {

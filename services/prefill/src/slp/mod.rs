@@ -24,6 +24,7 @@ mod signal;
 use audit::{Audit, Phase};
 use duplex_kernels::device::{Device, DeviceError, DevicePtr, DeviceWeight, Event, StreamId, StreamKind};
 use duplex_model::staged::{workspace_bytes, ModuleKind, StagedError, StagedModule, StagedPass};
+use duplex_model::weights::Weights;
 use duplex_model::{BlockTable, KvPool, Logits, Model, Precision};
 use rand::{Rng, SeedableRng};
 use ring::{DenseBudget, ExpertRing};
@@ -115,7 +116,7 @@ enum Place {
 
 #[derive(Clone)]
 struct Loaded {
-    weights: Vec<DeviceWeight>,
+    weights: Weights<DeviceWeight>,
     place: Place,
     copy_start: Event,
     ready: Event,
@@ -153,7 +154,7 @@ impl SlpEngine {
         }
         // Page-lock the shared segment (every mapping weights come from).
         let mut owners: Vec<duplex_kernels::device::HostBytes> = vec![];
-        for t in modules.iter().flat_map(|m| &m.tensors) {
+        for (_, t) in modules.iter().flat_map(|m| m.tensors.iter()) {
             if !owners.iter().any(|o| o.same_owner(&t.data)) {
                 owners.push(t.data.whole());
             }
@@ -192,7 +193,7 @@ impl SlpEngine {
         should_stop: &mut dyn FnMut() -> bool,
     ) -> Result<(Vec<f32>, SlpReport), SlpError> {
         let dev = &*self.device;
-        let workspace = dev.alloc(workspace_bytes(model, tokens.len(), want, self.config.attention_kv_bytes)).map_err(|e| SlpError::Config(format!("the activations of a {}-token prompt do not fit the device: {e}", tokens.len())))?;
+        let workspace = dev.alloc(workspace_bytes(model, table.len, tokens.len(), want, self.config.attention_kv_bytes)?).map_err(|e| SlpError::Config(format!("the activations of a {}-token prompt do not fit the device: {e}", tokens.len())))?;
         let ring = match self.ring(tokens.len()) {
             Ok(ring) => ring,
             Err(e) => {
@@ -203,7 +204,7 @@ impl SlpEngine {
         let start_len = table.len;
         let result = (|| -> Result<(Vec<f32>, SlpReport), SlpError> {
             let mut pass = StagedPass::new(model, dev, self.compute, pool, table, tokens, precision, want, workspace, self.config.attention_kv_bytes)?;
-            let report = self.pipeline(&mut pass, ring.as_ref(), pool, table, should_stop)?;
+            let report = self.pipeline(&mut pass, ring.as_ref(), pool, should_stop)?;
             Ok((pass.finish(table)?, report))
         })();
         // Whatever happened, nothing may still touch the ring or the budget.
@@ -242,7 +243,7 @@ impl SlpEngine {
         }
     }
 
-    fn pipeline(&self, pass: &mut StagedPass, ring: Option<&ExpertRing>, pool: &mut KvPool, table: &BlockTable, should_stop: &mut dyn FnMut() -> bool) -> Result<SlpReport, SlpError> {
+    fn pipeline(&self, pass: &mut StagedPass, ring: Option<&ExpertRing>, pool: &mut KvPool, should_stop: &mut dyn FnMut() -> bool) -> Result<SlpReport, SlpError> {
         let dev = &*self.device;
         let budget = self.budget.as_ref().expect("the budget lives as long as the engine");
         let n = self.modules.len();
@@ -342,7 +343,7 @@ impl SlpEngine {
                     let a = audit.clone();
                     dev.host_fn(self.compute, Box::new(move || a.step(i, Some(Phase::Loaded), Phase::InUse)))?;
                     let start = dev.record(self.compute)?;
-                    pass.run(m.kind, &loaded.weights, pool, table)?;
+                    pass.run(m.kind, &loaded.weights, pool)?;
                     let a = audit.clone();
                     dev.host_fn(self.compute, Box::new(move || a.step(i, Some(Phase::InUse), Phase::Used)))?;
                     Ok(Ran { start, done: dev.record(self.compute)? })

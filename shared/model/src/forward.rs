@@ -1,0 +1,531 @@
+//! The forward program: every architecture's layers, written once over a
+//! [`Backend`].
+//!
+//! A pass runs the model's modules in order — embedding, then per layer the
+//! attention block, the FFN (a dense MLP, or a MoE's router and shared
+//! experts) and the routed experts, then the LM head — each with its weights
+//! looked up by name. Where the weights live is the placement's business: the
+//! CPU engine hands every module its weights from the host mapping at once,
+//! stream-loading prefill hands them over as they arrive on a device (a few
+//! experts at a time), and the program neither knows nor cares.
+//!
+//! The roundings are the numeric contract: on the BF16 path every op's
+//! output (linear layers, norms, rotations, attention) is rounded to BF16
+//! where transformers rounds it, expert outputs are summed in F32 and
+//! rounded once, and logits stay F32. The residual stream itself stays F32,
+//! as llama.cpp keeps it: rounding it after every block was the largest
+//! error of the BF16 path (on the three fixtures it roughly halves the mean
+//! logit error against transformers' float32).
+
+use crate::backend::{AttentionCall, Backend, ExpertJob, ExpertScratch, Segment, Tokens};
+use crate::config::{AttentionConfig, ModelConfig};
+use crate::kv_cache::{BlockTable, KvPool};
+use crate::model::{ForwardError, ForwardTimings, Logits, Model, Precision, SeqInput};
+use crate::weights::Weights;
+use duplex_kernels::device::{DevicePtr, Matrix};
+use std::time::Instant;
+
+/// One unit of the program: what a placement loads, and the pass runs, at once.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ModuleKind {
+    /// Rows of the embedding table (`embed_tokens`).
+    Embed { first_row: usize },
+    /// A layer's norms and attention projections.
+    Attention { layer: usize },
+    /// A dense layer's MLP, or a MoE layer's router and shared experts.
+    Ffn { layer: usize },
+    /// One routed expert.
+    Expert { layer: usize, expert: usize },
+    /// The final norm (with the first chunk) and rows of the LM head.
+    Head { first_row: usize },
+}
+
+impl ModuleKind {
+    pub fn layer(self) -> Option<usize> {
+        match self {
+            ModuleKind::Attention { layer } | ModuleKind::Ffn { layer } | ModuleKind::Expert { layer, .. } => Some(layer),
+            ModuleKind::Embed { .. } | ModuleKind::Head { .. } => None,
+        }
+    }
+}
+
+/// The activations of a pass, carved out of one workspace.
+struct Workspace {
+    tokens: DevicePtr,
+    cos: Matrix,
+    sin: Matrix,
+    h: Matrix,
+    x: Matrix,
+    /// The FFN's normed input unrounded, for the router.
+    x_router: Matrix,
+    qa: Matrix,
+    q: Matrix,
+    /// The new tokens' KV entries, as the cache stores them.
+    fresh: Matrix,
+    context: Matrix,
+    expanded: Matrix,
+    attn: Matrix,
+    out: Matrix,
+    router: Matrix,
+    route_ids: DevicePtr,
+    route_weights: Matrix,
+    experts: ExpertScratch,
+    final_x: Matrix,
+    logits: Matrix,
+}
+
+/// Device placements start on this boundary.
+pub const ALIGN: usize = 256;
+
+pub fn align(x: usize) -> usize {
+    x.div_ceil(ALIGN) * ALIGN
+}
+
+/// The shape of a pass, which sizes its workspace.
+#[derive(Clone, Copy, Debug)]
+pub struct PassShape {
+    /// Rows (new tokens) in the batch.
+    pub n: usize,
+    /// Logits rows returned.
+    pub r: usize,
+    /// Rows of cached context a segment may need brought in (0: none).
+    pub context: usize,
+    /// Rows of context whose keys and values are expanded (MLA; 0: none).
+    pub expanded: usize,
+    /// Heads expanded at a time.
+    pub heads_per_step: usize,
+}
+
+/// Lay out the workspace with `carve(rows, cols)` (in F32 units; u32
+/// buffers count as F32).
+fn layout(cfg: &ModelConfig, s: PassShape, carve: &mut dyn FnMut(usize, usize) -> Result<Matrix, ForwardError>) -> Result<Workspace, ForwardError> {
+    let n = s.n;
+    let (d, heads) = (cfg.hidden_size, cfg.num_attention_heads);
+    let inter = cfg.intermediate_size.max(cfg.moe_intermediate_size * cfg.n_shared_experts.max(1));
+    let k = cfg.num_experts_per_tok.max(1);
+    let (lora, dnv) = match &cfg.attention {
+        AttentionConfig::Mla(m) => (m.q_lora_rank.unwrap_or(0), m.qk_nope_head_dim + m.v_head_dim),
+        AttentionConfig::Gqa(_) => (0, 0),
+    };
+    let some = |rows: usize, cols: usize| if rows > 0 && cols > 0 { (rows, cols) } else { (0, 1) };
+    let entry = cfg.kv_entry_dim();
+    let mut next = |(rows, cols): (usize, usize)| carve(rows, cols);
+    Ok(Workspace {
+        tokens: next((n, 1))?.buf,
+        cos: next((n, cfg.rope_dim() / 2))?,
+        sin: next((n, cfg.rope_dim() / 2))?,
+        h: next((n, d))?,
+        x: next((n, d))?,
+        x_router: next(some(n, if cfg.n_routed_experts > 0 { d } else { 0 }))?,
+        qa: next(some(n, lora))?,
+        q: next((n, heads * cfg.qk_head_dim()))?,
+        fresh: next((n, entry))?,
+        context: next(some(s.context, entry))?,
+        expanded: next(some(s.expanded, s.heads_per_step * dnv))?,
+        attn: next((n, heads * cfg.v_head_dim()))?,
+        out: next((n, d))?,
+        router: next(some(n, cfg.n_routed_experts))?,
+        route_ids: next((n * k, 1))?.buf,
+        route_weights: next((n, k))?,
+        experts: ExpertScratch {
+            rows: next((n * k, 1))?.buf,
+            scales: next((n * k, 1))?.buf,
+            xe: next((n, d))?,
+            gate: next((n, inter))?,
+            up: next((n, inter))?,
+            ye: next((n, d))?,
+        },
+        final_x: next((s.r, d))?,
+        logits: next((s.r, cfg.vocab_size))?,
+    })
+}
+
+/// Bytes of workspace a pass of this shape needs.
+pub fn workspace_bytes(cfg: &ModelConfig, shape: PassShape) -> usize {
+    let mut total = 0;
+    let _ = layout(cfg, shape, &mut |rows, cols| {
+        total += align(rows * cols * 4);
+        Ok(DevicePtr { addr: 0, bytes: rows * cols * 4 }.matrix(rows, cols))
+    });
+    total
+}
+
+/// Heads whose expanded keys and values one step of MLA attention
+/// materialises for `ctx` positions: as many as fit `kv_bytes`, in steps
+/// that keep each slice of `kv_b_proj` on whole FP8 scale blocks (all heads
+/// if no smaller group does).
+pub fn heads_per_step(cfg: &ModelConfig, ctx: usize, kv_bytes: usize) -> usize {
+    let heads = cfg.num_attention_heads;
+    let Some(m) = cfg.mla() else { return heads };
+    let dkv = m.qk_nope_head_dim + m.v_head_dim;
+    let block = cfg.quantization.as_ref().map_or(1, |q| q.weight_block_size[0]);
+    let step = (1..=heads).find(|g| (g * dkv) % block == 0).unwrap_or(heads);
+    let fit = kv_bytes / (ctx.max(1) * dkv * 4).max(1);
+    (fit / step * step).clamp(step, heads)
+}
+
+/// One pass of a batch of sequences through the model's modules.
+pub struct Pass<'m, B: Backend> {
+    model: &'m Model,
+    pub(crate) backend: B,
+    precision: Precision,
+    want: Logits,
+    segments: Vec<Segment>,
+    rows: usize,
+    heads_per_step: usize,
+    ws: Workspace,
+    /// The current MoE layer's routing: per expert, its `(row, weight)` pairs.
+    assignments: Vec<Vec<(usize, f32)>>,
+    /// Where each expert's rows start in the layer's row lists.
+    firsts: Vec<usize>,
+    timings: ForwardTimings,
+    /// When the running module started, and whether it is attention.
+    clock: Option<(Instant, bool)>,
+}
+
+impl<'m, B: Backend> Pass<'m, B> {
+    /// Prepare a pass over `seqs`' new tokens: check them, reserve their
+    /// cache blocks, and lay out and fill the workspace. `kv_bytes` bounds
+    /// the expanded keys and values of MLA attention; `absorbs_decode` says
+    /// whether the backend attends one-token segments without expanding.
+    pub fn new(model: &'m Model, mut backend: B, pool: &mut KvPool, seqs: &mut [SeqInput], precision: Precision, want: Logits, kv_bytes: usize, absorbs_decode: bool) -> Result<Self, ForwardError> {
+        let cfg = &model.cfg;
+        let shape = Self::shape(cfg, seqs.iter().map(|s| (s.table.len, s.tokens.len())), want, kv_bytes, absorbs_decode)?;
+        for seq in seqs.iter_mut() {
+            pool.reserve(seq.table, seq.table.len + seq.tokens.len())?;
+        }
+        let mut segments = Vec::with_capacity(seqs.len());
+        let mut rows = 0;
+        for seq in seqs.iter() {
+            segments.push(Segment { table: seq.table.clone(), start: seq.table.len, n: seq.tokens.len(), row: rows });
+            rows += seq.tokens.len();
+        }
+        let base = backend.workspace(workspace_bytes(cfg, shape))?;
+        let mut offset = 0;
+        let ws = layout(cfg, shape, &mut |rows, cols| {
+            let m = base.slice(offset, rows * cols * 4)?.matrix(rows, cols);
+            offset += align(rows * cols * 4);
+            Ok(m)
+        })?;
+        let tokens: Vec<u32> = seqs.iter().flat_map(|s| s.tokens.iter().copied()).collect();
+        let half = cfg.rope_dim() / 2;
+        let (mut cos, mut sin) = (vec![0.0; rows * half], vec![0.0; rows * half]);
+        for seg in &segments {
+            for i in 0..seg.n {
+                let r = seg.row + i;
+                model.rope.cos_sin(seg.start + i, &mut cos[r * half..(r + 1) * half], &mut sin[r * half..(r + 1) * half]);
+            }
+        }
+        backend.upload_u32(&tokens, ws.tokens)?;
+        backend.upload_f32(&cos, ws.cos.buf)?;
+        backend.upload_f32(&sin, ws.sin.buf)?;
+        Ok(Pass {
+            model,
+            backend,
+            precision,
+            want,
+            segments,
+            rows,
+            heads_per_step: shape.heads_per_step,
+            ws,
+            assignments: vec![],
+            firsts: vec![],
+            timings: ForwardTimings::default(),
+            clock: None,
+        })
+    }
+
+    /// Check a batch (`(cached, new)` tokens per sequence) and size its pass.
+    pub fn shape(cfg: &ModelConfig, seqs: impl Iterator<Item = (usize, usize)> + Clone, want: Logits, kv_bytes: usize, absorbs_decode: bool) -> Result<PassShape, ForwardError> {
+        let (mut n, mut context, mut expanded, mut count) = (0, 0, 0, 0);
+        for (cached, new) in seqs {
+            if new == 0 {
+                return Err(ForwardError::EmptySequence);
+            }
+            let end = cached + new;
+            if end > cfg.max_position_embeddings {
+                return Err(ForwardError::TooLong { pos: end, max: cfg.max_position_embeddings });
+            }
+            n += new;
+            count += 1;
+            if cached > 0 {
+                context = context.max(end);
+            }
+            if !(absorbs_decode && new == 1) {
+                expanded = expanded.max(end);
+            }
+        }
+        if cfg.mla().is_none() {
+            expanded = 0;
+        }
+        let r = if want == Logits::All { n } else { count };
+        Ok(PassShape { n, r, context, expanded, heads_per_step: heads_per_step(cfg, expanded, kv_bytes) })
+    }
+
+    fn cfg(&self) -> &'m ModelConfig {
+        &self.model.cfg
+    }
+
+    fn tick(&mut self, attention: bool) {
+        let now = Instant::now();
+        if let Some((since, was_attention)) = self.clock.replace((now, attention)) {
+            if was_attention {
+                self.timings.attention += now - since;
+            } else {
+                self.timings.ffn += now - since;
+            }
+        }
+    }
+
+    /// Check that the token ids fit the vocabulary (before anything runs).
+    pub fn check_tokens(cfg: &ModelConfig, tokens: &[u32]) -> Result<(), ForwardError> {
+        match tokens.iter().find(|&&t| t as usize >= cfg.vocab_size) {
+            Some(&id) => Err(ForwardError::TokenOutOfRange { id, vocab: cfg.vocab_size }),
+            None => Ok(()),
+        }
+    }
+
+    /// Run one module (every module but the routed experts, which go
+    /// through [`Pass::run_experts`]).
+    pub fn run(&mut self, kind: ModuleKind, w: &Weights<B::Weight>, pool: &mut KvPool) -> Result<(), ForwardError> {
+        let (p, n) = (self.precision, self.rows);
+        let cfg = self.cfg();
+        let eps = cfg.rms_norm_eps;
+        match kind {
+            ModuleKind::Embed { first_row } => {
+                let ws = &self.ws;
+                self.backend.embedding(w.get("embed_tokens")?, first_row, ws.tokens, n, ws.h.rows(0..n), p)?;
+            }
+            ModuleKind::Attention { layer } => {
+                self.tick(true);
+                let (h, x) = (self.ws.h.rows(0..n), self.ws.x.rows(0..n));
+                self.backend.rms_norm(h, w.get("input_layernorm")?, x, eps, p)?;
+                match &cfg.attention {
+                    AttentionConfig::Mla(_) => self.mla(layer, w, pool)?,
+                    AttentionConfig::Gqa(_) => self.gqa(layer, w, pool)?,
+                }
+                let ws = &self.ws;
+                let out = ws.out.rows(0..n);
+                self.backend.gemm(w.get("o_proj")?, ws.attn.rows(0..n), out, p, true)?;
+                self.backend.add(h, out, Precision::F32)?;
+            }
+            ModuleKind::Ffn { layer } => {
+                self.tick(false);
+                let ws = &self.ws;
+                let (h, x, out) = (ws.h.rows(0..n), ws.x.rows(0..n), ws.out.rows(0..n));
+                let norm = w.get("post_attention_layernorm")?;
+                self.backend.rms_norm(h, norm, x, eps, p)?;
+                self.backend.zero(out)?;
+                if !cfg.is_moe_layer(layer) {
+                    let job = ExpertJob::named(w, "", Tokens::All, 0, 0)?;
+                    self.backend.experts(x, &[job], out, p, &ws.experts)?;
+                    return self.finish_ffn();
+                }
+                let e = cfg.n_routed_experts;
+                let logits = ws.router.rows(0..n).reshape(n, e);
+                // Routing is a discrete choice that a rounding can flip: the
+                // router reads the normed input before it is rounded.
+                let x_router = ws.x_router.rows(0..n);
+                self.backend.rms_norm(h, norm, x_router, eps, Precision::F32)?;
+                self.backend.router_logits(w.get("gate")?, x_router, logits, p)?;
+                let bias = if cfg.use_correction_bias { Some(w.get("e_score_correction_bias")?) } else { None };
+                let k = cfg.num_experts_per_tok;
+                let chosen = self.backend.route(logits, bias, &self.model.router, p, (ws.route_ids, ws.route_weights.rows(0..n).reshape(n, k)))?;
+                self.assignments.iter_mut().for_each(|a| a.clear());
+                self.assignments.resize_with(e, Vec::new);
+                for (row, picks) in chosen.iter().enumerate() {
+                    for &(expert, weight) in picks {
+                        self.assignments.get_mut(expert).ok_or(ForwardError::Routing { expert, experts: e })?.push((row, weight));
+                    }
+                }
+                self.firsts.clear();
+                let mut first = 0;
+                for a in &self.assignments {
+                    self.firsts.push(first);
+                    first += a.len();
+                }
+                if cfg.n_shared_experts > 0 {
+                    // Within this module: a placement may free its weights once it has run.
+                    let job = ExpertJob::named(w, "shared_experts.", Tokens::All, 0, 0)?;
+                    self.backend.experts(x, &[job], out, p, &ws.experts)?;
+                }
+            }
+            ModuleKind::Expert { layer, expert } => return self.run_experts(layer, &[(expert, w)]),
+            ModuleKind::Head { first_row } => {
+                self.tick(false);
+                self.clock = None;
+                let ws = &self.ws;
+                let final_x = ws.final_x.rows(0..self.logit_rows());
+                if first_row == 0 {
+                    let norm = w.get("norm")?;
+                    match self.want {
+                        Logits::All => self.backend.rms_norm(ws.h.rows(0..n), norm, final_x, eps, p)?,
+                        Logits::Last => {
+                            for (i, seg) in self.segments.iter().enumerate() {
+                                let last = seg.row + seg.n - 1;
+                                self.backend.rms_norm(ws.h.rows(last..last + 1), norm, final_x.rows(i..i + 1), eps, p)?;
+                            }
+                        }
+                    }
+                }
+                let head = w.get("lm_head")?;
+                let rows = B::rows_of(head)?;
+                let y = ws.logits.rows(0..final_x.rows).columns(first_row..first_row + rows);
+                // Logits stay F32: the sampler and logprobs want them unrounded.
+                self.backend.gemm(head, final_x, y, p, false)?;
+            }
+        }
+        Ok(())
+    }
+
+    fn logit_rows(&self) -> usize {
+        match self.want {
+            Logits::All => self.rows,
+            Logits::Last => self.segments.len(),
+        }
+    }
+
+    /// Run routed experts `(index, weights)` of `layer`, in index order;
+    /// after the layer's last, add the MoE output to the residual.
+    pub fn run_experts(&mut self, layer: usize, experts: &[(usize, &Weights<B::Weight>)]) -> Result<(), ForwardError> {
+        let cfg = self.cfg();
+        if !cfg.is_moe_layer(layer) || self.assignments.len() != cfg.n_routed_experts {
+            return Err(ForwardError::MissingWeight(format!("the router of layer {layer} (experts came first)")));
+        }
+        let mut jobs = Vec::with_capacity(experts.len());
+        let mut last = false;
+        for &(e, w) in experts {
+            let rows = self.assignments.get(e).ok_or(ForwardError::Routing { expert: e, experts: cfg.n_routed_experts })?;
+            last |= e + 1 == cfg.n_routed_experts;
+            if !rows.is_empty() {
+                jobs.push(ExpertJob::named(w, "", Tokens::Rows(rows), self.firsts[e], e)?);
+            }
+        }
+        let (n, ws) = (self.rows, &self.ws);
+        if !jobs.is_empty() {
+            self.backend.experts(ws.x.rows(0..n), &jobs, ws.out.rows(0..n), self.precision, &ws.experts)?;
+        }
+        if last {
+            self.finish_ffn()?;
+        }
+        Ok(())
+    }
+
+    /// Round the FFN's summed output once and add it to the residual.
+    fn finish_ffn(&mut self) -> Result<(), ForwardError> {
+        let (n, p) = (self.rows, self.precision);
+        let out = self.ws.out.rows(0..n);
+        if p == Precision::Bf16 {
+            self.backend.round_bf16(out)?;
+        }
+        self.backend.add(self.ws.h.rows(0..n), out, Precision::F32)
+    }
+
+    fn call<'c>(&self, layer: usize, seg: &'c Segment, pool: &'c KvPool) -> AttentionCall<'c>
+    where
+        'm: 'c,
+    {
+        let ws = &self.ws;
+        let ctx = seg.start + seg.n;
+        AttentionCall {
+            cfg: &self.model.cfg,
+            layer,
+            seg,
+            pool,
+            q: ws.q.rows(seg.rows()),
+            fresh: ws.fresh.rows(seg.rows()),
+            out: ws.attn.rows(seg.rows()),
+            context: if seg.start > 0 { ws.context.rows(0..ctx) } else { ws.context.rows(0..0) },
+            expanded: if ws.expanded.rows >= ctx { ws.expanded.rows(0..ctx) } else { ws.expanded.rows(0..0) },
+            heads_per_step: self.heads_per_step,
+            scale: self.model.softmax_scale,
+            precision: self.precision,
+        }
+    }
+
+    /// MLA: queries (through the low-rank `q_a`/`q_b` or a plain `q_proj`),
+    /// the compressed latent and the shared rotary key, written to the
+    /// cache; then attention per sequence.
+    fn mla(&mut self, layer: usize, w: &Weights<B::Weight>, pool: &mut KvPool) -> Result<(), ForwardError> {
+        let (p, n, cfg) = (self.precision, self.rows, self.cfg());
+        let m = cfg.mla().expect("an MLA model");
+        let (heads, dn, dr, dc) = (cfg.num_attention_heads, m.qk_nope_head_dim, m.qk_rope_head_dim, m.kv_lora_rank);
+        let eps = cfg.rms_norm_eps;
+        let ws = &self.ws;
+        let (x, q) = (ws.x.rows(0..n), ws.q.rows(0..n));
+        let b = &mut self.backend;
+        if m.q_lora_rank.is_some() {
+            let qa = ws.qa.rows(0..n);
+            b.gemm(w.get("q_a_proj")?, x, qa, p, true)?;
+            b.rms_norm(qa, w.get("q_a_layernorm")?, qa, eps, p)?;
+            b.gemm(w.get("q_b_proj")?, qa, q, p, true)?;
+        } else {
+            b.gemm(w.get("q_proj")?, x, q, p, true)?;
+        }
+        // The entries are written where kv_a_proj put them: the norm of the
+        // compressed part, the rotation of the shared rope key.
+        let fresh = ws.fresh.rows(0..n);
+        b.gemm(w.get("kv_a_proj_with_mqa")?, x, fresh, p, true)?;
+        b.rms_norm(fresh.columns(0..dc), w.get("kv_a_layernorm")?, fresh.columns(0..dc), eps, p)?;
+        b.rope(fresh.columns(dc..dc + dr), ws.cos, ws.sin, 1, cfg.rope_interleave, p)?;
+        b.rope(q.reshape(n * heads, dn + dr).columns(dn..dn + dr), ws.cos, ws.sin, heads, cfg.rope_interleave, p)?;
+        for seg in &self.segments {
+            self.backend.store_kv(layer, &[fresh.rows(seg.rows())], seg, pool)?;
+        }
+        for seg in &self.segments {
+            let call = self.call(layer, seg, pool);
+            self.backend.mla_attention(&call, w)?;
+        }
+        Ok(())
+    }
+
+    /// Grouped-query attention: `q`, `k` and `v` projections, the optional
+    /// per-head q/k norms, rotation by halves, then attention per sequence.
+    fn gqa(&mut self, layer: usize, w: &Weights<B::Weight>, pool: &mut KvPool) -> Result<(), ForwardError> {
+        let (p, n, cfg) = (self.precision, self.rows, self.cfg());
+        let g = cfg.gqa().expect("a GQA model");
+        let (heads, kvh, hd) = (cfg.num_attention_heads, g.num_key_value_heads, g.head_dim);
+        let eps = cfg.rms_norm_eps;
+        let ws = &self.ws;
+        let (x, q, fresh) = (ws.x.rows(0..n), ws.q.rows(0..n), ws.fresh.rows(0..n));
+        let (k, v) = (fresh.columns(0..kvh * hd), fresh.columns(kvh * hd..2 * kvh * hd));
+        let b = &mut self.backend;
+        b.gemm(w.get("q_proj")?, x, q, p, true)?;
+        b.gemm(w.get("k_proj")?, x, k, p, true)?;
+        b.gemm(w.get("v_proj")?, x, v, p, true)?;
+        let q_heads = q.reshape(n * heads, hd);
+        // A key head's rows are `hd` wide within each token's entry.
+        let k_heads = (0..kvh).map(|j| k.columns(j * hd..(j + 1) * hd));
+        if g.qk_norm {
+            b.rms_norm(q_heads, w.get("q_norm")?, q_heads, eps, p)?;
+            let k_norm = w.get("k_norm")?;
+            for kj in k_heads.clone() {
+                b.rms_norm(kj, k_norm, kj, eps, p)?;
+            }
+        }
+        b.rope(q_heads, ws.cos, ws.sin, heads, cfg.rope_interleave, p)?;
+        for kj in k_heads {
+            b.rope(kj, ws.cos, ws.sin, 1, cfg.rope_interleave, p)?;
+        }
+        for seg in &self.segments {
+            self.backend.store_kv(layer, &[fresh.rows(seg.rows())], seg, pool)?;
+        }
+        for seg in &self.segments {
+            let call = self.call(layer, seg, pool);
+            self.backend.gqa_attention(&call)?;
+        }
+        Ok(())
+    }
+
+    /// The logits (`[rows, vocab]`) once every module has run; the
+    /// sequences' tables then cover the new tokens. Returns the backend and
+    /// where the pass spent its time.
+    pub fn finish(mut self, tables: &mut [&mut BlockTable]) -> Result<(Vec<f32>, B, ForwardTimings), ForwardError> {
+        self.tick(false);
+        let logits = self.backend.download(self.ws.logits.rows(0..self.logit_rows()))?;
+        for (t, seg) in tables.iter_mut().zip(&self.segments) {
+            t.len = seg.start + seg.n;
+        }
+        Ok((logits, self.backend, self.timings))
+    }
+}
