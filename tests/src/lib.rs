@@ -44,11 +44,13 @@ pub struct Options {
     /// this many tokens or more with stream-loading prefill; `None` keeps
     /// every prompt on the CPU engine.
     pub slp_threshold_tokens: Option<usize>,
+    /// Checkpoint directory; `None` serves the bundled tiny model.
+    pub model: Option<PathBuf>,
 }
 
 impl Default for Options {
     fn default() -> Self {
-        Options { prefill_threshold_tokens: 2048, max_pending_requests: 64, dtype: "bf16", slp_threshold_tokens: None }
+        Options { prefill_threshold_tokens: 2048, max_pending_requests: 64, dtype: "bf16", slp_threshold_tokens: None, model: None }
     }
 }
 
@@ -86,9 +88,12 @@ impl Server {
         let config = config + &slp;
         let config_path = dir.path().join("duplex.toml");
         std::fs::write(&config_path, config).unwrap();
-        let mut child = Command::new(duplex_bin())
-            .args(["serve", "--config"])
-            .arg(&config_path)
+        let mut command = Command::new(duplex_bin());
+        command.args(["serve", "--config"]).arg(&config_path);
+        if let Some(model) = &options.model {
+            command.arg("--model").arg(model);
+        }
+        let mut child = command
             .args(["--instance", &instance, "--ready-timeout", "120"])
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
