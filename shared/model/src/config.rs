@@ -354,7 +354,7 @@ impl ModelConfig {
                     num_attention_heads: heads,
                     attention: AttentionConfig::Gqa(GqaConfig {
                         num_key_value_heads: raw.num_key_value_heads.unwrap_or(heads),
-                        head_dim: raw.head_dim.unwrap_or(if heads > 0 { raw.hidden_size / heads } else { 0 }),
+                        head_dim: raw.head_dim.unwrap_or(raw.hidden_size.checked_div(heads).unwrap_or(0)),
                         qk_norm: qwen,
                     }),
                     moe_intermediate_size: expert,
@@ -668,7 +668,8 @@ mod tests {
 
     #[test]
     fn rejects_bad_fields_with_their_names() {
-        let cases: Vec<(Box<dyn FnOnce(&mut serde_json::Value)>, &str)> = vec![
+        type Edit = Box<dyn FnOnce(&mut serde_json::Value)>;
+        let cases: Vec<(Edit, &str)> = vec![
             (Box::new(|v| v["quantization_config"]["quant_method"] = "gptq".into()), "quant_method"),
             (Box::new(|v| v["quantization_config"]["fmt"] = "e5m2".into()), "fmt"),
             (Box::new(|v| v["n_group"] = 3.into()), "n_group"),

@@ -188,6 +188,7 @@ impl<'m, B: Backend> Pass<'m, B> {
     /// cache blocks, and lay out and fill the workspace. `kv_bytes` bounds
     /// the expanded keys and values of MLA attention; `absorbs_decode` says
     /// whether the backend attends one-token segments without expanding.
+    #[allow(clippy::too_many_arguments)]
     pub fn new(model: &'m Model, mut backend: B, pool: &mut KvPool, seqs: &mut [SeqInput], precision: Precision, want: Logits, kv_bytes: usize, absorbs_decode: bool) -> Result<Self, ForwardError> {
         let cfg = &model.cfg;
         let shape = Self::shape(cfg, seqs.iter().map(|s| (s.table.len, s.tokens.len())), want, kv_bytes, absorbs_decode)?;

@@ -228,3 +228,37 @@ fn staged_forward_on_emulated_device_matches_transformers() {
     }
     }
 }
+
+/// A staged pass continues a sequence whose first tokens the CPU engine
+/// cached: the device brings the cached context in from the paged pool.
+#[test]
+fn staged_forward_after_a_cached_prefix_matches_transformers() {
+    use duplex_kernels::device::emulated::{EmulatedConfig, EmulatedDevice};
+    use duplex_kernels::device::{Device, StreamKind};
+    use duplex_model::staged::{workspace_bytes, StagedPass};
+    for (f, m, prompts) in FIXTURES.map(|f| (f, model(f), prompts(f))) {
+        let p = &prompts[1];
+        let (cached, v) = (9, m.cfg.vocab_size);
+        let dev = EmulatedDevice::new(EmulatedConfig { memory_bytes: 64 << 20, ..Default::default() }).unwrap();
+        let (copy, compute) = (dev.create_stream(StreamKind::Copy).unwrap(), dev.create_stream(StreamKind::Compute).unwrap());
+        let mut kv = pool(m);
+        let mut table = BlockTable::default();
+        m.forward(&mut kv, &mut table, &p.input_ids[..cached], Precision::F32, Logits::Last).unwrap();
+        let rest = &p.input_ids[cached..];
+        let workspace = dev.alloc(workspace_bytes(m, cached, rest.len(), Logits::All, 1).unwrap()).unwrap();
+        let mut pass = StagedPass::new(m, &*dev, compute, &mut kv, &mut table, rest, Precision::F32, Logits::All, workspace, 1).unwrap();
+        for module in m.staged_modules(64 << 10) {
+            let slot = dev.alloc(module.device_bytes()).unwrap();
+            let weights = module.upload(&*dev, copy, slot).unwrap();
+            dev.wait_event(compute, &dev.record(copy).unwrap()).unwrap();
+            pass.run(module.kind, &weights, &mut kv).unwrap();
+            dev.synchronize(&dev.record(compute).unwrap()).unwrap();
+            dev.free(slot).unwrap();
+        }
+        let got = pass.finish(&mut table).unwrap();
+        assert_eq!(table.len, p.input_ids.len());
+        let max_diff = max_abs_diff(&got, &p.logits[cached * v..]);
+        println!("{f}: staged after {cached} cached tokens, f32 max |Δlogit| = {max_diff:.3e}");
+        assert!(max_diff <= F32_MAX_ABS_DIFF, "{f}: staged after a cached prefix: max |Δlogit| {max_diff}");
+    }
+}
