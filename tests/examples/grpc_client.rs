@@ -15,7 +15,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let mut client = GenerationClient::connect(target).await?;
     println!("{:?}", client.model_info(v1::ModelInfoRequest {}).await?.into_inner());
     let request = v1::GenerateRequest {
-        prompt: Some(v1::generate_request::Prompt::Chat(v1::ChatMessages { messages: vec![v1::ChatMessage { role: "user".into(), content }] })),
+        prompt: Some(v1::generate_request::Prompt::Chat(v1::ChatMessages { messages: vec![v1::ChatMessage { role: "user".into(), content }], ..Default::default() })),
         sampling: Some(v1::SamplingParameters { temperature: Some(0.0), logprobs: true, ..Default::default() }),
         stopping: Some(v1::StoppingCriteria { max_tokens: 8, ..Default::default() }),
         ..Default::default()

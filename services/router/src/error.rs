@@ -1,6 +1,7 @@
 //! The errors a request can end with, and how each front door reports them:
 //! one enum, mapped once to gRPC codes here and to HTTP in `api/openai.rs`.
 
+use duplex_text::tokenizer::TokenizerError;
 use tonic::{Code, Status};
 
 #[derive(Clone, Debug, PartialEq, thiserror::Error)]
@@ -31,6 +32,17 @@ pub enum Error {
 impl Error {
     pub fn invalid(param: &'static str, message: impl Into<String>) -> Self {
         Error::Invalid { param: Some(param), message: message.into() }
+    }
+
+    /// Rendering or encoding a chat failed: the client's template variables
+    /// (`chat_template_kwargs`), or the messages, which a template may reject
+    /// (`raise_exception`). The message never shows the server's paths.
+    pub fn chat_template(e: TokenizerError) -> Self {
+        match e {
+            TokenizerError::NoChatTemplate { .. } => Error::invalid("messages", "this model has no chat template; send a plain prompt instead"),
+            TokenizerError::TemplateKwargs { .. } => Error::invalid("chat_template_kwargs", e.to_string()),
+            e => Error::invalid("messages", e.client_message()),
+        }
     }
 
     /// The `outcome` label of the requests counter for a request that ended

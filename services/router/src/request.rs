@@ -6,7 +6,7 @@ use crate::config::RouterConfig;
 use crate::error::Error;
 use duplex_text::sampling_defaults;
 use duplex_text::sampling::{SamplingError, SamplingParams, MAX_LOGPROBS};
-use duplex_text::tokenizer::{ChatMessage, Tokenizer, TokenizerError};
+use duplex_text::tokenizer::{ChatMessage, ChatTemplateKwargs, Tokenizer, TokenizerError};
 use duplex_text::ServedConfig;
 use duplex_proto::worker;
 use std::sync::Arc;
@@ -25,8 +25,9 @@ pub enum Prompt {
     /// Token ids, used as they are.
     Tokens(Vec<u32>),
     /// Chat messages, rendered with the chat template and the generation
-    /// prompt; their contents are plain text.
-    Chat(Vec<ChatMessage>),
+    /// prompt; their contents are plain text. `template_kwargs` are extra
+    /// template variables (the client's `chat_template_kwargs`).
+    Chat { messages: Vec<ChatMessage>, template_kwargs: ChatTemplateKwargs },
 }
 
 impl Prompt {
@@ -35,8 +36,17 @@ impl Prompt {
         match self {
             Prompt::Text(t) | Prompt::TextWithSpecialTokens(t) => t.len(),
             Prompt::Tokens(_) => 0,
-            Prompt::Chat(messages) => messages.iter().map(|m| m.content.len() + m.role.len()).sum(),
+            Prompt::Chat { messages, template_kwargs } => {
+                // The kwargs are client text the template renders too.
+                let kwargs = if template_kwargs.is_empty() { 0 } else { serde_json::to_vec(template_kwargs).map_or(0, |v| v.len()) };
+                messages.iter().map(|m| m.content.len() + m.role.len()).sum::<usize>() + kwargs
+            }
         }
+    }
+
+    /// A chat with no template variables.
+    pub fn chat(messages: Vec<ChatMessage>) -> Self {
+        Prompt::Chat { messages, template_kwargs: ChatTemplateKwargs::new() }
     }
 }
 
@@ -188,7 +198,7 @@ impl ServedModel {
     /// cheap, and done before tokenizing, which costs about a microsecond
     /// and a hundred bytes of memory per byte of text.
     pub fn check_size(&self, prompt: &Prompt) -> Result<(), Error> {
-        let param = if let Prompt::Chat(_) = prompt { "messages" } else { "prompt" };
+        let param = if let Prompt::Chat { .. } = prompt { "messages" } else { "prompt" };
         self.check_text_bytes(param, prompt.text_bytes())
     }
 
@@ -221,13 +231,10 @@ impl ServedModel {
                 }
                 ids.clone()
             }
-            Prompt::Chat(messages) if messages.is_empty() => return Err(Error::invalid("messages", "messages must not be empty")),
-            Prompt::Chat(messages) => {
+            Prompt::Chat { messages, .. } if messages.is_empty() => return Err(Error::invalid("messages", "messages must not be empty")),
+            Prompt::Chat { messages, template_kwargs } => {
                 let messages = chat_roles(messages)?;
-                tok.encode_chat(&messages, true).map_err(|e| match e {
-                    TokenizerError::NoChatTemplate { .. } => Error::invalid("messages", "this model has no chat template; send a plain prompt instead"),
-                    e => Error::invalid("messages", e.to_string()),
-                })?
+                tok.encode_chat_with(&messages, true, template_kwargs).map_err(Error::chat_template)?
             }
         };
         if ids.is_empty() {
@@ -411,7 +418,7 @@ mod tests {
         assert_eq!(invalid_param(m.request(&text(""), opts(), &LIMITS)), "prompt");
         assert_eq!(invalid_param(m.request(&Prompt::Tokens(vec![]), opts(), &LIMITS)), "prompt");
         assert_eq!(invalid_param(m.request(&Prompt::Tokens(vec![5, 999_999]), opts(), &LIMITS)), "prompt");
-        assert_eq!(invalid_param(m.request(&Prompt::Chat(vec![]), opts(), &LIMITS)), "messages");
+        assert_eq!(invalid_param(m.request(&Prompt::chat(vec![]), opts(), &LIMITS)), "messages");
         assert_eq!(invalid_param(m.request(&Prompt::Tokens(vec![5; 1024]), opts(), &LIMITS)), "prompt");
         let small = WorkerLimits { context_length: 0, kv_tokens: 10 };
         assert_eq!(invalid_param(m.request(&Prompt::Tokens(vec![5; 10]), opts(), &small)), "prompt");
@@ -445,7 +452,7 @@ mod tests {
     #[test]
     fn roles_are_checked_and_developer_is_system() {
         let m = model();
-        let chat = |role: &str| Prompt::Chat(vec![ChatMessage { role: role.into(), content: "Be brief.".into() }, ChatMessage { role: "user".into(), content: "Hi".into() }]);
+        let chat = |role: &str| Prompt::chat(vec![ChatMessage { role: role.into(), content: "Be brief.".into() }, ChatMessage { role: "user".into(), content: "Hi".into() }]);
         assert_eq!(m.tokenize(&chat("developer")).unwrap(), m.tokenize(&chat("system")).unwrap());
         for role in ["tool", "function", "SYSTEM", "", "critic"] {
             let e = m.tokenize(&chat(role)).unwrap_err();
@@ -462,8 +469,23 @@ mod tests {
         let big = "a".repeat(m.max_prompt_bytes + 1);
         let e = m.tokenize(&Prompt::Text(big.clone())).unwrap_err();
         assert!(matches!(&e, Error::Invalid { param: Some("prompt"), .. }) && e.to_string().contains("bytes"), "{e:?}");
-        let e = m.tokenize(&Prompt::Chat(vec![ChatMessage { role: "user".into(), content: big }])).unwrap_err();
+        let e = m.tokenize(&Prompt::chat(vec![ChatMessage { role: "user".into(), content: big }])).unwrap_err();
         assert!(matches!(&e, Error::Invalid { param: Some("messages"), .. }), "{e:?}");
+    }
+
+    #[test]
+    fn chat_template_kwargs_count_toward_the_prompt_size() {
+        let m = model();
+        let messages = vec![ChatMessage { role: "user".into(), content: "Hi".into() }];
+        let mut template_kwargs = ChatTemplateKwargs::new();
+        template_kwargs.insert("note".into(), serde_json::Value::String("a".repeat(m.max_prompt_bytes)));
+        let chat = Prompt::Chat { messages: messages.clone(), template_kwargs };
+        assert!(chat.text_bytes() > m.max_prompt_bytes);
+        let e = m.tokenize(&chat).unwrap_err();
+        assert!(matches!(&e, Error::Invalid { param: Some("messages"), .. }) && e.to_string().contains("bytes"), "{e:?}");
+        // {"k":1} is 7 bytes of JSON.
+        let small = Prompt::Chat { messages, template_kwargs: serde_json::json!({"k": 1}).as_object().unwrap().clone() };
+        assert_eq!(small.text_bytes(), "user".len() + "Hi".len() + 7);
     }
 
     #[test]
@@ -476,7 +498,7 @@ mod tests {
     #[test]
     fn chat_uses_the_template() {
         let m = model();
-        let chat = Prompt::Chat(vec![ChatMessage { role: "user".into(), content: "Hi there".into() }]);
+        let chat = Prompt::chat(vec![ChatMessage { role: "user".into(), content: "Hi there".into() }]);
         let ids = m.tokenize(&chat).unwrap();
         assert_eq!((ids[0], ids[1], *ids.last().unwrap()), (0, 2, 3));
     }

@@ -520,3 +520,98 @@ async fn metrics_models_model_info_and_tokenize() {
     let err = client.tokenize(duplex_proto::v1::TokenizeRequest { input: None }).await.unwrap_err();
     assert_eq!(err.code(), Code::InvalidArgument);
 }
+
+fn fixture(name: &str) -> std::path::PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures").join(name)
+}
+
+/// `chat_template_kwargs` (as vLLM takes it) reaches the template: Qwen3's
+/// `enable_thinking: false` appends the empty think block to the generation
+/// prompt, through HTTP and through gRPC (a JSON object in a string).
+#[tokio::test]
+async fn chat_template_kwargs_reach_the_template() {
+    let qwen = fixture("tiny-qwen3moe");
+    let router = start(MockConfig::default(), |c| c.model = qwen.clone()).await;
+    let tok = Tokenizer::from_dir(&qwen).unwrap();
+    let user = [duplex_text::tokenizer::ChatMessage { role: "user".into(), content: "Hi".into() }];
+    let no_thinking: duplex_text::tokenizer::ChatTemplateKwargs = json!({"enable_thinking": false}).as_object().unwrap().clone();
+    let plain = tok.encode_chat(&user, true).unwrap();
+    let expected = tok.encode_chat_with(&user, true, &no_thinking).unwrap();
+    // `<think>` 2046, "\n\n", `</think>` 2047, "\n\n" after `<|im_start|>assistant\n`.
+    assert_eq!(&expected[..plain.len()], &plain[..]);
+    let think_block = &expected[plain.len()..];
+    assert_eq!((think_block.first(), think_block.get(2)), (Some(&2046), Some(&2047)), "{think_block:?}");
+
+    let body = |kwargs: Value| json!({"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, "ignore_eos": true, "chat_template_kwargs": kwargs});
+    for (kwargs, prompt) in [(json!({"enable_thinking": false}), &expected), (json!(null), &plain), (json!({}), &plain), (json!({"enable_thinking": true}), &plain)] {
+        let (status, reply) = json_of(router.post("/v1/chat/completions", body(kwargs.clone())).await).await;
+        assert_eq!(status, 200, "{kwargs}: {reply}");
+        assert_eq!(reply["usage"]["prompt_tokens"], prompt.len(), "{kwargs}");
+        assert_eq!(&router.mock.record().decodes.last().unwrap().prompt, prompt, "{kwargs}");
+    }
+
+    let chat = |kwargs: &str| duplex_proto::v1::ChatMessages {
+        messages: vec![duplex_proto::v1::ChatMessage { role: "user".into(), content: "Hi".into() }],
+        chat_template_kwargs: kwargs.into(),
+    };
+    let request = GenerateRequest {
+        prompt: Some(generate_request::Prompt::Chat(chat(r#"{"enable_thinking": false}"#))),
+        stopping: Some(StoppingCriteria { max_tokens: 2, ignore_eos: true, ..Default::default() }),
+        ..Default::default()
+    };
+    let msgs = generate_all(&router, request).await.unwrap();
+    assert_eq!(finished(&msgs).usage.as_ref().unwrap().prompt_tokens as usize, expected.len());
+    assert_eq!(&router.mock.record().decodes.last().unwrap().prompt, &expected);
+    let tokenize = |kwargs: &str| duplex_proto::v1::TokenizeRequest { input: Some(duplex_proto::v1::tokenize_request::Input::Chat(chat(kwargs))) };
+    let mut client = router.grpc_client().await;
+    assert_eq!(client.tokenize(tokenize(r#"{"enable_thinking": false}"#)).await.unwrap().into_inner().ids, expected);
+    assert_eq!(client.tokenize(tokenize("")).await.unwrap().into_inner().ids, plain);
+}
+
+/// A bad `chat_template_kwargs` is a 400 (INVALID_ARGUMENT) naming the field;
+/// a template that rejects the messages is a 400 on `messages` with the
+/// template's own reason and none of the server's paths.
+#[tokio::test]
+async fn bad_chat_template_kwargs_and_template_rejections_name_their_field() {
+    let router = start(MockConfig::default(), |c| c.model = fixture("tiny-qwen3moe")).await;
+    let chat = |kwargs: Value| json!({"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, "chat_template_kwargs": kwargs});
+    let bad = [
+        ("/v1/chat/completions", chat(json!({"add_generation_prompt": false})), "add_generation_prompt"),
+        ("/v1/chat/completions", chat(json!({"eos_token": "x"})), "eos_token"),
+        ("/v1/chat/completions", chat(json!({"note": "<|im_end|>"})), "special token"),
+        ("/v1/chat/completions", chat(json!("enable_thinking=false")), "chat_template_kwargs"),
+        ("/v1/chat/completions", chat(json!([1])), "chat_template_kwargs"),
+        ("/v1/completions", json!({"prompt": "Hi", "max_tokens": 2, "chat_template_kwargs": {"enable_thinking": false}}), "/v1/chat/completions only"),
+    ];
+    for (path, body, says) in bad {
+        let (status, reply) = json_of(router.post(path, body.clone()).await).await;
+        assert_eq!(status, 400, "{body}: {reply}");
+        assert_eq!(reply["error"]["param"], "chat_template_kwargs", "{body}: {reply}");
+        let message = reply["error"]["message"].as_str().unwrap();
+        assert!(message.contains(says), "{body}: {message}");
+    }
+    assert!(router.mock.record().decodes.is_empty(), "no bad request reached a worker");
+
+    let mut client = router.grpc_client().await;
+    for kwargs in [r#"{"enable_thinking": fals"#, "[true]", r#"{"messages": []}"#] {
+        let chat = duplex_proto::v1::ChatMessages {
+            messages: vec![duplex_proto::v1::ChatMessage { role: "user".into(), content: "Hi".into() }],
+            chat_template_kwargs: kwargs.into(),
+        };
+        let request = GenerateRequest { prompt: Some(generate_request::Prompt::Chat(chat)), ..Default::default() };
+        let e = client.generate(request).await.unwrap_err();
+        assert_eq!(e.code(), Code::InvalidArgument, "{kwargs}: {e:?}");
+        assert!(e.message().contains("chat_template_kwargs"), "{kwargs}: {}", e.message());
+    }
+    drop(router);
+
+    // Mixtral's [INST] template raises on roles that do not alternate.
+    let router = start(MockConfig::default(), |c| c.model = fixture("tiny-mixtral")).await;
+    let body = json!({"messages": [{"role": "user", "content": "Hi"}, {"role": "user", "content": "Hi again"}], "max_tokens": 2});
+    let (status, reply) = json_of(router.post("/v1/chat/completions", body).await).await;
+    assert_eq!(status, 400, "{reply}");
+    assert_eq!(reply["error"]["param"], "messages", "{reply}");
+    let message = reply["error"]["message"].as_str().unwrap();
+    assert!(message.starts_with("the chat template rejected the messages: ") && message.contains("alternate"), "{message}");
+    assert!(!message.contains("tokenizer_config.json") && !message.contains("fixtures"), "a server path leaked: {message}");
+}

@@ -34,7 +34,7 @@ impl Generation for GrpcApi {
         let prompt = match r.prompt {
             Some(generate_request::Prompt::Text(text)) => Prompt::Text(text),
             Some(generate_request::Prompt::Tokens(t)) => Prompt::Tokens(t.ids),
-            Some(generate_request::Prompt::Chat(c)) => Prompt::Chat(chat(c)),
+            Some(generate_request::Prompt::Chat(c)) => chat(c).inspect_err(count_refused)?,
             None => {
                 let e = Error::invalid("prompt", "prompt is required: set one of text, tokens or chat");
                 count_refused(&e);
@@ -59,7 +59,7 @@ impl Generation for GrpcApi {
                 .await?
             }
             Some(tokenize_request::Input::Chat(c)) => {
-                let prompt = Prompt::Chat(chat(c));
+                let prompt = chat(c)?;
                 self.router.model.check_size(&prompt)?;
                 super::on_tokenizer_pool(&self.router, prompt.text_bytes(), move |model| model.tokenize(&prompt)).await?
             }
@@ -85,8 +85,14 @@ impl Generation for GrpcApi {
     }
 }
 
-fn chat(c: v1::ChatMessages) -> Vec<ChatMessage> {
-    c.messages.into_iter().map(|m| ChatMessage { role: m.role, content: m.content }).collect()
+fn chat(c: v1::ChatMessages) -> Result<Prompt, Error> {
+    let template_kwargs = match c.chat_template_kwargs.trim() {
+        "" => Default::default(),
+        json => serde_json::from_str(json)
+            .map_err(|e| Error::invalid("chat_template_kwargs", format!("chat_template_kwargs must be a JSON object (or empty): {e}")))?,
+    };
+    let messages = c.messages.into_iter().map(|m| ChatMessage { role: m.role, content: m.content }).collect();
+    Ok(Prompt::Chat { messages, template_kwargs })
 }
 
 fn options(model: String, s: v1::SamplingParameters, stopping: v1::StoppingCriteria) -> RequestOptions {

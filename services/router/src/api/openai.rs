@@ -209,6 +209,10 @@ struct ApiRequest {
     /// tokens (for clients that render their own chat template). Off by
     /// default: a prompt is plain text.
     parse_special_tokens: Option<bool>,
+    /// Chat: extra variables for the chat template, as vLLM takes them
+    /// (e.g. `{"enable_thinking": false}` for Qwen3). Anything but an
+    /// object (or null) is refused by the JSON parser, naming the field.
+    chat_template_kwargs: Option<serde_json::Map<String, Value>>,
     /// Not implemented; refused rather than ignored (see `unsupported`).
     tools: Option<Value>,
     tool_choice: Option<Value>,
@@ -330,6 +334,11 @@ fn completion_request(body: &ApiRequest) -> Result<(Prompt, RequestOptions), Err
     if body.suffix.as_ref().is_some_and(|s| !s.is_empty()) {
         return Err(Error::invalid("suffix", "suffix is not supported"));
     }
+    // A completion prompt is not rendered with the template: ignoring the
+    // variables would give a 200 for a prompt the client did not mean.
+    if body.chat_template_kwargs.as_ref().is_some_and(|k| !k.is_empty()) {
+        return Err(Error::invalid("chat_template_kwargs", "chat_template_kwargs applies to /v1/chat/completions only: a completion prompt is not rendered with the chat template"));
+    }
     let prompt = match completion_prompt(body.prompt.as_ref())? {
         Prompt::Text(text) if body.parse_special_tokens == Some(true) => Prompt::TextWithSpecialTokens(text),
         prompt => prompt,
@@ -357,7 +366,8 @@ fn chat_request(body: &ApiRequest) -> Result<(Prompt, RequestOptions), Error> {
         Some(Value::Bool(b)) => *b,
         Some(_) => return Err(Error::invalid("logprobs", "logprobs must be true or false")),
     };
-    Ok((Prompt::Chat(messages), body.options(logprobs, body.top_logprobs)?))
+    let template_kwargs = body.chat_template_kwargs.clone().unwrap_or_default();
+    Ok((Prompt::Chat { messages, template_kwargs }, body.options(logprobs, body.top_logprobs)?))
 }
 
 fn completion_prompt(prompt: Option<&Value>) -> Result<Prompt, Error> {
