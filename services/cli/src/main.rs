@@ -36,7 +36,7 @@ enum Command {
     Generate(GenerateArgs),
     /// Write the teacher-forced logits of a token sequence to a safetensors file.
     Logits(LogitsArgs),
-    /// Write a synthetic DeepSeek-V3 checkpoint (random weights, real layout), or print its plan.
+    /// Write a synthetic DeepSeek-V3, Qwen3-MoE or Mixtral checkpoint (random weights, real layout), or print its plan.
     Synth(SynthArgs),
     /// Benchmark the CPU kernels against the measured DRAM read bandwidth.
     BenchKernels(BenchKernelsArgs),
@@ -203,7 +203,8 @@ struct LogitsArgs {
 #[derive(Args)]
 #[group(id = "shape", required = true, multiple = false)]
 struct SynthShape {
-    /// Named shape: tiny (the bundled model's), bench (~5 GB) or deepseek-v3 (671B; --plan only).
+    /// Named shape: tiny, tiny-qwen3moe, tiny-qwen3moe-fp8, tiny-mixtral (the bundled models'), bench (DeepSeek-V3 family, ~5 GB),
+    /// qwen3-30b-a3b, qwen3-30b-a3b-fp8, mixtral-8x7b (real layer shapes, fewer layers and experts) or deepseek-v3 (671B; --plan only).
     #[arg(long, group = "shape")]
     preset: Option<String>,
     /// A config.json to synthesise instead of a preset.

@@ -99,6 +99,20 @@ fn custom_config_with_unaligned_shapes_loads_and_generates() {
 }
 
 #[test]
+fn qwen3_and_mixtral_presets_load_and_generate() {
+    let tmp = tempfile::tempdir().unwrap();
+    for preset in ["tiny-qwen3moe-fp8", "tiny-mixtral"] {
+        let dir = tmp.path().join(preset);
+        ok(&duplex(&["synth", "--preset", preset, "--out", path(&dir)]));
+        let written: serde_json::Value = serde_json::from_slice(&std::fs::read(dir.join("config.json")).unwrap()).unwrap();
+        assert_eq!(written["quantization_config"]["quant_method"].as_str(), if preset.ends_with("fp8") { Some("fp8") } else { None });
+        check_runs(&dir, 4);
+    }
+    let json: serde_json::Value = serde_json::from_str(&ok(&duplex(&["synth", "--preset", "qwen3-30b-a3b", "--plan", "--json"]))).unwrap();
+    assert_eq!(json["bytes_by_dtype"].as_object().unwrap().keys().collect::<Vec<_>>(), ["BF16"]);
+}
+
+#[test]
 fn plan_reports_deepseek_v3_sizes_and_writing_it_is_refused() {
     let json: serde_json::Value = serde_json::from_str(&ok(&duplex(&["synth", "--preset", "deepseek-v3", "--plan", "--json"]))).unwrap();
     let params = json["params"].as_f64().unwrap();

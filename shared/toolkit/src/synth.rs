@@ -1,7 +1,9 @@
-//! Synthetic DeepSeek-V3 checkpoints in the real Hugging Face layout.
+//! Synthetic checkpoints in the real Hugging Face layouts of the model
+//! families the engine runs: DeepSeek-V3 (FP8), Qwen3-MoE (BF16, or the
+//! official "-FP8" layout) and Mixtral (BF16).
 //!
-//! [`write_checkpoint`] writes `config.json`, sharded FP8 safetensors with
-//! their index, `generation_config.json` and the bundled tokenizer, filled
+//! [`write_checkpoint`] writes `config.json`, sharded safetensors with their
+//! index, `generation_config.json` and the family's bundled tokenizer, filled
 //! with random but numerically sane weights. The engine and its benchmarks can
 //! then run on model shapes nobody has to download.
 //!
@@ -13,7 +15,7 @@
 //! and of the order tensors are written in.
 
 use duplex_model::checkpoint::{INDEX_FILE, SINGLE_FILE};
-use duplex_model::config::{ConfigError, ModelConfig};
+use duplex_model::config::{Architecture, AttentionConfig, ConfigError, ModelConfig};
 use duplex_kernels::fp8::E4M3_TABLE;
 use rand::{RngCore, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -27,17 +29,53 @@ use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
-/// The bundled tiny checkpoint's config: the `tiny` preset, and the template
-/// (key set) of the other presets.
-const FIXTURE_CONFIG: &str = include_str!("../../../tests/fixtures/tiny-dsv3/config.json");
-/// Embedded rather than copied at run time, so a relocated binary still works.
-const TOKENIZER_JSON: &[u8] = include_bytes!("../../../tests/fixtures/tiny-dsv3/tokenizer.json");
-const TOKENIZER_CONFIG_JSON: &[u8] = include_bytes!("../../../tests/fixtures/tiny-dsv3/tokenizer_config.json");
+/// The bundled tiny checkpoints' configs: the `tiny*` presets, and the
+/// templates (key sets, as each family's Hugging Face config has them) of the
+/// other presets of their family.
+const DSV3_CONFIG: &str = include_str!("../../../tests/fixtures/tiny-dsv3/config.json");
+const QWEN3_CONFIG: &str = include_str!("../../../tests/fixtures/tiny-qwen3moe/config.json");
+const MIXTRAL_CONFIG: &str = include_str!("../../../tests/fixtures/tiny-mixtral/config.json");
 
-/// Tokens in the bundled tokenizer; a config's `vocab_size` must cover them.
+/// `tokenizer.json` and `tokenizer_config.json` of one family's fixture.
+/// Embedded rather than copied at run time, so a relocated binary still works.
+struct Tokenizer {
+    json: &'static [u8],
+    config: &'static [u8],
+}
+
+/// Each family gets its own tokenizer (and chat template): the fixtures'
+/// ids of BOS/EOS are the ones the presets' configs name.
+fn tokenizer(arch: Architecture) -> Tokenizer {
+    match arch {
+        Architecture::DeepseekV3 => Tokenizer {
+            json: include_bytes!("../../../tests/fixtures/tiny-dsv3/tokenizer.json"),
+            config: include_bytes!("../../../tests/fixtures/tiny-dsv3/tokenizer_config.json"),
+        },
+        Architecture::Qwen3Moe => Tokenizer {
+            json: include_bytes!("../../../tests/fixtures/tiny-qwen3moe/tokenizer.json"),
+            config: include_bytes!("../../../tests/fixtures/tiny-qwen3moe/tokenizer_config.json"),
+        },
+        Architecture::Mixtral => Tokenizer {
+            json: include_bytes!("../../../tests/fixtures/tiny-mixtral/tokenizer.json"),
+            config: include_bytes!("../../../tests/fixtures/tiny-mixtral/tokenizer_config.json"),
+        },
+    }
+}
+
+/// Tokens in each bundled tokenizer; a config's `vocab_size` must cover them.
 pub const TOKENIZER_VOCAB: usize = 2048;
 /// Preset names accepted by [`preset`].
-pub const PRESETS: [&str; 3] = ["tiny", "bench", "deepseek-v3"];
+pub const PRESETS: [&str; 9] = [
+    "tiny",
+    "bench",
+    "deepseek-v3",
+    "tiny-qwen3moe",
+    "tiny-qwen3moe-fp8",
+    "tiny-mixtral",
+    "qwen3-30b-a3b",
+    "qwen3-30b-a3b-fp8",
+    "mixtral-8x7b",
+];
 pub const DEFAULT_SHARD_SIZE: u64 = 1 << 30;
 
 /// Bytes generated and written at a time: big enough for fast writes, small
@@ -70,6 +108,17 @@ fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> SynthError + '_ {
     move |source| SynthError::Io { path: path.to_path_buf(), source }
 }
 
+/// How the linear layers (attention projections, MLPs, experts) are stored.
+/// Embeddings, the LM head, routers and norms are BF16 in every layout.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LinearFormat {
+    /// BF16, as Qwen3-MoE's and Mixtral's own releases.
+    Bf16,
+    /// FP8 E4M3 in `block` tiles, each with an inverse scale of dtype
+    /// `scale`: F32 in DeepSeek-V3, BF16 in Qwen's "-FP8" releases.
+    Fp8 { block: [usize; 2], scale: Dtype },
+}
+
 /// A config to synthesise: the JSON written as `config.json` and the same
 /// config as the engine parses it.
 #[derive(Clone, Debug)]
@@ -79,6 +128,7 @@ pub struct SynthConfig {
     /// `num_nextn_predict_layers`: multi-token-prediction layers written after
     /// the decoder layers, as in DeepSeek-V3 (the engine skips them).
     pub mtp_layers: usize,
+    pub linear: LinearFormat,
 }
 
 impl SynthConfig {
@@ -86,9 +136,12 @@ impl SynthConfig {
     pub fn from_json(mut json: Value, origin: &str) -> Result<Self, SynthError> {
         let unsupported = |message: String| SynthError::Unsupported { origin: origin.into(), message };
         let obj = json.as_object_mut().ok_or_else(|| unsupported("a config must be a JSON object".into()))?;
-        // The weights are always FP8, so a config without quantization_config
-        // gets DeepSeek-V3's rather than lying about the checkpoint.
-        if obj.get("quantization_config").unwrap_or(&Value::Null).is_null() {
+        let deepseek = matches!(obj.get("model_type").and_then(Value::as_str), None | Some("deepseek_v3") | Some("kimi_k2"));
+        // DeepSeek-V3 is only released in FP8, so a DeepSeek config without
+        // quantization_config gets V3's rather than lying about the
+        // checkpoint. Qwen3-MoE and Mixtral without one are written in BF16,
+        // as their own releases are.
+        if deepseek && obj.get("quantization_config").unwrap_or(&Value::Null).is_null() {
             obj.insert(
                 "quantization_config".into(),
                 json!({"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8", "weight_block_size": [128, 128]}),
@@ -105,7 +158,17 @@ impl SynthConfig {
                 model.vocab_size
             )));
         }
-        Ok(SynthConfig { json, model, mtp_layers })
+        if mtp_layers > 0 && model.architecture != Architecture::DeepseekV3 {
+            return Err(unsupported("num_nextn_predict_layers (MTP) exists only in DeepSeek-V3 checkpoints".into()));
+        }
+        let linear = match &model.quantization {
+            None => LinearFormat::Bf16,
+            Some(q) => LinearFormat::Fp8 {
+                block: q.weight_block_size,
+                scale: if model.architecture == Architecture::DeepseekV3 { Dtype::F32 } else { Dtype::Bf16 },
+            },
+        };
+        Ok(SynthConfig { json, model, mtp_layers, linear })
     }
 
     pub fn from_file(path: &Path) -> Result<Self, SynthError> {
@@ -114,22 +177,36 @@ impl SynthConfig {
         let json = serde_json::from_str(&text).map_err(|e| ConfigError::Parse { path: origin.clone(), message: e.to_string() })?;
         Self::from_json(json, &origin)
     }
-
-    fn fp8_block(&self) -> [usize; 2] {
-        self.model.quantization.as_ref().map_or([128, 128], |q| q.weight_block_size)
-    }
 }
 
-/// A named model shape: `tiny` (the bundled fixture's config), `bench`
-/// (about 5 GB) or `deepseek-v3` (the real 671B shape, for `--plan`).
+/// The `quantization_config` of Qwen's "-FP8" releases (Qwen3-30B-A3B-FP8):
+/// 128×128 E4M3 blocks, dynamic activations, and the LM head and every MoE
+/// router (`mlp.gate`) left in BF16.
+fn qwen3_fp8_quantization(model: &ModelConfig) -> Value {
+    let mut keep = vec![Value::from("lm_head")];
+    keep.extend((0..model.num_hidden_layers).filter(|&l| model.is_moe_layer(l)).map(|l| Value::from(format!("model.layers.{l}.mlp.gate"))));
+    json!({
+        "activation_scheme": "dynamic",
+        "fmt": "e4m3",
+        "modules_to_not_convert": keep,
+        "quant_method": "fp8",
+        "weight_block_size": [128, 128],
+    })
+}
+
+/// A named model shape: `tiny`, `tiny-qwen3moe` and `tiny-mixtral` (the
+/// bundled fixtures' configs), `tiny-qwen3moe-fp8` (the same in FP8),
+/// `bench` (DeepSeek-V3 family, about 5 GB), `qwen3-30b-a3b`,
+/// `qwen3-30b-a3b-fp8` and `mixtral-8x7b` (the real per-layer shapes, fewer
+/// layers and experts) or `deepseek-v3` (the real 671B shape, for `--plan`).
 pub fn preset(name: &str) -> Result<SynthConfig, SynthError> {
-    let overrides = match name {
-        "tiny" => json!({}),
+    let (template, overrides) = match name {
+        "tiny" => (DSV3_CONFIG, json!({})),
         // DeepSeek-V2-Lite-sized MoE with V3's routing and YaRN. The vocabulary
         // is cut to 32768 (V3 has 129280): with V3's the checkpoint grows to
         // 6.3 GB and the LM head is 40% of the bytes a decode step reads,
         // against 5% in the real model.
-        "bench" => json!({
+        "bench" => (DSV3_CONFIG, json!({
             "vocab_size": 32768,
             "hidden_size": 2048,
             "intermediate_size": 10944,
@@ -152,9 +229,9 @@ pub fn preset(name: &str) -> Result<SynthConfig, SynthError> {
             "num_nextn_predict_layers": 0,
             "rope_scaling": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 4096,
                              "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0},
-        }),
+        })),
         // DeepSeek-V3's published config.json.
-        "deepseek-v3" => json!({
+        "deepseek-v3" => (DSV3_CONFIG, json!({
             "vocab_size": 129280,
             "hidden_size": 7168,
             "intermediate_size": 18432,
@@ -177,14 +254,72 @@ pub fn preset(name: &str) -> Result<SynthConfig, SynthError> {
             "num_nextn_predict_layers": 1,
             "rope_scaling": {"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096,
                              "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0},
-        }),
+        })),
+        "tiny-qwen3moe" | "tiny-qwen3moe-fp8" => (QWEN3_CONFIG, json!({})),
+        "tiny-mixtral" => (MIXTRAL_CONFIG, json!({})),
+        // Qwen3-30B-A3B's config.json with every per-layer shape real
+        // (hidden 2048; 32 query / 4 KV heads of 128; 768-wide experts,
+        // top-8 with renormalised weights), a quarter of its depth (12 of 48
+        // layers), of its experts (32 of 128) and of its vocabulary (37984 of
+        // 151936). A decode step then reads what 12 real layers read, and the
+        // LM head keeps its real share (a tenth) of those bytes; the
+        // checkpoint is 4.4 GB (the real one is 61 GB). BOS/EOS are the
+        // bundled Qwen tokenizer's (<|endoftext|>, <|im_end|>).
+        "qwen3-30b-a3b" | "qwen3-30b-a3b-fp8" => (QWEN3_CONFIG, json!({
+            "vocab_size": 37984,
+            "hidden_size": 2048,
+            "intermediate_size": 6144,
+            "moe_intermediate_size": 768,
+            "num_hidden_layers": 12,
+            "max_window_layers": 12,
+            "mlp_only_layers": [],
+            "decoder_sparse_step": 1,
+            "num_attention_heads": 32,
+            "num_key_value_heads": 4,
+            "head_dim": 128,
+            "num_experts": 32,
+            "num_experts_per_tok": 8,
+            "norm_topk_prob": true,
+            "rope_theta": 1000000.0,
+            "rms_norm_eps": 1e-6,
+            "max_position_embeddings": 40960,
+            "tie_word_embeddings": false,
+        })),
+        // Mixtral-8x7B's config.json with every per-layer shape real (hidden
+        // 4096; 32 query / 8 KV heads of 128; 14336-wide experts, top-2), an
+        // eighth of its depth (4 of 32 layers) and of its vocabulary (4000 of
+        // 32000), and 4 of its 8 experts: one layer's experts are 2.8 GB in
+        // BF16, so only a few fit this way, and routing still picks 2 of
+        // several. A decode step reads what 4 real layers read with the LM
+        // head's real share (1%); the checkpoint is 6.0 GB (the real one is
+        // 93 GB).
+        "mixtral-8x7b" => (MIXTRAL_CONFIG, json!({
+            "vocab_size": 4000,
+            "hidden_size": 4096,
+            "intermediate_size": 14336,
+            "num_hidden_layers": 4,
+            "num_attention_heads": 32,
+            "num_key_value_heads": 8,
+            "num_local_experts": 4,
+            "num_experts_per_tok": 2,
+            "rope_theta": 1000000.0,
+            "rms_norm_eps": 1e-5,
+            "max_position_embeddings": 32768,
+            "sliding_window": null,
+            "tie_word_embeddings": false,
+        })),
         _ => return Err(SynthError::UnknownPreset { name: name.into() }),
     };
-    let mut json: Value = serde_json::from_str(FIXTURE_CONFIG).expect("the bundled config.json is valid JSON");
+    let mut json: Value = serde_json::from_str(template).expect("the bundled config.json is valid JSON");
     for (k, v) in overrides.as_object().expect("overrides are an object") {
         json[k] = v.clone();
     }
-    SynthConfig::from_json(json, &format!("preset {name}"))
+    let origin = format!("preset {name}");
+    if name.ends_with("-fp8") {
+        let model = ModelConfig::from_json(&json.to_string(), &origin)?;
+        json["quantization_config"] = qwen3_fp8_quantization(&model);
+    }
+    SynthConfig::from_json(json, &origin)
 }
 
 // ---------------------------------------------------------------------------
@@ -284,26 +419,40 @@ impl TensorPlan {
 }
 
 struct Planner {
-    block: [usize; 2],
+    linear: LinearFormat,
     layer: Option<usize>,
     part: Part,
     out: Vec<TensorPlan>,
 }
+
+/// A SwiGLU MLP's tensor names under its prefix: gate, up, down.
+const HF_MLP: [&str; 3] = ["gate_proj", "up_proj", "down_proj"];
+/// Mixtral's experts: `w1` the gate, `w3` the up and `w2` the down projection.
+const MIXTRAL_EXPERT: [&str; 3] = ["w1", "w3", "w2"];
 
 impl Planner {
     fn push(&mut self, name: String, dtype: Dtype, shape: &[usize], init: Init) {
         self.out.push(TensorPlan { name, dtype, shape: shape.to_vec(), layer: self.layer, part: self.part, init });
     }
 
-    /// An FP8 `[rows, cols]` weight and its inverse block scales (partial
-    /// blocks at the edges when a dimension is not a multiple of the block).
-    fn fp8(&mut self, prefix: &str, rows: usize, cols: usize) {
-        self.push(format!("{prefix}.weight"), Dtype::F8E4M3, &[rows, cols], Init::Fp8);
-        // Block scales vary ±10% around the value that gives std 1/sqrt(fan_in),
-        // so kernels that mix up blocks produce visibly wrong results.
-        let mean = 1.0 / ((cols as f32).sqrt() * fp8_code_std());
-        let shape = [rows.div_ceil(self.block[0]), cols.div_ceil(self.block[1])];
-        self.push(format!("{prefix}.weight_scale_inv"), Dtype::F32, &shape, Init::Normal { mean, std: 0.1 * mean });
+    /// A linear layer's `[rows, cols]` weight of standard deviation
+    /// `1/sqrt(cols)`, in the checkpoint's format: BF16, or FP8 with its
+    /// inverse block scales (partial blocks at the edges when a dimension is
+    /// not a multiple of the block).
+    fn linear(&mut self, prefix: &str, rows: usize, cols: usize) {
+        let std = 1.0 / (cols as f32).sqrt();
+        match self.linear {
+            LinearFormat::Bf16 => self.bf16(format!("{prefix}.weight"), rows, cols, std),
+            LinearFormat::Fp8 { block, scale } => {
+                self.push(format!("{prefix}.weight"), Dtype::F8E4M3, &[rows, cols], Init::Fp8);
+                // Block scales vary ±10% around the value that gives std
+                // 1/sqrt(fan_in), so kernels that mix up blocks produce
+                // visibly wrong results.
+                let mean = 1.0 / ((cols as f32).sqrt() * fp8_code_std());
+                let shape = [rows.div_ceil(block[0]), cols.div_ceil(block[1])];
+                self.push(format!("{prefix}.weight_scale_inv"), scale, &shape, Init::Normal { mean, std: 0.1 * mean });
+            }
+        }
     }
 
     /// A BF16 matrix of standard deviation `std`.
@@ -319,10 +468,11 @@ impl Planner {
         self.part = part;
     }
 
-    fn mlp(&mut self, prefix: &str, hidden: usize, inter: usize) {
-        self.fp8(&format!("{prefix}.gate_proj"), inter, hidden);
-        self.fp8(&format!("{prefix}.up_proj"), inter, hidden);
-        self.fp8(&format!("{prefix}.down_proj"), hidden, inter);
+    /// A SwiGLU MLP: `{prefix}.{names}` for gate, up and down.
+    fn mlp(&mut self, prefix: &str, names: [&str; 3], hidden: usize, inter: usize) {
+        self.linear(&format!("{prefix}.{}", names[0]), inter, hidden);
+        self.linear(&format!("{prefix}.{}", names[1]), inter, hidden);
+        self.linear(&format!("{prefix}.{}", names[2]), hidden, inter);
     }
 
     /// In the engine's part, unless this is an MTP layer.
@@ -332,47 +482,69 @@ impl Planner {
         }
     }
 
-    /// Decoder layer `l`, with exactly the names and shapes `Model::load_layer` reads.
+    /// Decoder layer `l`, with exactly the names and shapes `Model::load_layer`
+    /// reads for the config's family.
     fn decoder_layer(&mut self, cfg: &ModelConfig, l: usize) {
         let (d, h) = (cfg.hidden_size, cfg.num_attention_heads);
         let p = format!("model.layers.{l}");
         let a = format!("{p}.self_attn");
         self.norm(format!("{p}.input_layernorm.weight"), d);
         self.set_part(Part::Attention);
-        let mla = cfg.mla().expect("synth writes DeepSeek-V3-family checkpoints");
-        match mla.q_lora_rank {
-            Some(r) => {
-                self.fp8(&format!("{a}.q_a_proj"), r, d);
-                self.norm(format!("{a}.q_a_layernorm.weight"), r);
-                self.fp8(&format!("{a}.q_b_proj"), h * cfg.qk_head_dim(), r);
+        match &cfg.attention {
+            AttentionConfig::Mla(mla) => {
+                match mla.q_lora_rank {
+                    Some(r) => {
+                        self.linear(&format!("{a}.q_a_proj"), r, d);
+                        self.norm(format!("{a}.q_a_layernorm.weight"), r);
+                        self.linear(&format!("{a}.q_b_proj"), h * cfg.qk_head_dim(), r);
+                    }
+                    None => self.linear(&format!("{a}.q_proj"), h * cfg.qk_head_dim(), d),
+                }
+                self.linear(&format!("{a}.kv_a_proj_with_mqa"), cfg.kv_entry_dim(), d);
+                self.norm(format!("{a}.kv_a_layernorm.weight"), mla.kv_lora_rank);
+                self.linear(&format!("{a}.kv_b_proj"), h * (mla.qk_nope_head_dim + mla.v_head_dim), mla.kv_lora_rank);
+                self.linear(&format!("{a}.o_proj"), d, h * mla.v_head_dim);
             }
-            None => self.fp8(&format!("{a}.q_proj"), h * cfg.qk_head_dim(), d),
+            AttentionConfig::Gqa(g) => {
+                let kv = g.num_key_value_heads * g.head_dim;
+                self.linear(&format!("{a}.q_proj"), h * g.head_dim, d);
+                self.linear(&format!("{a}.k_proj"), kv, d);
+                self.linear(&format!("{a}.v_proj"), kv, d);
+                if g.qk_norm {
+                    self.norm(format!("{a}.q_norm.weight"), g.head_dim);
+                    self.norm(format!("{a}.k_norm.weight"), g.head_dim);
+                }
+                self.linear(&format!("{a}.o_proj"), d, h * g.head_dim);
+            }
         }
-        self.fp8(&format!("{a}.kv_a_proj_with_mqa"), cfg.kv_entry_dim(), d);
-        self.norm(format!("{a}.kv_a_layernorm.weight"), mla.kv_lora_rank);
-        self.fp8(&format!("{a}.kv_b_proj"), h * (mla.qk_nope_head_dim + mla.v_head_dim), mla.kv_lora_rank);
-        self.fp8(&format!("{a}.o_proj"), d, h * mla.v_head_dim);
         self.norm(format!("{p}.post_attention_layernorm.weight"), d);
-        let m = format!("{p}.mlp");
-        if cfg.is_moe_layer(l) {
-            let e = cfg.n_routed_experts;
-            self.set_part(Part::Router);
-            // Router logits of std 1: sigmoid scores spread over (0, 1).
-            self.bf16(format!("{m}.gate.weight"), e, d, 1.0 / (d as f32).sqrt());
-            if cfg.use_correction_bias {
-                self.push(format!("{m}.gate.e_score_correction_bias"), Dtype::F32, &[e], Init::Normal { mean: 0.0, std: 0.02 });
-            }
-            for i in 0..e {
-                self.set_part(Part::RoutedExpert(i));
-                self.mlp(&format!("{m}.experts.{i}"), d, cfg.moe_intermediate_size);
-            }
-            if cfg.n_shared_experts > 0 {
-                self.set_part(Part::SharedExperts);
-                self.mlp(&format!("{m}.shared_experts"), d, cfg.moe_intermediate_size * cfg.n_shared_experts);
-            }
-        } else {
+        // DeepSeek-V3's MTP layers (after the decoder layers, which is all
+        // `is_moe_layer` knows of) are MoE layers.
+        let moe = if l < cfg.num_hidden_layers { cfg.is_moe_layer(l) } else { cfg.n_routed_experts > 0 };
+        if !moe {
             self.set_part(Part::DenseMlp);
-            self.mlp(&m, d, cfg.intermediate_size);
+            self.mlp(&format!("{p}.mlp"), HF_MLP, d, cfg.intermediate_size);
+            return;
+        }
+        let (m, expert_names) = match cfg.architecture {
+            Architecture::Mixtral => (format!("{p}.block_sparse_moe"), MIXTRAL_EXPERT),
+            Architecture::DeepseekV3 | Architecture::Qwen3Moe => (format!("{p}.mlp"), HF_MLP),
+        };
+        let e = cfg.n_routed_experts;
+        self.set_part(Part::Router);
+        // Router logits of std 1: scores spread over (0, 1). Routers stay
+        // BF16 in every family's FP8 release.
+        self.bf16(format!("{m}.gate.weight"), e, d, 1.0 / (d as f32).sqrt());
+        if cfg.use_correction_bias {
+            self.push(format!("{m}.gate.e_score_correction_bias"), Dtype::F32, &[e], Init::Normal { mean: 0.0, std: 0.02 });
+        }
+        for i in 0..e {
+            self.set_part(Part::RoutedExpert(i));
+            self.mlp(&format!("{m}.experts.{i}"), expert_names, d, cfg.moe_intermediate_size);
+        }
+        if cfg.n_shared_experts > 0 {
+            self.set_part(Part::SharedExperts);
+            self.mlp(&format!("{m}.shared_experts"), HF_MLP, d, cfg.moe_intermediate_size * cfg.n_shared_experts);
         }
     }
 }
@@ -382,7 +554,7 @@ impl Planner {
 pub fn plan(cfg: &SynthConfig) -> Vec<TensorPlan> {
     let m = &cfg.model;
     let (d, v) = (m.hidden_size, m.vocab_size);
-    let mut p = Planner { block: cfg.fp8_block(), layer: None, part: Part::Embedding, out: vec![] };
+    let mut p = Planner { linear: cfg.linear, layer: None, part: Part::Embedding, out: vec![] };
     // Embeddings of std 1, as in trained DeepSeek-V3.
     p.bf16("model.embed_tokens.weight".into(), v, d, 1.0);
     for l in 0..m.num_hidden_layers {
@@ -418,18 +590,23 @@ pub fn plan(cfg: &SynthConfig) -> Vec<TensorPlan> {
 /// What one decode step reads of `t`, in bytes and parameters: everything
 /// outside MTP, except one embedding row and `num_experts_per_tok` of the
 /// routed experts (all experts have the same size, so the first k stand in
-/// for whichever k are routed).
+/// for whichever k are routed). Bytes are counted as the engine holds the
+/// tensor, which is what it reads: matrices as stored, but vectors (norms,
+/// biases) and FP8 block scales converted to F32 at load. The figure then
+/// equals `Model::activated_bytes_per_token`, the roofline's denominator.
 fn activated(cfg: &ModelConfig, t: &TensorPlan) -> (u64, u64) {
     let params = if t.is_scale() { 0 } else { t.numel() };
+    let bytes = if t.is_scale() || t.shape.len() == 1 { t.numel() * 4 } else { t.bytes() };
     match t.part {
         Part::Mtp => (0, 0),
         Part::RoutedExpert(e) if e >= cfg.num_experts_per_tok => (0, 0),
-        // A tied embedding is also read whole as the LM head.
-        Part::Embedding if !cfg.tie_word_embeddings => {
+        Part::Embedding => {
             let rows = cfg.vocab_size as u64;
-            (t.bytes() / rows, params / rows)
+            // A tied embedding is also read whole as the LM head.
+            let whole = if cfg.tie_word_embeddings { (bytes, params) } else { (0, 0) };
+            (bytes / rows + whole.0, params / rows + whole.1)
         }
-        _ => (t.bytes(), params),
+        _ => (bytes, params),
     }
 }
 
@@ -849,11 +1026,12 @@ fn write_files(
         }
     }
     let pretty = |v: &Value| serde_json::to_vec_pretty(v).expect("JSON values serialise");
+    let tok = tokenizer(cfg.model.architecture);
     let files: [(&str, Vec<u8>); 5] = [
         (INDEX_FILE, pretty(&index)),
         ("generation_config.json", pretty(&generation)),
-        ("tokenizer.json", TOKENIZER_JSON.to_vec()),
-        ("tokenizer_config.json", TOKENIZER_CONFIG_JSON.to_vec()),
+        ("tokenizer.json", tok.json.to_vec()),
+        ("tokenizer_config.json", tok.config.to_vec()),
         ("config.json", pretty(&cfg.json)),
     ];
     for (name, bytes) in files {
@@ -955,12 +1133,18 @@ mod tests {
         write_checkpoint(cfg, dir, &opts, &mut |_, _| {}).unwrap()
     }
 
+    fn planned(cfg: &SynthConfig) -> BTreeMap<String, (String, Vec<usize>)> {
+        plan(cfg).into_iter().map(|t| (t.name, (t.dtype.name().to_string(), t.shape))).collect()
+    }
+
+    /// Each family's plan is exactly the tensors (names, dtypes, shapes) of
+    /// its bundled fixture, which is the Hugging Face release's layout.
     #[test]
-    fn tiny_plan_matches_the_fixture_layout() {
-        let (fixture, _) = read_headers(Path::new(FIXTURE));
-        let planned: BTreeMap<String, (String, Vec<usize>)> =
-            plan(&tiny()).into_iter().map(|t| (t.name, (t.dtype.name().to_string(), t.shape))).collect();
-        assert_eq!(planned, fixture);
+    fn tiny_plans_match_the_fixture_layouts() {
+        for (name, fixture) in [("tiny", "tiny-dsv3"), ("tiny-qwen3moe", "tiny-qwen3moe"), ("tiny-mixtral", "tiny-mixtral")] {
+            let (headers, _) = read_headers(&Path::new(FIXTURE).join("..").join(fixture));
+            assert_eq!(planned(&preset(name).unwrap()), headers, "{name}");
+        }
     }
 
     #[test]
@@ -979,11 +1163,16 @@ mod tests {
     #[test]
     fn presets_validate_and_have_the_intended_sizes() {
         assert!(matches!(preset("nope"), Err(SynthError::UnknownPreset { .. })));
+        for name in PRESETS {
+            let cfg = preset(name).unwrap_or_else(|e| panic!("{name}: {e}"));
+            let s = summarize(&cfg, &plan(&cfg));
+            assert_eq!(s.activated_bytes_per_token, activated_bytes_per_token(&cfg), "{name}");
+            assert_eq!(s.bytes_by_part.values().sum::<u64>(), s.total_bytes, "{name}");
+        }
         let bench = preset("bench").unwrap();
         let s = summarize(&bench, &plan(&bench));
         assert!((5.0e9..6.0e9).contains(&(s.total_bytes as f64)), "{}", s.total_bytes);
         assert_eq!(s.mtp_params, 0);
-        assert_eq!(s.activated_bytes_per_token, activated_bytes_per_token(&bench));
 
         let v3 = preset("deepseek-v3").unwrap();
         let s = summarize(&v3, &plan(&v3));
@@ -997,6 +1186,96 @@ mod tests {
         assert_eq!(s.layer_kinds.iter().map(|k| k.bytes).sum::<u64>(), s.total_bytes);
         assert_eq!(s.bytes_by_part.values().sum::<u64>(), s.total_bytes);
         assert!(s.to_string().contains("activated per decode token"));
+    }
+
+    /// `name` with `edits` applied: the scaled presets with their real depth,
+    /// expert count and vocabulary restored.
+    fn unscaled(name: &str, edits: Value) -> SynthConfig {
+        let mut json = preset(name).unwrap().json;
+        for (k, v) in edits.as_object().unwrap() {
+            json[k] = v.clone();
+        }
+        SynthConfig::from_json(json, name).unwrap()
+    }
+
+    /// One decoder layer's activated bytes, less its router (whose rows are
+    /// the experts, so it shrinks with them).
+    fn layer_activated(cfg: &SynthConfig, l: usize) -> u64 {
+        plan(cfg).iter().filter(|t| t.layer == Some(l) && t.part != Part::Router).map(|t| activated(&cfg.model, t).0).sum()
+    }
+
+    #[test]
+    fn qwen3_presets_have_the_real_shapes() {
+        let cfg = preset("qwen3-30b-a3b").unwrap();
+        assert_eq!(cfg.linear, LinearFormat::Bf16);
+        assert!(cfg.json.get("quantization_config").is_none());
+        let t = planned(&cfg);
+        let bf16 = |shape: &[usize]| ("BF16".to_string(), shape.to_vec());
+        assert_eq!(t["model.layers.11.self_attn.q_proj.weight"], bf16(&[4096, 2048]));
+        assert_eq!(t["model.layers.11.self_attn.k_proj.weight"], bf16(&[512, 2048]));
+        assert_eq!(t["model.layers.11.self_attn.o_proj.weight"], bf16(&[2048, 4096]));
+        assert_eq!(t["model.layers.11.self_attn.k_norm.weight"], bf16(&[128]));
+        assert_eq!(t["model.layers.0.mlp.gate.weight"], bf16(&[32, 2048]));
+        assert_eq!(t["model.layers.0.mlp.experts.31.down_proj.weight"], bf16(&[2048, 768]));
+        assert!(!t.contains_key("model.layers.0.mlp.gate_proj.weight"), "every layer is MoE");
+        let s = summarize(&cfg, &plan(&cfg));
+        assert!((4.0e9..5.0e9).contains(&(s.total_bytes as f64)), "{}", s.total_bytes);
+
+        // With its 48 layers, 128 experts and 151936 tokens restored, the
+        // plan is Qwen3-30B-A3B: 30.5B parameters, 3.3B activated (3.0B
+        // counting one embedding row rather than the whole table), and a
+        // scaled layer reads what a real one does.
+        let real = unscaled("qwen3-30b-a3b", json!({"num_hidden_layers": 48, "num_experts": 128, "vocab_size": 151936}));
+        let r = summarize(&real, &plan(&real));
+        assert!((r.params as f64 / 30.5e9 - 1.0).abs() < 0.01, "{}", r.params);
+        assert!((3.0e9..3.1e9).contains(&(r.activated_params_per_token as f64)), "{}", r.activated_params_per_token);
+        assert_eq!(layer_activated(&cfg, 5), layer_activated(&real, 5));
+        // The LM head's share of a decode step is the real model's.
+        let share = |s: &PlanSummary| s.bytes_by_part["lm_head"] as f64 / s.activated_bytes_per_token as f64;
+        assert!((share(&s) / share(&r) - 1.0).abs() < 0.01, "{} vs {}", share(&s), share(&r));
+
+        let fp8 = preset("qwen3-30b-a3b-fp8").unwrap();
+        assert_eq!(fp8.linear, LinearFormat::Fp8 { block: [128, 128], scale: Dtype::Bf16 });
+        let q = &fp8.json["quantization_config"];
+        assert_eq!((q["quant_method"].as_str(), q["fmt"].as_str(), q["activation_scheme"].as_str()), (Some("fp8"), Some("e4m3"), Some("dynamic")));
+        let keep = q["modules_to_not_convert"].as_array().unwrap();
+        assert_eq!(keep.len(), 13);
+        assert!(keep.contains(&json!("lm_head")) && keep.contains(&json!("model.layers.11.mlp.gate")));
+        let t = planned(&fp8);
+        assert_eq!(t["model.layers.3.mlp.experts.7.gate_proj.weight"], ("F8_E4M3".to_string(), vec![768, 2048]));
+        assert_eq!(t["model.layers.3.mlp.experts.7.gate_proj.weight_scale_inv"], bf16(&[6, 16]));
+        assert_eq!(t["model.layers.3.self_attn.k_proj.weight_scale_inv"], bf16(&[4, 16]));
+        assert_eq!(t["model.layers.3.mlp.gate.weight"], bf16(&[32, 2048]));
+        assert_eq!(t["model.layers.3.self_attn.q_norm.weight"], bf16(&[128]));
+        assert_eq!(t["lm_head.weight"], bf16(&[37984, 2048]));
+        // The tiny FP8 variant leaves the dense layer 0 (no router) out.
+        let tiny = preset("tiny-qwen3moe-fp8").unwrap();
+        let keep = tiny.json["quantization_config"]["modules_to_not_convert"].as_array().unwrap().clone();
+        assert_eq!(keep, [json!("lm_head"), json!("model.layers.1.mlp.gate"), json!("model.layers.2.mlp.gate"), json!("model.layers.3.mlp.gate")]);
+    }
+
+    #[test]
+    fn mixtral_preset_has_the_real_shapes() {
+        let cfg = preset("mixtral-8x7b").unwrap();
+        let t = planned(&cfg);
+        let bf16 = |shape: &[usize]| ("BF16".to_string(), shape.to_vec());
+        assert_eq!(t["model.layers.3.self_attn.q_proj.weight"], bf16(&[4096, 4096]));
+        assert_eq!(t["model.layers.3.self_attn.v_proj.weight"], bf16(&[1024, 4096]));
+        assert_eq!(t["model.layers.3.block_sparse_moe.gate.weight"], bf16(&[4, 4096]));
+        assert_eq!(t["model.layers.3.block_sparse_moe.experts.3.w1.weight"], bf16(&[14336, 4096]));
+        assert_eq!(t["model.layers.3.block_sparse_moe.experts.3.w2.weight"], bf16(&[4096, 14336]));
+        assert!(!t.keys().any(|k| k.contains("q_norm") || k.contains(".mlp.")));
+        let s = summarize(&cfg, &plan(&cfg));
+        assert!((5.5e9..6.5e9).contains(&(s.total_bytes as f64)), "{}", s.total_bytes);
+        // Restored: Mixtral-8x7B's 46.7B parameters, 12.9B activated (12.75B
+        // with one embedding row).
+        let real = unscaled("mixtral-8x7b", json!({"num_hidden_layers": 32, "num_local_experts": 8, "vocab_size": 32000}));
+        let r = summarize(&real, &plan(&real));
+        assert!((r.params as f64 / 46.7e9 - 1.0).abs() < 0.01, "{}", r.params);
+        assert!((12.7e9..12.8e9).contains(&(r.activated_params_per_token as f64)), "{}", r.activated_params_per_token);
+        assert_eq!(layer_activated(&cfg, 2), layer_activated(&real, 2));
+        let share = |s: &PlanSummary| s.bytes_by_part["lm_head"] as f64 / s.activated_bytes_per_token as f64;
+        assert!((share(&s) / share(&r) - 1.0).abs() < 0.02, "{} vs {}", share(&s), share(&r));
     }
 
     #[test]
@@ -1045,6 +1324,102 @@ mod tests {
         let params = GenerationParams { max_tokens: 8, ignore_eos: true, ..GenerationParams::default() };
         let out = engine.generate(&prompt, &params, &mut |_| {}).unwrap();
         assert_eq!(out.tokens.len(), 8);
+    }
+
+    /// Logits of `tokens` from a fresh cache.
+    fn logits(model: &Model, tokens: &[u32], precision: Precision) -> Vec<f32> {
+        let mut pool = model.new_kv_pool(4, 16);
+        model.forward(&mut pool, &mut BlockTable::default(), tokens, precision, Logits::All).unwrap()
+    }
+
+    /// Every family's tiny checkpoint (Qwen3-MoE also in FP8) loads, runs at
+    /// F32 and BF16 with finite, non-degenerate logits and a KV pool of its
+    /// attention's shape, generates with its own tokenizer, and the engine's
+    /// activated bytes (the roofline's denominator) equal synth's.
+    #[test]
+    fn every_family_loads_runs_and_counts_the_same_bytes() {
+        for name in ["tiny", "tiny-qwen3moe", "tiny-qwen3moe-fp8", "tiny-mixtral"] {
+            let dir = tempfile::tempdir().unwrap();
+            let cfg = preset(name).unwrap();
+            write(&cfg, dir.path(), 7, 1 << 20);
+            let model = Model::load(dir.path(), &mut |_, _| {}).unwrap();
+            assert_eq!(model.cfg, cfg.model, "{name}");
+            assert_eq!(model.activated_bytes_per_token() as u64, activated_bytes_per_token(&cfg), "{name}");
+            let kv_dim = match &model.cfg.attention {
+                AttentionConfig::Gqa(g) => 2 * g.num_key_value_heads * g.head_dim,
+                AttentionConfig::Mla(m) => m.kv_lora_rank + m.qk_rope_head_dim,
+            };
+            assert_eq!(model.new_kv_pool(4, 16).entry_dim(), kv_dim, "{name}");
+            let tokens = [0, 17, 300, 1999, 5];
+            for precision in [Precision::F32, Precision::Bf16] {
+                let logits = logits(&model, &tokens, precision);
+                let v = model.cfg.vocab_size;
+                assert_eq!(logits.len(), tokens.len() * v);
+                assert!(logits.iter().all(|x| x.is_finite()), "{name} {precision:?}");
+                let std = (logits.iter().map(|x| x * x).sum::<f32>() / logits.len() as f32).sqrt();
+                assert!((0.2..20.0).contains(&std), "{name} {precision:?}: logit std {std}");
+                assert_ne!(logits[..v], logits[v..2 * v], "{name} {precision:?}");
+            }
+            let mut engine = Engine::load(dir.path(), Precision::Bf16, 64, &mut |_, _| {}).unwrap();
+            let prompt = engine.tokenizer.encode("Hello world").unwrap();
+            let params = GenerationParams { max_tokens: 4, ignore_eos: true, ..GenerationParams::default() };
+            assert_eq!(engine.generate(&prompt, &params, &mut |_| {}).unwrap().tokens.len(), 4, "{name}");
+        }
+    }
+
+    /// The FP8 Qwen3 checkpoint computes what the same weights dequantised
+    /// to F32 compute: the engine reads Qwen's FP8 layout (BF16 block scales,
+    /// BF16 routers and norms) as intended.
+    #[test]
+    fn fp8_qwen3_matches_its_dequantised_copy() {
+        let cfg = preset("tiny-qwen3moe-fp8").unwrap();
+        let fp8_dir = tempfile::tempdir().unwrap();
+        write(&cfg, fp8_dir.path(), 11, DEFAULT_SHARD_SIZE);
+
+        // The copy: every FP8 weight times its block scales as F32, every
+        // other tensor as stored, and no quantization_config.
+        let ck = Checkpoint::open(fp8_dir.path(), Some([128, 128])).unwrap();
+        let mut tensors: Vec<(String, safetensors::Dtype, Vec<usize>, Vec<u8>)> = vec![];
+        let mut dequantised = 0;
+        for (name, dtype, shape, bytes) in ck.raw_tensors() {
+            if name.ends_with(".weight_scale_inv") {
+                continue;
+            }
+            if dtype == safetensors::Dtype::F8_E4M3 {
+                let (rows, cols) = (shape[0], shape[1]);
+                let w = ck.linear(name.strip_suffix(".weight").unwrap(), rows, cols).unwrap();
+                let mut row = vec![0.0f32; cols];
+                let mut out = Vec::with_capacity(rows * cols * 4);
+                for r in 0..rows {
+                    w.view().decode_row(r, &mut row);
+                    out.extend(row.iter().flat_map(|x| x.to_le_bytes()));
+                }
+                tensors.push((name.to_string(), safetensors::Dtype::F32, shape.to_vec(), out));
+                dequantised += 1;
+            } else {
+                tensors.push((name.to_string(), dtype, shape.to_vec(), bytes.to_vec()));
+            }
+        }
+        // 3 layers x 16 experts x 3, plus 4 attention and 3 dense MLP weights per... every linear.
+        assert_eq!(dequantised, 4 * 4 + 3 + 3 * 16 * 3);
+        let f32_dir = tempfile::tempdir().unwrap();
+        let views: Vec<(String, safetensors::tensor::TensorView)> = tensors
+            .iter()
+            .map(|(n, d, s, b)| (n.clone(), safetensors::tensor::TensorView::new(*d, s.clone(), b).unwrap()))
+            .collect();
+        safetensors::serialize_to_file(views, &None, &f32_dir.path().join(SINGLE_FILE)).unwrap();
+        let mut json = cfg.json.clone();
+        json.as_object_mut().unwrap().remove("quantization_config");
+        std::fs::write(f32_dir.path().join("config.json"), json.to_string()).unwrap();
+
+        let fp8 = Model::load(fp8_dir.path(), &mut |_, _| {}).unwrap();
+        let f32 = Model::load(f32_dir.path(), &mut |_, _| {}).unwrap();
+        assert!(f32.cfg.quantization.is_none() && fp8.cfg.quantization.is_some());
+        let tokens = [2044, 17, 300, 1999, 5, 640, 2045];
+        let (a, b) = (logits(&fp8, &tokens, Precision::F32), logits(&f32, &tokens, Precision::F32));
+        let scale = b.iter().fold(0.0f32, |m, x| m.max(x.abs()));
+        let diff = a.iter().zip(&b).fold(0.0f32, |m, (x, y)| m.max((x - y).abs()));
+        assert!(scale > 1.0 && diff < 1e-4 * scale, "max |fp8 - dequantised| {diff}, logits up to {scale}");
     }
 
     #[test]
