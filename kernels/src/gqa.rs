@@ -18,10 +18,10 @@
 //! to BF16. No path's result depends on the pool's thread count.
 
 use crate::cpu::convert::f32_to_bf16;
-use crate::cpu::elementwise::{exp_slice, softmax};
+use crate::cpu::elementwise::softmax;
 use crate::cpu::gemv::{axpy_f32, matmul_bf16};
 use crate::cpu::isa::Isa;
-use crate::cpu::vector::{dots_16, weighted_sum_16, QUERY_LANES};
+use crate::cpu::vector::{dots_16, online_softmax_block, weighted_sum_16, QUERY_LANES};
 use crate::pool::{thread_index, ThreadPool};
 use crate::shared::SharedSlice;
 use crate::{round_bf16_slice, Precision, WeightFormat, WeightView};
@@ -228,31 +228,7 @@ fn decode_bf16(pool: &ThreadPool, isa: Isa, q: &[f32], cache: KvBlocks, ctx: usi
                 }
                 let tile = &mut tile[..(b1 - b0) * L];
                 dots_16(isa, queries, &keys[..b1 - b0], tile);
-                // Online softmax per lane: the block's scores become
-                // e^(s − max) against the running maximum; what was summed
-                // under an older, smaller maximum is rescaled.
-                let mut block_max = [f32::NEG_INFINITY; L];
-                for row in tile.chunks_exact_mut(L) {
-                    for l in 0..L {
-                        row[l] *= scale;
-                        block_max[l] = block_max[l].max(row[l]);
-                    }
-                }
-                let new_max: [f32; L] = std::array::from_fn(|l| max[l].max(block_max[l]));
-                for row in tile.chunks_exact_mut(L) {
-                    for l in 0..L {
-                        row[l] -= new_max[l];
-                    }
-                }
-                exp_slice(isa, tile);
-                for l in 0..L {
-                    let rescale = (max[l] - new_max[l]).exp();
-                    sum[l] = sum[l] * rescale + tile.chunks_exact(L).map(|row| row[l]).sum::<f32>();
-                    if l < lanes && rescale != 1.0 {
-                        ctx_out[l * hd..(l + 1) * hd].iter_mut().for_each(|v| *v *= rescale);
-                    }
-                }
-                max = new_max;
+                online_softmax_block(isa, tile, scale, &mut max, &mut sum, ctx_out, hd, lanes);
                 weighted_sum_16(isa, tile, &values[..b1 - b0], ctx_out, hd);
             }
             // Normalise the part's contexts by their own sums.

@@ -6,11 +6,11 @@
 //! rotated shared key `k_pe_t`:
 //! `out_h = Σ_t softmax_t(scale · (q_latent_h · c_t + q_pe_h · k_pe_t)) · c_t`.
 
-use crate::cpu::elementwise::{exp_slice, softmax};
+use crate::cpu::elementwise::softmax;
 use crate::elementwise::SoftmaxStats;
 use crate::cpu::convert::f32_to_bf16;
 use crate::cpu::gemv::{axpy_f32, matmul_bf16};
-use crate::cpu::vector::{dots_16, weighted_sum_16, QUERY_LANES};
+use crate::cpu::vector::{dots_16, online_softmax_block, weighted_sum_16, QUERY_LANES};
 use crate::cpu::isa::Isa;
 use crate::pool::ThreadPool;
 use crate::shared::SharedSlice;
@@ -127,31 +127,7 @@ pub fn decode_attention(
                 let b1 = (b0 + BLOCK).min(entries.len());
                 let tile = &mut tile[..(b1 - b0) * L];
                 dots_16(isa, queries, &entries[b0..b1], tile);
-                // Online softmax per lane: the block's scores become
-                // e^(s − max) against the running maximum; what was summed
-                // under an older, smaller maximum is rescaled.
-                let mut block_max = [f32::NEG_INFINITY; L];
-                for row in tile.chunks_exact_mut(L) {
-                    for l in 0..L {
-                        row[l] *= scale;
-                        block_max[l] = block_max[l].max(row[l]);
-                    }
-                }
-                let new_max: [f32; L] = std::array::from_fn(|l| max[l].max(block_max[l]));
-                for row in tile.chunks_exact_mut(L) {
-                    for l in 0..L {
-                        row[l] -= new_max[l];
-                    }
-                }
-                exp_slice(isa, tile);
-                for l in 0..L {
-                    let rescale = (max[l] - new_max[l]).exp();
-                    sum[l] = sum[l] * rescale + tile.chunks_exact(L).map(|row| row[l]).sum::<f32>();
-                    if l < lanes && rescale != 1.0 {
-                        ctx_out[l * dc..(l + 1) * dc].iter_mut().for_each(|v| *v *= rescale);
-                    }
-                }
-                max = new_max;
+                online_softmax_block(isa, tile, scale, &mut max, &mut sum, ctx_out, dc, lanes);
                 weighted_sum_16(isa, tile, &latents[b0..b1], ctx_out, dc);
             }
             // Normalise the part's contexts by their own sums.

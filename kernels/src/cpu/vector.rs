@@ -387,3 +387,36 @@ mod tests {
         }
     }
 }
+
+/// One block of an online softmax over the [`QUERY_LANES`] lanes of a tile
+/// of scores (`[positions][lane]`, as [`dots_16`] writes it): the scores are
+/// scaled and become `e^(s − max)` against the running maximum of their
+/// lane, which `max` and `sum` carry from block to block; whatever a lane
+/// already summed into `acc` (`lanes` rows of `width`) under an older,
+/// smaller maximum is rescaled. The tile is then ready for
+/// [`weighted_sum_16`]. Shared by the split-K decode attention kernels.
+pub fn online_softmax_block(isa: Isa, tile: &mut [f32], scale: f32, max: &mut [f32; QUERY_LANES], sum: &mut [f32; QUERY_LANES], acc: &mut [f32], width: usize, lanes: usize) {
+    const L: usize = QUERY_LANES;
+    let mut block_max = [f32::NEG_INFINITY; L];
+    for row in tile.chunks_exact_mut(L) {
+        for l in 0..L {
+            row[l] *= scale;
+            block_max[l] = block_max[l].max(row[l]);
+        }
+    }
+    let new_max: [f32; L] = std::array::from_fn(|l| max[l].max(block_max[l]));
+    for row in tile.chunks_exact_mut(L) {
+        for l in 0..L {
+            row[l] -= new_max[l];
+        }
+    }
+    super::elementwise::exp_slice(isa, tile);
+    for l in 0..L {
+        let rescale = (max[l] - new_max[l]).exp();
+        sum[l] = sum[l] * rescale + tile.chunks_exact(L).map(|row| row[l]).sum::<f32>();
+        if l < lanes && rescale != 1.0 {
+            acc[l * width..(l + 1) * width].iter_mut().for_each(|v| *v *= rescale);
+        }
+    }
+    *max = new_max;
+}
