@@ -1,11 +1,13 @@
-//! Mixture-of-experts routing (router top-k) as DeepSeek-V3 does it (`noaux_tc`).
+//! Router top-k: the family of mixture-of-experts routers as one kernel
+//! with parameters (as vLLM's `grouped_topk`/`fused_topk` are).
 //!
-//! Scores are `sigmoid(logits)` (or softmax for older models). A per-expert
-//! correction bias is added *for selection only*: experts are grouped, each
-//! group is scored by the sum of its two best biased scores, the best
-//! `topk_group` groups are kept, and the top-k experts are chosen among them.
-//! The weights come from the unbiased scores, optionally normalised to sum to
-//! one, then multiplied by `routed_scaling_factor`.
+//! Scores are `sigmoid(logits)` or `softmax(logits)`. An optional per-expert
+//! bias is added *for selection only*. With groups, experts are grouped,
+//! each group is scored by the sum of its two best biased scores, the best
+//! `topk_group` groups are kept, and the top-k experts are chosen among
+//! them; with one group it is a plain top-k. The weights come from the
+//! unbiased scores, optionally normalised to sum to one, then scaled.
+//! Which model routes how is model code (`duplex_model::moe`).
 
 use crate::cpu::{elementwise, isa::Isa};
 

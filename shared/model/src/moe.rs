@@ -1,6 +1,15 @@
-//! Mixture-of-experts routing as DeepSeek-V3 does it (`noaux_tc`): the
-//! algorithm is the router top-k kernel in `duplex_kernels::router`; this
-//! module takes its parameters from the model's config.
+//! Each family's mixture-of-experts routing rule, as parameters of the
+//! router top-k kernel (`duplex_kernels::router`):
+//! - DeepSeek-V3 / Kimi-K2 (`noaux_tc`): sigmoid scores, the
+//!   `e_score_correction_bias` for selection only, group-limited top-k
+//!   (`n_group`, `topk_group`), weights normalised (`norm_topk_prob`) and
+//!   scaled by `routed_scaling_factor`; `greedy` drops the bias.
+//! - Qwen3-MoE: softmax over every expert, top-k, renormalised when
+//!   `norm_topk_prob`.
+//! - Mixtral: softmax over every expert, top-2, always renormalised (which
+//!   is the softmax of the two chosen logits).
+//!
+//! `config.rs` sets the fields per family; this maps them onto the kernel.
 
 use crate::config::ModelConfig;
 pub use duplex_kernels::router::{route, route_simd, RouterParams};
