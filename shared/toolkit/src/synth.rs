@@ -1400,7 +1400,8 @@ mod tests {
                 tensors.push((name.to_string(), dtype, shape.to_vec(), bytes.to_vec()));
             }
         }
-        // 3 layers x 16 experts x 3, plus 4 attention and 3 dense MLP weights per... every linear.
+        // Every linear: 4 attention projections in each of 4 layers, layer 0's
+        // dense MLP, and 3 per expert of 16 in 3 MoE layers.
         assert_eq!(dequantised, 4 * 4 + 3 + 3 * 16 * 3);
         let f32_dir = tempfile::tempdir().unwrap();
         let views: Vec<(String, safetensors::tensor::TensorView)> = tensors
