@@ -92,9 +92,11 @@ pub struct AttentionCall<'a> {
     pub fresh: Matrix,
     /// `[n, heads·v_head_dim]`, written (BF16: rounded).
     pub out: Matrix,
-    /// Room for the context's entries `[ctx, entry]` when it is not all fresh.
+    /// Room for the context's entries `[ctx, entry]` when it is not all
+    /// fresh (backends that do not attend in place; else empty).
     pub context: Matrix,
-    /// Room for expanded keys and values, `[ctx, heads_per_step·(dn+dv)]` (MLA).
+    /// Room for MLA's expanded keys and values, `[ctx, heads_per_step·(dn+dv)]`
+    /// (backends that do not attend in place; else empty).
     pub expanded: Matrix,
     pub heads_per_step: usize,
     pub scale: f32,
@@ -104,6 +106,11 @@ pub struct AttentionCall<'a> {
 pub trait Backend {
     /// A weight as this backend reads it.
     type Weight;
+    /// Whether attention reads the cached context in place in the paged
+    /// pool, with buffers of its own; else a pass plans room in its
+    /// workspace for the context it brings in and for MLA's expanded keys
+    /// and values.
+    const ATTENDS_IN_PLACE: bool;
 
     /// Rows of a weight matrix.
     fn rows_of(w: &Self::Weight) -> Result<usize, ForwardError>;

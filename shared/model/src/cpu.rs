@@ -215,6 +215,7 @@ impl CpuBackend<'_> {
 
 impl Backend for CpuBackend<'_> {
     type Weight = HostWeight;
+    const ATTENDS_IN_PLACE: bool = true;
 
     fn rows_of(w: &HostWeight) -> Result<usize, ForwardError> {
         Ok(matrix(w)?.rows)
@@ -224,8 +225,10 @@ impl Backend for CpuBackend<'_> {
         let floats = bytes.div_ceil(4);
         let data = &mut self.arena.data;
         if data.len() < floats {
-            // A fresh zeroed allocation: pages the pass never touches are never committed.
-            *data = vec![0.0; floats];
+            // A fresh zeroed allocation (pages a pass never touches are never
+            // committed), with room to spare: decode steps grow a little
+            // each time, and must not reallocate each time.
+            *data = vec![0.0; floats + floats / 2];
         }
         Ok(DevicePtr { addr: 0, bytes: floats * 4 })
     }

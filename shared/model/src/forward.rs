@@ -186,12 +186,10 @@ pub struct Pass<'m, B: Backend> {
 impl<'m, B: Backend> Pass<'m, B> {
     /// Prepare a pass over `seqs`' new tokens: check them, reserve their
     /// cache blocks, and lay out and fill the workspace. `kv_bytes` bounds
-    /// the expanded keys and values of MLA attention; `absorbs_decode` says
-    /// whether the backend attends one-token segments without expanding.
-    #[allow(clippy::too_many_arguments)]
-    pub fn new(model: &'m Model, mut backend: B, pool: &mut KvPool, seqs: &mut [SeqInput], precision: Precision, want: Logits, kv_bytes: usize, absorbs_decode: bool) -> Result<Self, ForwardError> {
+    /// the expanded keys and values of MLA attention.
+    pub fn new(model: &'m Model, mut backend: B, pool: &mut KvPool, seqs: &mut [SeqInput], precision: Precision, want: Logits, kv_bytes: usize) -> Result<Self, ForwardError> {
         let cfg = &model.cfg;
-        let shape = Self::shape(cfg, seqs.iter().map(|s| (s.table.len, s.tokens.len())), want, kv_bytes, absorbs_decode)?;
+        let shape = Self::shape(cfg, seqs.iter().map(|s| (s.table.len, s.tokens.len())), want, kv_bytes)?;
         for seq in seqs.iter_mut() {
             pool.reserve(seq.table, seq.table.len + seq.tokens.len())?;
         }
@@ -237,7 +235,7 @@ impl<'m, B: Backend> Pass<'m, B> {
     }
 
     /// Check a batch (`(cached, new)` tokens per sequence) and size its pass.
-    pub fn shape(cfg: &ModelConfig, seqs: impl Iterator<Item = (usize, usize)> + Clone, want: Logits, kv_bytes: usize, absorbs_decode: bool) -> Result<PassShape, ForwardError> {
+    pub fn shape(cfg: &ModelConfig, seqs: impl Iterator<Item = (usize, usize)> + Clone, want: Logits, kv_bytes: usize) -> Result<PassShape, ForwardError> {
         let (mut n, mut context, mut expanded, mut count) = (0, 0, 0, 0);
         for (cached, new) in seqs {
             if new == 0 {
@@ -249,10 +247,10 @@ impl<'m, B: Backend> Pass<'m, B> {
             }
             n += new;
             count += 1;
-            if cached > 0 {
-                context = context.max(end);
-            }
-            if !(absorbs_decode && new == 1) {
+            if !B::ATTENDS_IN_PLACE {
+                if cached > 0 {
+                    context = context.max(end);
+                }
                 expanded = expanded.max(end);
             }
         }
@@ -436,7 +434,7 @@ impl<'m, B: Backend> Pass<'m, B> {
             q: ws.q.rows(seg.rows()),
             fresh: ws.fresh.rows(seg.rows()),
             out: ws.attn.rows(seg.rows()),
-            context: if seg.start > 0 { ws.context.rows(0..ctx) } else { ws.context.rows(0..0) },
+            context: if seg.start > 0 && ws.context.rows >= ctx { ws.context.rows(0..ctx) } else { ws.context.rows(0..0) },
             expanded: if ws.expanded.rows >= ctx { ws.expanded.rows(0..ctx) } else { ws.expanded.rows(0..0) },
             heads_per_step: self.heads_per_step,
             scale: self.model.softmax_scale,

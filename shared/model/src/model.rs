@@ -324,7 +324,7 @@ impl Model {
         }
         // The CPU attends one-token steps in the absorbed form, and expands
         // the whole context's keys and values at once for longer chunks.
-        let mut pass = Pass::new(self, self.cpu.backend(), pool, seqs, precision, want, usize::MAX, true)?;
+        let mut pass = Pass::new(self, self.cpu.backend(), pool, seqs, precision, want, usize::MAX)?;
         let mut i = 0;
         while i < self.modules.len() {
             let m = &self.modules[i];

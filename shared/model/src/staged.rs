@@ -122,7 +122,7 @@ impl Model {
 /// `cached` ones, whose expanded keys and values take at most about
 /// `kv_bytes` at a time.
 pub fn workspace_bytes(model: &Model, cached: usize, n: usize, want: Logits, kv_bytes: usize) -> Result<usize, ForwardError> {
-    let shape: PassShape = Pass::<DeviceBackend>::shape(&model.cfg, std::iter::once((cached, n)), want, kv_bytes, false)?;
+    let shape: PassShape = Pass::<DeviceBackend>::shape(&model.cfg, std::iter::once((cached, n)), want, kv_bytes)?;
     Ok(crate::forward::workspace_bytes(&model.cfg, shape))
 }
 
@@ -170,6 +170,8 @@ impl DeviceBackend<'_> {
 
 impl Backend for DeviceBackend<'_> {
     type Weight = DeviceWeight;
+    // A device expands every segment's keys and values (it has no absorbed form yet).
+    const ATTENDS_IN_PLACE: bool = false;
 
     fn rows_of(w: &DeviceWeight) -> Result<usize, ForwardError> {
         Ok(w.rows)
@@ -327,8 +329,7 @@ impl<'a> StagedPass<'a> {
     ) -> Result<Self, ForwardError> {
         Pass::<DeviceBackend>::check_tokens(&model.cfg, tokens)?;
         let backend = DeviceBackend { dev, stream, workspace };
-        // A device expands every segment's keys and values (it has no absorbed form yet).
-        let pass = Pass::new(model, backend, pool, &mut [SeqInput { table, tokens }], precision, want, kv_bytes, false)?;
+        let pass = Pass::new(model, backend, pool, &mut [SeqInput { table, tokens }], precision, want, kv_bytes)?;
         Ok(StagedPass { pass })
     }
 
