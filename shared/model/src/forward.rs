@@ -189,6 +189,9 @@ impl<'m, B: Backend> Pass<'m, B> {
     /// the expanded keys and values of MLA attention.
     pub fn new(model: &'m Model, mut backend: B, pool: &mut KvPool, seqs: &mut [SeqInput], precision: Precision, want: Logits, kv_bytes: usize) -> Result<Self, ForwardError> {
         let cfg = &model.cfg;
+        for seq in seqs.iter() {
+            Self::check_tokens(cfg, seq.tokens)?;
+        }
         let shape = Self::shape(cfg, seqs.iter().map(|s| (s.table.len, s.tokens.len())), want, kv_bytes)?;
         for seq in seqs.iter_mut() {
             pool.reserve(seq.table, seq.table.len + seq.tokens.len())?;
@@ -277,7 +280,7 @@ impl<'m, B: Backend> Pass<'m, B> {
     }
 
     /// Check that the token ids fit the vocabulary (before anything runs).
-    pub fn check_tokens(cfg: &ModelConfig, tokens: &[u32]) -> Result<(), ForwardError> {
+    fn check_tokens(cfg: &ModelConfig, tokens: &[u32]) -> Result<(), ForwardError> {
         match tokens.iter().find(|&&t| t as usize >= cfg.vocab_size) {
             Some(&id) => Err(ForwardError::TokenOutOfRange { id, vocab: cfg.vocab_size }),
             None => Ok(()),

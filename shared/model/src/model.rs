@@ -319,9 +319,6 @@ impl Model {
         want: Logits,
         timings: &mut ForwardTimings,
     ) -> Result<Vec<f32>, ForwardError> {
-        for seq in seqs.iter() {
-            Pass::<crate::cpu::CpuBackend>::check_tokens(&self.cfg, seq.tokens)?;
-        }
         // The CPU attends one-token steps in the absorbed form, and expands
         // the whole context's keys and values at once for longer chunks.
         let mut pass = Pass::new(self, self.cpu.backend(), pool, seqs, precision, want, usize::MAX)?;

@@ -60,6 +60,12 @@ impl<W> Weights<W> {
         self.items.is_empty()
     }
 
+    /// The same names over other weights, dropping those `f` gives none for.
+    pub fn filter_map<V>(&self, f: impl FnMut(&W) -> Option<V>) -> Weights<V> {
+        let mut f = f;
+        Weights { items: self.items.iter().filter_map(|(n, w)| f(w).map(|v| (*n, v))).collect() }
+    }
+
     /// The same names over other weights (what a device made of these).
     pub fn try_map<V, E>(&self, mut f: impl FnMut(&W) -> Result<Option<V>, E>) -> Result<Weights<V>, E> {
         let mut out = Weights { items: Vec::with_capacity(self.items.len()) };
