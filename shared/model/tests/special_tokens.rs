@@ -10,13 +10,7 @@ use duplex_model::tokenizer::{ChatMessage, Tokenizer};
 use std::path::{Path, PathBuf};
 
 fn dir(name: &str) -> PathBuf {
-    let manifest = Path::new(env!("CARGO_MANIFEST_DIR"));
-    match name {
-        "tiny-dsv3" => manifest.join("../../tests/fixtures/tiny-dsv3"),
-        // Copies of the tokenizer files of the tiny-qwen3moe and
-        // tiny-mixtral fixtures (see their READMEs).
-        other => manifest.join("tests/fixtures").join(other),
-    }
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures").join(name)
 }
 
 fn load(name: &str) -> Tokenizer {
