@@ -7,7 +7,7 @@
 
 use duplex_kernels::device::cuda::CudaDevice;
 use duplex_toolkit::reference::{self, max_abs_diff, Bf16Gate, F32_MAX_ABS_DIFF};
-use duplex_model::{BlockTable, Logits, Model, Precision, BUNDLED_MODEL};
+use duplex_model::{BlockTable, Logits, Model, Precision};
 use duplex_prefill::slp::{SlpConfig, SlpEngine};
 use std::path::Path;
 
@@ -20,23 +20,27 @@ fn slp_on_cuda_matches_the_cpu_engine_and_reference() {
             return;
         }
     };
-    let m = Model::load(Path::new(BUNDLED_MODEL), &mut |_, _| {}).unwrap();
+    // One checkpoint of each architecture (MLA and the two GQA families).
+    for fixture in ["tiny-dsv3", "tiny-qwen3moe", "tiny-mixtral"] {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures").join(fixture);
+    let m = Model::load(&dir, &mut |_, _| {}).unwrap();
     for ring_slots in [None, Some(2)] {
         let engine = SlpEngine::new(&m, device.clone(), SlpConfig { ring_slots, dense_budget_bytes: 16 << 20, ..Default::default() }).unwrap();
-        for (i, p) in reference::load(Path::new(BUNDLED_MODEL)).unwrap().iter().enumerate() {
+        for (i, p) in reference::load(&dir).unwrap().iter().enumerate() {
             for precision in [Precision::F32, Precision::Bf16] {
                 let mut kv = m.new_kv_pool(64, 16);
                 let (logits, report) = engine.run(&m, &mut kv, &mut BlockTable::default(), &p.input_ids, precision, Logits::All, &mut || false).unwrap();
                 let want = m.forward(&mut m.new_kv_pool(64, 16), &mut BlockTable::default(), &p.input_ids, precision, Logits::All).unwrap();
-                println!("ring {:?}, prompt {i}, {precision:?}: overlap {:.2}, max |Δlogit| vs CPU {:.2e}", report.ring_slots, report.overlap_efficiency(), max_abs_diff(&logits, &want));
+                println!("{fixture}, ring {:?}, prompt {i}, {precision:?}: overlap {:.2}, max |Δlogit| vs CPU {:.2e}", report.ring_slots, report.overlap_efficiency(), max_abs_diff(&logits, &want));
                 match precision {
                     Precision::F32 => assert!(max_abs_diff(&logits, &want) <= F32_MAX_ABS_DIFF && max_abs_diff(&logits, &p.logits) <= F32_MAX_ABS_DIFF),
                     Precision::Bf16 => {
                         let gate = Bf16Gate::new(p, &logits, m.cfg.vocab_size);
-                        assert!(gate.passed(), "prompt {i}: {gate}");
+                        assert!(gate.passed(), "{fixture} prompt {i}: {gate}");
                     }
                 }
             }
         }
+    }
     }
 }
