@@ -8,8 +8,11 @@
 //!   the F32 model path compares against transformers with).
 //! - `Bf16`, one row (decode): split-K over positions with an online
 //!   softmax, as MLA's `decode_attention`: each task takes a part of the
-//!   positions for one kv head and up to sixteen of its query heads (one
-//!   SIMD lane each), so every cached entry is read once per kv head.
+//!   positions for one kv head and up to sixteen of its query heads, so
+//!   every cached entry is read once per kv head. A group narrower than
+//!   sixteen spreads each head over several lanes (`dots_16_split`) and
+//!   weighs the values for its heads alone, so no FMA lane idles; the
+//!   scattered, cold entries are prefetched a block ahead.
 //! - `Bf16`, several rows (prefill): per (block of rows, head), the scores
 //!   are one BF16 GEMM against the kv head's keys (converted once per call),
 //!   as MLA's `prefill_attention` takes them.
@@ -21,7 +24,7 @@ use crate::cpu::convert::f32_to_bf16;
 use crate::cpu::elementwise::softmax;
 use crate::cpu::gemv::{axpy_f32, matmul_bf16};
 use crate::cpu::isa::Isa;
-use crate::cpu::vector::{dots_16, online_softmax_block, weighted_sum_16, QUERY_LANES};
+use crate::cpu::vector::{dots_16_split, online_softmax_block, prefetch, weighted_sum_16, QUERY_LANES};
 use crate::pool::{thread_index, ThreadPool};
 use crate::shared::SharedSlice;
 use crate::{round_bf16_slice, Precision, WeightFormat, WeightView};
@@ -171,12 +174,20 @@ fn decode_bf16(pool: &ThreadPool, isa: Isa, q: &[f32], cache: KvBlocks, ctx: usi
     const L: usize = QUERY_LANES;
     let (heads, kv_heads, hd, group) = (dims.heads, dims.kv_heads, dims.head_dim, dims.group());
     // A unit is one kv head with up to sixteen of its query heads: the
-    // lanes of `dots_16` and `weighted_sum_16`. Groups wider than sixteen
-    // take several units (each reads the kv head's entries again).
+    // lanes of the scores and of `weighted_sum_16`. Groups wider than
+    // sixteen take several units (each reads the kv head's entries again).
     let lane_groups = group.div_ceil(L);
     let units = kv_heads * lane_groups;
     let first_head = |u: usize| (u / lane_groups) * group + (u % lane_groups) * L;
     let lanes_of = |u: usize| (group - (u % lane_groups) * L).min(L);
+    // A group narrower than sixteen (Qwen3-MoE's and Llama's eight, Mixtral's
+    // four) would leave lanes of every score FMA idle: instead each head
+    // takes `sub` lanes, each summing every sub-th product of its dot
+    // product (`dots_16_split`), so the vectors are full.
+    let mut sub = L / lanes_of(0).next_power_of_two().min(L);
+    while !hd.is_multiple_of(sub) {
+        sub /= 2;
+    }
     // Parts whose length depends on the context alone, not on the threads,
     // so that the result does not depend on the pool's size, as in
     // `mla::decode_attention`: 128 positions, or longer so that there are
@@ -185,19 +196,21 @@ fn decode_bf16(pool: &ThreadPool, isa: Isa, q: &[f32], cache: KvBlocks, ctx: usi
     const MAX_PARTS: usize = 64;
     let part = MIN_PART.max(ctx.div_ceil(MAX_PARTS));
     let parts = ctx.div_ceil(part);
-    // Scratch: the transposed queries `[units][hd][L]` (lane l of unit u is
-    // head first_head(u) + l, zero past its last head), the parts' contexts
-    // `[parts][heads][hd]` and their softmax statistics `[parts][heads][max, sum]`.
-    let (queries_len, partial_len, stats_len) = (units * hd * L, parts * heads * hd, parts * heads * 2);
+    // Scratch: the queries `[units][hd / sub][L]` (lane g · sub + s of step
+    // p of unit u is element p · sub + s of head first_head(u) + g, zero
+    // past its last head), the parts' contexts `[parts][heads][hd]` and
+    // their softmax statistics `[parts][heads][max, sum]`.
+    let (queries_len, partial_len, stats_len) = (units * hd / sub * L, parts * heads * hd, parts * heads * 2);
     let all = scratch_of(scratch, queries_len + partial_len + stats_len);
     let (queries_t, rest) = all.split_at_mut(queries_len);
     let (partial, stats) = rest.split_at_mut(partial_len);
     queries_t.fill(0.0);
     for u in 0..units {
-        for l in 0..lanes_of(u) {
-            let h = first_head(u) + l;
+        let unit = &mut queries_t[u * hd / sub * L..(u + 1) * hd / sub * L];
+        for g in 0..lanes_of(u) {
+            let h = first_head(u) + g;
             for (d, &v) in q[h * hd..(h + 1) * hd].iter().enumerate() {
-                queries_t[(u * hd + d) * L + l] = v;
+                unit[d / sub * L + g * sub + d % sub] = v;
             }
         }
     }
@@ -212,22 +225,42 @@ fn decode_bf16(pool: &ThreadPool, isa: Isa, q: &[f32], cache: KvBlocks, ctx: usi
             // of part c for heads first..first + lanes.
             let (ctx_out, part_stats) = unsafe { (partial.slice_mut((c * heads + first) * hd, lanes * hd), stats.slice_mut((c * heads + first) * 2, lanes * 2)) };
             ctx_out.fill(0.0);
-            let queries = &queries_t[u * hd * L..(u + 1) * hd * L];
+            let queries = &queries_t[u * hd / sub * L..(u + 1) * hd / sub * L];
             let (mut max, mut sum) = ([f32::NEG_INFINITY; L], [0.0f32; L]);
             // Blocks of positions that stay in cache between the scores and
             // the weighted sum: both read the same entries.
-            const BLOCK: usize = 32;
+            const BLOCK: usize = 16;
             let mut tile = [0.0f32; BLOCK * L];
             let mut keys = [&[] as &[f32]; BLOCK];
             let mut values = [&[] as &[f32]; BLOCK];
+            let (key_at, value_at) = (j * hd, (kv_heads + j) * hd);
+            // Position t's key and value: one division for both.
+            let entry = |t: usize| {
+                let entry = &cache.blocks[t / cache.block_size][(t % cache.block_size) * 2 * kv_heads * hd..];
+                (&entry[key_at..key_at + hd], &entry[value_at..value_at + hd])
+            };
+            // The entries are scattered (blocks of a paged cache, and in them
+            // one head of many) and cold (the weights streamed since evict
+            // them), which the hardware prefetchers do not foresee: every
+            // block's keys and values are asked for one block ahead, the
+            // first block's at once. (Two blocks ahead, or the requests
+            // spread over the block's work, measured slower.)
+            let fetch = |t: usize| {
+                if t < positions.end {
+                    let (k, v) = entry(t);
+                    prefetch(k);
+                    prefetch(v);
+                }
+            };
+            (positions.start..positions.end.min(positions.start + BLOCK)).for_each(fetch);
             for b0 in positions.clone().step_by(BLOCK) {
                 let b1 = (b0 + BLOCK).min(positions.end);
                 for (k, t) in (b0..b1).enumerate() {
-                    keys[k] = cache.key(t, j);
-                    values[k] = cache.value(t, j);
+                    (keys[k], values[k]) = entry(t);
+                    fetch(t + BLOCK);
                 }
                 let tile = &mut tile[..(b1 - b0) * L];
-                dots_16(isa, queries, &keys[..b1 - b0], tile);
+                dots_16_split(isa, queries, sub, &keys[..b1 - b0], tile);
                 online_softmax_block(isa, tile, scale, &mut max, &mut sum, ctx_out, hd, lanes);
                 weighted_sum_16(isa, tile, &values[..b1 - b0], ctx_out, hd);
             }

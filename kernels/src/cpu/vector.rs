@@ -75,6 +75,67 @@ pub fn dots_16(isa: Isa, qt: &[f32], keys: &[&[f32]], out: &mut [f32]) {
     }
 }
 
+/// [`dots_16`] for `16 / sub` queries, each spread over `sub` lanes (`sub`
+/// a power of two up to 16, dividing `d`), so that fewer than sixteen
+/// queries still fill a vector: query `g` lane `s` sums the products of
+/// the elements `p · sub + s`. `qt` is `[d / sub][16]`, `qt[p · 16 + g · sub
+/// + s] = q_g[p · sub + s]`, and each key step is a broadcast of `sub`
+/// consecutive key elements. `out[t · 16 + g]` is query g's dot product
+/// with key t (its `sub` partial sums added in a fixed tree), and zero for
+/// `g ≥ 16 / sub`, so `out` has [`dots_16`]'s layout. `sub == 1` is
+/// [`dots_16`] itself.
+pub fn dots_16_split(isa: Isa, qt: &[f32], sub: usize, keys: &[&[f32]], out: &mut [f32]) {
+    const L: usize = QUERY_LANES;
+    assert!(sub.is_power_of_two() && sub <= L, "dots_16_split: sub {sub} is not a power of two up to 16");
+    let d = qt.len() / L * sub;
+    assert!(qt.len().is_multiple_of(L) && keys.iter().all(|k| k.len() == d), "dots_16_split: shapes");
+    assert_eq!(out.len(), keys.len() * L, "dots_16_split: one row of outputs per key");
+    if sub == 1 {
+        return dots_16(isa, qt, keys, out);
+    }
+    match isa.usable() {
+        // SAFETY: `usable()` guarantees the features; the shapes are checked above.
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512 | Isa::Avx512Bf16 | Isa::Avx512Fp16 => unsafe {
+            match sub {
+                2 => x86::dots_16_split_avx512::<2>(qt, keys, out),
+                4 => x86::dots_16_split_avx512::<4>(qt, keys, out),
+                8 => x86::dots_16_split_avx512::<8>(qt, keys, out),
+                _ => x86::dots_16_split_avx512::<16>(qt, keys, out),
+            }
+        },
+        _ => {
+            for (key, out) in keys.iter().zip(out.chunks_exact_mut(L)) {
+                let mut lanes = [0.0f32; L];
+                for (k, q) in key.chunks_exact(sub).zip(qt.chunks_exact(L)) {
+                    for (l, lane) in lanes.iter_mut().enumerate() {
+                        *lane = k[l % sub].mul_add(q[l], *lane);
+                    }
+                }
+                out.fill(0.0);
+                for (g, o) in out[..L / sub].iter_mut().enumerate() {
+                    *o = lanes[g * sub..(g + 1) * sub].iter().sum();
+                }
+            }
+        }
+    }
+}
+
+/// Asks for every cache line of `data` to be brought into the L1 cache: a
+/// hint for data read soon from scattered places (paged cache entries)
+/// that the hardware prefetchers do not foresee. Never faults.
+#[inline]
+pub fn prefetch(data: &[f32]) {
+    #[cfg(target_arch = "x86_64")]
+    for i in (0..data.len()).step_by(16) {
+        // SAFETY: prefetching is only a hint, valid for any address; the
+        // line of data[i] is inside the slice anyway.
+        unsafe { std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(data.as_ptr().add(i).cast()) };
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = data;
+}
+
 /// `out[l] += Σ_t wt[t · 16 + l] · rows[t]` for the `out.len() / width`
 /// (at most [`QUERY_LANES`]) outputs of `width` floats in `out`, and rows
 /// of `width` floats. The weights come transposed, as [`dots_16`] leaves
@@ -228,36 +289,161 @@ mod x86 {
     }
 
     /// # Safety
+    /// AVX-512 F present; `qt` is `[d / S][16]`, every key `d` long (`S`
+    /// divides `d`), `out` `[keys][16]`.
+    #[target_feature(enable = "avx512f")]
+    pub(super) unsafe fn dots_16_split_avx512<const S: usize>(qt: &[f32], keys: &[&[f32]], out: &mut [f32]) {
+        // As `dots_16_avx512`: sixteen keys at a time, then four, then one.
+        let mut t = 0;
+        while t + 16 <= keys.len() {
+            // SAFETY: forwarded; keys t..t + 16 exist.
+            unsafe { dots_16_split_group::<S, 16>(qt, &keys[t..t + 16], &mut out[16 * t..16 * (t + 16)]) };
+            t += 16;
+        }
+        while t + 4 <= keys.len() {
+            // SAFETY: as above, four keys.
+            unsafe { dots_16_split_group::<S, 4>(qt, &keys[t..t + 4], &mut out[16 * t..16 * (t + 4)]) };
+            t += 4;
+        }
+        for t in t..keys.len() {
+            // SAFETY: as above, one key.
+            unsafe { dots_16_split_group::<S, 1>(qt, &keys[t..t + 1], &mut out[16 * t..16 * (t + 1)]) };
+        }
+    }
+
+    /// `S` consecutive floats at `k` repeated across the vector (one
+    /// broadcast load for S < 16).
+    ///
+    /// # Safety
+    /// `k..k + S` is readable.
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    unsafe fn broadcast_run<const S: usize>(k: *const f32) -> __m512 {
+        // SAFETY: the caller's; unaligned loads throughout.
+        unsafe {
+            match S {
+                1 => _mm512_set1_ps(*k),
+                2 => _mm512_castpd_ps(_mm512_set1_pd(k.cast::<f64>().read_unaligned())),
+                4 => _mm512_broadcast_f32x4(_mm_loadu_ps(k)),
+                8 => _mm512_castpd_ps(_mm512_broadcast_f64x4(_mm256_loadu_pd(k.cast()))),
+                _ => _mm512_loadu_ps(k),
+            }
+        }
+    }
+
+    /// Lane g of the result is the sum of lanes `g · S..(g + 1) · S` of `v`
+    /// (pairs, then pairs of pairs, ...), for g < 16 / S; the rest zero.
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    fn sum_runs<const S: usize>(v: __m512) -> __m512 {
+        let mut v = v;
+        if S >= 2 {
+            v = _mm512_add_ps(v, _mm512_permute_ps::<0b10_11_00_01>(v));
+        }
+        if S >= 4 {
+            v = _mm512_add_ps(v, _mm512_permute_ps::<0b01_00_11_10>(v));
+        }
+        if S >= 8 {
+            v = _mm512_add_ps(v, _mm512_shuffle_f32x4::<0b10_11_00_01>(v, v));
+        }
+        if S >= 16 {
+            v = _mm512_add_ps(v, _mm512_shuffle_f32x4::<0b01_00_11_10>(v, v));
+        }
+        // Every lane of run g now holds its sum; gather lane g · S to g.
+        let idx = _mm512_set_epi32(15 * S as i32 % 16, 14 * S as i32 % 16, 13 * S as i32 % 16, 12 * S as i32 % 16, 11 * S as i32 % 16, 10 * S as i32 % 16, 9 * S as i32 % 16, 8 * S as i32 % 16, 7 * S as i32 % 16, 6 * S as i32 % 16, 5 * S as i32 % 16, 4 * S as i32 % 16, 3 * S as i32 % 16, 2 * S as i32 % 16, S as i32 % 16, 0);
+        let keep: __mmask16 = if S == 16 { 1 } else { ((1u32 << (16 / S)) - 1) as __mmask16 };
+        _mm512_maskz_permutexvar_ps(keep, idx, v)
+    }
+
+    /// # Safety
+    /// As [`dots_16_split_avx512`], with exactly `P` keys.
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    unsafe fn dots_16_split_group<const S: usize, const P: usize>(qt: &[f32], keys: &[&[f32]], out: &mut [f32]) {
+        let key: [*const f32; P] = std::array::from_fn(|p| keys[p].as_ptr());
+        let mut acc = [_mm512_setzero_ps(); P];
+        for i in 0..qt.len() / 16 {
+            // Key floats i · S.. are this step's.
+            if (i * S) % 16 == 0 {
+                // As in `dots_16_group`: each key stream's line four ahead.
+                for k in key {
+                    // Only a hint, never a fault.
+                    _mm_prefetch::<_MM_HINT_T0>(k.wrapping_add(i * S + 64).cast());
+                }
+            }
+            // SAFETY: i < d / S: qt holds 16 · d / S floats and every key d.
+            let q = unsafe { _mm512_loadu_ps(qt.as_ptr().add(16 * i)) };
+            for p in 0..P {
+                acc[p] = _mm512_fmadd_ps(unsafe { broadcast_run::<S>(key[p].add(i * S)) }, q, acc[p]);
+            }
+        }
+        for (p, acc) in acc.iter().enumerate() {
+            // SAFETY: out holds 16 · P floats.
+            unsafe { _mm512_storeu_ps(out.as_mut_ptr().add(16 * p), sum_runs::<S>(*acc)) };
+        }
+    }
+
+    /// # Safety
     /// AVX-512 F present; `wt` is `[rows][16]`, every row `width` long and
     /// `out` `[out.len() / width ≤ 16][width]`.
     #[target_feature(enable = "avx512f")]
     pub(super) unsafe fn weighted_sum_16_avx512(wt: &[f32], rows: &[&[f32]], out: &mut [f32], width: usize) {
-        // One vector of every output in registers (16 accumulators) across
-        // all the rows; per row one load and sixteen broadcasts feed sixteen
-        // FMAs. Outputs past the last (lanes beyond `out`) are computed and
-        // dropped: their loads and stores are masked off entirely.
+        // Only the outputs there are (rounded up to a power of two) are
+        // computed, each over as many vectors of the width as fill sixteen
+        // accumulators: fewer outputs take fewer FMAs per row, and share
+        // each weight broadcast across more vectors.
+        // SAFETY (all arms): forwarded.
+        unsafe {
+            match out.len() / width {
+                1 => weighted_sum_n::<1, 16>(wt, rows, out, width),
+                2 => weighted_sum_n::<2, 8>(wt, rows, out, width),
+                3..=4 => weighted_sum_n::<4, 4>(wt, rows, out, width),
+                5..=8 => weighted_sum_n::<8, 2>(wt, rows, out, width),
+                _ => weighted_sum_n::<16, 1>(wt, rows, out, width),
+            }
+        }
+    }
+
+    /// `weighted_sum_16` for at most `N` outputs, `C` vectors of each at
+    /// once (`N · C = 16` accumulators).
+    ///
+    /// # Safety
+    /// As [`weighted_sum_16_avx512`], with at most `N` outputs.
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    unsafe fn weighted_sum_n<const N: usize, const C: usize>(wt: &[f32], rows: &[&[f32]], out: &mut [f32], width: usize) {
+        // One vector of every output per chunk in registers across all the
+        // rows; per row C loads and N broadcasts feed N · C FMAs. Outputs
+        // past the last (up to N) and vectors past the width are computed
+        // and dropped: their loads and stores are masked off entirely. Each
+        // output float sums its rows in order, whatever N and C are.
         let outputs = out.len() / width;
         let po = out.as_mut_ptr();
         let mut i = 0;
         while i < width {
-            let m = lanes(width, i);
-            let mask = |l: usize| if l < outputs { m } else { 0 };
-            // SAFETY: output l < outputs has lanes i..i + 16 under `m`
-            // inside it; past `outputs` the mask is empty and nothing is touched.
+            let m: [__mmask16; C] = std::array::from_fn(|c| if i + 16 * c < width { lanes(width, i + 16 * c) } else { 0 });
+            let mask = |l: usize, c: usize| if l < outputs { m[c] } else { 0 };
+            // SAFETY: output l < outputs has lanes i + 16c.. under `m[c]`
+            // inside it; elsewhere the mask is empty and nothing is touched.
             unsafe {
-                let mut acc: [__m512; 16] = std::array::from_fn(|l| _mm512_maskz_loadu_ps(mask(l), po.wrapping_add(l * width + i)));
+                let mut acc: [[__m512; C]; N] = std::array::from_fn(|l| std::array::from_fn(|c| _mm512_maskz_loadu_ps(mask(l, c), po.wrapping_add(l * width + i + 16 * c))));
                 for (t, row) in rows.iter().enumerate() {
-                    let r = _mm512_maskz_loadu_ps(m, row.as_ptr().add(i));
+                    let r: [__m512; C] = std::array::from_fn(|c| _mm512_maskz_loadu_ps(m[c], row.as_ptr().wrapping_add(i + 16 * c)));
                     let w = wt.as_ptr().add(16 * t);
                     for (l, acc) in acc.iter_mut().enumerate() {
-                        *acc = _mm512_fmadd_ps(_mm512_set1_ps(*w.add(l)), r, *acc);
+                        let w = _mm512_set1_ps(*w.add(l));
+                        for c in 0..C {
+                            acc[c] = _mm512_fmadd_ps(w, r[c], acc[c]);
+                        }
                     }
                 }
                 for (l, acc) in acc.iter().enumerate() {
-                    _mm512_mask_storeu_ps(po.wrapping_add(l * width + i), mask(l), *acc);
+                    for c in 0..C {
+                        _mm512_mask_storeu_ps(po.wrapping_add(l * width + i + 16 * c), mask(l, c), acc[c]);
+                    }
                 }
             }
-            i += 16;
+            i += 16 * C;
         }
     }
 
@@ -344,6 +530,42 @@ mod tests {
             }
         }
 
+        /// Heads spread over 1 to 16 lanes each: every dot product against
+        /// f64, the lanes past the last head zero, on and off the 16-, 4-
+        /// and 1-key groups.
+        #[test]
+        fn split_dots_match_scalar(sub_log in 0u32..=4, steps in 1usize..20, keys in 0usize..40, seed in any::<u64>()) {
+            let sub = 1usize << sub_log;
+            let (d, heads) = (steps * sub, 16 / sub);
+            let mut state = seed | 1;
+            let mut next = move || { state ^= state << 13; state ^= state >> 7; state ^= state << 17; (state % 2001) as f32 / 100.0 - 10.0 };
+            let q: Vec<Vec<f32>> = (0..heads).map(|_| (0..d).map(|_| next()).collect()).collect();
+            let keys: Vec<Vec<f32>> = (0..keys).map(|_| (0..d).map(|_| next()).collect()).collect();
+            let key_refs: Vec<&[f32]> = keys.iter().map(|k| k.as_slice()).collect();
+            let mut qt = vec![0.0f32; 16 * steps];
+            for (g, q) in q.iter().enumerate() {
+                for (i, &v) in q.iter().enumerate() {
+                    qt[i / sub * 16 + g * sub + i % sub] = v;
+                }
+            }
+            for isa in isa::supported() {
+                let mut out = vec![f32::NAN; 16 * keys.len()];
+                dots_16_split(isa, &qt, sub, &key_refs, &mut out);
+                for (t, key) in keys.iter().enumerate() {
+                    for g in 0..16 {
+                        let got = out[16 * t + g] as f64;
+                        if g >= heads {
+                            prop_assert_eq!(got, 0.0, "{}: sub {}: lane {} past the heads", isa, sub, g);
+                            continue;
+                        }
+                        let terms = || q[g].iter().zip(key).map(|(&a, &b)| a as f64 * b as f64);
+                        let (want, mag) = (terms().sum::<f64>(), terms().map(f64::abs).sum::<f64>() + 1e-6);
+                        prop_assert!((got - want).abs() / mag < 1e-5, "{isa}: sub {sub}: key {t} head {g}: {got} vs {want}");
+                    }
+                }
+            }
+        }
+
         #[test]
         fn blocked_forms_match_scalar(len in 0usize..200, keys in 0usize..40, outputs in 1usize..=16, seed in any::<u64>()) {
             let mut state = seed | 1;
@@ -411,9 +633,18 @@ pub fn online_softmax_block(isa: Isa, tile: &mut [f32], scale: f32, max: &mut [f
         }
     }
     super::elementwise::exp_slice(isa, tile);
+    // Each lane's block sum in order of position, all lanes at once (the
+    // same additions as summing each lane's column on its own).
+    let mut block_sum = [-0.0f32; L];
+    for row in tile.chunks_exact(L) {
+        for l in 0..L {
+            block_sum[l] += row[l];
+        }
+    }
     for l in 0..L {
-        let rescale = (max[l] - new_max[l]).exp();
-        sum[l] = sum[l] * rescale + tile.chunks_exact(L).map(|row| row[l]).sum::<f32>();
+        // An unchanged finite maximum rescales by e⁰ = 1 exactly: skip the exp.
+        let rescale = if max[l] == new_max[l] && max[l].is_finite() { 1.0 } else { (max[l] - new_max[l]).exp() };
+        sum[l] = sum[l] * rescale + block_sum[l];
         if l < lanes && rescale != 1.0 {
             acc[l * width..(l + 1) * width].iter_mut().for_each(|v| *v *= rescale);
         }
