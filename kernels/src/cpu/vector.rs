@@ -364,7 +364,7 @@ mod x86 {
         let mut acc = [_mm512_setzero_ps(); P];
         for i in 0..qt.len() / 16 {
             // Key floats i · S.. are this step's.
-            if (i * S) % 16 == 0 {
+            if (i * S).is_multiple_of(16) {
                 // As in `dots_16_group`: each key stream's line four ahead.
                 for k in key {
                     // Only a hint, never a fault.
@@ -432,14 +432,14 @@ mod x86 {
                     let w = wt.as_ptr().add(16 * t);
                     for (l, acc) in acc.iter_mut().enumerate() {
                         let w = _mm512_set1_ps(*w.add(l));
-                        for c in 0..C {
-                            acc[c] = _mm512_fmadd_ps(w, r[c], acc[c]);
+                        for (acc, &r) in acc.iter_mut().zip(&r) {
+                            *acc = _mm512_fmadd_ps(w, r, *acc);
                         }
                     }
                 }
                 for (l, acc) in acc.iter().enumerate() {
-                    for c in 0..C {
-                        _mm512_mask_storeu_ps(po.wrapping_add(l * width + i + 16 * c), mask(l, c), acc[c]);
+                    for (c, &acc) in acc.iter().enumerate() {
+                        _mm512_mask_storeu_ps(po.wrapping_add(l * width + i + 16 * c), mask(l, c), acc);
                     }
                 }
             }
