@@ -13,6 +13,9 @@
 
 use duplex_kernels::cpu::{isa, matmul_bf16, read_bytes, Isa};
 use duplex_kernels::{WeightFormat, WeightView};
+mod common;
+
+use common::thread_seconds;
 use std::hint::black_box;
 #[cfg(not(target_os = "linux"))]
 use std::time::Instant;
@@ -49,32 +52,6 @@ fn weights(len: usize, rng: &mut Rng) -> (Vec<u8>, usize) {
         *b = c;
     }
     (v, off)
-}
-
-/// Seconds this thread has been on a CPU: unlike wall time, not counting
-/// slices in which other processes ran instead.
-#[cfg(target_os = "linux")]
-fn thread_seconds() -> f64 {
-    #[repr(C)]
-    struct Timespec {
-        sec: i64,
-        nsec: i64,
-    }
-    extern "C" {
-        fn clock_gettime(clock: i32, ts: *mut Timespec) -> i32;
-    }
-    const CLOCK_THREAD_CPUTIME_ID: i32 = 3;
-    let mut ts = Timespec { sec: 0, nsec: 0 };
-    // SAFETY: valid out-pointer; this clock always exists on Linux.
-    unsafe { clock_gettime(CLOCK_THREAD_CPUTIME_ID, &mut ts) };
-    ts.sec as f64 + ts.nsec as f64 * 1e-9
-}
-
-#[cfg(not(target_os = "linux"))]
-fn thread_seconds() -> f64 {
-    use std::sync::OnceLock;
-    static START: OnceLock<Instant> = OnceLock::new();
-    START.get_or_init(Instant::now).elapsed().as_secs_f64()
 }
 
 /// GB/s for `bytes` moved by `f`.
