@@ -24,7 +24,7 @@ use crate::cpu::convert::f32_to_bf16;
 use crate::cpu::elementwise::softmax;
 use crate::cpu::gemv::{axpy_f32, matmul_bf16};
 use crate::cpu::isa::Isa;
-use crate::cpu::vector::{dots_16_split, online_softmax_block, prefetch, weighted_sum_16, QUERY_LANES};
+use crate::cpu::vector::{dots_16_split, LaneSoftmax, prefetch, weighted_sum_16, QUERY_LANES};
 use crate::pool::{thread_index, ThreadPool};
 use crate::shared::SharedSlice;
 use crate::{round_bf16_slice, Precision, WeightFormat, WeightView};
@@ -226,7 +226,7 @@ fn decode_bf16(pool: &ThreadPool, isa: Isa, q: &[f32], cache: KvBlocks, ctx: usi
             let (ctx_out, part_stats) = unsafe { (partial.slice_mut((c * heads + first) * hd, lanes * hd), stats.slice_mut((c * heads + first) * 2, lanes * 2)) };
             ctx_out.fill(0.0);
             let queries = &queries_t[u * hd / sub * L..(u + 1) * hd / sub * L];
-            let (mut max, mut sum) = ([f32::NEG_INFINITY; L], [0.0f32; L]);
+            let mut softmax_state = LaneSoftmax::default();
             // Blocks of positions that stay in cache between the scores and
             // the weighted sum: both read the same entries. Eight: a block's
             // keys and values (8 KB per kv head of 128) with the next one's,
@@ -265,14 +265,14 @@ fn decode_bf16(pool: &ThreadPool, isa: Isa, q: &[f32], cache: KvBlocks, ctx: usi
                 }
                 let tile = &mut tile[..(b1 - b0) * L];
                 dots_16_split(isa, queries, sub, &keys[..b1 - b0], tile);
-                online_softmax_block(isa, tile, scale, &mut max, &mut sum, ctx_out, hd, lanes);
+                softmax_state.block(isa, tile, scale, ctx_out, hd, lanes);
                 weighted_sum_16(isa, tile, &values[..b1 - b0], ctx_out, hd);
             }
             // Normalise the part's contexts by their own sums.
             for (l, (ctx, st)) in ctx_out.chunks_exact_mut(hd).zip(part_stats.chunks_exact_mut(2)).enumerate() {
-                let inv = 1.0 / sum[l];
+                let inv = 1.0 / softmax_state.sum[l];
                 ctx.iter_mut().for_each(|v| *v *= inv);
-                st.copy_from_slice(&[max[l], sum[l]]);
+                st.copy_from_slice(&[softmax_state.max[l], softmax_state.sum[l]]);
             }
         });
     }

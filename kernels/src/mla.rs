@@ -10,7 +10,7 @@ use crate::cpu::elementwise::softmax;
 use crate::elementwise::SoftmaxStats;
 use crate::cpu::convert::f32_to_bf16;
 use crate::cpu::gemv::{axpy_f32, matmul_bf16};
-use crate::cpu::vector::{dots_16, online_softmax_block, weighted_sum_16, QUERY_LANES};
+use crate::cpu::vector::{dots_16, LaneSoftmax, weighted_sum_16, QUERY_LANES};
 use crate::cpu::isa::Isa;
 use crate::pool::ThreadPool;
 use crate::shared::SharedSlice;
@@ -120,21 +120,21 @@ pub fn decode_attention(
             let (ctx_out, part_stats) = unsafe { (partial.slice_mut((c * heads + first) * dc, lanes * dc), stats.slice_mut(c * heads + first, lanes)) };
             ctx_out.fill(0.0);
             let queries = &queries_t[j * de * L..(j + 1) * de * L];
-            let (mut max, mut sum) = ([f32::NEG_INFINITY; L], [0.0f32; L]);
+            let mut softmax_state = LaneSoftmax::default();
             const BLOCK: usize = 32;
             let mut tile = [0.0f32; BLOCK * L];
             for b0 in (0..entries.len()).step_by(BLOCK) {
                 let b1 = (b0 + BLOCK).min(entries.len());
                 let tile = &mut tile[..(b1 - b0) * L];
                 dots_16(isa, queries, &entries[b0..b1], tile);
-                online_softmax_block(isa, tile, scale, &mut max, &mut sum, ctx_out, dc, lanes);
+                softmax_state.block(isa, tile, scale, ctx_out, dc, lanes);
                 weighted_sum_16(isa, tile, &latents[b0..b1], ctx_out, dc);
             }
             // Normalise the part's contexts by their own sums.
             for (l, (ctx, st)) in ctx_out.chunks_exact_mut(dc).zip(part_stats.iter_mut()).enumerate() {
-                let inv = 1.0 / sum[l];
+                let inv = 1.0 / softmax_state.sum[l];
                 ctx.iter_mut().for_each(|v| *v *= inv);
-                *st = SoftmaxStats { max: max[l], sum: sum[l] };
+                *st = SoftmaxStats { max: softmax_state.max[l], sum: softmax_state.sum[l] };
             }
         });
     }

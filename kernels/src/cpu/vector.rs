@@ -490,6 +490,63 @@ mod x86 {
     }
 }
 
+/// An online softmax over the [`QUERY_LANES`] lanes of tiles of scores
+/// (`[positions][lane]`, as [`dots_16`] writes them): each lane's running
+/// maximum and sum, carried from block to block. Shared by the split-K
+/// decode attention kernels.
+pub struct LaneSoftmax {
+    pub max: [f32; QUERY_LANES],
+    pub sum: [f32; QUERY_LANES],
+}
+
+impl Default for LaneSoftmax {
+    fn default() -> Self {
+        LaneSoftmax { max: [f32::NEG_INFINITY; QUERY_LANES], sum: [0.0; QUERY_LANES] }
+    }
+}
+
+impl LaneSoftmax {
+    /// Take one block: its scores are scaled and become `e^(s − max)`
+    /// against the running maximum of their lane; whatever a lane already
+    /// summed into `acc` (`lanes` rows of `width`) under an older, smaller
+    /// maximum is rescaled. The tile is then ready for [`weighted_sum_16`].
+    pub fn block(&mut self, isa: Isa, tile: &mut [f32], scale: f32, acc: &mut [f32], width: usize, lanes: usize) {
+        const L: usize = QUERY_LANES;
+        let (max, sum) = (&mut self.max, &mut self.sum);
+        let mut block_max = [f32::NEG_INFINITY; L];
+        for row in tile.chunks_exact_mut(L) {
+            for l in 0..L {
+                row[l] *= scale;
+                block_max[l] = block_max[l].max(row[l]);
+            }
+        }
+        let new_max: [f32; L] = std::array::from_fn(|l| max[l].max(block_max[l]));
+        for row in tile.chunks_exact_mut(L) {
+            for l in 0..L {
+                row[l] -= new_max[l];
+            }
+        }
+        super::elementwise::exp_slice(isa, tile);
+        // Each lane's block sum in order of position, all lanes at once (the
+        // same additions as summing each lane's column on its own).
+        let mut block_sum = [-0.0f32; L];
+        for row in tile.chunks_exact(L) {
+            for l in 0..L {
+                block_sum[l] += row[l];
+            }
+        }
+        for l in 0..L {
+            // An unchanged finite maximum rescales by e⁰ = 1 exactly: skip the exp.
+            let rescale = if max[l] == new_max[l] && max[l].is_finite() { 1.0 } else { (max[l] - new_max[l]).exp() };
+            sum[l] = sum[l] * rescale + block_sum[l];
+            if l < lanes && rescale != 1.0 {
+                acc[l * width..(l + 1) * width].iter_mut().for_each(|v| *v *= rescale);
+            }
+        }
+        *max = new_max;
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -608,46 +665,4 @@ mod tests {
             }
         }
     }
-}
-
-/// One block of an online softmax over the [`QUERY_LANES`] lanes of a tile
-/// of scores (`[positions][lane]`, as [`dots_16`] writes it): the scores are
-/// scaled and become `e^(s − max)` against the running maximum of their
-/// lane, which `max` and `sum` carry from block to block; whatever a lane
-/// already summed into `acc` (`lanes` rows of `width`) under an older,
-/// smaller maximum is rescaled. The tile is then ready for
-/// [`weighted_sum_16`]. Shared by the split-K decode attention kernels.
-pub fn online_softmax_block(isa: Isa, tile: &mut [f32], scale: f32, max: &mut [f32; QUERY_LANES], sum: &mut [f32; QUERY_LANES], acc: &mut [f32], width: usize, lanes: usize) {
-    const L: usize = QUERY_LANES;
-    let mut block_max = [f32::NEG_INFINITY; L];
-    for row in tile.chunks_exact_mut(L) {
-        for l in 0..L {
-            row[l] *= scale;
-            block_max[l] = block_max[l].max(row[l]);
-        }
-    }
-    let new_max: [f32; L] = std::array::from_fn(|l| max[l].max(block_max[l]));
-    for row in tile.chunks_exact_mut(L) {
-        for l in 0..L {
-            row[l] -= new_max[l];
-        }
-    }
-    super::elementwise::exp_slice(isa, tile);
-    // Each lane's block sum in order of position, all lanes at once (the
-    // same additions as summing each lane's column on its own).
-    let mut block_sum = [-0.0f32; L];
-    for row in tile.chunks_exact(L) {
-        for l in 0..L {
-            block_sum[l] += row[l];
-        }
-    }
-    for l in 0..L {
-        // An unchanged finite maximum rescales by e⁰ = 1 exactly: skip the exp.
-        let rescale = if max[l] == new_max[l] && max[l].is_finite() { 1.0 } else { (max[l] - new_max[l]).exp() };
-        sum[l] = sum[l] * rescale + block_sum[l];
-        if l < lanes && rescale != 1.0 {
-            acc[l * width..(l + 1) * width].iter_mut().for_each(|v| *v *= rescale);
-        }
-    }
-    *max = new_max;
 }
