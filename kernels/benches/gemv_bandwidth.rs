@@ -73,20 +73,21 @@ fn main() {
     let batched = !args.iter().any(|a| a == "n1");
     let mut rng = Rng(0x1234_5678_9abc_def1);
     println!("ISA levels on this CPU: {:?} (detect() = {})", isa::supported(), isa::detect());
-    for (rows, cols) in [(2048usize, 7168usize), (7168, 2048)] {
-        let size = rows * cols;
+    // DeepSeek-V3's expert shapes in FP8, and Qwen3-30B-A3B's attention
+    // projections in BF16 (as released).
+    let fp8 = WeightFormat::Fp8E4m3 { block: [128, 128] };
+    for (rows, cols, format) in [(2048usize, 7168usize, fp8), (7168, 2048, fp8), (4096, 2048, WeightFormat::Bf16), (2048, 4096, WeightFormat::Bf16)] {
+        let size = rows * cols * format.bytes_per_element();
         let (buf, off) = weights(size * MATRICES, &mut rng);
         let all = &buf[off..off + size * MATRICES];
-        let scales: Vec<f32> = (0..rows.div_ceil(128) * cols.div_ceil(128)).map(|i| 1e-3 * (1 + i % 7) as f32).collect();
-        let view = |m: usize| WeightView {
-            rows,
-            cols,
-            format: WeightFormat::Fp8E4m3 { block: [128, 128] },
-            data: &all[m * size..(m + 1) * size],
-            scales: &scales,
+        let scales: Vec<f32> = match format {
+            WeightFormat::Fp8E4m3 { .. } => (0..rows.div_ceil(128) * cols.div_ceil(128)).map(|i| 1e-3 * (1 + i % 7) as f32).collect(),
+            _ => vec![],
         };
+        let view = |m: usize| WeightView { rows, cols, format, data: &all[m * size..(m + 1) * size], scales: &scales };
         let x: Vec<u16> = (0..cols).map(|i| half::bf16::from_f32((i % 17) as f32 * 0.1 - 0.8).to_bits()).collect();
-        println!("\n{rows} x {cols} FP8 [128,128], {MATRICES} matrices = {:.0} MB, one thread", all.len() as f64 / 1e6);
+        let name = if format == fp8 { "FP8 [128,128]" } else { "BF16" };
+        println!("\n{rows} x {cols} {name}, {MATRICES} matrices = {:.0} MB, one thread", all.len() as f64 / 1e6);
         for isa in isa::supported().into_iter().rev().filter(|i| only.is_empty() || only.contains(i)) {
             let passes = if isa == Isa::Portable { 1 } else { PASSES };
             let mut out = vec![0f32; rows];
