@@ -90,11 +90,11 @@ fn rows_mut(data: &mut [f32], m: Matrix, mut f: impl FnMut(usize, &mut [f32])) {
 }
 
 fn matrix(w: &HostWeight) -> Result<WeightView<'_>, ForwardError> {
-    w.matrix().map(|l| l.view()).ok_or_else(|| ForwardError::MissingWeight("a matrix where a vector was given".into()))
+    w.matrix().map(|l| l.view()).ok_or_else(|| ForwardError::BadModule("a vector where a matrix is expected".into()))
 }
 
 fn vector(w: &HostWeight) -> Result<&[f32], ForwardError> {
-    w.vector().ok_or_else(|| ForwardError::MissingWeight("a vector where a matrix was given".into()))
+    w.vector().ok_or_else(|| ForwardError::BadModule("a matrix where a vector is expected".into()))
 }
 
 fn check(m: Matrix, len: usize) -> Result<(), ForwardError> {
@@ -164,7 +164,7 @@ impl CpuBackend<'_> {
             }
             Precision::Bf16 => {
                 let HostWeight::PerHead(key_t) = w.get("kv_b_proj.key_t")? else {
-                    return Err(ForwardError::MissingWeight("kv_b_proj.key_t".into()));
+                    return Err(ForwardError::BadModule("kv_b_proj.key_t is not per head".into()));
                 };
                 let mut q_latent = vec![0.0f32; heads * dc];
                 let q_pe: Vec<f32> = q.chunks(dq).flat_map(|h| h[dn..].iter().copied()).collect();

@@ -238,7 +238,7 @@ impl<'m, B: Backend> Pass<'m, B> {
     }
 
     /// Check a batch (`(cached, new)` tokens per sequence) and size its pass.
-    pub fn shape(cfg: &ModelConfig, seqs: impl Iterator<Item = (usize, usize)> + Clone, want: Logits, kv_bytes: usize) -> Result<PassShape, ForwardError> {
+    pub fn shape(cfg: &ModelConfig, seqs: impl Iterator<Item = (usize, usize)>, want: Logits, kv_bytes: usize) -> Result<PassShape, ForwardError> {
         let (mut n, mut context, mut expanded, mut count) = (0, 0, 0, 0);
         for (cached, new) in seqs {
             if new == 0 {
@@ -392,7 +392,7 @@ impl<'m, B: Backend> Pass<'m, B> {
     pub fn run_experts(&mut self, layer: usize, experts: &[(usize, &Weights<B::Weight>)]) -> Result<(), ForwardError> {
         let cfg = self.cfg();
         if !cfg.is_moe_layer(layer) || self.assignments.len() != cfg.n_routed_experts {
-            return Err(ForwardError::MissingWeight(format!("the router of layer {layer} (experts came first)")));
+            return Err(ForwardError::BadModule(format!("experts of layer {layer} before its router")));
         }
         let mut jobs = Vec::with_capacity(experts.len());
         let mut last = false;

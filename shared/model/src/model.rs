@@ -48,6 +48,10 @@ pub enum ForwardError {
     Routing { expert: usize, experts: usize },
     #[error("a module came without its weight {0}")]
     MissingWeight(String),
+    /// Modules given out of order, or a weight of the wrong kind: a
+    /// placement's bug, not the request's.
+    #[error("malformed module: {0}")]
+    BadModule(String),
     #[error("workspace: {0}")]
     Workspace(String),
     #[error(transparent)]

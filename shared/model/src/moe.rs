@@ -12,7 +12,7 @@
 //! `config.rs` sets the fields per family; this maps them onto the kernel.
 
 use crate::config::ModelConfig;
-pub use duplex_kernels::router::{route, route_simd, RouterParams};
+pub use duplex_kernels::router::RouterParams;
 
 /// The routing hyper-parameters of `cfg`.
 pub fn router_params(cfg: &ModelConfig) -> RouterParams {

@@ -99,7 +99,7 @@ impl Model {
             };
             let Some(HostWeight::Matrix(w)) = m.weights.find(name) else { continue };
             for (i, rows) in row_chunks(w.rows, w.stored_bytes() / w.rows.max(1), max_chunk_bytes).into_iter().enumerate() {
-                let mut tensors = Weights::default().with(if name == "lm_head" { "lm_head" } else { "embed_tokens" }, w.host_rows(rows.clone()));
+                let mut tensors = Weights::default().with(name, w.host_rows(rows.clone()));
                 let kind = match m.kind {
                     ModuleKind::Embed { .. } => ModuleKind::Embed { first_row: rows.start },
                     _ => {

@@ -52,14 +52,6 @@ impl<W> Weights<W> {
         self.items.iter().map(|(n, w)| (*n, w))
     }
 
-    pub fn len(&self) -> usize {
-        self.items.len()
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.items.is_empty()
-    }
-
     /// The same names over other weights, dropping those `f` gives none for.
     pub fn filter_map<V>(&self, f: impl FnMut(&W) -> Option<V>) -> Weights<V> {
         let mut f = f;
