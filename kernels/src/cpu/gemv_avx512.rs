@@ -777,16 +777,13 @@ pub(super) unsafe fn run_bf16(job: &Job, rows: Range<usize>, x: &[u16], n: usize
         let x = Packed::new::<32, 1>(x, n, job.cols, b1, [0], |v| v);
         let k = Bf16Dot { job, w: Bf16Rows::new(job), x: &x };
         for band in bands(rows, passes) {
-            // A single token over a long band takes eight read streams, as
-            // `run_fp16` does for FP8 bands of 512 KiB or more (64 KiB a
-            // stream): one of the changes that took `lm_head` from ~0.8 to
-            // ~1.0 of the read bandwidth (see `kernel::bands`).
-            // SAFETY (both): forwarded.
-            if 2 * band.len() * job.cols >= 8 << 16 {
-                unsafe { token_groups!(&k, band, first, n, out, m, 8, {1 => 8, 2 => 4, 3 => 2, 4 => 2, 5 => 1, 6 => 1, 7 => 1, 8 => 1}) };
-            } else {
-                unsafe { token_groups!(&k, band, first, n, out, m, 8, {1 => 4, 2 => 4, 3 => 2, 4 => 2, 5 => 1, 6 => 1, 7 => 1, 8 => 1}) };
-            }
+            // Four read streams for a single token, however long the band:
+            // eight (tried for the 134 MB `lm_head`) left a thread at ~0.75
+            // of its read bandwidth on 2048 × 4096 and 4096 × 2048 BF16
+            // matrices with 4 KiB pages, where four reach ~0.89 (the
+            // `gemv_bandwidth` bench, n=1).
+            // SAFETY: forwarded.
+            unsafe { token_groups!(&k, band, first, n, out, m, 8, {1 => 4, 2 => 4, 3 => 2, 4 => 2, 5 => 1, 6 => 1, 7 => 1, 8 => 1}) };
         }
     }
 }

@@ -98,7 +98,7 @@ impl Bf16Rows {
 /// The row bands a call runs its token groups over, `passes` of them (one
 /// per token group). One band when a single pass covers every token: its
 /// read streams then run the length of the rows instead of restarting every
-/// 16 rows (with eight streams, that moved the 134 MB BF16 `lm_head` of the
+/// 16 rows (that moved the 134 MB BF16 `lm_head` of the
 /// `bench` preset at ~1.0 of the read bandwidth instead of ~0.8). With
 /// several passes, bands of [`BAND_ROWS`] keep each band's rows in cache
 /// across them.

@@ -186,6 +186,11 @@ impl Checkpoint {
             // SAFETY: the checkpoint files are treated as read-only for the
             // life of the process; nothing in Duplex writes to them.
             let map = unsafe { Mmap::map(&file) }.map_err(io_err(&path))?;
+            // Decode streams every weight once per token, and with 4 KiB
+            // pages the hardware prefetchers stop at every page boundary and
+            // the TLB misses on each: ask for 2 MiB pages where the kernel
+            // can back the file with them (a hint; ignored where it cannot).
+            let _ = map.advise(memmap2::Advice::HugePage);
             let (header_len, metadata) = SafeTensors::read_metadata(&map)
                 .map_err(|e| CheckpointError::BadShard { file: path.clone(), message: format!("{e:?}") })?;
             let data_start = 8 + header_len;
