@@ -6,7 +6,7 @@
 //! Activations are copied out of device memory into vectors and back, which
 //! keeps aliasing questions out of the way; weights are read in place.
 
-use super::{DeviceError, DevicePtr, DeviceWeight, Matrix, Op};
+use super::{DeviceError, DevicePtr, DeviceWeight, Matrix, Op, PagedKv};
 use crate::cpu::{elementwise as simd, isa::Isa};
 use crate::elementwise::{rms_norm, rope, silu_mul, softmax};
 use crate::gqa::{gqa_attention, KvBlocks};
@@ -265,6 +265,24 @@ impl Executor {
                 }
                 mem.store(out, &os)
             }
+            Op::KvStore { entries, kv, table, blocks, layer, start } => {
+                let rows = kv_rows(mem, kv, *table, *blocks, *layer, *start..start + entries.rows, "kv_store")?;
+                // Plain copies: the entries are already what the cache holds.
+                let xs = mem.read(entries)?;
+                for (row, dst) in xs.chunks(kv.entry_dim).zip(rows) {
+                    let bytes: Vec<u8> = row.iter().flat_map(|x| x.to_le_bytes()).collect();
+                    mem.write(dst, &bytes)?;
+                }
+                Ok(())
+            }
+            Op::KvGather { kv, table, blocks, layer, out } => {
+                let rows = kv_rows(mem, kv, *table, *blocks, *layer, 0..out.rows, "kv_gather")?;
+                let mut xs = Vec::with_capacity(out.rows * out.cols);
+                for src in rows {
+                    xs.extend(mem.f32s(src)?);
+                }
+                mem.store(out, &xs)
+            }
             Op::GqaAttention { q, k, v, out, start, dims, scale, precision } => {
                 let (n, ctx) = (q.rows, start + q.rows);
                 if n == 0 {
@@ -286,5 +304,61 @@ impl Executor {
                 mem.store(out, &os)
             }
         }
+    }
+}
+
+/// The pool entries of `positions` of `layer` of the sequence whose block
+/// table is the `blocks` u32 ids at `table`, one range per position. Every
+/// block id those positions use is checked against the pool before any is
+/// returned, so a bad table fails the op before it touches anything.
+fn kv_rows(mem: &Memory, kv: &PagedKv, table: DevicePtr, blocks: usize, layer: usize, positions: std::ops::Range<usize>, what: &str) -> Result<Vec<DevicePtr>, DeviceError> {
+    let ids = mem.u32s(table, blocks)?;
+    let pool_blocks = kv.blocks();
+    let row_bytes = kv.entry_dim * 4;
+    positions
+        .map(|p| {
+            let (i, slot) = (p / kv.block_size, p % kv.block_size);
+            let block = ids[i] as usize;
+            if block >= pool_blocks {
+                return Err(DeviceError::Invalid(format!("{what}: position {p} is in block {block} (table entry {i}), past the pool's {pool_blocks} blocks")));
+            }
+            kv.pool.slice(kv.entry_offset(block, layer, slot) * 4, row_bytes)
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::pool::PoolConfig;
+
+    /// A store whose table has one good and one bad block id fails before
+    /// it writes anything: the good block keeps its old contents too. (Through
+    /// `Device` the memory cannot be read after the fault, so this looks at
+    /// the executor and its memory directly.)
+    #[test]
+    fn a_kv_store_with_a_bad_block_id_writes_nothing() {
+        let (n_layers, block_size, entry_dim, pool_blocks) = (2, 4, 3, 3);
+        let pool_bytes = pool_blocks * n_layers * block_size * entry_dim * 4;
+        let mem = Memory::new(pool_bytes + 4096);
+        let pool = DevicePtr { addr: 0, bytes: pool_bytes };
+        let before: Vec<u8> = (0..pool_bytes).map(|i| i as u8).collect();
+        mem.write(pool, &before).unwrap();
+        let table = DevicePtr { addr: pool_bytes as u64, bytes: 8 };
+        mem.write(table, &[1u32, pool_blocks as u32].iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>()).unwrap();
+        let entries = DevicePtr { addr: pool_bytes as u64 + 64, bytes: 6 * entry_dim * 4 };
+        mem.write(entries, &vec![0u8; entries.bytes]).unwrap();
+        let kv = PagedKv { pool, n_layers, block_size, entry_dim };
+        // Positions 2..8: slots 2, 3 of block 1, then slots 0..4 of the bad block.
+        let op = Op::KvStore { entries: entries.matrix(6, entry_dim), kv, table, blocks: 2, layer: 1, start: 2 };
+        op.validate().unwrap();
+        let mut executor = Executor::new(ThreadPool::new(&PoolConfig::single_node(1)), crate::cpu::isa::detect());
+        let err = executor.run(&mem, &op).unwrap_err();
+        assert!(err.to_string().contains("block 3 (table entry 1), past the pool's 3 blocks"), "{err}");
+        assert_eq!(mem.bytes(pool).unwrap(), before.as_slice(), "a failed store changed the pool");
+        // The same store without the bad positions does write block 1.
+        let op = Op::KvStore { entries: entries.matrix(2, entry_dim), kv, table, blocks: 2, layer: 1, start: 2 };
+        executor.run(&mem, &op).unwrap();
+        assert_ne!(mem.bytes(pool).unwrap(), before.as_slice());
     }
 }

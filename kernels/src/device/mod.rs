@@ -179,6 +179,62 @@ impl DeviceWeight {
     }
 }
 
+/// A paged KV pool in device memory, laid out as the host's `KvPool`: block
+/// `b`, layer `l` holds `block_size` entries of `entry_dim` F32 each,
+/// starting `((b * n_layers + l) * block_size) * entry_dim` floats into
+/// `pool`; position `p` of a sequence is slot `p % block_size` of block
+/// `table[p / block_size]`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PagedKv {
+    pub pool: DevicePtr,
+    pub n_layers: usize,
+    pub block_size: usize,
+    pub entry_dim: usize,
+}
+
+impl PagedKv {
+    /// Bytes of one block (all its layers), if that fits in a `usize`.
+    fn block_bytes(&self) -> Option<usize> {
+        self.n_layers.checked_mul(self.block_size)?.checked_mul(self.entry_dim)?.checked_mul(4)
+    }
+
+    /// How many blocks the pool holds (0 if its geometry is degenerate).
+    pub fn blocks(&self) -> usize {
+        self.block_bytes().filter(|&b| b > 0).map_or(0, |b| self.pool.bytes / b)
+    }
+
+    /// Float offset into `pool` of slot `slot` of `layer` in block `block`.
+    pub fn entry_offset(&self, block: usize, layer: usize, slot: usize) -> usize {
+        ((block * self.n_layers + layer) * self.block_size + slot) * self.entry_dim
+    }
+
+    /// The pool's geometry is sound, `layer` is one of its layers, and
+    /// `positions` fit in a table of `blocks` u32 ids at `table`.
+    fn check(&self, table: &DevicePtr, blocks: usize, layer: usize, positions: Range<usize>, what: &str) -> Result<(), DeviceError> {
+        let block_bytes = match self.block_bytes() {
+            Some(b) if b > 0 => b,
+            _ => return Err(DeviceError::Invalid(format!("{what}: a pool of {} layers × {} slots × {} floats has no usable block size", self.n_layers, self.block_size, self.entry_dim))),
+        };
+        if !self.pool.bytes.is_multiple_of(block_bytes) {
+            return Err(DeviceError::Invalid(format!("{what}: a {}-byte pool is not a whole number of {block_bytes}-byte blocks", self.pool.bytes)));
+        }
+        if layer >= self.n_layers {
+            return Err(DeviceError::Invalid(format!("{what}: layer {layer} of a {}-layer pool", self.n_layers)));
+        }
+        if blocks.checked_mul(4).is_none_or(|b| b > table.bytes) {
+            return Err(DeviceError::Invalid(format!("{what}: {blocks} block ids overrun a {}-byte table", table.bytes)));
+        }
+        if blocks.checked_mul(self.block_size).is_none_or(|cap| positions.end > cap) {
+            return Err(DeviceError::Invalid(format!("{what}: positions {positions:?} do not fit in {blocks} blocks of {}", self.block_size)));
+        }
+        Ok(())
+    }
+
+    fn span(&self) -> Range<u64> {
+        self.pool.addr..self.pool.addr + self.pool.bytes as u64
+    }
+}
+
 /// The kernel set a model needs on a device. `precision` picks the numeric
 /// path exactly as the CPU engine's does: `F32` is the reference; `Bf16`
 /// rounds inputs (and, where the op says so, outputs) to BF16.
@@ -228,6 +284,14 @@ pub enum Op {
     /// `i` attends to positions `0..=start+i`, head `h` to kv head
     /// `h / (heads / kv_heads)`. `out` is `[n, heads·head_dim]` (BF16: rounded).
     GqaAttention { q: Matrix, k: Matrix, v: Matrix, out: Matrix, start: usize, dims: GqaDims, scale: f32, precision: Precision },
+    /// Write `entries` (`[n, entry_dim]`) at positions `start..start+n` of
+    /// `layer` of the sequence whose blocks are the `blocks` u32 ids at
+    /// `table`. A block id past the pool is a fault when the op runs (see
+    /// the backends), never a write out of the pool.
+    KvStore { entries: Matrix, kv: PagedKv, table: DevicePtr, blocks: usize, layer: usize, start: usize },
+    /// Read positions `0..out.rows` of `layer` of that sequence into `out`
+    /// (`[len, entry_dim]`, may be a strided view).
+    KvGather { kv: PagedKv, table: DevicePtr, blocks: usize, layer: usize, out: Matrix },
 }
 
 /// Which work a stream is meant for. Both run anything in order; the
@@ -508,6 +572,31 @@ impl Op {
                     return bad(format!("gqa_attention: q {}×{}, k {}×{}, v {}×{}, out {}×{} for {dims:?} at start {start}", q.rows, q.cols, k.rows, k.cols, v.rows, v.cols, out.rows, out.cols));
                 }
                 disjoint(out, &[q, k, v], "gqa_attention")
+            }
+            Op::KvStore { entries, kv, table, blocks, layer, start } => {
+                entries.check("kv_store entries")?;
+                let end = start.checked_add(entries.rows).ok_or_else(|| DeviceError::Invalid(format!("kv_store: {} entries at position {start}", entries.rows)))?;
+                kv.check(table, *blocks, *layer, *start..end, "kv_store")?;
+                if entries.cols != kv.entry_dim {
+                    return bad(format!("kv_store: entries {}×{} for a pool of {}-float entries", entries.rows, entries.cols, kv.entry_dim));
+                }
+                let table_span = table.addr..table.addr + *blocks as u64 * 4;
+                if overlaps(&entries.span(), &table_span) || overlaps(&entries.span(), &kv.span()) || overlaps(&kv.span(), &table_span) {
+                    return bad("kv_store: the entries, the block table and the pool must not overlap".into());
+                }
+                Ok(())
+            }
+            Op::KvGather { kv, table, blocks, layer, out } => {
+                out.check("kv_gather out")?;
+                kv.check(table, *blocks, *layer, 0..out.rows, "kv_gather")?;
+                if out.cols != kv.entry_dim {
+                    return bad(format!("kv_gather: out {}×{} for a pool of {}-float entries", out.rows, out.cols, kv.entry_dim));
+                }
+                let table_span = table.addr..table.addr + *blocks as u64 * 4;
+                if overlaps(&out.span(), &table_span) || overlaps(&out.span(), &kv.span()) {
+                    return bad("kv_gather: the output overlaps the block table or the pool".into());
+                }
+                Ok(())
             }
         }
     }
