@@ -34,6 +34,7 @@ const SOURCE: &str = concat!(
     include_str!("../../cuda/route.cu"),
     include_str!("../../cuda/mla.cu"),
     include_str!("../../cuda/gqa.cu"),
+    include_str!("../../cuda/kv.cu"),
 );
 
 /// Blocks per launch at most; every kernel loops over what is left (grid
@@ -76,6 +77,8 @@ struct Kernels {
     mla_prefill: CudaFunction,
     mla_decode: CudaFunction,
     gqa_attention: CudaFunction,
+    kv_store: CudaFunction,
+    kv_gather: CudaFunction,
 }
 
 impl Kernels {
@@ -103,6 +106,8 @@ impl Kernels {
             mla_prefill: f("mla_prefill")?,
             mla_decode: f("mla_decode")?,
             gqa_attention: f("gqa_attention")?,
+            kv_store: f("kv_store")?,
+            kv_gather: f("kv_gather")?,
         })
     }
 }
@@ -473,6 +478,16 @@ impl CudaDevice {
                 self.check_matrix(v, "gqa v")?;
                 self.check_matrix(out, "gqa out")
             }
+            Op::KvStore { entries, kv, table, .. } => {
+                self.check_matrix(entries, "kv_store entries")?;
+                self.check_ptr(&kv.pool, 4, "kv_store pool")?;
+                self.check_ptr(table, 4, "kv_store table")
+            }
+            Op::KvGather { kv, table, out, .. } => {
+                self.check_ptr(&kv.pool, 4, "kv_gather pool")?;
+                self.check_ptr(table, 4, "kv_gather table")?;
+                self.check_matrix(out, "kv_gather out")
+            }
         }
     }
 
@@ -686,6 +701,35 @@ impl CudaDevice {
                     .flag(bf16(precision));
                 // Shared memory: a weight per thread, then the query.
                 self.run(s, &k.gqa_attention, blocks(q.rows * d.heads, 1), threads, (threads as usize + d.head_dim) * 4, params)
+            }
+            // Block ids past the pool are skipped (store) or read as NaN
+            // rows (gather) by the kernels: see kv.cu.
+            Op::KvStore { entries, kv, table, layer, start, .. } => {
+                let params = Params::default()
+                    .matrix(entries)
+                    .u64(entries.rows)
+                    .ptr(kv.pool.addr)
+                    .u64(kv.blocks())
+                    .u64(kv.n_layers)
+                    .u64(kv.block_size)
+                    .u64(kv.entry_dim)
+                    .ptr(table.addr)
+                    .u64(*layer)
+                    .u64(*start);
+                self.run_elementwise(s, &k.kv_store, entries.rows, kv.entry_dim, params)
+            }
+            Op::KvGather { kv, table, layer, out, .. } => {
+                let params = Params::default()
+                    .ptr(kv.pool.addr)
+                    .u64(kv.blocks())
+                    .u64(kv.n_layers)
+                    .u64(kv.block_size)
+                    .u64(kv.entry_dim)
+                    .ptr(table.addr)
+                    .u64(*layer)
+                    .matrix(out)
+                    .u64(out.rows);
+                self.run_elementwise(s, &k.kv_gather, out.rows, kv.entry_dim, params)
             }
         }
     }
