@@ -10,7 +10,7 @@
 
 use duplex_kernels::device::cuda::CudaDevice;
 use duplex_kernels::device::emulated::{EmulatedConfig, EmulatedDevice};
-use duplex_kernels::device::{download_matrix, download_u32, Device, DeviceError, DevicePtr, DeviceWeight, GqaDims, HostBytes, Matrix, MlaDims, Op, StreamId, StreamKind};
+use duplex_kernels::device::{download_matrix, download_u32, Device, DeviceError, DevicePtr, DeviceWeight, GqaDims, HostBytes, Matrix, MlaDims, Op, PagedKv, StreamId, StreamKind};
 use duplex_kernels::linear::{matmul, WeightView};
 use duplex_kernels::router::{route, RouterParams, ScoringFunc};
 use duplex_kernels::{Precision, WeightFormat};
@@ -26,7 +26,13 @@ const MEMORY: usize = 256 << 20;
 /// does not compile, say) fail the tests.
 fn cuda_device() -> Option<Arc<CudaDevice>> {
     static DEVICE: OnceLock<Result<Arc<CudaDevice>, DeviceError>> = OnceLock::new();
-    match DEVICE.get_or_init(|| CudaDevice::open(0, MEMORY)) {
+    usable(DEVICE.get_or_init(|| CudaDevice::open(0, MEMORY)))
+}
+
+/// The opened device, or `None` (saying why) where there is no GPU to use;
+/// any other failure to open panics.
+fn usable<T: Clone>(opened: &Result<T, DeviceError>) -> Option<T> {
+    match opened {
         Ok(device) => Some(device.clone()),
         Err(DeviceError::Unavailable(why)) => {
             // Straight to stderr, past the test harness's capture, so that a
@@ -39,6 +45,18 @@ fn cuda_device() -> Option<Arc<CudaDevice>> {
         }
         Err(e) => panic!("the CUDA device failed to open: {e}"),
     }
+}
+
+#[test]
+fn only_a_missing_gpu_skips() {
+    assert!(usable::<()>(&Err(DeviceError::Unavailable("no CUDA driver".into()))).is_none());
+    assert_eq!(usable(&Ok(7)), Some(7));
+}
+
+#[test]
+#[should_panic(expected = "the CUDA device failed to open: device failure: NVRTC cannot compile")]
+fn kernels_that_do_not_compile_fail_instead_of_skipping() {
+    usable::<()>(&Err(DeviceError::Backend("NVRTC cannot compile the kernels for sm_90".into())));
 }
 
 fn emulated_device() -> Arc<EmulatedDevice> {
@@ -537,6 +555,68 @@ fn gqa_attention_matches_reference() {
             compare(&got, &want, tolerance(precision), &format!("gqa_attention {heads}/{kv_heads}×{head_dim}, n {n}, start {start}, {precision:?}"));
         }
     }
+}
+
+#[test]
+fn paged_kv_store_and_gather_match_reference() {
+    let Some(gpu) = cuda_device() else { return };
+    let mut rng = Rng::new(11);
+    // A pool of 10 blocks of 3 layers × 4 slots × 7 floats; entry widths
+    // that are not a multiple of a warp, strided entries and outputs.
+    let (n_layers, block_size, entry_dim, pool_blocks) = (3, 4, 7, 10);
+    let pool0 = rng.f32s(pool_blocks * n_layers * block_size * entry_dim, -1.0, 1.0);
+    // Scattered block ids; (table, layer, start, n) stores: a prompt with a
+    // partial last block, a store starting mid-block that crosses a block,
+    // a decode step, and another layer of the same positions.
+    let tables: [&[u32]; 2] = [&[6, 1, 9], &[0, 8, 3, 4]];
+    let stores = [(0, 0, 0, 10), (0, 2, 0, 10), (1, 1, 0, 3), (1, 1, 3, 6), (1, 1, 9, 1), (0, 0, 10, 1)];
+    let entries: Vec<Vec<f32>> = stores.iter().map(|&(_, _, _, n)| rng.f32s(n * (entry_dim + 1), -1.0, 1.0)).collect();
+    let (got, want) = run_both(&gpu, |b| {
+        let kv = PagedKv { pool: b.f32s(&pool0), n_layers, block_size, entry_dim };
+        let ids: Vec<DevicePtr> = tables.iter().map(|t| b.u32s(t)).collect();
+        for (&(t, layer, start, n), e) in stores.iter().zip(&entries) {
+            let entries = b.matrix(e, n, entry_dim + 1).columns(1..entry_dim + 1);
+            b.launch(&Op::KvStore { entries, kv, table: ids[t], blocks: tables[t].len(), layer, start });
+        }
+        let out = b.matrix(&vec![0.5; 11 * (entry_dim + 2)], 11, entry_dim + 2);
+        b.launch(&Op::KvGather { kv, table: ids[0], blocks: 3, layer: 0, out: out.columns(1..entry_dim + 1) });
+        let out1 = b.matrix(&vec![0.5; 10 * entry_dim], 10, entry_dim);
+        // The op run_both launches last: layer 1 of the second sequence.
+        (Op::KvGather { kv, table: ids[1], blocks: 4, layer: 1, out: out1 }, vec![Out::F32(kv.pool.matrix(1, pool0.len())), Out::F32(out), Out::F32(out1)])
+    });
+    // Copies: bit for bit.
+    compare(&got, &want, 0.0, "paged kv store and gather");
+    assert_ne!(got[0], pool0, "the stores changed nothing");
+}
+
+/// On the GPU a block id past the pool is never followed: a store skips
+/// its entries (and writes the rest), a gather reads its rows as NaN.
+#[test]
+fn paged_kv_bad_block_ids_stay_inside_the_pool() {
+    let Some(gpu) = cuda_device() else { return };
+    let mut rng = Rng::new(12);
+    let (n_layers, block_size, entry_dim, pool_blocks) = (2, 4, 5, 3);
+    let pool0 = rng.f32s(pool_blocks * n_layers * block_size * entry_dim, -1.0, 1.0);
+    let mut b = Bench::new(gpu.clone());
+    // Guard floats on both sides of the pool, which nothing may touch.
+    let all = b.f32s(&[vec![9.0; 64], pool0.clone(), vec![9.0; 64]].concat());
+    let pool = all.slice(64 * 4, pool0.len() * 4).unwrap();
+    let kv = PagedKv { pool, n_layers, block_size, entry_dim };
+    let table = b.u32s(&[2, pool_blocks as u32, u32::MAX]);
+    let entries = rng.f32s(12 * entry_dim, -1.0, 1.0);
+    let e = b.matrix(&entries, 12, entry_dim);
+    b.launch(&Op::KvStore { entries: e, kv, table, blocks: 3, layer: 1, start: 0 });
+    let got = b.read(&Out::F32(all.matrix(1, pool0.len() + 128)));
+    let mut want = [vec![9.0; 64], pool0.clone(), vec![9.0; 64]].concat();
+    // Only block 2, layer 1 (positions 0..4) is written.
+    let at = 64 + (2 * n_layers + 1) * block_size * entry_dim;
+    want[at..at + block_size * entry_dim].copy_from_slice(&entries[..block_size * entry_dim]);
+    assert_eq!(got, want, "a bad block id moved a store outside its block");
+    let out = b.matrix(&vec![0.0; 12 * entry_dim], 12, entry_dim);
+    b.launch(&Op::KvGather { kv, table, blocks: 3, layer: 1, out });
+    let got = b.read(&Out::F32(out));
+    assert_eq!(&got[..block_size * entry_dim], &entries[..block_size * entry_dim]);
+    assert!(got[block_size * entry_dim..].iter().all(|x| x.is_nan()), "rows of bad blocks are not NaN");
 }
 
 #[test]

@@ -1,25 +1,47 @@
 //! Stream-loading prefill on a CUDA GPU against the CPU engine and
 //! transformers' reference, by the same gates as on the emulated device.
-//! Without a GPU (or a driver) it says so and passes: run it on a GPU
-//! machine with `cargo test -p duplex-prefill --features cuda --test cuda`.
+//! Without a GPU (or a driver) it says so and passes; any other failure to
+//! open the device (kernels that do not compile, say) fails it. Run it on a
+//! GPU machine with `cargo test -p duplex-prefill --features cuda --test cuda`.
 
 #![cfg(feature = "cuda")]
 
 use duplex_kernels::device::cuda::CudaDevice;
+use duplex_kernels::device::DeviceError;
 use duplex_toolkit::reference::{self, max_abs_diff, Bf16Gate, F32_MAX_ABS_DIFF};
 use duplex_model::{BlockTable, Logits, Model, Precision};
 use duplex_prefill::slp::{SlpConfig, SlpEngine};
 use std::path::Path;
 
+/// The opened device, or `None` (saying why) where there is no GPU to use:
+/// no driver, no device, no NVRTC. Anything else, such as kernels that do
+/// not compile for this GPU, fails the test rather than passing as a skip.
+fn usable<T>(opened: Result<T, DeviceError>, test: &str) -> Option<T> {
+    match opened {
+        Ok(device) => Some(device),
+        Err(DeviceError::Unavailable(why)) => {
+            eprintln!("{test}: skipped: {why}");
+            None
+        }
+        Err(e) => panic!("{test}: the CUDA device failed to open: {e}"),
+    }
+}
+
+#[test]
+fn only_a_missing_gpu_skips() {
+    assert!(usable::<()>(Err(DeviceError::Unavailable("no CUDA driver".into())), "only_a_missing_gpu_skips").is_none());
+    assert_eq!(usable(Ok(7), "only_a_missing_gpu_skips"), Some(7));
+}
+
+#[test]
+#[should_panic(expected = "the CUDA device failed to open: device failure: NVRTC cannot compile")]
+fn kernels_that_do_not_compile_fail_instead_of_skipping() {
+    usable::<()>(Err(DeviceError::Backend("NVRTC cannot compile the kernels for sm_90".into())), "kernels_that_do_not_compile_fail_instead_of_skipping");
+}
+
 #[test]
 fn slp_on_cuda_matches_the_cpu_engine_and_reference() {
-    let device = match CudaDevice::open(0, 256 << 20) {
-        Ok(d) => d,
-        Err(e) => {
-            eprintln!("slp_on_cuda_matches_the_cpu_engine_and_reference: skipped: {e}");
-            return;
-        }
-    };
+    let Some(device) = usable(CudaDevice::open(0, 256 << 20), "slp_on_cuda_matches_the_cpu_engine_and_reference") else { return };
     // One checkpoint of each architecture (MLA and the two GQA families).
     for fixture in ["tiny-dsv3", "tiny-qwen3moe", "tiny-mixtral"] {
     let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures").join(fixture);
