@@ -150,6 +150,12 @@ impl KvPool {
         &self.data.floats()[o..o + self.block_size * self.entry_dim]
     }
 
+    /// Every layer's entries in block `block`, as one run of floats.
+    pub fn block(&self, block: u32) -> &[f32] {
+        let len = self.n_layers * self.block_size * self.entry_dim;
+        &self.data.floats()[block as usize * len..][..len]
+    }
+
     /// The cache entry of `layer` at `pos`: `[latent.., k_pe..]`.
     pub fn entry(&self, table: &BlockTable, layer: usize, pos: usize) -> &[f32] {
         let o = self.offset(table, layer, pos);

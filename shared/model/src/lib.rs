@@ -15,6 +15,7 @@ pub mod config;
 pub mod cpu;
 pub mod forward;
 pub mod generation;
+pub mod hybrid;
 pub mod kv_cache;
 pub mod model;
 pub mod moe;

@@ -128,13 +128,17 @@ pub fn workspace_bytes(model: &Model, cached: usize, n: usize, want: Logits, kv_
 
 /// The forward program's ops, enqueued on one stream of a device.
 pub struct DeviceBackend<'a> {
-    dev: &'a dyn Device,
-    stream: StreamId,
+    pub(crate) dev: &'a dyn Device,
+    pub(crate) stream: StreamId,
     workspace: DevicePtr,
 }
 
-impl DeviceBackend<'_> {
-    fn launch(&self, op: Op) -> Result<(), ForwardError> {
+impl<'a> DeviceBackend<'a> {
+    pub(crate) fn new(dev: &'a dyn Device, stream: StreamId, workspace: DevicePtr) -> Self {
+        DeviceBackend { dev, stream, workspace }
+    }
+
+    pub(crate) fn launch(&self, op: Op) -> Result<(), ForwardError> {
         Ok(self.dev.launch(self.stream, &op)?)
     }
 
@@ -276,10 +280,22 @@ impl Backend for DeviceBackend<'_> {
     }
 
     fn mla_attention(&mut self, c: &AttentionCall, w: &Weights<DeviceWeight>) -> Result<(), ForwardError> {
+        let context = self.context(c)?;
+        self.mla_over(c, w.get("kv_b_proj")?, context)
+    }
+
+    fn gqa_attention(&mut self, c: &AttentionCall) -> Result<(), ForwardError> {
+        let context = self.context(c)?;
+        self.gqa_over(c, context)
+    }
+}
+
+impl DeviceBackend<'_> {
+    /// MLA of one segment over its whole context `[ctx, entry]` on the
+    /// device, in the expanded form.
+    pub(crate) fn mla_over(&mut self, c: &AttentionCall, kv_b: &DeviceWeight, context: Matrix) -> Result<(), ForwardError> {
         let (cfg, m) = (c.cfg, c.cfg.mla().expect("MLA"));
         let (heads, dn, dr, dv, dc) = (cfg.num_attention_heads, m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim, m.kv_lora_rank);
-        let kv_b = w.get("kv_b_proj")?;
-        let context = self.context(c)?;
         let ctx = context.rows;
         let dkv = dn + dv;
         // Keys and values expanded a group of heads at a time, so that
@@ -295,9 +311,9 @@ impl Backend for DeviceBackend<'_> {
         Ok(())
     }
 
-    fn gqa_attention(&mut self, c: &AttentionCall) -> Result<(), ForwardError> {
+    /// Grouped-query attention of one segment over its whole context on the device.
+    pub(crate) fn gqa_over(&mut self, c: &AttentionCall, context: Matrix) -> Result<(), ForwardError> {
         let (cfg, g) = (c.cfg, c.cfg.gqa().expect("GQA"));
-        let context = self.context(c)?;
         let kvd = g.num_key_value_heads * g.head_dim;
         let dims = GqaDims { heads: cfg.num_attention_heads, kv_heads: g.num_key_value_heads, head_dim: g.head_dim };
         let (k, v) = (context.columns(0..kvd), context.columns(kvd..2 * kvd));
@@ -327,7 +343,7 @@ impl<'a> StagedPass<'a> {
         workspace: DevicePtr,
         kv_bytes: usize,
     ) -> Result<Self, ForwardError> {
-        let backend = DeviceBackend { dev, stream, workspace };
+        let backend = DeviceBackend::new(dev, stream, workspace);
         let pass = Pass::new(model, backend, pool, &mut [SeqInput { table, tokens }], precision, want, kv_bytes)?;
         Ok(StagedPass { pass })
     }

@@ -1,0 +1,649 @@
+//! The hybrid placement, for decode: attention, norms, the router, shared
+//! experts, dense layers, the embedding and the LM head run on an
+//! accelerator with their weights resident there; the routed experts run on
+//! the host's CPU pool, reading their weights in place from the host
+//! mapping (the shared weight segment). Per layer only the FFN's input, the
+//! router's choices and the experts' summed output cross the bus.
+//!
+//! It is one more backend of the forward program ([`crate::forward`]): a
+//! [`HybridBackend`] enqueues the device ops as [`crate::staged`]'s backend
+//! does, and runs a layer's routed experts through the CPU backend's own
+//! code. The KV cache of the sequences it decodes lives in a paged pool in
+//! device memory ([`DeviceKv`]), laid out as the host's pool: a sequence's
+//! blocks are copied in once when it is admitted, and later entries are
+//! appended on the device.
+//!
+//! [`HybridEngine::forward`] splits a batch of two or more sequences into two
+//! micro-batches on two device streams and alternates them layer by layer,
+//! so that the device runs one micro-batch's attention while the CPU runs
+//! the other's experts (the schedule of KTransformers and of the paper's
+//! §3.3.1). One host thread drives both: each micro-batch waits on its own
+//! stream only where it needs the router's choices, and the other's work is
+//! already queued by then.
+
+use crate::backend::{AttentionCall, Backend, ExpertJob, ExpertScratch, Segment, Tokens};
+use crate::cpu::CpuBackend;
+use crate::forward::{align, ModuleKind, Pass};
+use crate::kv_cache::{BlockTable, KvPool};
+use crate::model::{ForwardError, Logits, Model, Precision, SeqInput};
+use crate::staged::DeviceBackend;
+use crate::weights::{HostWeight, Weights};
+use duplex_kernels::device::emulated::Jitter;
+use duplex_kernels::device::{Device, DeviceError, DevicePtr, DeviceWeight, Event, HostBytes, Matrix, Op, PagedKv, StreamId, StreamKind};
+use duplex_kernels::router::RouterParams;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// Bound on MLA's expanded keys and values in a pass's workspace (heads are
+/// expanded a group at a time within it).
+const EXPANDED_BYTES: usize = 64 << 20;
+
+/// A weight where the hybrid placement keeps it.
+#[derive(Clone, Debug)]
+pub enum Placed {
+    /// Resident in device memory.
+    Device(DeviceWeight),
+    /// In the host mapping (a routed expert's projections).
+    Host(HostWeight),
+}
+
+fn on_device(w: &Placed) -> Result<&DeviceWeight, ForwardError> {
+    match w {
+        Placed::Device(d) => Ok(d),
+        Placed::Host(_) => Err(ForwardError::BadModule("a host weight where the hybrid placement runs on the device".into())),
+    }
+}
+
+/// Where the time of hybrid passes went, as the host saw it.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct HybridTimings {
+    /// Running routed experts on the CPU pool.
+    pub cpu_moe: Duration,
+    /// Blocked on the device (routes, expert inputs, logits).
+    pub device_wait: Duration,
+}
+
+impl std::ops::AddAssign for HybridTimings {
+    fn add_assign(&mut self, o: Self) {
+        self.cpu_moe += o.cpu_moe;
+        self.device_wait += o.device_wait;
+    }
+}
+
+/// One sequence's blocks in the device KV pool, parallel to its host table:
+/// device block `i` holds the positions of host block `i`.
+#[derive(Debug)]
+pub struct DeviceSeq {
+    blocks: Vec<u32>,
+    /// The block ids, on the device.
+    ids: DevicePtr,
+    /// Completed when the admission's copies have landed.
+    ready: Event,
+}
+
+impl DeviceSeq {
+    pub fn blocks(&self) -> usize {
+        self.blocks.len()
+    }
+}
+
+/// The device KV pool: blocks of `block_size` positions for every layer, as
+/// the host's [`KvPool`] lays them out, handed out whole to sequences.
+pub struct DeviceKv {
+    kv: PagedKv,
+    free: Vec<u32>,
+    total: usize,
+}
+
+impl DeviceKv {
+    /// Bytes of one block (every layer's entries for `block_size` positions).
+    pub fn block_bytes(n_layers: usize, block_size: usize, entry_dim: usize) -> usize {
+        n_layers * block_size * entry_dim * 4
+    }
+
+    fn new(pool: DevicePtr, n_blocks: usize, n_layers: usize, block_size: usize, entry_dim: usize) -> Self {
+        DeviceKv { kv: PagedKv { pool, n_layers, block_size, entry_dim }, free: (0..n_blocks as u32).rev().collect(), total: n_blocks }
+    }
+
+    pub fn free_blocks(&self) -> usize {
+        self.free.len()
+    }
+
+    pub fn total_blocks(&self) -> usize {
+        self.total
+    }
+
+    /// Blocks a sequence of `positions` positions takes.
+    pub fn blocks_for(&self, positions: usize) -> usize {
+        positions.div_ceil(self.kv.block_size)
+    }
+}
+
+/// Errors of admitting a sequence to the device.
+#[derive(Debug, thiserror::Error)]
+pub enum AdmitError {
+    #[error("the device KV pool is full: {needed} blocks needed, {free} free of {total}")]
+    Full { needed: usize, free: usize, total: usize },
+    #[error(transparent)]
+    Device(#[from] DeviceError),
+}
+
+/// Sizes of the hybrid placement.
+#[derive(Clone, Copy, Debug)]
+pub struct HybridConfig {
+    /// Blocks of the device KV pool.
+    pub kv_blocks: usize,
+    /// Split batches of two or more sequences into two micro-batches.
+    pub micro_batches: bool,
+    /// A random delay before every CPU MoE, as the emulated device's
+    /// jitter delays its commands (tests: it shakes out ordering bugs).
+    pub cpu_jitter: Option<Jitter>,
+}
+
+/// What the resident weights and the KV pool take on the device.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct DeviceBudget {
+    pub embedding: usize,
+    pub attention: usize,
+    pub ffn: usize,
+    pub head: usize,
+    pub kv: usize,
+}
+
+impl DeviceBudget {
+    pub fn total(&self) -> usize {
+        self.embedding + self.attention + self.ffn + self.head + self.kv
+    }
+}
+
+fn human(bytes: usize) -> String {
+    format!("{:.1} MiB", bytes as f64 / (1 << 20) as f64)
+}
+
+/// A layer's modules as the hybrid placement holds them.
+struct Layer {
+    attention: Weights<Placed>,
+    ffn: Weights<Placed>,
+    /// Routed experts by index (empty for a dense layer).
+    experts: Vec<Weights<Placed>>,
+}
+
+/// The model placed for hybrid decode on one device.
+pub struct HybridEngine {
+    pub model: Model,
+    dev: Arc<dyn Device>,
+    embed: Weights<Placed>,
+    layers: Vec<Layer>,
+    head: Weights<Placed>,
+    streams: [StreamId; 2],
+    copy: StreamId,
+    /// Each stream's activation memory, grown when a batch needs more.
+    workspaces: [Option<DevicePtr>; 2],
+    kv: DeviceKv,
+    micro_batches: bool,
+    cpu_jitter: Option<Jitter>,
+    /// Counts CPU MoE calls, for the jitter's random delays.
+    moe_calls: std::cell::Cell<u64>,
+    budget: DeviceBudget,
+    /// Device allocations to give back on drop.
+    resident: Vec<DevicePtr>,
+}
+
+impl HybridEngine {
+    /// Upload every module but the routed experts to `dev`, and make a
+    /// device KV pool of `cfg.kv_blocks` blocks. Refuses, naming the parts,
+    /// when they do not fit the device's memory.
+    pub fn new(model: Model, dev: Arc<dyn Device>, cfg: HybridConfig, block_size: usize) -> Result<Self, ForwardError> {
+        let c = &model.cfg;
+        let entry = c.kv_entry_dim();
+        let modules = model.staged_modules(usize::MAX);
+        let mut budget = DeviceBudget { kv: cfg.kv_blocks * DeviceKv::block_bytes(c.num_hidden_layers, block_size, entry), ..Default::default() };
+        for m in modules.iter().filter(|m| !m.is_expert()) {
+            let slot = match m.kind {
+                ModuleKind::Embed { .. } => &mut budget.embedding,
+                ModuleKind::Attention { .. } => &mut budget.attention,
+                ModuleKind::Ffn { .. } => &mut budget.ffn,
+                ModuleKind::Head { .. } => &mut budget.head,
+                ModuleKind::Expert { .. } => unreachable!("filtered out"),
+            };
+            *slot += m.device_bytes();
+        }
+        if cfg.kv_blocks == 0 {
+            return Err(ForwardError::Workspace("the device KV pool needs at least one block".into()));
+        }
+        // Activations are small next to these; a tenth of the memory is left for them.
+        let usable = dev.capacity() / 10 * 9;
+        if budget.total() > usable {
+            return Err(ForwardError::Workspace(format!(
+                "the hybrid placement does not fit the device ({}, {} usable after a tenth kept for activations): resident weights {} (embedding {}, attention {}, dense FFNs, routers and shared experts {}, LM head {}) and a KV pool of {} blocks {}",
+                human(dev.capacity()),
+                human(usable),
+                human(budget.total() - budget.kv),
+                human(budget.embedding),
+                human(budget.attention),
+                human(budget.ffn),
+                human(budget.head),
+                cfg.kv_blocks,
+                human(budget.kv)
+            )));
+        }
+        let copy = dev.create_stream(StreamKind::Copy)?;
+        let streams = [dev.create_stream(StreamKind::Compute)?, dev.create_stream(StreamKind::Compute)?];
+        let mut resident = vec![];
+        let mut upload = |m: &crate::staged::StagedModule| -> Result<Weights<Placed>, ForwardError> {
+            let dst = dev.alloc(m.device_bytes().max(1))?;
+            resident.push(dst);
+            Ok(m.upload(&*dev, copy, dst)?.filter_map(|w| Some(Placed::Device(*w))))
+        };
+        let mut embed = Weights::default();
+        let mut head = Weights::default();
+        let mut layers: Vec<Layer> = (0..c.num_hidden_layers).map(|_| Layer { attention: Weights::default(), ffn: Weights::default(), experts: vec![] }).collect();
+        for m in modules.iter().filter(|m| !m.is_expert()) {
+            let w = upload(m)?;
+            match m.kind {
+                ModuleKind::Embed { .. } => embed = w,
+                ModuleKind::Head { .. } => head = w,
+                ModuleKind::Attention { layer } => layers[layer].attention = w,
+                ModuleKind::Ffn { layer } => layers[layer].ffn = w,
+                ModuleKind::Expert { .. } => unreachable!("filtered out"),
+            }
+        }
+        for m in &model.modules {
+            if let ModuleKind::Expert { layer, expert } = m.kind {
+                let experts = &mut layers[layer].experts;
+                if experts.len() != expert {
+                    return Err(ForwardError::BadModule(format!("expert {expert} of layer {layer} out of order")));
+                }
+                experts.push(m.weights.filter_map(|w| Some(Placed::Host(w.clone()))));
+            }
+        }
+        let pool = dev.alloc(budget.kv)?;
+        resident.push(pool);
+        let kv = DeviceKv::new(pool, cfg.kv_blocks, c.num_hidden_layers, block_size, entry);
+        // The weights must be in place before the first pass reads them.
+        let done = dev.record(copy)?;
+        dev.synchronize(&done)?;
+        Ok(HybridEngine { model, dev, embed, layers, head, streams, copy, workspaces: [None, None], kv, micro_batches: cfg.micro_batches, cpu_jitter: cfg.cpu_jitter, moe_calls: Default::default(), budget, resident })
+    }
+
+    pub fn budget(&self) -> DeviceBudget {
+        self.budget
+    }
+
+    pub fn kv(&self) -> &DeviceKv {
+        &self.kv
+    }
+
+    pub fn device(&self) -> &Arc<dyn Device> {
+        &self.dev
+    }
+
+    /// Give a sequence of up to `positions` positions its device blocks and
+    /// copy in the entries its host table holds (`table.len` positions),
+    /// asynchronously: passes wait for the copies on the device, not here.
+    pub fn admit(&mut self, host: &KvPool, table: &BlockTable, positions: usize) -> Result<DeviceSeq, AdmitError> {
+        let needed = self.kv.blocks_for(positions.max(table.len)).max(1);
+        if needed > self.kv.free.len() {
+            return Err(AdmitError::Full { needed, free: self.kv.free.len(), total: self.kv.total });
+        }
+        let ids = self.dev.alloc(needed * 4)?;
+        let blocks: Vec<u32> = (0..needed).map(|_| self.kv.free.pop().expect("counted above")).collect();
+        let upload = || -> Result<Event, DeviceError> {
+            self.dev.upload(self.copy, &HostBytes::from_u32(&blocks), ids)?;
+            let kv = self.kv.kv;
+            let block_bytes = DeviceKv::block_bytes(kv.n_layers, kv.block_size, kv.entry_dim);
+            for (i, &b) in table.blocks.iter().take(table.len.div_ceil(kv.block_size)).enumerate() {
+                let dst = kv.pool.slice(blocks[i] as usize * block_bytes, block_bytes)?;
+                self.dev.upload(self.copy, &HostBytes::from_f32(host.block(b)), dst)?;
+            }
+            self.dev.record(self.copy)
+        };
+        match upload() {
+            Ok(ready) => Ok(DeviceSeq { blocks, ids, ready }),
+            Err(e) => {
+                // Nothing may still write them: wait for the copy stream before handing them back.
+                if let Ok(ev) = self.dev.record(self.copy) {
+                    let _ = self.dev.synchronize(&ev);
+                }
+                self.kv.free.extend(blocks);
+                let _ = self.dev.free(ids);
+                Err(e.into())
+            }
+        }
+    }
+
+    /// Give a sequence's blocks back (on every exit path of a sequence).
+    /// The blocks return to the pool even when the device reports an error.
+    pub fn release(&mut self, seq: DeviceSeq) -> Result<(), DeviceError> {
+        // Its admission copies may still be running (a request cancelled at once).
+        let landed = self.dev.synchronize(&seq.ready);
+        self.kv.free.extend(seq.blocks);
+        landed.and(self.dev.free(seq.ids))
+    }
+
+    /// Workspace of at least `bytes` for stream `i`.
+    fn workspace(&mut self, i: usize, bytes: usize) -> Result<DevicePtr, ForwardError> {
+        match self.workspaces[i] {
+            Some(w) if w.bytes >= bytes => Ok(w),
+            old => {
+                if let Some(w) = old {
+                    // The stream's earlier passes have finished: each ends in a download.
+                    self.dev.free(w)?;
+                    self.workspaces[i] = None;
+                }
+                // Room to spare, so that growing contexts do not reallocate every step.
+                let w = self.dev.alloc(align(bytes + bytes / 2))?;
+                self.workspaces[i] = Some(w);
+                Ok(w)
+            }
+        }
+    }
+
+    /// One step over `seqs` (whose device blocks are `dseqs`, in the same
+    /// order): the logits their passes want, in order, and where the host's
+    /// time went.
+    pub fn forward(&mut self, host: &mut KvPool, seqs: &mut [SeqInput], dseqs: &[&DeviceSeq], precision: Precision, want: Logits) -> Result<(Vec<f32>, HybridTimings), ForwardError> {
+        if seqs.len() != dseqs.len() {
+            return Err(ForwardError::BadModule(format!("{} sequences with {} device tables", seqs.len(), dseqs.len())));
+        }
+        for (s, d) in seqs.iter().zip(dseqs) {
+            let end = s.table.len + s.tokens.len();
+            if end > d.blocks.len() * self.kv.kv.block_size {
+                return Err(ForwardError::Workspace(format!("a sequence reaches position {end} but holds {} device blocks", d.blocks.len())));
+            }
+        }
+        let split = if self.micro_batches && seqs.len() >= 2 { seqs.len().div_ceil(2) } else { seqs.len() };
+        let (a, b) = seqs.split_at_mut(split);
+        let (da, db) = dseqs.split_at(split);
+        let wa = self.pass_workspace(0, a, want)?;
+        let wb = if b.is_empty() { None } else { Some(self.pass_workspace(1, b, want)?) };
+        let mut pa = self.pass(host, a, da, wa, self.streams[0], precision, want)?;
+        let mut pb = match wb {
+            Some(w) => Some(self.pass(host, b, db, w, self.streams[1], precision, want)?),
+            None => None,
+        };
+        let me = &*self;
+        pa.run(ModuleKind::Embed { first_row: 0 }, &me.embed, host)?;
+        if let Some(pb) = pb.as_mut() {
+            pb.run(ModuleKind::Embed { first_row: 0 }, &me.embed, host)?;
+        }
+        // A runs its attention, then waits for its routes and runs its
+        // experts on the CPU while the device runs B's attention, queued
+        // just before; then the same with the roles swapped.
+        pa.run(ModuleKind::Attention { layer: 0 }, &me.layers[0].attention, host)?;
+        for (l, layer) in me.layers.iter().enumerate() {
+            if let Some(pb) = pb.as_mut() {
+                pb.run(ModuleKind::Attention { layer: l }, &layer.attention, host)?;
+            }
+            pa.run(ModuleKind::Ffn { layer: l }, &layer.ffn, host)?;
+            Self::experts(&mut pa, l, layer)?;
+            if let Some(pb) = pb.as_mut() {
+                pb.run(ModuleKind::Ffn { layer: l }, &layer.ffn, host)?;
+            }
+            if let Some(next) = me.layers.get(l + 1) {
+                pa.run(ModuleKind::Attention { layer: l + 1 }, &next.attention, host)?;
+            }
+            if let Some(pb) = pb.as_mut() {
+                Self::experts(pb, l, layer)?;
+            }
+        }
+        pa.run(ModuleKind::Head { first_row: 0 }, &me.head, host)?;
+        if let Some(pb) = pb.as_mut() {
+            pb.run(ModuleKind::Head { first_row: 0 }, &me.head, host)?;
+        }
+        let mut tables: Vec<&mut BlockTable> = a.iter_mut().map(|s| &mut *s.table).collect();
+        let (mut logits, backend, _) = pa.finish(&mut tables)?;
+        let mut timings = backend.timings;
+        if let Some(pb) = pb {
+            let mut tables: Vec<&mut BlockTable> = b.iter_mut().map(|s| &mut *s.table).collect();
+            let (more, backend, _) = pb.finish(&mut tables)?;
+            logits.extend(more);
+            timings += backend.timings;
+        }
+        Ok((logits, timings))
+    }
+
+    fn experts(pass: &mut Pass<HybridBackend>, layer: usize, w: &Layer) -> Result<(), ForwardError> {
+        if w.experts.is_empty() {
+            return Ok(());
+        }
+        let group: Vec<(usize, &Weights<Placed>)> = w.experts.iter().enumerate().collect();
+        pass.run_experts(layer, &group)
+    }
+
+    fn pass_workspace(&mut self, i: usize, seqs: &[SeqInput], want: Logits) -> Result<DevicePtr, ForwardError> {
+        let shape = Pass::<HybridBackend>::shape(&self.model.cfg, seqs.iter().map(|s| (s.table.len, s.tokens.len())), want, EXPANDED_BYTES)?;
+        self.workspace(i, crate::forward::workspace_bytes(&self.model.cfg, shape))
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn pass<'e>(&'e self, host: &mut KvPool, seqs: &mut [SeqInput], dseqs: &[&DeviceSeq], workspace: DevicePtr, stream: StreamId, precision: Precision, want: Logits) -> Result<Pass<'e, HybridBackend<'e>>, ForwardError> {
+        let mut tables = Vec::with_capacity(seqs.len());
+        let mut row = 0;
+        for (s, d) in seqs.iter().zip(dseqs) {
+            // The admission's copies land before this stream reads the blocks.
+            self.dev.wait_event(stream, &d.ready)?;
+            tables.push(SeqTable { row, ids: d.ids, blocks: d.blocks.len() });
+            row += s.tokens.len();
+        }
+        let backend = HybridBackend {
+            dev: DeviceBackend::new(&*self.dev, stream, workspace),
+            cpu: &self.model.cpu,
+            kv: self.kv.kv,
+            tables,
+            router_input: None,
+            host_x: vec![],
+            timings: HybridTimings::default(),
+            jitter: self.cpu_jitter.map(|j| (j, &self.moe_calls)),
+        };
+        Pass::new(&self.model, backend, host, seqs, precision, want, EXPANDED_BYTES)
+    }
+}
+
+impl Drop for HybridEngine {
+    fn drop(&mut self) {
+        for w in self.resident.drain(..).chain(self.workspaces.iter_mut().filter_map(Option::take)) {
+            let _ = self.dev.free(w);
+        }
+    }
+}
+
+/// A segment's device block table.
+struct SeqTable {
+    /// The segment's first row in its pass.
+    row: usize,
+    ids: DevicePtr,
+    blocks: usize,
+}
+
+/// The forward program's ops for the hybrid placement: the device's, but
+/// for the routed experts (the CPU's) and the KV cache (the device pool).
+pub struct HybridBackend<'a> {
+    dev: DeviceBackend<'a>,
+    cpu: &'a crate::cpu::CpuRuntime,
+    kv: PagedKv,
+    tables: Vec<SeqTable>,
+    /// The FFN input the router read, fetched with its choices.
+    router_input: Option<Matrix>,
+    host_x: Vec<f32>,
+    timings: HybridTimings,
+    jitter: Option<(Jitter, &'a std::cell::Cell<u64>)>,
+}
+
+impl HybridBackend<'_> {
+    fn table(&self, seg: &Segment) -> Result<&SeqTable, ForwardError> {
+        self.tables.iter().find(|t| t.row == seg.row).ok_or_else(|| ForwardError::BadModule(format!("no device table for the segment at row {}", seg.row)))
+    }
+
+    /// The segment's whole context `[ctx, entry]` on the device: its fresh
+    /// entries when it starts the sequence, else gathered from the pool.
+    fn context(&mut self, c: &AttentionCall) -> Result<Matrix, ForwardError> {
+        if c.seg.start == 0 {
+            return Ok(c.fresh);
+        }
+        let ctx = c.seg.start + c.seg.n;
+        let out = c.context.rows(0..ctx);
+        if out.rows != ctx {
+            return Err(ForwardError::Workspace(format!("no room for {ctx} positions of context")));
+        }
+        let t = self.table(c.seg)?;
+        let op = Op::KvGather { kv: self.kv, table: t.ids, blocks: t.blocks, layer: c.layer, out };
+        self.dev.launch(op)?;
+        Ok(out)
+    }
+
+    /// Run `jobs` (routed experts, host weights) on the CPU pool over rows
+    /// of `x`, and add their sum into `out` on the device.
+    fn host_experts(&mut self, x: Matrix, jobs: &[ExpertJob<HostWeight>], out: Matrix, p: Precision, s: &ExpertScratch) -> Result<(), ForwardError> {
+        let (n, d) = (x.rows, x.cols);
+        if self.router_input != Some(x) {
+            let waited = Instant::now();
+            self.host_x = self.dev.download(x)?;
+            self.timings.device_wait += waited.elapsed();
+        }
+        if let Some((j, calls)) = self.jitter {
+            let n = calls.get();
+            calls.set(n + 1);
+            // SplitMix64 of the seed and the call number: reproducible delays.
+            let mut z = j.seed.wrapping_add(n.wrapping_mul(0x9e37_79b9_7f4a_7c15));
+            z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+            z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+            std::thread::sleep(j.max.mul_f64((z ^ (z >> 31)) as f64 / u64::MAX as f64));
+        }
+        let started = Instant::now();
+        let sum = {
+            let mut cpu: CpuBackend = self.cpu.backend();
+            let base = cpu.workspace(2 * n * d * 4)?;
+            let (xs, ys) = (base.slice(0, n * d * 4)?.matrix(n, d), base.slice(n * d * 4, n * d * 4)?.matrix(n, d));
+            cpu.upload_f32(&self.host_x, xs.buf)?;
+            cpu.zero(ys)?;
+            cpu.experts(xs, jobs, ys, p, s)?;
+            cpu.download(ys)?
+        };
+        self.timings.cpu_moe += started.elapsed();
+        let ye = s.ye.rows(0..n).reshape(n, d);
+        self.dev.upload_f32(&sum, ye.buf.slice(ye.offset * 4, n * d * 4)?)?;
+        self.dev.add(out, ye, Precision::F32)
+    }
+}
+
+impl Backend for HybridBackend<'_> {
+    type Weight = Placed;
+    // Attention reads a context gathered from the device pool into the workspace.
+    const ATTENDS_IN_PLACE: bool = false;
+
+    fn rows_of(w: &Placed) -> Result<usize, ForwardError> {
+        match w {
+            Placed::Device(d) => Ok(d.rows),
+            Placed::Host(h) => CpuBackend::rows_of(h),
+        }
+    }
+
+    fn workspace(&mut self, bytes: usize) -> Result<DevicePtr, ForwardError> {
+        self.dev.workspace(bytes)
+    }
+
+    fn upload_f32(&mut self, xs: &[f32], dst: DevicePtr) -> Result<(), ForwardError> {
+        self.dev.upload_f32(xs, dst)
+    }
+
+    fn upload_u32(&mut self, xs: &[u32], dst: DevicePtr) -> Result<(), ForwardError> {
+        self.dev.upload_u32(xs, dst)
+    }
+
+    fn download(&mut self, m: Matrix) -> Result<Vec<f32>, ForwardError> {
+        let waited = Instant::now();
+        let out = self.dev.download(m);
+        self.timings.device_wait += waited.elapsed();
+        out
+    }
+
+    fn embedding(&mut self, table: &Placed, first_row: usize, ids: DevicePtr, count: usize, out: Matrix, p: Precision) -> Result<(), ForwardError> {
+        self.dev.embedding(on_device(table)?, first_row, ids, count, out, p)
+    }
+
+    fn gemm(&mut self, w: &Placed, x: Matrix, y: Matrix, p: Precision, round: bool) -> Result<(), ForwardError> {
+        self.dev.gemm(on_device(w)?, x, y, p, round)
+    }
+
+    fn router_logits(&mut self, w: &Placed, x: Matrix, y: Matrix, p: Precision) -> Result<(), ForwardError> {
+        self.router_input = Some(x);
+        self.dev.router_logits(on_device(w)?, x, y, p)
+    }
+
+    fn rms_norm(&mut self, x: Matrix, weight: &Placed, out: Matrix, eps: f32, p: Precision) -> Result<(), ForwardError> {
+        self.dev.rms_norm(x, on_device(weight)?, out, eps, p)
+    }
+
+    fn rope(&mut self, x: Matrix, cos: Matrix, sin: Matrix, rows_per_position: usize, interleaved: bool, p: Precision) -> Result<(), ForwardError> {
+        self.dev.rope(x, cos, sin, rows_per_position, interleaved, p)
+    }
+
+    fn add(&mut self, h: Matrix, delta: Matrix, p: Precision) -> Result<(), ForwardError> {
+        self.dev.add(h, delta, p)
+    }
+
+    fn round_bf16(&mut self, x: Matrix) -> Result<(), ForwardError> {
+        self.dev.round_bf16(x)
+    }
+
+    fn zero(&mut self, x: Matrix) -> Result<(), ForwardError> {
+        self.dev.zero(x)
+    }
+
+    fn route(&mut self, logits: Matrix, bias: Option<&Placed>, params: &RouterParams, p: Precision, scratch: (DevicePtr, Matrix)) -> Result<Vec<Vec<(usize, f32)>>, ForwardError> {
+        let bias = bias.map(on_device).transpose()?;
+        let waited = Instant::now();
+        let chosen = self.dev.route(logits, bias, params, p, scratch)?;
+        // The experts' input comes with the choices, in the same wait: the
+        // shared experts queued next then run on the device while the CPU
+        // runs the routed ones.
+        if let Some(x) = self.router_input {
+            self.host_x = self.dev.download(x)?;
+        }
+        self.timings.device_wait += waited.elapsed();
+        Ok(chosen)
+    }
+
+    fn experts(&mut self, x: Matrix, jobs: &[ExpertJob<Placed>], out: Matrix, p: Precision, s: &ExpertScratch) -> Result<(), ForwardError> {
+        let mut device = vec![];
+        let mut host = vec![];
+        for j in jobs {
+            match (j.gate, j.up, j.down) {
+                (Placed::Device(gate), Placed::Device(up), Placed::Device(down)) => device.push(ExpertJob { gate, up, down, tokens: j.tokens, first: j.first, expert: j.expert }),
+                (Placed::Host(gate), Placed::Host(up), Placed::Host(down)) => host.push(ExpertJob { gate, up, down, tokens: j.tokens, first: j.first, expert: j.expert }),
+                _ => return Err(ForwardError::BadModule(format!("expert {}'s projections are split between the host and the device", j.expert))),
+            }
+        }
+        if !device.is_empty() {
+            self.dev.experts(x, &device, out, p, s)?;
+        }
+        if !host.is_empty() {
+            self.host_experts(x, &host, out, p, s)?;
+        }
+        if matches!(jobs.first().map(|j| j.tokens), Some(Tokens::Rows(_))) {
+            // The layer's input is spent once its routed experts have run.
+            self.router_input = None;
+        }
+        Ok(())
+    }
+
+    fn store_kv(&mut self, layer: usize, parts: &[Matrix], seg: &Segment, _host: &mut KvPool) -> Result<(), ForwardError> {
+        let [entries] = parts else {
+            return Err(ForwardError::BadModule(format!("KV entries in {} parts", parts.len())));
+        };
+        let t = self.table(seg)?;
+        let op = Op::KvStore { entries: *entries, kv: self.kv, table: t.ids, blocks: t.blocks, layer, start: seg.start };
+        self.dev.launch(op)
+    }
+
+    fn mla_attention(&mut self, c: &AttentionCall, w: &Weights<Placed>) -> Result<(), ForwardError> {
+        let context = self.context(c)?;
+        self.dev.mla_over(c, on_device(w.get("kv_b_proj")?)?, context)
+    }
+
+    fn gqa_attention(&mut self, c: &AttentionCall) -> Result<(), ForwardError> {
+        let context = self.context(c)?;
+        self.dev.gqa_over(c, context)
+    }
+}

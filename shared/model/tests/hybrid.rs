@@ -1,0 +1,231 @@
+//! The hybrid placement (attention and the rest on an emulated device,
+//! routed experts on the CPU, the KV cache in a device pool) against the
+//! CPU engine and against transformers, on the tiny checkpoint of every
+//! family.
+
+use duplex_kernels::device::emulated::{EmulatedConfig, EmulatedDevice, Jitter};
+use duplex_kernels::device::Device;
+use duplex_model::hybrid::{AdmitError, DeviceSeq, HybridConfig, HybridEngine};
+use duplex_model::{BlockTable, KvPool, Logits, Model, Precision, SeqInput};
+use duplex_toolkit::reference::{self, argmax, max_abs_diff, Bf16Gate, ReferencePrompt, F32_MAX_ABS_DIFF};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+const FIXTURES: [&str; 3] = ["tiny-dsv3", "tiny-qwen3moe", "tiny-mixtral"];
+const BLOCK: usize = 16;
+
+fn fixture(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures").join(name)
+}
+
+fn load(name: &str) -> Model {
+    Model::load(&fixture(name), &mut |_, _| {}).expect("fixture loads")
+}
+
+fn prompts(name: &str) -> Vec<ReferencePrompt> {
+    reference::load(&fixture(name)).expect("the fixture's reference outputs")
+}
+
+fn device(jitter: Option<Jitter>) -> Arc<dyn Device> {
+    // One compute thread of its own, as on the benchmark machine.
+    EmulatedDevice::new(EmulatedConfig { memory_bytes: 64 << 20, compute_threads: 1, jitter, ..Default::default() }).unwrap()
+}
+
+fn engine(name: &str, micro_batches: bool, jitter: Option<Jitter>) -> HybridEngine {
+    HybridEngine::new(load(name), device(jitter), HybridConfig { kv_blocks: 64, micro_batches, cpu_jitter: None }, BLOCK).expect("the tiny model fits")
+}
+
+/// Six prompts of mixed lengths cut from the fixture's reference prompts.
+fn batch_prompts(name: &str) -> Vec<Vec<u32>> {
+    let refs = prompts(name);
+    [40usize, 3, 25, 1, 57, 9]
+        .iter()
+        .enumerate()
+        .map(|(i, &len)| refs[i % refs.len()].input_ids.iter().copied().cycle().skip(i).take(len).collect())
+        .collect()
+}
+
+/// Greedy decode of `steps` tokens for each prompt, all in one batch, on the
+/// CPU engine: every step's logits, per sequence.
+fn cpu_decode(m: &Model, prompts: &[Vec<u32>], steps: usize, p: Precision) -> Vec<Vec<Vec<f32>>> {
+    let v = m.cfg.vocab_size;
+    let mut pool = m.new_kv_pool(64, BLOCK);
+    let mut tables: Vec<BlockTable> = prompts.iter().map(|_| BlockTable::default()).collect();
+    let mut out: Vec<Vec<Vec<f32>>> = prompts.iter().map(|_| vec![]).collect();
+    for (i, prompt) in prompts.iter().enumerate() {
+        out[i].push(m.forward(&mut pool, &mut tables[i], prompt, p, Logits::Last).unwrap());
+    }
+    for _ in 0..steps {
+        let tokens: Vec<[u32; 1]> = out.iter().map(|o| [argmax(o.last().unwrap())]).collect();
+        let mut seqs: Vec<SeqInput> = tables.iter_mut().zip(&tokens).map(|(table, t)| SeqInput { table, tokens: t }).collect();
+        let logits = m.forward_batch(&mut pool, &mut seqs, p, Logits::Last, &mut Default::default()).unwrap();
+        for (o, row) in out.iter_mut().zip(logits.chunks(v)) {
+            o.push(row.to_vec());
+        }
+    }
+    out
+}
+
+/// The same on the hybrid placement. Even-numbered prompts are prefilled
+/// on the CPU into the host pool and handed over (as from the prefill
+/// worker: their blocks are copied in); odd-numbered ones are prefilled by
+/// the hybrid placement itself, in one batch.
+fn hybrid_decode(e: &mut HybridEngine, prompts: &[Vec<u32>], steps: usize, p: Precision) -> Vec<Vec<Vec<f32>>> {
+    let v = e.model.cfg.vocab_size;
+    let mut host = e.model.new_kv_pool(64, BLOCK);
+    let mut tables: Vec<BlockTable> = prompts.iter().map(|_| BlockTable::default()).collect();
+    let mut out: Vec<Vec<Vec<f32>>> = prompts.iter().map(|_| vec![]).collect();
+    for (i, prompt) in prompts.iter().enumerate() {
+        host.reserve(&mut tables[i], prompt.len() + steps).unwrap();
+        if i % 2 == 0 {
+            out[i].push(e.model.forward(&mut host, &mut tables[i], prompt, p, Logits::Last).unwrap());
+        }
+    }
+    let dseqs: Vec<DeviceSeq> = tables.iter().zip(prompts).map(|(t, pr)| e.admit(&host, t, pr.len() + steps).unwrap()).collect();
+    let odd: Vec<usize> = (1..prompts.len()).step_by(2).collect();
+    if !odd.is_empty() {
+        let mut picked: Vec<(usize, &mut BlockTable)> = tables.iter_mut().enumerate().filter(|(i, _)| i % 2 == 1).collect();
+        let mut seqs: Vec<SeqInput> = picked.iter_mut().map(|(i, table)| SeqInput { table, tokens: &prompts[*i] }).collect();
+        let ds: Vec<&DeviceSeq> = odd.iter().map(|&i| &dseqs[i]).collect();
+        let (logits, _) = e.forward(&mut host, &mut seqs, &ds, p, Logits::Last).unwrap();
+        for (&i, row) in odd.iter().zip(logits.chunks(v)) {
+            out[i].push(row.to_vec());
+        }
+    }
+    let refs: Vec<&DeviceSeq> = dseqs.iter().collect();
+    for _ in 0..steps {
+        let tokens: Vec<[u32; 1]> = out.iter().map(|o| [argmax(o.last().unwrap())]).collect();
+        let mut seqs: Vec<SeqInput> = tables.iter_mut().zip(&tokens).map(|(table, t)| SeqInput { table, tokens: t }).collect();
+        let (logits, timings) = e.forward(&mut host, &mut seqs, &refs, p, Logits::Last).unwrap();
+        assert!(timings.cpu_moe > Duration::ZERO, "the routed experts ran on the CPU");
+        for (o, row) in out.iter_mut().zip(logits.chunks(v)) {
+            o.push(row.to_vec());
+        }
+    }
+    for (t, pr) in tables.iter().zip(prompts) {
+        assert_eq!(t.len, pr.len() + steps);
+    }
+    let free = e.kv().free_blocks();
+    for d in dseqs {
+        e.release(d).unwrap();
+    }
+    assert!(e.kv().free_blocks() > free);
+    assert_eq!(e.kv().free_blocks(), e.kv().total_blocks(), "every device block is back");
+    out
+}
+
+/// F32: the hybrid placement's tokens equal the CPU engine's, and its logits
+/// lie within 2e-3 of them, at batch 1, 2 and 6 with long and short prompts
+/// mixed, with and without micro-batches.
+#[test]
+fn f32_hybrid_decode_equals_the_cpu_engine() {
+    for f in FIXTURES {
+        let all = batch_prompts(f);
+        let cpu_model = load(f);
+        for micro_batches in [true, false] {
+            let mut e = engine(f, micro_batches, None);
+            for batch in [1usize, 2, 6] {
+                let prompts = &all[..batch];
+                let want = cpu_decode(&cpu_model, prompts, 5, Precision::F32);
+                let got = hybrid_decode(&mut e, prompts, 5, Precision::F32);
+                for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+                    for (step, (gs, ws)) in g.iter().zip(w).enumerate() {
+                        let d = max_abs_diff(gs, ws);
+                        assert!(d <= F32_MAX_ABS_DIFF, "{f} batch {batch} (micro-batches {micro_batches}) seq {i} step {step}: max |Δlogit| {d}");
+                        assert_eq!(argmax(gs), argmax(ws), "{f} batch {batch} seq {i} step {step}: greedy token differs");
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// BF16: decoding the reference prompts token by token on the hybrid
+/// placement (two at once, as two micro-batches) meets the engine's gates
+/// against transformers.
+#[test]
+fn bf16_hybrid_decode_meets_the_reference_gates() {
+    for f in FIXTURES {
+        let refs = prompts(f);
+        let mut e = engine(f, true, None);
+        let v = e.model.cfg.vocab_size;
+        let (a, b) = (&refs[0], &refs[1 % refs.len()]);
+        let len = a.input_ids.len().min(b.input_ids.len());
+        let mut host = e.model.new_kv_pool(64, BLOCK);
+        let mut tables = [BlockTable::default(), BlockTable::default()];
+        for t in tables.iter_mut() {
+            host.reserve(t, len).unwrap();
+        }
+        let dseqs: Vec<DeviceSeq> = tables.iter().map(|t| e.admit(&host, t, len).unwrap()).collect();
+        let refs_d: Vec<&DeviceSeq> = dseqs.iter().collect();
+        let (mut got_a, mut got_b) = (vec![], vec![]);
+        for pos in 0..len {
+            let (ta, tb) = ([a.input_ids[pos]], [b.input_ids[pos]]);
+            let [t0, t1] = &mut tables;
+            let mut seqs = [SeqInput { table: t0, tokens: &ta }, SeqInput { table: t1, tokens: &tb }];
+            let (logits, _) = e.forward(&mut host, &mut seqs, &refs_d, Precision::Bf16, Logits::Last).unwrap();
+            got_a.extend_from_slice(&logits[..v]);
+            got_b.extend_from_slice(&logits[v..]);
+        }
+        for (label, p, got) in [("a", a, &got_a), ("b", b, &got_b)] {
+            let gate = Bf16Gate::new(p, got, v);
+            println!("{f} hybrid bf16 decode, prompt {label}: {gate}");
+            assert!(gate.passed(), "{f} prompt {label}: {gate}");
+        }
+        for d in dseqs {
+            e.release(d).unwrap();
+        }
+    }
+}
+
+/// Random delays in the device's streams and before every CPU MoE: many
+/// decode steps over a changing batch (sequences finish and others take
+/// their freed blocks) still give the CPU engine's tokens and logits, so no
+/// expert output is read before it is complete and no freed block is
+/// written by stale work.
+#[test]
+fn jittered_streams_and_churn_keep_the_cpu_engines_results() {
+    let f = "tiny-qwen3moe";
+    let all = batch_prompts(f);
+    let cpu_model = load(f);
+    let jitter = Jitter { seed: 7, max: Duration::from_micros(300) };
+    let mut e = HybridEngine::new(load(f), device(Some(jitter)), HybridConfig { kv_blocks: 24, micro_batches: true, cpu_jitter: Some(jitter) }, BLOCK).unwrap();
+    // Rounds of 3 sequences reuse the same 24 blocks: each round's blocks
+    // were another's the round before.
+    for round in 0..4 {
+        let prompts: Vec<Vec<u32>> = (0..3).map(|i| all[(round + i) % all.len()].clone()).collect();
+        let want = cpu_decode(&cpu_model, &prompts, 12, Precision::F32);
+        let got = hybrid_decode(&mut e, &prompts, 12, Precision::F32);
+        for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+            for (step, (gs, ws)) in g.iter().zip(w).enumerate() {
+                assert!(max_abs_diff(gs, ws) <= F32_MAX_ABS_DIFF, "round {round} seq {i} step {step}");
+            }
+        }
+    }
+}
+
+/// A full device KV pool refuses a sequence with a clear error and keeps
+/// serving; a device too small for the resident weights is refused at
+/// start-up, naming what does not fit.
+#[test]
+fn refusals_name_what_does_not_fit() {
+    let f = "tiny-dsv3";
+    let mut e = HybridEngine::new(load(f), device(None), HybridConfig { kv_blocks: 3, micro_batches: true, cpu_jitter: None }, BLOCK).unwrap();
+    let host: KvPool = e.model.new_kv_pool(8, BLOCK);
+    let held = e.admit(&host, &BlockTable::default(), 2 * BLOCK).unwrap();
+    match e.admit(&host, &BlockTable::default(), 2 * BLOCK) {
+        Err(AdmitError::Full { needed: 2, free: 1, total: 3 }) => {}
+        other => panic!("expected a full pool, got {other:?}"),
+    }
+    e.release(held).unwrap();
+    let again = e.admit(&host, &BlockTable::default(), 3 * BLOCK).unwrap();
+    e.release(again).unwrap();
+
+    let tiny = EmulatedDevice::new(EmulatedConfig { memory_bytes: 64 << 10, ..Default::default() }).unwrap();
+    let err = HybridEngine::new(load(f), tiny, HybridConfig { kv_blocks: 4, micro_batches: true, cpu_jitter: None }, BLOCK).err().expect("64 KiB is too small");
+    let msg = err.to_string();
+    for part in ["resident weights", "embedding", "attention", "LM head", "KV pool of 4 blocks"] {
+        assert!(msg.contains(part), "{msg}");
+    }
+}
