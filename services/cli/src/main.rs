@@ -16,6 +16,7 @@ use duplex_kernels::pool::PoolConfig;
 use indicatif::{ProgressBar, ProgressStyle};
 
 mod bench;
+mod bench_decode;
 mod bench_slp;
 mod loadgen;
 mod serve;
@@ -44,6 +45,8 @@ enum Command {
     BenchEngine(BenchArgs),
     /// Stream-loading prefill on an emulated accelerator: transfer, compute and their overlap, per layer.
     BenchSlp(bench_slp::BenchSlpArgs),
+    /// Hybrid decode on an emulated accelerator: device and CPU time and their overlap per layer, batch 1 and 2.
+    BenchDecode(bench_decode::BenchDecodeArgs),
     /// Load a running server over gRPC: the paper's concurrency scenarios, or open-loop Poisson arrivals.
     Bench(loadgen::LoadArgs),
     /// Serve a model: start the router and both workers, restart them if they die.
@@ -289,6 +292,7 @@ fn run(cli: Cli) -> Result<()> {
         Command::BenchKernels(args) => bench::kernels(args),
         Command::BenchEngine(args) => bench::end_to_end(args),
         Command::BenchSlp(args) => bench_slp::run_bench(args),
+        Command::BenchDecode(args) => bench_decode::run(args),
         Command::Bench(args) => loadgen::run(args),
     }
 }

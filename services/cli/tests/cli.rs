@@ -161,3 +161,47 @@ fn a_missing_model_directory_is_a_clear_error() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("/nonexistent/model is not a model directory"), "{err}");
 }
+
+/// `duplex bench-decode` on the bundled model: the three configurations'
+/// per-layer times, overlap efficiencies and throughputs, and the batch-2 ÷
+/// batch-1 ratio next to the paper's; zero lengths are refused by name.
+#[test]
+fn bench_decode_reports_overlap_and_throughput() {
+    for (flag, needle) in [("--steps", "--steps must be at least 1"), ("--rounds", "--rounds must be at least 1"), ("--context", "--context must be at least 1")] {
+        let out = duplex(&["bench-decode", flag, "0"]);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{flag} 0 should fail");
+        assert!(stderr.contains(needle), "{flag} 0: {stderr}");
+    }
+    let out = duplex(&["bench-decode", "--context", "8", "--steps", "2", "--rounds", "2"]);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{stdout}{}", String::from_utf8_lossy(&out.stderr));
+    // The cells of the table row that starts with `label`, after `after`.
+    let cells = |label: &str, after: &str| -> Vec<String> {
+        let rest = &stdout[stdout.find(after).unwrap_or_else(|| panic!("{after:?} missing from:\n{stdout}"))..];
+        let line = rest.lines().find(|l| l.starts_with(&format!("| {label} |"))).unwrap_or_else(|| panic!("no row {label:?} after {after:?} in:\n{stdout}"));
+        line.trim_matches('|').split('|').map(|c| c.trim().to_string()).collect()
+    };
+    // `min / median / max`, in order.
+    let spread = |cell: &str| -> Vec<f64> {
+        let v: Vec<f64> = cell.split(" / ").map(|x| x.parse().unwrap_or_else(|_| panic!("{cell:?} is not min / median / max"))).collect();
+        assert!(v.len() == 3 && v[0] <= v[1] && v[1] <= v[2], "{cell:?}");
+        v
+    };
+    assert!(stdout.contains("dtype Bf16, context 8, 2 decode steps × 2 rounds"), "{stdout}");
+    for label in ["batch 1", "batch 2, two micro-batches", "batch 2, one batch"] {
+        let row = cells(label, "| overlap efficiency");
+        assert_eq!(row.len(), 6, "{row:?}");
+        for ms in [&row[1], &row[2], &row[3]] {
+            assert!(spread(ms)[0] > 0.0, "{label}: {row:?}");
+        }
+        for e in spread(&row[4]) {
+            assert!(e > 0.0 && e < 1.5, "{label}: overlap efficiency {e}");
+        }
+        let tps = cells(label, "| tokens/s");
+        assert!(spread(&tps[1])[0] > 0.0, "{label}: {tps:?}");
+    }
+    let paper = cells("batch 2 (two micro-batches) ÷ batch 1", "| ratio of tokens/s");
+    assert!(spread(&paper[1])[0] > 0.0, "{paper:?}");
+    assert_eq!(paper[2], "paper: 1.56×");
+}

@@ -1,0 +1,295 @@
+//! `duplex bench-decode`: how well the hybrid decode placement overlaps the
+//! device's work with the CPU's, on the emulated accelerator.
+//!
+//! The hybrid placement runs attention, norms, the router, shared experts,
+//! the embedding and the LM head on the device and the routed experts on the
+//! CPU pool. A batch of two is split into two micro-batches alternated layer
+//! by layer, so that the device runs one's attention while the CPU runs the
+//! other's experts. This measures, per decode step:
+//! - device busy time: the emulated device's compute time (its own threads),
+//! - CPU MoE time: the host's time in the routed experts,
+//! - measured time: the step's wall time,
+//!
+//! and the overlap efficiency max(device, CPU) ÷ measured: 1 when the shorter
+//! of the two is hidden entirely behind the longer. Batch 1 (nothing to
+//! overlap with), batch 2 in two micro-batches and batch 2 as one batch run
+//! interleaved round by round, so that load from other tenants of the
+//! machine hits all three alike, and every ratio is taken within a round.
+//!
+//! Per-layer figures are a step's totals divided by its layers: the engine
+//! reports its timings per pass, not per layer.
+
+use crate::{load_progress, ModelArgs};
+use anyhow::{bail, Context, Result};
+use clap::Args;
+use duplex_kernels::device::emulated::{EmulatedConfig, EmulatedDevice};
+use duplex_kernels::device::Device;
+use duplex_kernels::pool::PoolConfig;
+use duplex_model::hybrid::{DeviceKv, DeviceSeq, HybridConfig, HybridEngine};
+use duplex_model::{BlockTable, KvPool, Logits, Model, Precision, SeqInput};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// Positions per KV block, as the workers use.
+const BLOCK: usize = 16;
+/// The paper's batch-2 ÷ batch-1 decode throughput with dual micro-batches.
+const PAPER_BATCH2_SPEEDUP: f64 = 1.56;
+
+#[derive(Args)]
+pub struct BenchDecodeArgs {
+    #[command(flatten)]
+    model: ModelArgs,
+    /// Prompt tokens per sequence, prefilled on the CPU engine into a host KV pool and
+    /// handed to the hybrid placement (as from the prefill worker).
+    #[arg(long, default_value_t = 512)]
+    context: usize,
+    /// Decode steps per round.
+    #[arg(long, default_value_t = 16)]
+    steps: usize,
+    /// Rounds; each runs every configuration once, interleaved.
+    #[arg(long, default_value_t = 5)]
+    rounds: usize,
+    /// Compute threads of the emulated device (its own, apart from the CPU pool's).
+    #[arg(long, default_value_t = 1)]
+    device_threads: usize,
+    /// Threads of the CPU pool that runs the routed experts.
+    #[arg(long, default_value_t = 1)]
+    cpu_threads: usize,
+    /// Emulated device memory in MiB [default: the resident weights, the KV pool and room for activations].
+    #[arg(long)]
+    device_memory_mib: Option<usize>,
+    /// Blocks of each engine's device KV pool [default: enough for two sequences].
+    #[arg(long)]
+    kv_blocks: Option<usize>,
+}
+
+/// What one configuration did in one round, summed over its steps.
+#[derive(Clone, Copy, Default)]
+struct Round {
+    /// The emulated device's compute time.
+    device: Duration,
+    /// The host's time in the routed experts.
+    cpu: Duration,
+    /// The host's time blocked on the device.
+    wait: Duration,
+    /// Wall time of the steps.
+    measured: Duration,
+    tokens: usize,
+}
+
+impl Round {
+    fn efficiency(&self) -> f64 {
+        self.device.max(self.cpu).as_secs_f64() / self.measured.as_secs_f64().max(1e-12)
+    }
+
+    fn tokens_per_s(&self) -> f64 {
+        self.tokens as f64 / self.measured.as_secs_f64().max(1e-12)
+    }
+}
+
+/// One engine with its device (the concrete one, for its counters) and its
+/// sequences' device blocks.
+struct Placement {
+    engine: HybridEngine,
+    device: Arc<EmulatedDevice>,
+    seqs: Vec<DeviceSeq>,
+}
+
+/// A configuration: which placement, how many sequences.
+struct Config {
+    label: &'static str,
+    placement: usize,
+    batch: usize,
+}
+
+fn argmax(row: &[f32]) -> u32 {
+    row.iter().enumerate().fold((0, f32::NEG_INFINITY), |best, (i, &v)| if v > best.1 { (i, v) } else { best }).0 as u32
+}
+
+/// `min / median / max`.
+fn spread(mut xs: Vec<f64>, digits: usize) -> String {
+    xs.sort_by(f64::total_cmp);
+    let median = if xs.len() % 2 == 1 { xs[xs.len() / 2] } else { (xs[xs.len() / 2 - 1] + xs[xs.len() / 2]) / 2.0 };
+    format!("{:.digits$} / {median:.digits$} / {:.digits$}", xs[0], xs[xs.len() - 1])
+}
+
+fn mib(bytes: usize) -> f64 {
+    bytes as f64 / (1 << 20) as f64
+}
+
+/// Device memory that holds the resident weights and a KV pool of
+/// `kv_blocks` with the tenth the engine keeps for activations, plus room for
+/// the activations of a batch of two (both streams' workspaces, which grow by
+/// half again). The emulated device commits memory only as it is touched, so
+/// a generous figure costs nothing.
+fn default_device_bytes(model: &Model, kv_blocks: usize, positions: usize) -> Result<usize> {
+    let c = &model.cfg;
+    let resident: usize = model.staged_modules(usize::MAX).iter().filter(|m| !m.is_expert()).map(|m| m.device_bytes()).sum();
+    let kv = kv_blocks * DeviceKv::block_bytes(c.num_hidden_layers, BLOCK, c.kv_entry_dim());
+    let activations = duplex_model::staged::workspace_bytes(model, positions, 1, Logits::Last, 64 << 20)?;
+    Ok((resident + kv) / 9 * 10 + 2 * 2 * activations * 3 / 2 + (64 << 20))
+}
+
+fn placement(args: &BenchDecodeArgs, micro_batches: bool, kv_blocks: usize, positions: usize, host: &KvPool, tables: &[BlockTable]) -> Result<Placement> {
+    let dir = &args.model.model;
+    let (bar, mut progress) = load_progress(dir);
+    // Unpinned: the CPU pool's threads and the device's are separate threads,
+    // and pinning both from core 0 up would put them on the same cores.
+    let model = Model::load_with(dir, &PoolConfig::single_node(args.cpu_threads), &mut progress).with_context(|| format!("loading model from {}", dir.display()))?;
+    bar.finish_and_clear();
+    let memory_bytes = match args.device_memory_mib {
+        Some(m) => m << 20,
+        None => default_device_bytes(&model, kv_blocks, positions)?,
+    };
+    let device = EmulatedDevice::new(EmulatedConfig { memory_bytes, compute_threads: args.device_threads, ..Default::default() })?;
+    let dyn_device: Arc<dyn Device> = device.clone();
+    let mut engine = HybridEngine::new(model, dyn_device, HybridConfig { kv_blocks, micro_batches, cpu_jitter: None }, BLOCK)?;
+    let seqs = tables.iter().map(|t| engine.admit(host, t, positions)).collect::<Result<Vec<_>, _>>()?;
+    Ok(Placement { engine, device, seqs })
+}
+
+/// `steps` greedy decode steps of the first `batch` sequences, from the end
+/// of their prompts (the tables are rewound, so every round decodes the same
+/// tokens over the same blocks and the rounds differ only in noise).
+fn decode(p: &mut Placement, host: &mut KvPool, tables: &mut [BlockTable], first: &[Vec<f32>], context: usize, batch: usize, steps: usize, precision: Precision) -> Result<Round> {
+    let vocab = p.engine.model.cfg.vocab_size;
+    let mut logits: Vec<f32> = first[..batch].concat();
+    let dseqs: Vec<&DeviceSeq> = p.seqs[..batch].iter().collect();
+    for t in tables[..batch].iter_mut() {
+        t.len = context;
+    }
+    let mut round = Round { tokens: batch * steps, ..Default::default() };
+    for _ in 0..steps {
+        let tokens: Vec<[u32; 1]> = logits.chunks(vocab).map(|row| [argmax(row)]).collect();
+        let mut seqs: Vec<SeqInput> = tables[..batch].iter_mut().zip(&tokens).map(|(table, t)| SeqInput { table, tokens: t }).collect();
+        let busy = p.device.stats().compute_busy;
+        let started = Instant::now();
+        let (out, timings) = p.engine.forward(host, &mut seqs, &dseqs, precision, Logits::Last)?;
+        // The pass ends by downloading each stream's logits, so all of its
+        // device work has finished (and been counted) by now.
+        round.measured += started.elapsed();
+        round.device += p.device.stats().compute_busy - busy;
+        round.cpu += timings.cpu_moe;
+        round.wait += timings.device_wait;
+        logits = out;
+    }
+    Ok(round)
+}
+
+pub fn run(args: BenchDecodeArgs) -> Result<()> {
+    for (flag, value) in [("--context", args.context), ("--steps", args.steps), ("--rounds", args.rounds), ("--device-threads", args.device_threads), ("--cpu-threads", args.cpu_threads)] {
+        if value == 0 {
+            bail!("{flag} must be at least 1");
+        }
+    }
+    if args.kv_blocks == Some(0) || args.device_memory_mib == Some(0) {
+        bail!("--kv-blocks and --device-memory-mib must be at least 1");
+    }
+    let dir = &args.model.model;
+    duplex_model::check_model_dir(dir).map_err(anyhow::Error::msg)?;
+    let cfg = duplex_model::ModelConfig::from_file(&dir.join("config.json")).with_context(|| format!("reading {}", dir.join("config.json").display()))?;
+    let positions = args.context + args.steps;
+    if positions > cfg.max_position_embeddings {
+        bail!("--context {} and --steps {} need {positions} positions but the model allows {}", args.context, args.steps, cfg.max_position_embeddings);
+    }
+    let precision = args.model.dtype;
+    let per_seq = positions.div_ceil(BLOCK);
+    let kv_blocks = args.kv_blocks.unwrap_or(2 * per_seq);
+
+    // The prompts, prefilled on the CPU engine into a host pool, as the
+    // prefill worker hands them over; both placements copy them in.
+    let (bar, mut progress) = load_progress(dir);
+    let cpu = Model::load_with(dir, &PoolConfig::single_node(args.cpu_threads), &mut progress).with_context(|| format!("loading model from {}", dir.display()))?;
+    bar.finish_and_clear();
+    let mut host = cpu.new_kv_pool(2 * per_seq, BLOCK);
+    let mut tables = vec![BlockTable::default(), BlockTable::default()];
+    let mut first = vec![];
+    let vocab = cfg.vocab_size.min(2048);
+    for (s, table) in tables.iter_mut().enumerate() {
+        host.reserve(table, positions).map_err(|e| anyhow::anyhow!("host KV pool: {e}"))?;
+        // Two different prompts, so the two sequences route differently.
+        let prompt: Vec<u32> = (0..args.context).map(|i| ((i * 7919 + 13 + s * 104_729) % vocab) as u32).collect();
+        let mut logits = vec![];
+        for chunk in prompt.chunks(512) {
+            logits = cpu.forward(&mut host, table, chunk, precision, Logits::Last)?;
+        }
+        first.push(logits);
+    }
+    drop(cpu);
+
+    let mut placements = [placement(&args, true, kv_blocks, positions, &host, &tables)?, placement(&args, false, kv_blocks, positions, &host, &tables)?];
+    let budget = placements[0].engine.budget();
+    println!(
+        "{}: {} layers, hidden {}, {} routed experts (top {}), dtype {precision:?}, context {}, {} decode steps × {} rounds interleaved; routed experts on a CPU pool of {} thread(s); {}, {} compute thread(s) of its own; {} cores on this machine",
+        dir.display(),
+        cfg.num_hidden_layers,
+        cfg.hidden_size,
+        cfg.n_routed_experts,
+        cfg.num_experts_per_tok,
+        args.context,
+        args.steps,
+        args.rounds,
+        args.cpu_threads,
+        placements[0].device.describe(),
+        args.device_threads,
+        std::thread::available_parallelism().map_or(1, |n| n.get())
+    );
+    println!(
+        "device memory per placement: resident weights {:.1} MiB, KV pool {kv_blocks} blocks {:.1} MiB; expert deferral: not available in HybridConfig, not measured\n",
+        mib(budget.total() - budget.kv),
+        mib(budget.kv)
+    );
+
+    let configs = [
+        Config { label: "batch 1", placement: 0, batch: 1 },
+        Config { label: "batch 2, two micro-batches", placement: 0, batch: 2 },
+        Config { label: "batch 2, one batch", placement: 1, batch: 2 },
+    ];
+    // One unmeasured round each: the workspaces are allocated and the pages
+    // of the weights and the KV touched on first use.
+    for c in &configs {
+        decode(&mut placements[c.placement], &mut host, &mut tables, &first, args.context, c.batch, args.steps.min(2), precision)?;
+    }
+    let mut rounds: Vec<Vec<Round>> = configs.iter().map(|_| vec![]).collect();
+    for _ in 0..args.rounds {
+        for (c, out) in configs.iter().zip(rounds.iter_mut()) {
+            out.push(decode(&mut placements[c.placement], &mut host, &mut tables, &first, args.context, c.batch, args.steps, precision)?);
+        }
+    }
+
+    let layers = cfg.num_hidden_layers as f64;
+    let per_layer = |rs: &[Round], f: fn(&Round) -> Duration| spread(rs.iter().map(|r| f(r).as_secs_f64() * 1e3 / (args.steps as f64 * layers)).collect(), 3);
+    println!("Per layer of a decode step (a step's totals ÷ {} layers), min / median / max over {} rounds:", cfg.num_hidden_layers, args.rounds);
+    println!("| configuration | device busy ms (attention, router, shared experts, head) | CPU MoE ms | measured ms | overlap efficiency max(device, CPU) ÷ measured | host blocked on the device ms |");
+    println!("| --- | --- | --- | --- | --- | --- |");
+    for (c, rs) in configs.iter().zip(&rounds) {
+        println!(
+            "| {} | {} | {} | {} | {} | {} |",
+            c.label,
+            per_layer(rs, |r| r.device),
+            per_layer(rs, |r| r.cpu),
+            per_layer(rs, |r| r.measured),
+            spread(rs.iter().map(Round::efficiency).collect(), 2),
+            per_layer(rs, |r| r.wait)
+        );
+    }
+    println!("\n| configuration | tokens/s (min / median / max) |");
+    println!("| --- | --- |");
+    for (c, rs) in configs.iter().zip(&rounds) {
+        println!("| {} | {} |", c.label, spread(rs.iter().map(Round::tokens_per_s).collect(), 2));
+    }
+    // Ratios within a round: its configurations ran back to back.
+    let ratio = |a: usize, b: usize| spread(rounds[a].iter().zip(&rounds[b]).map(|(x, y)| x.tokens_per_s() / y.tokens_per_s()).collect(), 2);
+    println!("\n| ratio of tokens/s, within each round | min / median / max | compared with |");
+    println!("| --- | --- | --- |");
+    println!("| batch 2 (two micro-batches) ÷ batch 1 | {} | paper: {PAPER_BATCH2_SPEEDUP:.2}× |", ratio(1, 0));
+    println!("| batch 2 (two micro-batches) ÷ batch 2 (one batch) | {} | 1.00× without overlap |", ratio(1, 2));
+
+    for p in placements {
+        let Placement { mut engine, seqs, .. } = p;
+        for s in seqs {
+            engine.release(s)?;
+        }
+    }
+    Ok(())
+}
