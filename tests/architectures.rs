@@ -126,3 +126,57 @@ fn serve_paths_give_the_reference_greedy_tokens_qwen3_moe() {
 fn serve_paths_give_the_reference_greedy_tokens_mixtral() {
     serve_paths_give_the_reference_greedy_tokens("tiny-mixtral");
 }
+
+/// The decode worker on the hybrid placement (attention on an emulated
+/// accelerator, routed experts on the CPU), both workers at F32: every
+/// prompt, short ones prefilled by the decode worker itself and the long
+/// one handed over from the prefill worker (its KV copied into the device
+/// pool), gives the reference's greedy tokens alone (batch 1) and with
+/// others in flight (batches of 2 and 6, run as two micro-batches).
+fn serve_hybrid_decode_gives_the_reference_greedy_tokens(name: &str) {
+    let _serial = serial();
+    let references = references(name);
+    assert!(references[2].input_ids.len() >= 256, "{name}: prompt 2 goes to the prefill worker");
+    let server = Server::start(Options { prefill_threshold_tokens: 256, dtype: "f32", model: Some(fixture(name)), decode_device: "emulated", ..Options::default() });
+    let decode_metrics = server.decode_metrics_url();
+    runtime().block_on(async {
+        let client = server.grpc_client().await;
+        for batch in [1usize, 2, 6] {
+            // Prompts 0, 1 (short) and 2 (long), round robin.
+            let runs = (0..batch).map(|k| {
+                let (mut client, reference) = (client.clone(), &references[k % 3]);
+                async move {
+                    let request = greedy_request(&reference.input_ids, reference.greedy.len() as u32);
+                    (k, within(120, "generate", collect(&mut client, request)).await)
+                }
+            });
+            for (k, result) in futures::future::join_all(runs).await {
+                let (ids, _text, finished) = result.unwrap_or_else(|e| panic!("{name} batch {batch} request {k}: {e}\nserver log:\n{}", server.log()));
+                assert_eq!(ids, references[k % 3].greedy, "{name} batch {batch} request {k}");
+                assert_eq!(finished.finish_reason, "length");
+            }
+        }
+        let split = server.metric(&decode_metrics, "duplex_decode_micro_batch_size_count", "half=\"b\"").await.unwrap_or(0.0);
+        assert!(split > 0.0, "{name}: no step ran as two micro-batches");
+        let cpu_moe = server.metric(&decode_metrics, "duplex_decode_step_seconds_count", "part=\"cpu_moe\"").await.unwrap_or(0.0);
+        assert!(cpu_moe > 0.0, "{name}: no hybrid step recorded");
+        let used = server.metric(&decode_metrics, "duplex_decode_device_kv_blocks_used", "").await;
+        assert_eq!(used, Some(0.0), "{name}: device KV blocks still held after every request finished");
+    });
+    assert!(server.log().contains("decoding on emulated"), "{}", server.log());
+}
+
+#[test]
+fn serve_hybrid_decode_gives_the_reference_greedy_tokens_deepseek_v3() {
+    serve_hybrid_decode_gives_the_reference_greedy_tokens("tiny-dsv3");
+}
+
+#[test]
+fn serve_hybrid_decode_gives_the_reference_greedy_tokens_qwen3_moe() {
+    serve_hybrid_decode_gives_the_reference_greedy_tokens("tiny-qwen3moe");
+}
+
+#[test]
+fn serve_hybrid_decode_gives_the_reference_greedy_tokens_mixtral() {
+    serve_hybrid_decode_gives_the_reference_greedy_tokens("tiny-mixtral");
+}

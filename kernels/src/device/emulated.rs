@@ -325,4 +325,8 @@ impl Device for EmulatedDevice {
     fn register_host(&self, _src: &HostBytes) -> Result<(), DeviceError> {
         Ok(()) // host memory is the device's memory's neighbour: nothing to pin
     }
+
+    fn compute_busy(&self) -> Option<Duration> {
+        Some(self.stats().compute_busy)
+    }
 }

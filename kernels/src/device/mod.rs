@@ -403,6 +403,30 @@ pub trait Device: Send + Sync {
     /// Page-lock `src`'s memory so copies from it run at full speed (a no-op
     /// where that means nothing).
     fn register_host(&self, src: &HostBytes) -> Result<(), DeviceError>;
+    /// Time the device has spent computing so far, where it keeps count
+    /// (the emulated device does; a GPU's overlapping streams have no one
+    /// such figure).
+    fn compute_busy(&self) -> Option<Duration> {
+        None
+    }
+}
+
+/// Open CUDA device `ordinal` with `memory_mib` MiB of its memory (0: 90%
+/// of what is free), or say why not.
+pub fn open_cuda(ordinal: usize, memory_mib: usize) -> Result<Arc<dyn Device>, DeviceError> {
+    #[cfg(feature = "cuda")]
+    {
+        let bytes = match memory_mib {
+            0 => cuda::CudaDevice::free_memory(ordinal)? / 10 * 9,
+            mib => mib << 20,
+        };
+        Ok(cuda::CudaDevice::open(ordinal, bytes)?)
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = (ordinal, memory_mib);
+        Err(DeviceError::Unavailable("this build has no CUDA support (build with the cargo feature `cuda`)".into()))
+    }
 }
 
 /// Upload F32 values into `dst` (which they must fill).

@@ -31,10 +31,12 @@
 //! then wait only for a place in the batch, which running sequences free as
 //! they finish.
 
+use crate::engine::Engine;
 use crate::kv_alloc::KvAllocator;
+use duplex_model::hybrid::{AdmitError, DeviceSeq};
 use duplex_model::model::ForwardError;
 use duplex_model::sampling::{Sampler, SamplingParams};
-use duplex_model::{BlockTable, ForwardTimings, Logits, Model, Precision, SeqInput};
+use duplex_model::{BlockTable, Precision, SeqInput};
 use duplex_proto::stats::StatsCell;
 use duplex_proto::worker::{decode_event, DecodeEvent, DecodeFinished, KvLease, SampledToken as WireToken};
 use duplex_telemetry as names;
@@ -92,6 +94,9 @@ struct Sequence {
     /// Prompt tokens already in the cache.
     prefilled: usize,
     table: BlockTable,
+    /// Its blocks in the device KV pool (hybrid placement), from when it
+    /// first runs until it leaves.
+    device: Option<DeviceSeq>,
     sampler: Sampler,
     max_tokens: usize,
     stop_token_ids: HashSet<u32>,
@@ -182,7 +187,7 @@ impl Sequence {
 }
 
 pub struct Batcher {
-    model: Model,
+    engine: Engine,
     kv: KvAllocator,
     limits: Limits,
     precision: Precision,
@@ -195,11 +200,11 @@ pub struct Batcher {
 }
 
 impl Batcher {
-    pub fn new(model: Model, kv: KvAllocator, limits: Limits, precision: Precision, stats: Arc<StatsCell>) -> Self {
+    pub fn new(engine: Engine, kv: KvAllocator, limits: Limits, precision: Precision, stats: Arc<StatsCell>) -> Self {
         stats.pool_epoch.store(kv.epoch(), std::sync::atomic::Ordering::Relaxed);
         StatsCell::set(&stats.kv_blocks_total, kv.total_blocks());
         StatsCell::set(&stats.kv_block_size, kv.block_size());
-        Batcher { model, kv, limits, precision, waiting: VecDeque::new(), ready: VecDeque::new(), running: vec![], stats }
+        Batcher { engine, kv, limits, precision, waiting: VecDeque::new(), ready: VecDeque::new(), running: vec![], stats }
     }
 
     /// Run until every sender of `commands` is gone.
@@ -277,6 +282,7 @@ impl Batcher {
             generated: vec![],
             prefilled: 0,
             table: BlockTable::default(),
+            device: None,
             sampler,
             max_tokens: a.max_tokens,
             stop_token_ids: a.stop_token_ids,
@@ -286,6 +292,10 @@ impl Batcher {
         };
         let positions = reserve_len(&seq, self.limits.context_length);
         if let Some(p) = a.prefilled {
+            if let Err(status) = self.fits(positions) {
+                self.kv.free_lease(&seq.request_id);
+                return reject(&seq.events, status);
+            }
             // The lease already holds the whole need: no wait for blocks.
             match self.kv.take_lease(&seq.request_id, &p.lease, seq.prompt.len(), positions) {
                 Ok(table) => seq.table = table,
@@ -313,6 +323,13 @@ impl Batcher {
                 "the request needs {need} KV blocks ({positions} positions: prompt plus max_tokens, within the context of {}) but the pool has only {total}; it can never run on this worker",
                 self.limits.context_length
             )));
+        }
+        if let Some((need, total)) = self.engine.device_need(positions) {
+            if need > total {
+                return Err(Status::invalid_argument(format!(
+                    "the request needs {need} device KV blocks ({positions} positions: prompt plus max_tokens) but the device pool has only {total} (device_kv_blocks); it can never run on this worker"
+                )));
+            }
         }
         Ok(())
     }
@@ -400,11 +417,11 @@ impl Batcher {
 
     fn cancel(&mut self, request_id: &str) -> bool {
         let before = self.running.len() + self.ready.len();
-        let (kv, running, ready) = (&mut self.kv, &mut self.running, &mut self.ready);
+        let (kv, engine, running, ready) = (&mut self.kv, &mut self.engine, &mut self.running, &mut self.ready);
         let mut drop_seq = |s: &mut Sequence| {
             if s.request_id == request_id {
                 let _ = s.events.send(Err(Status::cancelled("cancelled")));
-                kv.release(&mut s.table);
+                release(kv, engine, s);
                 false
             } else {
                 true
@@ -419,10 +436,10 @@ impl Batcher {
     /// Drop requests whose caller has gone, grant blocks in arrival order
     /// while they last, then fill the batch with sequences that hold theirs.
     fn schedule(&mut self) {
-        let kv = &mut self.kv;
+        let (kv, engine) = (&mut self.kv, &mut self.engine);
         let mut gone = |s: &mut Sequence| {
             if s.events.is_closed() {
-                kv.release(&mut s.table);
+                release(kv, engine, s);
                 false
             } else {
                 true
@@ -434,7 +451,23 @@ impl Batcher {
         self.waiting.retain(|w| !w.is_gone());
         self.grant();
         while self.running.len() < self.limits.max_batch_size {
-            let Some(seq) = self.ready.pop_front() else { break };
+            let Some(mut seq) = self.ready.pop_front() else { break };
+            // With a device, a sequence runs once its blocks are in the
+            // device pool: copied in now, overlapped with the steps that
+            // run meanwhile. A full pool keeps it (and those behind it)
+            // waiting until running sequences leave.
+            match self.engine.admit(self.kv.pool(), &seq.table, reserve_len(&seq, self.limits.context_length)) {
+                Ok(device) => seq.device = device,
+                Err(AdmitError::Full { .. }) if !self.running.is_empty() => {
+                    self.ready.push_front(seq);
+                    break;
+                }
+                Err(e) => {
+                    let _ = seq.events.send(Err(Status::internal(format!("cannot place the sequence's KV cache on the device: {e}"))));
+                    self.kv.release(&mut seq.table);
+                    continue;
+                }
+            }
             self.running.push(seq);
         }
     }
@@ -448,23 +481,28 @@ impl Batcher {
         let mut budget = self.limits.prefill_chunk_tokens.max(1);
         let mut members = vec![];
         let mut inputs = vec![];
+        let mut device = vec![];
         for (i, seq) in self.running.iter_mut().enumerate() {
             let Some(range) = seq.next_tokens(&mut budget) else { continue };
             seq.started.get_or_insert(started);
-            let tokens = if seq.prefilled < seq.prompt.len() { &seq.prompt[range.clone()] } else { &seq.generated[seq.generated.len() - 1..] };
+            let Sequence { prompt, generated, prefilled, table, device: on_device, .. } = seq;
+            let tokens = if *prefilled < prompt.len() { &prompt[range.clone()] } else { &generated[generated.len() - 1..] };
             members.push((i, range.len()));
-            inputs.push(SeqInput { table: &mut seq.table, tokens });
+            inputs.push(SeqInput { table, tokens });
+            device.push(on_device.as_ref());
         }
-        let mut timings = ForwardTimings::default();
-        let result = self.model.forward_batch(self.kv.pool_mut(), &mut inputs, self.precision, Logits::Last, &mut timings);
+        let result = self.engine.forward(self.kv.pool_mut(), &mut inputs, &device, self.precision);
         drop(inputs);
+        drop(device);
+        let elapsed = started.elapsed();
         metrics::histogram!(names::DECODE_BATCH_SIZE).record(members.len() as f64);
-        metrics::histogram!(names::DECODE_STEP_TIME, "part" => "total").record(started.elapsed().as_secs_f64());
-        metrics::histogram!(names::DECODE_STEP_TIME, "part" => "attention").record(timings.attention.as_secs_f64());
-        metrics::histogram!(names::DECODE_STEP_TIME, "part" => "moe").record(timings.ffn.as_secs_f64());
+        metrics::histogram!(names::DECODE_STEP_TIME, "part" => "total").record(elapsed.as_secs_f64());
         self.stats.progressed();
         match result {
-            Ok(logits) => self.advance(&members, &logits),
+            Ok((logits, timings)) => {
+                record_step(&timings, elapsed);
+                self.advance(&members, &logits)
+            }
             Err(e) => self.fail_members(&members, e),
         }
     }
@@ -472,7 +510,7 @@ impl Batcher {
     /// Sample for every sequence that finished its prompt or is decoding,
     /// stream the tokens, and retire the finished.
     fn advance(&mut self, members: &[(usize, usize)], logits: &[f32]) {
-        let vocab = self.model.cfg.vocab_size;
+        let vocab = self.engine.model().cfg.vocab_size;
         let mut finished = vec![];
         for (row, &(i, n)) in members.iter().enumerate() {
             let seq = &mut self.running[i];
@@ -502,7 +540,7 @@ impl Batcher {
             let mut seq = self.running.remove(i);
             match reason {
                 Some(reason) => self.finish(seq, reason),
-                None => self.kv.release(&mut seq.table),
+                None => release(&mut self.kv, &mut self.engine, &mut seq),
             }
         }
     }
@@ -510,7 +548,7 @@ impl Batcher {
     fn finish(&mut self, mut seq: Sequence, reason: &str) {
         let event = DecodeFinished { finish_reason: reason.to_string(), queue_seconds: seq.queue_seconds() };
         let _ = seq.events.send(Ok(DecodeEvent { event: Some(decode_event::Event::Finished(event)) }));
-        self.kv.release(&mut seq.table);
+        release(&mut self.kv, &mut self.engine, &mut seq);
     }
 
     /// A forward pass failed (it should not: inputs are checked on entry).
@@ -520,7 +558,7 @@ impl Batcher {
         for &(i, _) in members.iter().rev() {
             let mut seq = self.running.remove(i);
             let _ = seq.events.send(Err(Status::internal(format!("decode step failed: {e}"))));
-            self.kv.release(&mut seq.table);
+            release(&mut self.kv, &mut self.engine, &mut seq);
         }
     }
 
@@ -533,6 +571,39 @@ impl Batcher {
         metrics::gauge!(names::DECODE_WAITING).set(waiting as f64);
         metrics::gauge!(names::KV_BLOCKS_USED).set(self.kv.used_blocks() as f64);
         metrics::gauge!(names::KV_BLOCKS_CAPACITY).set(self.kv.total_blocks() as f64);
+        if let Some((used, _)) = self.engine.device_blocks() {
+            metrics::gauge!(names::DEVICE_KV_BLOCKS_USED).set(used as f64);
+        }
+    }
+}
+
+/// Give back a leaving sequence's blocks, host and device.
+fn release(kv: &mut KvAllocator, engine: &mut Engine, seq: &mut Sequence) {
+    kv.release(&mut seq.table);
+    engine.release(seq.device.take());
+}
+
+/// A step's timings into the metrics.
+fn record_step(t: &crate::engine::StepTimings, elapsed: Duration) {
+    let part = |name: &'static str, d: Duration| metrics::histogram!(names::DECODE_STEP_TIME, "part" => name).record(d.as_secs_f64());
+    if let Some(c) = &t.cpu {
+        part("attention", c.attention);
+        part("moe", c.ffn);
+    }
+    if let Some(h) = &t.hybrid {
+        part("cpu_moe", h.cpu_moe);
+        part("device_wait", h.device_wait);
+        if let Some(busy) = h.device_busy {
+            part("device", busy);
+        }
+        for (half, &n) in ["a", "b"].iter().zip(&h.micro_batches) {
+            if n > 0 {
+                metrics::histogram!(names::DECODE_MICRO_BATCH_SIZE, "half" => *half).record(n as f64);
+            }
+        }
+    }
+    if let Some(overlap) = t.overlap(elapsed) {
+        metrics::histogram!(names::DECODE_OVERLAP).record(overlap);
     }
 }
 

@@ -47,11 +47,46 @@ pub struct DecodeConfig {
     pub threads: usize,
     /// NUMA nodes the thread pool is split into.
     pub numa_nodes: usize,
+    /// Where decode runs: `cpu` (everything on the CPU), or the hybrid
+    /// placement on `cuda` or `emulated` (a CPU-backed stand-in, for tests
+    /// and demos): attention, norms, router, shared experts, dense layers,
+    /// embedding and LM head on the device with their weights resident
+    /// there, routed experts on the CPU.
+    pub device: String,
+    /// Device memory to use, in MiB; 0: 90% of what is free (cuda) or 4096 (emulated).
+    pub device_memory_mib: usize,
+    /// Which CUDA device.
+    pub cuda_device: usize,
+    /// Compute threads of the emulated device (its own, besides `threads`).
+    pub device_threads: usize,
+    /// Device KV pool size in 16-token blocks; 0: as many as fit beside the
+    /// resident weights. A sequence waits for its blocks when the pool is full.
+    pub device_kv_blocks: usize,
+    /// Split batches of two or more sequences into two micro-batches whose
+    /// device attention and CPU experts overlap.
+    pub micro_batches: bool,
+}
+
+/// Where the decode worker runs its steps.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DeviceKind {
+    Cpu,
+    Emulated,
+    Cuda,
 }
 
 impl DecodeConfig {
     pub fn precision(&self) -> anyhow::Result<duplex_model::Precision> {
         self.dtype.parse().map_err(|e: String| anyhow::anyhow!("dtype: {e}"))
+    }
+
+    pub fn device_kind(&self) -> anyhow::Result<DeviceKind> {
+        match self.device.as_str() {
+            "cpu" => Ok(DeviceKind::Cpu),
+            "emulated" => Ok(DeviceKind::Emulated),
+            "cuda" => Ok(DeviceKind::Cuda),
+            other => anyhow::bail!("device: unknown device {other:?}; expected cpu, emulated or cuda"),
+        }
     }
 }
 
@@ -74,6 +109,12 @@ impl Default for DecodeConfig {
             dtype: "bf16".into(),
             threads: 0,
             numa_nodes: 1,
+            device: "cpu".into(),
+            device_memory_mib: 0,
+            cuda_device: 0,
+            device_threads: 1,
+            device_kv_blocks: 0,
+            micro_batches: true,
         }
     }
 }
@@ -133,6 +174,24 @@ pub struct DecodeArgs {
     /// NUMA nodes to split the threads into [default: 1].
     #[arg(long)]
     pub numa_nodes: Option<usize>,
+    /// Where decode runs: cpu, or the hybrid placement on cuda or emulated [default: cpu].
+    #[arg(long)]
+    pub device: Option<String>,
+    /// Device memory in MiB; 0 for 90% of free (cuda) or 4096 (emulated) [default: 0].
+    #[arg(long)]
+    pub device_memory_mib: Option<usize>,
+    /// CUDA device ordinal [default: 0].
+    #[arg(long)]
+    pub cuda_device: Option<usize>,
+    /// Compute threads of the emulated device [default: 1].
+    #[arg(long)]
+    pub device_threads: Option<usize>,
+    /// Device KV pool size in 16-token blocks; 0 for as many as fit [default: 0].
+    #[arg(long)]
+    pub device_kv_blocks: Option<usize>,
+    /// Overlap two micro-batches (true) or run each batch whole (false) [default: true].
+    #[arg(long)]
+    pub micro_batches: Option<bool>,
 }
 
 impl DecodeArgs {
@@ -147,11 +206,12 @@ impl DecodeArgs {
         if let Some(path) = self.unix_socket {
             c.unix_socket = Some(path);
         }
-        take!(model, host, port, metrics_port, shm_dir, instance, context_length, kv_blocks, max_batch_size, prefill_chunk_tokens, lease_timeout_seconds, max_waiting_requests, dtype, threads, numa_nodes);
+        take!(model, host, port, metrics_port, shm_dir, instance, context_length, kv_blocks, max_batch_size, prefill_chunk_tokens, lease_timeout_seconds, max_waiting_requests, dtype, threads, numa_nodes, device, device_memory_mib, cuda_device, device_threads, device_kv_blocks, micro_batches);
         if c.max_batch_size == 0 || c.prefill_chunk_tokens == 0 {
             anyhow::bail!("max_batch_size and prefill_chunk_tokens must be at least 1");
         }
         c.precision()?;
+        c.device_kind()?;
         Ok(c)
     }
 }

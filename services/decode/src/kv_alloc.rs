@@ -163,6 +163,10 @@ impl KvAllocator {
         self.epoch
     }
 
+    pub fn pool(&self) -> &KvPool {
+        &self.pool
+    }
+
     pub fn pool_mut(&mut self) -> &mut KvPool {
         &mut self.pool
     }

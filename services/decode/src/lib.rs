@@ -8,11 +8,17 @@
 
 pub mod batcher;
 pub mod config;
+pub mod engine;
 pub mod kv_alloc;
 pub mod server;
 
 use batcher::{Batcher, Limits};
+use config::DeviceKind;
 pub use config::DecodeConfig;
+use duplex_kernels::device::emulated::{EmulatedConfig, EmulatedDevice};
+use duplex_kernels::device::Device;
+use duplex_model::hybrid::{HybridConfig, HybridEngine};
+use engine::Engine;
 use duplex_ipc::{KvGeometry, KvSegment};
 use duplex_kernels::pool::PoolConfig;
 use duplex_proto::worker::decode_worker_server::DecodeWorkerServer;
@@ -63,6 +69,26 @@ fn start_engine(cfg: &DecodeConfig) -> anyhow::Result<(Batcher, Arc<StatsCell>, 
     let kv = KvAllocator::new(segment.into_pool(true)?, epoch);
     let limits = Limits { context_length, lease_timeout: std::time::Duration::from_secs(cfg.lease_timeout_seconds), max_batch_size: cfg.max_batch_size.max(1), prefill_chunk_tokens: cfg.prefill_chunk_tokens.max(1), max_waiting_requests: cfg.max_waiting_requests };
     let vocab = model.cfg.vocab_size;
+    let engine = match open_device(cfg)? {
+        None => Engine::Cpu(model),
+        Some(device) => {
+            let hybrid = HybridConfig { kv_blocks: cfg.device_kv_blocks, micro_batches: cfg.micro_batches, cpu_jitter: None };
+            Engine::Hybrid(Box::new(HybridEngine::new(model, device, hybrid, block_size)?))
+        }
+    };
+    tracing::info!("decoding on {}", engine.describe());
     let stats = Arc::new(StatsCell::new(context_length, store.fingerprint().to_string()));
-    Ok((Batcher::new(model, kv, limits, cfg.precision()?, stats.clone()), stats, vocab, context_length))
+    Ok((Batcher::new(engine, kv, limits, cfg.precision()?, stats.clone()), stats, vocab, context_length))
+}
+
+/// The accelerator `cfg` asks for, or none for the CPU alone.
+fn open_device(cfg: &DecodeConfig) -> anyhow::Result<Option<Arc<dyn Device>>> {
+    Ok(match cfg.device_kind()? {
+        DeviceKind::Cpu => None,
+        DeviceKind::Emulated => {
+            let memory_bytes = (if cfg.device_memory_mib == 0 { 4096 } else { cfg.device_memory_mib }) << 20;
+            Some(EmulatedDevice::new(EmulatedConfig { memory_bytes, compute_threads: cfg.device_threads.max(1), ..Default::default() })?)
+        }
+        DeviceKind::Cuda => Some(duplex_kernels::device::open_cuda(cfg.cuda_device, cfg.device_memory_mib)?),
+    })
 }

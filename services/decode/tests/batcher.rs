@@ -22,7 +22,7 @@ fn start(kv_blocks: usize) -> (Sender<Command>, Arc<StatsCell>) {
     let pool = KvPool::new(kv_blocks, 16, model.cfg.num_hidden_layers, model.cfg.kv_entry_dim());
     let stats = Arc::new(StatsCell::new(1024, "test".into()));
     let limits = Limits { context_length: 1024, lease_timeout: Duration::from_secs(60), max_batch_size: 6, prefill_chunk_tokens: 64, max_waiting_requests: 4 };
-    let batcher = Batcher::new(model, KvAllocator::new(pool, 1), limits, Precision::F32, stats.clone());
+    let batcher = Batcher::new(duplex_decode::engine::Engine::Cpu(model), KvAllocator::new(pool, 1), limits, Precision::F32, stats.clone());
     let (commands, receiver) = std::sync::mpsc::channel();
     std::thread::spawn(move || batcher.run(receiver));
     (commands, stats)

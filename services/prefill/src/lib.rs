@@ -91,17 +91,6 @@ fn open_device(cfg: &PrefillConfig) -> anyhow::Result<Option<Arc<dyn Device>>> {
     })
 }
 
-#[cfg(feature = "cuda")]
 fn open_cuda(cfg: &PrefillConfig) -> anyhow::Result<Arc<dyn Device>> {
-    use duplex_kernels::device::cuda::CudaDevice;
-    let bytes = match cfg.device_memory_mib {
-        0 => CudaDevice::free_memory(cfg.cuda_device)? / 10 * 9,
-        mib => mib << 20,
-    };
-    Ok(CudaDevice::open(cfg.cuda_device, bytes)?)
-}
-
-#[cfg(not(feature = "cuda"))]
-fn open_cuda(_: &PrefillConfig) -> anyhow::Result<Arc<dyn Device>> {
-    anyhow::bail!("this build has no CUDA support (build with `--features duplex-prefill/cuda`)")
+    Ok(duplex_kernels::device::open_cuda(cfg.cuda_device, cfg.device_memory_mib)?)
 }

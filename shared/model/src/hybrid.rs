@@ -61,12 +61,21 @@ pub struct HybridTimings {
     pub cpu_moe: Duration,
     /// Blocked on the device (routes, expert inputs, logits).
     pub device_wait: Duration,
+    /// The device's compute time, where it keeps count.
+    pub device_busy: Option<Duration>,
+    /// Sequences in each micro-batch (the second empty when unsplit).
+    pub micro_batches: [usize; 2],
 }
 
 impl std::ops::AddAssign for HybridTimings {
     fn add_assign(&mut self, o: Self) {
         self.cpu_moe += o.cpu_moe;
         self.device_wait += o.device_wait;
+        self.device_busy = match (self.device_busy, o.device_busy) {
+            (Some(a), Some(b)) => Some(a + b),
+            (a, b) => a.or(b),
+        };
+        self.micro_batches = [self.micro_batches[0] + o.micro_batches[0], self.micro_batches[1] + o.micro_batches[1]];
     }
 }
 
@@ -131,7 +140,7 @@ pub enum AdmitError {
 /// Sizes of the hybrid placement.
 #[derive(Clone, Copy, Debug)]
 pub struct HybridConfig {
-    /// Blocks of the device KV pool.
+    /// Blocks of the device KV pool; 0: as many as fit beside the resident weights.
     pub kv_blocks: usize,
     /// Split batches of two or more sequences into two micro-batches.
     pub micro_batches: bool,
@@ -197,7 +206,8 @@ impl HybridEngine {
         let c = &model.cfg;
         let entry = c.kv_entry_dim();
         let modules = model.staged_modules(usize::MAX);
-        let mut budget = DeviceBudget { kv: cfg.kv_blocks * DeviceKv::block_bytes(c.num_hidden_layers, block_size, entry), ..Default::default() };
+        let block_bytes = DeviceKv::block_bytes(c.num_hidden_layers, block_size, entry);
+        let mut budget = DeviceBudget::default();
         for m in modules.iter().filter(|m| !m.is_expert()) {
             let slot = match m.kind {
                 ModuleKind::Embed { .. } => &mut budget.embedding,
@@ -208,12 +218,14 @@ impl HybridEngine {
             };
             *slot += m.device_bytes();
         }
-        if cfg.kv_blocks == 0 {
-            return Err(ForwardError::Workspace("the device KV pool needs at least one block".into()));
-        }
         // Activations are small next to these; a tenth of the memory is left for them.
         let usable = dev.capacity() / 10 * 9;
-        if budget.total() > usable {
+        let kv_blocks = match cfg.kv_blocks {
+            0 => usable.saturating_sub(budget.total()) / block_bytes.max(1),
+            n => n,
+        };
+        budget.kv = kv_blocks * block_bytes;
+        if kv_blocks == 0 || budget.total() > usable {
             return Err(ForwardError::Workspace(format!(
                 "the hybrid placement does not fit the device ({}, {} usable after a tenth kept for activations): resident weights {} (embedding {}, attention {}, dense FFNs, routers and shared experts {}, LM head {}) and a KV pool of {} blocks {}",
                 human(dev.capacity()),
@@ -223,8 +235,8 @@ impl HybridEngine {
                 human(budget.attention),
                 human(budget.ffn),
                 human(budget.head),
-                cfg.kv_blocks,
-                human(budget.kv)
+                kv_blocks.max(1),
+                human(budget.kv.max(block_bytes))
             )));
         }
         let copy = dev.create_stream(StreamKind::Copy)?;
@@ -259,7 +271,7 @@ impl HybridEngine {
         }
         let pool = dev.alloc(budget.kv)?;
         resident.push(pool);
-        let kv = DeviceKv::new(pool, cfg.kv_blocks, c.num_hidden_layers, block_size, entry);
+        let kv = DeviceKv::new(pool, kv_blocks, c.num_hidden_layers, block_size, entry);
         // The weights must be in place before the first pass reads them.
         let done = dev.record(copy)?;
         dev.synchronize(&done)?;
@@ -352,6 +364,7 @@ impl HybridEngine {
                 return Err(ForwardError::Workspace(format!("a sequence reaches position {end} but holds {} device blocks", d.blocks.len())));
             }
         }
+        let busy_before = self.dev.compute_busy();
         let split = if self.micro_batches && seqs.len() >= 2 { seqs.len().div_ceil(2) } else { seqs.len() };
         let (a, b) = seqs.split_at_mut(split);
         let (da, db) = dseqs.split_at(split);
@@ -400,6 +413,8 @@ impl HybridEngine {
             logits.extend(more);
             timings += backend.timings;
         }
+        timings.micro_batches = [a.len(), b.len()];
+        timings.device_busy = busy_before.zip(self.dev.compute_busy()).map(|(before, after)| after.saturating_sub(before));
         Ok((logits, timings))
     }
 

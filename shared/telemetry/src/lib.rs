@@ -46,6 +46,8 @@ const LATENCY: &[f64] = &[0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.
 const TOKEN_LATENCY: &[f64] = &[0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5, 10.0];
 const BATCH: &[f64] = &[1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 8.0, 12.0, 16.0, 24.0, 32.0, 64.0];
 const THROUGHPUT: &[f64] = &[10.0, 25.0, 50.0, 100.0, 250.0, 500.0, 1000.0, 2500.0, 5000.0, 10000.0, 25000.0];
+/// Fractions, such as an overlap efficiency.
+const RATIO: &[f64] = &[0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.85, 0.9, 0.95, 1.0];
 const NONE: &[f64] = &[];
 
 macro_rules! metrics_table {
@@ -84,7 +86,13 @@ metrics_table! {
     DECODE_BATCH_SIZE = "duplex_decode_batch_size", Histogram, Decode, BATCH,
         "Sequences in one decode-worker step (decoding plus prefilling).";
     DECODE_STEP_TIME = "duplex_decode_step_seconds", Histogram, Decode, LATENCY,
-        "Time of one decode-worker step; label part = total | attention | moe.";
+        "Time of one decode-worker step; label part = total | attention | moe (CPU engine) | cpu_moe | device_wait | device (hybrid: routed experts on the CPU, the host blocked on the device, the device's compute where it reports it).";
+    DECODE_MICRO_BATCH_SIZE = "duplex_decode_micro_batch_size", Histogram, Decode, BATCH,
+        "Sequences in each of a hybrid step's two micro-batches; label half = a | b (b absent when the batch runs unsplit).";
+    DECODE_OVERLAP = "duplex_decode_overlap_efficiency", Histogram, Decode, RATIO,
+        "max(device compute, CPU MoE) ÷ step time of each hybrid step, where the device reports its compute time (the emulated device does).";
+    DEVICE_KV_BLOCKS_USED = "duplex_decode_device_kv_blocks_used", Gauge, Decode, NONE,
+        "Blocks of the decode worker's device KV pool held by running sequences (hybrid placement).";
     DECODE_RUNNING = "duplex_decode_running_sequences", Gauge, Decode, NONE,
         "Sequences in the decode worker's running batch.";
     DECODE_WAITING = "duplex_decode_waiting_sequences", Gauge, Decode, NONE,

@@ -1,0 +1,111 @@
+//! What runs the decode worker's steps: the CPU engine, or the hybrid
+//! placement (attention and the rest on an accelerator, routed experts on
+//! the CPU, two micro-batches overlapped; `duplex_model::hybrid`).
+
+use duplex_model::hybrid::{AdmitError, DeviceSeq, HybridEngine, HybridTimings};
+use duplex_model::model::ForwardError;
+use duplex_model::{BlockTable, ForwardTimings, KvPool, Logits, Model, Precision, SeqInput};
+use std::time::Duration;
+
+pub enum Engine {
+    Cpu(Model),
+    Hybrid(Box<HybridEngine>),
+}
+
+/// Where one step's time went.
+#[derive(Debug, Default)]
+pub struct StepTimings {
+    /// CPU engine: attention and FFN time.
+    pub cpu: Option<ForwardTimings>,
+    /// Hybrid placement: CPU MoE, waits, device time, micro-batch sizes.
+    pub hybrid: Option<HybridTimings>,
+}
+
+impl Engine {
+    pub fn model(&self) -> &Model {
+        match self {
+            Engine::Cpu(m) => m,
+            Engine::Hybrid(h) => &h.model,
+        }
+    }
+
+    pub fn describe(&self) -> String {
+        match self {
+            Engine::Cpu(_) => "the CPU".into(),
+            Engine::Hybrid(h) => {
+                let b = h.budget();
+                format!(
+                    "{} (hybrid: {:.1} MiB of resident weights, {} device KV blocks; routed experts on the CPU)",
+                    h.device().describe(),
+                    (b.total() - b.kv) as f64 / (1 << 20) as f64,
+                    h.kv().total_blocks()
+                )
+            }
+        }
+    }
+
+    /// Device KV blocks a sequence of `positions` needs and the pool's
+    /// total, when there is a device pool.
+    pub fn device_need(&self, positions: usize) -> Option<(usize, usize)> {
+        match self {
+            Engine::Cpu(_) => None,
+            Engine::Hybrid(h) => Some((h.kv().blocks_for(positions).max(1), h.kv().total_blocks())),
+        }
+    }
+
+    /// Device blocks in use and in all (none on the CPU).
+    pub fn device_blocks(&self) -> Option<(usize, usize)> {
+        match self {
+            Engine::Cpu(_) => None,
+            Engine::Hybrid(h) => Some((h.kv().total_blocks() - h.kv().free_blocks(), h.kv().total_blocks())),
+        }
+    }
+
+    /// Give a sequence about to run its device blocks, copying in what its
+    /// host table holds (nothing to do on the CPU).
+    pub fn admit(&mut self, host: &KvPool, table: &BlockTable, positions: usize) -> Result<Option<DeviceSeq>, AdmitError> {
+        match self {
+            Engine::Cpu(_) => Ok(None),
+            Engine::Hybrid(h) => h.admit(host, table, positions).map(Some),
+        }
+    }
+
+    /// Give a sequence's device blocks back, if it holds any.
+    pub fn release(&mut self, seq: Option<DeviceSeq>) {
+        if let (Engine::Hybrid(h), Some(seq)) = (self, seq) {
+            if let Err(e) = h.release(seq) {
+                tracing::error!("releasing device KV blocks: {e}");
+            }
+        }
+    }
+
+    /// One step over `seqs`; `device` holds each one's device blocks (in
+    /// the hybrid placement every running sequence has them).
+    pub fn forward(&mut self, pool: &mut KvPool, seqs: &mut [SeqInput], device: &[Option<&DeviceSeq>], p: Precision) -> Result<(Vec<f32>, StepTimings), ForwardError> {
+        match self {
+            Engine::Cpu(m) => {
+                let mut t = ForwardTimings::default();
+                let logits = m.forward_batch(pool, seqs, p, Logits::Last, &mut t)?;
+                Ok((logits, StepTimings { cpu: Some(t), hybrid: None }))
+            }
+            Engine::Hybrid(h) => {
+                let device: Vec<&DeviceSeq> = device
+                    .iter()
+                    .map(|d| d.ok_or_else(|| ForwardError::BadModule("a running sequence without device KV blocks".into())))
+                    .collect::<Result<_, _>>()?;
+                let (logits, t) = h.forward(pool, seqs, &device, p, Logits::Last)?;
+                Ok((logits, StepTimings { cpu: None, hybrid: Some(t) }))
+            }
+        }
+    }
+}
+
+impl StepTimings {
+    /// max(device busy, CPU MoE) ÷ the step's time: how well the two sides
+    /// overlapped, where the device reports its busy time.
+    pub fn overlap(&self, step: Duration) -> Option<f64> {
+        let h = self.hybrid?;
+        let busy = h.device_busy?;
+        (step > Duration::ZERO).then(|| busy.max(h.cpu_moe).as_secs_f64() / step.as_secs_f64())
+    }
+}
