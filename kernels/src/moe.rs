@@ -335,7 +335,7 @@ mod tests {
 
     #[test]
     fn matches_reference_on_two_simulated_nodes() {
-        let pool = ThreadPool::new(&PoolConfig { threads_per_node: vec![1, 1], pin: false });
+        let pool = ThreadPool::new(&PoolConfig { threads_per_node: vec![1, 1], pin: false, cores: None });
         check(&pool, 256, 320, 2);
         check(&pool, 384, 200, 5);
     }

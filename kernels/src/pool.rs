@@ -19,18 +19,23 @@ use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 
-/// How many threads each NUMA node gets, and whether to pin them.
+/// How many threads each NUMA node gets, and whether (and where) to pin them.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct PoolConfig {
     pub threads_per_node: Vec<usize>,
-    /// Pin worker thread `i` (counted over all nodes, the caller being 0) to core `i`.
+    /// Pin worker thread `i` (counted over all nodes, the caller being 0) to
+    /// `cores[i]` when `cores` is given, else to the `i`-th core this process
+    /// may run on.
     pub pin: bool,
+    /// The cores to pin to, in thread order: node 0's threads take the first
+    /// slice, node 1's the next, and so on. `None`: the process's own cores.
+    pub cores: Option<Vec<usize>>,
 }
 
 impl PoolConfig {
     /// One node with `threads` threads.
     pub fn single_node(threads: usize) -> Self {
-        PoolConfig { threads_per_node: vec![threads.max(1)], pin: false }
+        PoolConfig { threads_per_node: vec![threads.max(1)], pin: false, cores: None }
     }
 
     /// One node using every core this process may run on, pinned.
@@ -42,14 +47,157 @@ impl PoolConfig {
     /// into `nodes` NUMA nodes (simulated on a one-node machine).
     pub fn split(threads: usize, nodes: usize) -> Result<Self, String> {
         let threads = if threads == 0 { std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1) } else { threads };
-        if nodes == 0 || nodes > threads {
-            return Err(format!("threads must be at least the number of NUMA nodes, and nodes at least 1 ({threads} threads, {nodes} nodes)"));
-        }
-        let per = threads / nodes;
-        let mut threads_per_node = vec![per; nodes];
-        threads_per_node[0] += threads - per * nodes;
-        Ok(PoolConfig { threads_per_node, pin: true })
+        Ok(PoolConfig { threads_per_node: split_threads(threads, nodes)?, pin: true, cores: None })
     }
+
+    /// [`Self::split`] pinned to the explicit core list `cores` (empty: not
+    /// set, which is [`Self::split`]). `threads` 0 means one thread per
+    /// listed core; more threads than cores, or a core this process may not
+    /// run on, is an error naming them. Nodes take consecutive slices.
+    pub fn on_cores(threads: usize, nodes: usize, cores: &[usize]) -> Result<Self, String> {
+        if cores.is_empty() {
+            return Self::split(threads, nodes);
+        }
+        let allowed = allowed_cores();
+        let refused: Vec<usize> = cores.iter().copied().filter(|c| !allowed.contains(c)).collect();
+        if !refused.is_empty() {
+            return Err(format!(
+                "cores {} are not among the cores this process may run on ({})",
+                format_cpu_list(&refused),
+                format_cpu_list(&allowed)
+            ));
+        }
+        let threads = if threads == 0 { cores.len() } else { threads };
+        if threads > cores.len() {
+            return Err(format!("threads = {threads} is more than the {} cores of `cores` ({})", cores.len(), format_cpu_list(cores)));
+        }
+        Ok(PoolConfig { threads_per_node: split_threads(threads, nodes)?, pin: true, cores: Some(cores[..threads].to_vec()) })
+    }
+
+    /// How many NUMA nodes the pool has.
+    pub fn nodes(&self) -> usize {
+        self.threads_per_node.len().max(1)
+    }
+
+    /// What the pool runs on, for the log: threads, nodes, cores.
+    pub fn describe(&self) -> String {
+        let threads: usize = self.threads_per_node.iter().map(|&n| n.max(1)).sum();
+        let place = match (&self.cores, self.pin) {
+            (Some(cores), _) => format!("pinned to cores {}", format_cpu_list(cores)),
+            (None, true) => "pinned to the first cores this process may run on".to_string(),
+            (None, false) => "not pinned".to_string(),
+        };
+        format!("{threads} threads in {} NUMA node(s) {:?}, {place}", self.nodes(), self.threads_per_node)
+    }
+}
+
+/// The pool node that computes routed expert `expert` on a pool of `nodes`
+/// nodes. The CPU backend sends experts there and the weight segment places
+/// their weights in that node's memory, so both must use this one rule.
+pub fn expert_node(expert: usize, nodes: usize) -> usize {
+    expert % nodes.max(1)
+}
+
+/// `threads` split as evenly as possible over `nodes`, node 0 taking the rest.
+fn split_threads(threads: usize, nodes: usize) -> Result<Vec<usize>, String> {
+    if nodes == 0 || nodes > threads {
+        return Err(format!("threads must be at least the number of NUMA nodes, and nodes at least 1 ({threads} threads, {nodes} nodes)"));
+    }
+    let per = threads / nodes;
+    let mut threads_per_node = vec![per; nodes];
+    threads_per_node[0] += threads - per * nodes;
+    Ok(threads_per_node)
+}
+
+/// The cores the calling thread may run on (its affinity mask), ascending.
+pub fn allowed_cores() -> Vec<usize> {
+    let mut ids: Vec<usize> = core_affinity::get_core_ids().unwrap_or_default().into_iter().map(|c| c.id).collect();
+    ids.sort_unstable();
+    ids
+}
+
+/// Parse a CPU list as Linux prints them (`0-11,24-35`, `3`, `0, 2-4`): comma
+/// separated cores or inclusive ranges, in the order given. Blank: the empty
+/// list (not set). Reversed ranges, empty pieces, non-numbers and repeated
+/// cores are errors naming the piece.
+pub fn parse_cpu_list(text: &str) -> Result<Vec<usize>, String> {
+    if text.trim().is_empty() {
+        return Ok(vec![]);
+    }
+    let number = |s: &str, piece: &str| s.trim().parse::<usize>().map_err(|_| format!("{piece:?} in the CPU list {text:?} is not a core number or a range like 0-7"));
+    let mut cores = vec![];
+    for piece in text.split(',') {
+        let piece = piece.trim();
+        if piece.is_empty() {
+            return Err(format!("the CPU list {text:?} has an empty piece (two commas, or a comma at an end)"));
+        }
+        let (first, last) = match piece.split_once('-') {
+            Some((a, b)) => (number(a, piece)?, number(b, piece)?),
+            None => (number(piece, piece)?, number(piece, piece)?),
+        };
+        if first > last {
+            return Err(format!("the range {piece:?} in the CPU list {text:?} runs backwards"));
+        }
+        for core in first..=last {
+            if cores.contains(&core) {
+                return Err(format!("core {core} appears twice in the CPU list {text:?}"));
+            }
+            cores.push(core);
+        }
+    }
+    Ok(cores)
+}
+
+/// A core list in the CPU-list notation, runs folded: `[0,1,2,5]` → `0-2,5`.
+pub fn format_cpu_list(cores: &[usize]) -> String {
+    let mut parts: Vec<String> = vec![];
+    let mut i = 0;
+    while i < cores.len() {
+        let mut j = i;
+        while j + 1 < cores.len() && cores[j + 1] == cores[j] + 1 {
+            j += 1;
+        }
+        parts.push(if j == i { cores[i].to_string() } else { format!("{}-{}", cores[i], cores[j]) });
+        i = j + 1;
+    }
+    parts.join(",")
+}
+
+/// Restrict every thread of this process to `cores` (what `taskset -a -p`
+/// does), and so every thread they start later, which inherits the mask.
+/// A worker given a core set calls this before building its pool, so that
+/// its unpinned threads (the engine thread that is the pool's thread 0, the
+/// runtime's, an emulated device's) stay off the other worker's cores too.
+pub fn restrict_process_to(cores: &[usize]) -> Result<(), String> {
+    if cores.is_empty() {
+        return Err("an empty core set".into());
+    }
+    // SAFETY: cpu_set_t is plain data; zeroed is the empty set.
+    let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
+    for &c in cores {
+        if c >= libc::CPU_SETSIZE as usize {
+            return Err(format!("core {c} is beyond the {} cores sched_setaffinity can name", libc::CPU_SETSIZE));
+        }
+        // SAFETY: c < CPU_SETSIZE was checked above.
+        unsafe { libc::CPU_SET(c, &mut set) };
+    }
+    // Two passes: a thread started while the first pass ran, by a thread
+    // not yet restricted, is caught by the second.
+    for _ in 0..2 {
+        let tasks = std::fs::read_dir("/proc/self/task").map_err(|e| format!("cannot list /proc/self/task: {e}"))?;
+        for task in tasks.flatten() {
+            let Some(tid) = task.file_name().to_str().and_then(|t| t.parse::<libc::pid_t>().ok()) else { continue };
+            // SAFETY: `set` is a valid cpu_set_t of the size passed.
+            if unsafe { libc::sched_setaffinity(tid, std::mem::size_of::<libc::cpu_set_t>(), &set) } != 0 {
+                let e = std::io::Error::last_os_error();
+                // A thread that exited since the listing is no error.
+                if e.raw_os_error() != Some(libc::ESRCH) {
+                    return Err(format!("cannot restrict thread {tid} to cores {}: {e}", format_cpu_list(cores)));
+                }
+            }
+        }
+    }
+    Ok(())
 }
 
 /// The task body of a parallel region: `(node, task)`.
@@ -119,7 +267,11 @@ impl ThreadPool {
         });
         // Workers are pinned; the calling thread is left alone, since it
         // belongs to the application.
-        let cores = if config.pin { core_affinity::get_core_ids().unwrap_or_default() } else { vec![] };
+        let cores: Vec<core_affinity::CoreId> = match (&config.cores, config.pin) {
+            (_, false) => vec![],
+            (Some(list), true) => list.iter().map(|&id| core_affinity::CoreId { id }).collect(),
+            (None, true) => core_affinity::get_core_ids().unwrap_or_default(),
+        };
         let workers = node_of_thread
             .iter()
             .enumerate()
@@ -305,7 +457,7 @@ mod tests {
 
     #[test]
     fn nodes_run_only_their_own_tasks() {
-        let pool = ThreadPool::new(&PoolConfig { threads_per_node: vec![1, 2], pin: false });
+        let pool = ThreadPool::new(&PoolConfig { threads_per_node: vec![1, 2], pin: false, cores: None });
         assert_eq!((pool.nodes(), pool.threads(), pool.threads_of(1)), (2, 3, 2));
         let seen: Vec<Mutex<Vec<usize>>> = (0..2).map(|_| Mutex::new(vec![])).collect();
         for _ in 0..200 {
@@ -344,5 +496,128 @@ mod tests {
             sum.fetch_add(t, Ordering::Relaxed);
         });
         assert_eq!(sum.load(Ordering::Relaxed), 4950);
+    }
+
+    #[test]
+    fn cpu_lists_parse() {
+        assert_eq!(parse_cpu_list("0-3,8,10-11").unwrap(), [0, 1, 2, 3, 8, 10, 11]);
+        assert_eq!(parse_cpu_list(" 5 , 1 - 2 ").unwrap(), [5, 1, 2], "whitespace is ignored and the order kept");
+        assert_eq!(parse_cpu_list("7").unwrap(), [7]);
+        assert_eq!(parse_cpu_list("4-4").unwrap(), [4]);
+        assert_eq!(parse_cpu_list("").unwrap(), Vec::<usize>::new());
+        assert_eq!(parse_cpu_list("  ").unwrap(), Vec::<usize>::new());
+        for (bad, says) in [
+            ("3-1", "backwards"),
+            ("a", "\"a\""),
+            ("1,,2", "empty piece"),
+            ("1,", "empty piece"),
+            (",1", "empty piece"),
+            ("1-", "\"1-\""),
+            ("-1", "\"-1\""),
+            ("1-2-3", "\"1-2-3\""),
+            ("0-2,1", "core 1 appears twice"),
+        ] {
+            let err = parse_cpu_list(bad).unwrap_err();
+            assert!(err.contains(says), "{bad:?}: {err}");
+        }
+    }
+
+    #[test]
+    fn cpu_lists_format_folded() {
+        assert_eq!(format_cpu_list(&[0, 1, 2, 5, 7, 8]), "0-2,5,7-8");
+        assert_eq!(format_cpu_list(&[3]), "3");
+        assert_eq!(format_cpu_list(&[]), "");
+        let cores = [0, 1, 2, 3, 8, 10, 11];
+        assert_eq!(parse_cpu_list(&format_cpu_list(&cores)).unwrap(), cores);
+    }
+
+    #[test]
+    fn explicit_core_lists_are_checked() {
+        let allowed = allowed_cores();
+        assert!(!allowed.is_empty());
+        // threads 0: one per listed core; nodes take consecutive slices.
+        let c = PoolConfig::on_cores(0, 1, &allowed).unwrap();
+        assert_eq!((c.threads_per_node.clone(), c.cores.clone()), (vec![allowed.len()], Some(allowed.clone())));
+        let err = PoolConfig::on_cores(allowed.len() + 1, 1, &allowed).unwrap_err();
+        assert!(err.contains(&format!("threads = {}", allowed.len() + 1)) && err.contains(&format_cpu_list(&allowed)), "{err}");
+        let beyond = allowed.last().unwrap() + 1000;
+        let err = PoolConfig::on_cores(1, 1, &[allowed[0], beyond]).unwrap_err();
+        assert!(err.contains(&format!("cores {beyond} are not among")) && err.contains(&format_cpu_list(&allowed)), "{err}");
+        // An empty list is "not set": today's behaviour.
+        assert_eq!(PoolConfig::on_cores(2, 1, &[]).unwrap(), PoolConfig::split(2, 1).unwrap());
+        // Fewer threads than cores take the first ones.
+        let c = PoolConfig::on_cores(1, 1, &allowed).unwrap();
+        assert_eq!(c.cores, Some(vec![allowed[0]]));
+    }
+
+    #[test]
+    fn nodes_take_consecutive_slices_of_the_core_list() {
+        // Only the plan is checked here (these cores need not exist).
+        let cores: Vec<usize> = (0..6).collect();
+        let c = PoolConfig { threads_per_node: split_threads(6, 2).unwrap(), pin: true, cores: Some(cores) };
+        assert_eq!(c.threads_per_node, [3, 3]);
+        assert_eq!(c.nodes(), 2);
+        assert!(c.describe().contains("cores 0-5"), "{}", c.describe());
+    }
+
+    /// Each thread's affinity, read from inside it (sched_getaffinity on the
+    /// calling thread), keyed by its index in the pool.
+    fn affinities(pool: &ThreadPool) -> Vec<Option<Vec<usize>>> {
+        let seen: Vec<Mutex<Option<Vec<usize>>>> = (0..pool.threads()).map(|_| Mutex::new(None)).collect();
+        for _ in 0..200 {
+            pool.parallel_for(pool.threads() * 4, &|_| {
+                *seen[thread_index()].lock().unwrap() = Some(allowed_cores());
+                std::thread::sleep(std::time::Duration::from_millis(2));
+            });
+            if seen.iter().skip(1).all(|s| s.lock().unwrap().is_some()) {
+                break;
+            }
+        }
+        seen.into_iter().map(|s| s.into_inner().unwrap()).collect()
+    }
+
+    #[test]
+    fn a_pool_on_an_explicit_list_pins_its_workers_there() {
+        let allowed = allowed_cores();
+        // Reversed, so that worker i's core differs from the i-th allowed
+        // core that pinning without a list uses (wherever there are two).
+        let mut list = allowed.clone();
+        list.reverse();
+        let config = PoolConfig::on_cores(0, 1, &list).unwrap();
+        let pool = ThreadPool::new(&config);
+        let seen = affinities(&pool);
+        for i in 1..pool.threads() {
+            assert_eq!(seen[i], Some(vec![list[i]]), "worker {i} of a pool on cores {list:?}");
+        }
+        if allowed.len() >= 2 {
+            assert_ne!(list[1], allowed[1]);
+        }
+    }
+
+    #[test]
+    fn a_two_node_pool_pins_each_node_to_its_slice() {
+        let allowed = allowed_cores();
+        if allowed.len() < 2 {
+            // Two nodes need two threads, and two threads two listed cores.
+            assert!(PoolConfig::on_cores(0, 2, &allowed).is_err());
+            return;
+        }
+        let list = vec![allowed[1], allowed[0]];
+        let pool = ThreadPool::new(&PoolConfig::on_cores(0, 2, &list).unwrap());
+        assert_eq!((pool.nodes(), pool.threads_of(0), pool.threads_of(1)), (2, 1, 1));
+        // Thread 1 is node 1's only thread: the second slice, list[1].
+        let seen = std::sync::Mutex::new(None);
+        pool.parallel_for_nodes(&[0, 1], &|node, _| {
+            assert_eq!(node, 1);
+            *seen.lock().unwrap() = Some((thread_index(), allowed_cores()));
+        });
+        assert_eq!(seen.into_inner().unwrap(), Some((1, vec![list[1]])));
+    }
+
+    #[test]
+    fn experts_go_round_robin_over_nodes() {
+        assert_eq!((0..5).map(|e| expert_node(e, 2)).collect::<Vec<_>>(), [0, 1, 0, 1, 0]);
+        assert_eq!(expert_node(7, 1), 0);
+        assert_eq!(expert_node(7, 0), 0, "a pool has at least one node");
     }
 }

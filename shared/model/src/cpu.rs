@@ -425,7 +425,7 @@ impl Backend for CpuBackend<'_> {
                     .iter()
                     .map(|j| {
                         let weights = ExpertWeights { gate: matrix(j.gate)?, up: matrix(j.up)?, down: matrix(j.down)? };
-                        Ok(ExpertCall { weights, tokens: tokens(j, &all), node: j.expert % nodes })
+                        Ok(ExpertCall { weights, tokens: tokens(j, &all), node: duplex_kernels::pool::expert_node(j.expert, nodes) })
                     })
                     .collect::<Result<Vec<_>, ForwardError>>()?;
                 moe_forward(&rt.pool, rt.isa, &calls, &xs, d, &mut a.tmp, &mut a.moe);
