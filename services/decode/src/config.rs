@@ -65,6 +65,11 @@ pub struct DecodeConfig {
     /// Split batches of two or more sequences into two micro-batches whose
     /// device attention and CPU experts overlap.
     pub micro_batches: bool,
+    /// Expert Deferral when one sequence decodes alone on a device: this
+    /// many of each token's routed experts (the lowest-weighted) run while
+    /// the next layer's attention does, and join the next MoE layer's
+    /// output. It changes the model's function slightly; 0: off.
+    pub defer_experts: usize,
 }
 
 /// Where the decode worker runs its steps.
@@ -115,6 +120,7 @@ impl Default for DecodeConfig {
             device_threads: 1,
             device_kv_blocks: 0,
             micro_batches: true,
+            defer_experts: 0,
         }
     }
 }
@@ -192,6 +198,9 @@ pub struct DecodeArgs {
     /// Overlap two micro-batches (true) or run each batch whole (false) [default: true].
     #[arg(long)]
     pub micro_batches: Option<bool>,
+    /// Routed experts deferred per token when one sequence decodes alone on a device; 0 for none [default: 0].
+    #[arg(long)]
+    pub defer_experts: Option<usize>,
 }
 
 impl DecodeArgs {
@@ -206,7 +215,7 @@ impl DecodeArgs {
         if let Some(path) = self.unix_socket {
             c.unix_socket = Some(path);
         }
-        take!(model, host, port, metrics_port, shm_dir, instance, context_length, kv_blocks, max_batch_size, prefill_chunk_tokens, lease_timeout_seconds, max_waiting_requests, dtype, threads, numa_nodes, device, device_memory_mib, cuda_device, device_threads, device_kv_blocks, micro_batches);
+        take!(model, host, port, metrics_port, shm_dir, instance, context_length, kv_blocks, max_batch_size, prefill_chunk_tokens, lease_timeout_seconds, max_waiting_requests, dtype, threads, numa_nodes, device, device_memory_mib, cuda_device, device_threads, device_kv_blocks, micro_batches, defer_experts);
         if c.max_batch_size == 0 || c.prefill_chunk_tokens == 0 {
             anyhow::bail!("max_batch_size and prefill_chunk_tokens must be at least 1");
         }

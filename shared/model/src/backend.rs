@@ -136,7 +136,11 @@ pub trait Backend {
     fn zero(&mut self, x: Matrix) -> Result<(), ForwardError>;
 
     /// The router's top-k of every row of `logits`: per row, `(expert, weight)`.
-    fn route(&mut self, logits: Matrix, bias: Option<&Self::Weight>, params: &RouterParams, p: Precision, scratch: (DevicePtr, Matrix)) -> Result<Vec<Vec<(usize, f32)>>, ForwardError>;
+    /// `input` is what the routed experts will read (a backend that runs
+    /// them elsewhere may fetch it along with the choices).
+    fn route(&mut self, logits: Matrix, bias: Option<&Self::Weight>, params: &RouterParams, p: Precision, scratch: (DevicePtr, Matrix), input: Matrix) -> Result<Vec<Vec<(usize, f32)>>, ForwardError>;
+    /// `dst = src` (same shape).
+    fn copy(&mut self, src: Matrix, dst: Matrix) -> Result<(), ForwardError>;
     /// Run experts on rows of `x`, adding their scaled outputs into `out`
     /// unrounded (the caller rounds once, after the last).
     fn experts(&mut self, x: Matrix, jobs: &[ExpertJob<Self::Weight>], out: Matrix, p: Precision, scratch: &ExpertScratch) -> Result<(), ForwardError>;

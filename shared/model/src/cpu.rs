@@ -380,7 +380,16 @@ impl Backend for CpuBackend<'_> {
         Ok(())
     }
 
-    fn route(&mut self, logits: Matrix, bias: Option<&HostWeight>, params: &RouterParams, p: Precision, _scratch: (DevicePtr, Matrix)) -> Result<Vec<Vec<(usize, f32)>>, ForwardError> {
+    fn copy(&mut self, src: Matrix, dst: Matrix) -> Result<(), ForwardError> {
+        let a = &mut self.arena.data;
+        check(src, a.len())?;
+        check(dst, a.len())?;
+        let xs = read(a, src).into_owned();
+        store(a, dst, &xs);
+        Ok(())
+    }
+
+    fn route(&mut self, logits: Matrix, bias: Option<&HostWeight>, params: &RouterParams, p: Precision, _scratch: (DevicePtr, Matrix), _input: Matrix) -> Result<Vec<Vec<(usize, f32)>>, ForwardError> {
         let bias = bias.map(vector).transpose()?;
         check(logits, self.arena.data.len())?;
         let xs = read(&self.arena.data, logits);

@@ -58,6 +58,10 @@ struct Workspace {
     x: Matrix,
     /// The FFN's normed input unrounded, for the router.
     x_router: Matrix,
+    /// Expert Deferral: a MoE layer's input, kept for its deferred experts,
+    /// and their summed output, added to the next MoE layer's.
+    x_deferred: Matrix,
+    out_deferred: Matrix,
     qa: Matrix,
     q: Matrix,
     /// The new tokens' KV entries, as the cache stores them.
@@ -117,6 +121,8 @@ fn layout(cfg: &ModelConfig, s: PassShape, carve: &mut dyn FnMut(usize, usize) -
         h: next((n, d))?,
         x: next((n, d))?,
         x_router: next(some(n, if cfg.n_routed_experts > 0 { d } else { 0 }))?,
+        x_deferred: next(some(n, if cfg.n_routed_experts > 0 { d } else { 0 }))?,
+        out_deferred: next(some(n, if cfg.n_routed_experts > 0 { d } else { 0 }))?,
         qa: next(some(n, lora))?,
         q: next((n, heads * cfg.qk_head_dim()))?,
         fresh: next((n, entry))?,
@@ -178,6 +184,13 @@ pub struct Pass<'m, B: Backend> {
     assignments: Vec<Vec<(usize, f32)>>,
     /// Where each expert's rows start in the layer's row lists.
     firsts: Vec<usize>,
+    /// Expert Deferral: routed experts per token whose output is added one
+    /// MoE layer later, the current layer's deferred rows (as `assignments`)
+    /// and whether `out_deferred` holds a sum still to be added.
+    defer: usize,
+    deferred: Vec<Vec<(usize, f32)>>,
+    deferred_firsts: Vec<usize>,
+    pending_deferred: bool,
     timings: ForwardTimings,
     /// When the running module started, and whether it is attention.
     clock: Option<(Instant, bool)>,
@@ -232,6 +245,10 @@ impl<'m, B: Backend> Pass<'m, B> {
             ws,
             assignments: vec![],
             firsts: vec![],
+            defer: 0,
+            deferred: vec![],
+            deferred_firsts: vec![],
+            pending_deferred: false,
             timings: ForwardTimings::default(),
             clock: None,
         })
@@ -266,6 +283,18 @@ impl<'m, B: Backend> Pass<'m, B> {
 
     fn cfg(&self) -> &'m ModelConfig {
         &self.model.cfg
+    }
+
+    /// Expert Deferral (KTransformers §4.1), for decode: of each token's
+    /// top-k routed experts, the `d` with the lowest weights (at most k − 1)
+    /// are deferred: they read the layer's input as the others do, but
+    /// their output joins the next MoE layer's output instead of this one's,
+    ///   O_k = I_k + S_k(I_k) + R_{k−1}^def(I_{k−1}) + R_k^imm(I_k),
+    /// so that they can run while the next layer's attention does. The last
+    /// MoE layer defers none. It changes the model's function (slightly, by
+    /// the paper's measurements); 0, the default, is the model as trained.
+    pub fn defer_experts(&mut self, d: usize) {
+        self.defer = d;
     }
 
     fn tick(&mut self, attention: bool) {
@@ -324,6 +353,10 @@ impl<'m, B: Backend> Pass<'m, B> {
                     return self.finish_ffn();
                 }
                 let e = cfg.n_routed_experts;
+                if self.pending_deferred {
+                    self.backend.add(out, ws.out_deferred.rows(0..n), Precision::F32)?;
+                    self.pending_deferred = false;
+                }
                 let logits = ws.router.rows(0..n).reshape(n, e);
                 // Routing is a discrete choice that a rounding can flip: the
                 // router reads the normed input before it is rounded.
@@ -332,19 +365,36 @@ impl<'m, B: Backend> Pass<'m, B> {
                 self.backend.router_logits(w.get("gate")?, x_router, logits, p)?;
                 let bias = if cfg.use_correction_bias { Some(w.get("e_score_correction_bias")?) } else { None };
                 let k = cfg.num_experts_per_tok;
-                let chosen = self.backend.route(logits, bias, &self.model.router, p, (ws.route_ids, ws.route_weights.rows(0..n).reshape(n, k)))?;
-                self.assignments.iter_mut().for_each(|a| a.clear());
-                self.assignments.resize_with(e, Vec::new);
+                let chosen = self.backend.route(logits, bias, &self.model.router, p, (ws.route_ids, ws.route_weights.rows(0..n).reshape(n, k)), x)?;
+                let last_moe = (layer + 1..cfg.num_hidden_layers).all(|l| !cfg.is_moe_layer(l));
+                let defer = if last_moe { 0 } else { self.defer.min(k.saturating_sub(1)) };
+                for lists in [&mut self.assignments, &mut self.deferred] {
+                    lists.iter_mut().for_each(|a| a.clear());
+                    lists.resize_with(e, Vec::new);
+                }
                 for (row, picks) in chosen.iter().enumerate() {
-                    for &(expert, weight) in picks {
-                        self.assignments.get_mut(expert).ok_or(ForwardError::Routing { expert, experts: e })?.push((row, weight));
+                    let mut picks = std::borrow::Cow::Borrowed(picks.as_slice());
+                    if defer > 0 {
+                        // Highest weights first; a stable sort keeps the router's order on ties.
+                        picks.to_mut().sort_by(|a, b| b.1.total_cmp(&a.1));
+                    }
+                    let immediate = picks.len().saturating_sub(defer);
+                    for (rank, &(expert, weight)) in picks.iter().enumerate() {
+                        let lists = if rank < immediate { &mut self.assignments } else { &mut self.deferred };
+                        lists.get_mut(expert).ok_or(ForwardError::Routing { expert, experts: e })?.push((row, weight));
                     }
                 }
-                self.firsts.clear();
+                // Row lists one after another: the immediate experts', then the deferred ones'.
                 let mut first = 0;
-                for a in &self.assignments {
-                    self.firsts.push(first);
-                    first += a.len();
+                for (firsts, lists) in [(&mut self.firsts, &self.assignments), (&mut self.deferred_firsts, &self.deferred)] {
+                    firsts.clear();
+                    for a in lists {
+                        firsts.push(first);
+                        first += a.len();
+                    }
+                }
+                if self.deferred.iter().any(|d| !d.is_empty()) {
+                    self.backend.copy(x, ws.x_deferred.rows(0..n))?;
                 }
                 if cfg.n_shared_experts > 0 {
                     // Within this module: a placement may free its weights once it has run.
@@ -410,6 +460,32 @@ impl<'m, B: Backend> Pass<'m, B> {
         if last {
             self.finish_ffn()?;
         }
+        Ok(())
+    }
+
+    /// Run the current MoE layer's deferred experts (Expert Deferral; nothing when
+    /// none were deferred), in index order: their summed output joins the
+    /// next MoE layer's. A placement runs this while the next layer's
+    /// attention runs elsewhere.
+    pub fn run_deferred(&mut self, experts: &[(usize, &Weights<B::Weight>)]) -> Result<(), ForwardError> {
+        if self.deferred.iter().all(|d| d.is_empty()) {
+            return Ok(());
+        }
+        let cfg = self.cfg();
+        let mut jobs = Vec::with_capacity(experts.len());
+        for &(e, w) in experts {
+            let rows = self.deferred.get(e).ok_or(ForwardError::Routing { expert: e, experts: cfg.n_routed_experts })?;
+            if !rows.is_empty() {
+                jobs.push(ExpertJob::named(w, "", Tokens::Rows(rows), self.deferred_firsts[e], e)?);
+            }
+        }
+        let (n, ws) = (self.rows, &self.ws);
+        let out = ws.out_deferred.rows(0..n);
+        self.backend.zero(out)?;
+        self.backend.experts(ws.x_deferred.rows(0..n), &jobs, out, self.precision, &ws.experts)?;
+        drop(jobs);
+        self.deferred.iter_mut().for_each(|d| d.clear());
+        self.pending_deferred = true;
         Ok(())
     }
 

@@ -21,7 +21,7 @@
 //! stream only where it needs the router's choices, and the other's work is
 //! already queued by then.
 
-use crate::backend::{AttentionCall, Backend, ExpertJob, ExpertScratch, Segment, Tokens};
+use crate::backend::{AttentionCall, Backend, ExpertJob, ExpertScratch, Segment};
 use crate::cpu::CpuBackend;
 use crate::forward::{align, ModuleKind, Pass};
 use crate::kv_cache::{BlockTable, KvPool};
@@ -144,6 +144,11 @@ pub struct HybridConfig {
     pub kv_blocks: usize,
     /// Split batches of two or more sequences into two micro-batches.
     pub micro_batches: bool,
+    /// Expert Deferral for a batch of one decoding sequence: of each
+    /// token's routed experts, this many (the lowest-weighted) run while the
+    /// next layer's attention does and join the next MoE layer's output
+    /// ([`Pass::defer_experts`]). 0: off (the model as trained).
+    pub defer_experts: usize,
     /// A random delay before every CPU MoE, as the emulated device's
     /// jitter delays its commands (tests: it shakes out ordering bugs).
     pub cpu_jitter: Option<Jitter>,
@@ -190,6 +195,7 @@ pub struct HybridEngine {
     workspaces: [Option<DevicePtr>; 2],
     kv: DeviceKv,
     micro_batches: bool,
+    defer_experts: usize,
     cpu_jitter: Option<Jitter>,
     /// Counts CPU MoE calls, for the jitter's random delays.
     moe_calls: std::cell::Cell<u64>,
@@ -275,7 +281,7 @@ impl HybridEngine {
         // The weights must be in place before the first pass reads them.
         let done = dev.record(copy)?;
         dev.synchronize(&done)?;
-        Ok(HybridEngine { model, dev, embed, layers, head, streams, copy, workspaces: [None, None], kv, micro_batches: cfg.micro_batches, cpu_jitter: cfg.cpu_jitter, moe_calls: Default::default(), budget, resident })
+        Ok(HybridEngine { model, dev, embed, layers, head, streams, copy, workspaces: [None, None], kv, micro_batches: cfg.micro_batches, defer_experts: cfg.defer_experts, cpu_jitter: cfg.cpu_jitter, moe_calls: Default::default(), budget, resident })
     }
 
     pub fn budget(&self) -> DeviceBudget {
@@ -375,6 +381,9 @@ impl HybridEngine {
             Some(w) => Some(self.pass(host, b, db, w, self.streams[1], precision, want)?),
             None => None,
         };
+        if pb.is_none() && seqs_decoding(a) {
+            pa.defer_experts(self.defer_experts);
+        }
         let me = &*self;
         pa.run(ModuleKind::Embed { first_row: 0 }, &me.embed, host)?;
         if let Some(pb) = pb.as_mut() {
@@ -396,6 +405,9 @@ impl HybridEngine {
             if let Some(next) = me.layers.get(l + 1) {
                 pa.run(ModuleKind::Attention { layer: l + 1 }, &next.attention, host)?;
             }
+            // Deferred experts (one sequence alone) run while the device
+            // runs the next layer's attention, queued just above.
+            pa.run_deferred(&Self::group(layer))?;
             if let Some(pb) = pb.as_mut() {
                 Self::experts(pb, l, layer)?;
             }
@@ -422,8 +434,12 @@ impl HybridEngine {
         if w.experts.is_empty() {
             return Ok(());
         }
-        let group: Vec<(usize, &Weights<Placed>)> = w.experts.iter().enumerate().collect();
-        pass.run_experts(layer, &group)
+        pass.run_experts(layer, &Self::group(w))
+    }
+
+    /// A layer's routed experts with their indices.
+    fn group(w: &Layer) -> Vec<(usize, &Weights<Placed>)> {
+        w.experts.iter().enumerate().collect()
     }
 
     fn pass_workspace(&mut self, i: usize, seqs: &[SeqInput], want: Logits) -> Result<DevicePtr, ForwardError> {
@@ -446,8 +462,7 @@ impl HybridEngine {
             cpu: &self.model.cpu,
             kv: self.kv.kv,
             tables,
-            router_input: None,
-            host_x: vec![],
+            host_copies: vec![],
             timings: HybridTimings::default(),
             jitter: self.cpu_jitter.map(|j| (j, &self.moe_calls)),
         };
@@ -461,6 +476,12 @@ impl Drop for HybridEngine {
             let _ = self.dev.free(w);
         }
     }
+}
+
+/// Whether every sequence of a batch decodes (one new token each): Expert
+/// Deferral applies to decode only, as in KTransformers.
+fn seqs_decoding(seqs: &[SeqInput]) -> bool {
+    seqs.iter().all(|s| s.tokens.len() == 1)
 }
 
 /// A segment's device block table.
@@ -478,9 +499,10 @@ pub struct HybridBackend<'a> {
     cpu: &'a crate::cpu::CpuRuntime,
     kv: PagedKv,
     tables: Vec<SeqTable>,
-    /// The FFN input the router read, fetched with its choices.
-    router_input: Option<Matrix>,
-    host_x: Vec<f32>,
+    /// Host copies of device matrices the routed experts read: the FFN's
+    /// input, fetched with the router's choices, and its copy kept for the
+    /// deferred experts.
+    host_copies: Vec<(Matrix, Vec<f32>)>,
     timings: HybridTimings,
     jitter: Option<(Jitter, &'a std::cell::Cell<u64>)>,
 }
@@ -507,15 +529,23 @@ impl HybridBackend<'_> {
         Ok(out)
     }
 
+    /// Hold `xs` as the host's copy of device matrix `m` (replacing an older one).
+    fn keep_copy(&mut self, m: Matrix, xs: Vec<f32>) {
+        self.host_copies.retain(|(k, _)| *k != m);
+        self.host_copies.push((m, xs));
+    }
+
     /// Run `jobs` (routed experts, host weights) on the CPU pool over rows
     /// of `x`, and add their sum into `out` on the device.
     fn host_experts(&mut self, x: Matrix, jobs: &[ExpertJob<HostWeight>], out: Matrix, p: Precision, s: &ExpertScratch) -> Result<(), ForwardError> {
         let (n, d) = (x.rows, x.cols);
-        if self.router_input != Some(x) {
+        if !self.host_copies.iter().any(|(m, _)| *m == x) {
             let waited = Instant::now();
-            self.host_x = self.dev.download(x)?;
+            let xs = self.dev.download(x)?;
             self.timings.device_wait += waited.elapsed();
+            self.keep_copy(x, xs);
         }
+        let xs = &self.host_copies.iter().find(|(m, _)| *m == x).expect("kept above").1;
         if let Some((j, calls)) = self.jitter {
             let n = calls.get();
             calls.set(n + 1);
@@ -529,10 +559,10 @@ impl HybridBackend<'_> {
         let sum = {
             let mut cpu: CpuBackend = self.cpu.backend();
             let base = cpu.workspace(2 * n * d * 4)?;
-            let (xs, ys) = (base.slice(0, n * d * 4)?.matrix(n, d), base.slice(n * d * 4, n * d * 4)?.matrix(n, d));
-            cpu.upload_f32(&self.host_x, xs.buf)?;
+            let (xs_m, ys) = (base.slice(0, n * d * 4)?.matrix(n, d), base.slice(n * d * 4, n * d * 4)?.matrix(n, d));
+            cpu.upload_f32(xs, xs_m.buf)?;
             cpu.zero(ys)?;
-            cpu.experts(xs, jobs, ys, p, s)?;
+            cpu.experts(xs_m, jobs, ys, p, s)?;
             cpu.download(ys)?
         };
         self.timings.cpu_moe += started.elapsed();
@@ -582,7 +612,6 @@ impl Backend for HybridBackend<'_> {
     }
 
     fn router_logits(&mut self, w: &Placed, x: Matrix, y: Matrix, p: Precision) -> Result<(), ForwardError> {
-        self.router_input = Some(x);
         self.dev.router_logits(on_device(w)?, x, y, p)
     }
 
@@ -606,18 +635,27 @@ impl Backend for HybridBackend<'_> {
         self.dev.zero(x)
     }
 
-    fn route(&mut self, logits: Matrix, bias: Option<&Placed>, params: &RouterParams, p: Precision, scratch: (DevicePtr, Matrix)) -> Result<Vec<Vec<(usize, f32)>>, ForwardError> {
+    fn route(&mut self, logits: Matrix, bias: Option<&Placed>, params: &RouterParams, p: Precision, scratch: (DevicePtr, Matrix), input: Matrix) -> Result<Vec<Vec<(usize, f32)>>, ForwardError> {
         let bias = bias.map(on_device).transpose()?;
         let waited = Instant::now();
-        let chosen = self.dev.route(logits, bias, params, p, scratch)?;
+        let chosen = self.dev.route(logits, bias, params, p, scratch, input)?;
         // The experts' input comes with the choices, in the same wait: the
         // shared experts queued next then run on the device while the CPU
         // runs the routed ones.
-        if let Some(x) = self.router_input {
-            self.host_x = self.dev.download(x)?;
-        }
+        let xs = self.dev.download(input)?;
         self.timings.device_wait += waited.elapsed();
+        self.keep_copy(input, xs);
         Ok(chosen)
+    }
+
+    fn copy(&mut self, src: Matrix, dst: Matrix) -> Result<(), ForwardError> {
+        self.dev.copy(src, dst)?;
+        // A copy of a matrix the host holds is held too (the deferred
+        // experts' input): they then run without waiting on the device.
+        if let Some(xs) = self.host_copies.iter().find(|(m, _)| *m == src).map(|(_, xs)| xs.clone()) {
+            self.keep_copy(dst, xs);
+        }
+        Ok(())
     }
 
     fn experts(&mut self, x: Matrix, jobs: &[ExpertJob<Placed>], out: Matrix, p: Precision, s: &ExpertScratch) -> Result<(), ForwardError> {
@@ -635,10 +673,6 @@ impl Backend for HybridBackend<'_> {
         }
         if !host.is_empty() {
             self.host_experts(x, &host, out, p, s)?;
-        }
-        if matches!(jobs.first().map(|j| j.tokens), Some(Tokens::Rows(_))) {
-            // The layer's input is spent once its routed experts have run.
-            self.router_input = None;
         }
         Ok(())
     }

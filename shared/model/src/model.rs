@@ -323,9 +323,26 @@ impl Model {
         want: Logits,
         timings: &mut ForwardTimings,
     ) -> Result<Vec<f32>, ForwardError> {
+        self.forward_batch_deferred(pool, seqs, precision, want, timings, 0)
+    }
+
+    /// [`Model::forward_batch`] with Expert Deferral of `defer` experts per
+    /// token ([`Pass::defer_experts`]): the CPU runs them right after the
+    /// others (it has nothing to overlap them with), which gives the maths
+    /// a hybrid placement overlaps.
+    pub fn forward_batch_deferred(
+        &self,
+        pool: &mut KvPool,
+        seqs: &mut [SeqInput],
+        precision: Precision,
+        want: Logits,
+        timings: &mut ForwardTimings,
+        defer: usize,
+    ) -> Result<Vec<f32>, ForwardError> {
         // The CPU attends one-token steps in the absorbed form, and expands
         // the whole context's keys and values at once for longer chunks.
         let mut pass = Pass::new(self, self.cpu.backend(), pool, seqs, precision, want, usize::MAX)?;
+        pass.defer_experts(defer);
         let mut i = 0;
         while i < self.modules.len() {
             let m = &self.modules[i];
@@ -341,6 +358,7 @@ impl Model {
                         .collect();
                     i += group.len();
                     pass.run_experts(layer, &group)?;
+                    pass.run_deferred(&group)?;
                 }
                 kind => {
                     pass.run(kind, &m.weights, pool)?;

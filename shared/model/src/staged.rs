@@ -232,7 +232,12 @@ impl Backend for DeviceBackend<'_> {
         self.launch(Op::Zero { x })
     }
 
-    fn route(&mut self, logits: Matrix, bias: Option<&DeviceWeight>, params: &RouterParams, p: Precision, (ids, weights): (DevicePtr, Matrix)) -> Result<Vec<Vec<(usize, f32)>>, ForwardError> {
+    fn copy(&mut self, src: Matrix, dst: Matrix) -> Result<(), ForwardError> {
+        self.launch(Op::Zero { x: dst })?;
+        self.launch(Op::Add { h: dst, delta: src, precision: Precision::F32 })
+    }
+
+    fn route(&mut self, logits: Matrix, bias: Option<&DeviceWeight>, params: &RouterParams, p: Precision, (ids, weights): (DevicePtr, Matrix), _input: Matrix) -> Result<Vec<Vec<(usize, f32)>>, ForwardError> {
         let (n, k) = (logits.rows, params.top_k);
         self.launch(Op::Route { logits, bias: bias.map(|b| b.data), params: params.clone(), ids, weights, precision: p })?;
         let ids = device::download_u32(self.dev, self.stream, ids.slice(0, n * k * 4)?)?;

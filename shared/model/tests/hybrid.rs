@@ -33,7 +33,7 @@ fn device(jitter: Option<Jitter>) -> Arc<dyn Device> {
 }
 
 fn engine(name: &str, micro_batches: bool, jitter: Option<Jitter>) -> HybridEngine {
-    HybridEngine::new(load(name), device(jitter), HybridConfig { kv_blocks: 64, micro_batches, cpu_jitter: None }, BLOCK).expect("the tiny model fits")
+    HybridEngine::new(load(name), device(jitter), HybridConfig { kv_blocks: 64, micro_batches, defer_experts: 0, cpu_jitter: None }, BLOCK).expect("the tiny model fits")
 }
 
 /// Six prompts of mixed lengths cut from the fixture's reference prompts.
@@ -190,7 +190,7 @@ fn jittered_streams_and_churn_keep_the_cpu_engines_results() {
     let all = batch_prompts(f);
     let cpu_model = load(f);
     let jitter = Jitter { seed: 7, max: Duration::from_micros(300) };
-    let mut e = HybridEngine::new(load(f), device(Some(jitter)), HybridConfig { kv_blocks: 24, micro_batches: true, cpu_jitter: Some(jitter) }, BLOCK).unwrap();
+    let mut e = HybridEngine::new(load(f), device(Some(jitter)), HybridConfig { kv_blocks: 24, micro_batches: true, defer_experts: 0, cpu_jitter: Some(jitter) }, BLOCK).unwrap();
     // Rounds of 3 sequences reuse the same 24 blocks: each round's blocks
     // were another's the round before.
     for round in 0..4 {
@@ -211,7 +211,7 @@ fn jittered_streams_and_churn_keep_the_cpu_engines_results() {
 #[test]
 fn refusals_name_what_does_not_fit() {
     let f = "tiny-dsv3";
-    let mut e = HybridEngine::new(load(f), device(None), HybridConfig { kv_blocks: 3, micro_batches: true, cpu_jitter: None }, BLOCK).unwrap();
+    let mut e = HybridEngine::new(load(f), device(None), HybridConfig { kv_blocks: 3, micro_batches: true, defer_experts: 0, cpu_jitter: None }, BLOCK).unwrap();
     let host: KvPool = e.model.new_kv_pool(8, BLOCK);
     let held = e.admit(&host, &BlockTable::default(), 2 * BLOCK).unwrap();
     match e.admit(&host, &BlockTable::default(), 2 * BLOCK) {
@@ -223,7 +223,7 @@ fn refusals_name_what_does_not_fit() {
     e.release(again).unwrap();
 
     let tiny = EmulatedDevice::new(EmulatedConfig { memory_bytes: 64 << 10, ..Default::default() }).unwrap();
-    let err = HybridEngine::new(load(f), tiny, HybridConfig { kv_blocks: 4, micro_batches: true, cpu_jitter: None }, BLOCK).err().expect("64 KiB is too small");
+    let err = HybridEngine::new(load(f), tiny, HybridConfig { kv_blocks: 4, micro_batches: true, defer_experts: 0, cpu_jitter: None }, BLOCK).err().expect("64 KiB is too small");
     let msg = err.to_string();
     for part in ["resident weights", "embedding", "attention", "LM head", "KV pool of 4 blocks"] {
         assert!(msg.contains(part), "{msg}");
