@@ -24,6 +24,7 @@
 //! working, and no reader ever sees a half-written segment.
 
 mod kv;
+pub mod numa;
 mod residency;
 mod segment;
 mod weights;
@@ -70,7 +71,8 @@ pub fn open_shared_model(
     pool: &duplex_kernels::pool::PoolConfig,
     progress: &mut dyn FnMut(u64, u64),
 ) -> Result<(duplex_model::Model, WeightStore, Provenance), IpcError> {
-    let (store, provenance) = WeightStore::open_or_build_reporting(shm_dir, &weight_segment_name(instance), model_dir, progress)?;
+    // A worker that builds the segment itself places the experts for its own pool.
+    let (store, provenance) = WeightStore::open_or_build_placed(shm_dir, &weight_segment_name(instance), model_dir, pool.nodes(), progress)?;
     let model = load_model(&store, model_dir, pool)?;
     Ok((model, store, provenance))
 }

@@ -137,9 +137,19 @@ fn free_space(dir: &Path) -> Result<u64, IpcError> {
 /// filled and then renamed over `<shm_dir>/<name>` with `persist`. Dropped
 /// unpersisted, it is deleted.
 pub fn create_reserved(shm_dir: &Path, name: &str, len: u64) -> Result<tempfile::NamedTempFile, IpcError> {
+    create_reserved_placed(shm_dir, name, len, |_| {})
+}
+
+/// [`create_reserved`], calling `place` on the sized but not yet reserved
+/// file: a tmpfs allocates pages on the reservation, so a memory policy set
+/// on the file must be set before it (see `numa`).
+pub fn create_reserved_placed(shm_dir: &Path, name: &str, len: u64, place: impl FnOnce(&File)) -> Result<tempfile::NamedTempFile, IpcError> {
     std::fs::create_dir_all(shm_dir).map_err(io_err(shm_dir))?;
     check_fits(len, free_space(shm_dir)?, shm_dir)?;
     let temp = tempfile::Builder::new().prefix(&temp_prefix(name)).tempfile_in(shm_dir).map_err(io_err(shm_dir))?;
+    // Sizing a tmpfs file allocates nothing; it lets `place` map the ranges.
+    temp.as_file().set_len(len).map_err(io_err(temp.path()))?;
+    place(temp.as_file());
     // Reserve every block now: on a tmpfs that is too small, writing through
     // a mapping would otherwise die of SIGBUS at some later page.
     let off_len = i64::try_from(len).map_err(|_| IpcError::NoSpace { dir: shm_dir.to_path_buf(), needed: len, available: 0 })?;

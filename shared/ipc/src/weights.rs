@@ -17,6 +17,7 @@
 //! The fingerprint names the checkpoint the segment was built from; it is not
 //! a checksum of the data, which would cost a full read on every attach.
 
+use crate::numa::{self, PlacementReport};
 use crate::segment::{self, align_up, io_err, u32_at, u64_at, PAGE};
 use crate::IpcError;
 use duplex_kernels::pool::PoolConfig;
@@ -63,6 +64,8 @@ pub struct WeightStore {
     config_hash: String,
     data_offset: usize,
     directory: BTreeMap<String, TensorInfo>,
+    /// What this process's build placed; the default when it attached.
+    placement: PlacementReport,
 }
 
 impl std::fmt::Debug for WeightStore {
@@ -149,8 +152,16 @@ impl WeightStore {
     /// build that fails leaves no files behind: the temp file goes with it,
     /// and so does the lock file when there is no segment to guard.
     pub fn open_or_build_reporting(shm_dir: &Path, name: &str, model_dir: &Path, progress: &mut dyn FnMut(u64, u64)) -> Result<(WeightStore, Provenance), IpcError> {
+        Self::open_or_build_placed(shm_dir, name, model_dir, 1, progress)
+    }
+
+    /// [`Self::open_or_build_reporting`] for a CPU pool of `numa_nodes`
+    /// nodes: a build places each routed expert's pages in the memory of the
+    /// node that computes it (see [`crate::numa`]); [`Self::placement`] says
+    /// what was placed. An attached segment keeps the placement it was built with.
+    pub fn open_or_build_placed(shm_dir: &Path, name: &str, model_dir: &Path, numa_nodes: usize, progress: &mut dyn FnMut(u64, u64)) -> Result<(WeightStore, Provenance), IpcError> {
         let lock = segment::lock(shm_dir, name)?;
-        let result = Self::open_or_build_locked(shm_dir, name, model_dir, progress);
+        let result = Self::open_or_build_locked(shm_dir, name, model_dir, numa_nodes, progress);
         if result.is_err() && !shm_dir.join(name).exists() {
             let _ = std::fs::remove_file(shm_dir.join(format!("{name}.lock")));
         }
@@ -158,7 +169,7 @@ impl WeightStore {
         result
     }
 
-    fn open_or_build_locked(shm_dir: &Path, name: &str, model_dir: &Path, progress: &mut dyn FnMut(u64, u64)) -> Result<(WeightStore, Provenance), IpcError> {
+    fn open_or_build_locked(shm_dir: &Path, name: &str, model_dir: &Path, numa_nodes: usize, progress: &mut dyn FnMut(u64, u64)) -> Result<(WeightStore, Provenance), IpcError> {
         let config_path = model_dir.join("config.json");
         let config_bytes = std::fs::read(&config_path).map_err(io_err(&config_path))?;
         let config_hash = sha256_hex(&config_bytes);
@@ -170,11 +181,14 @@ impl WeightStore {
         }
         segment::remove_stale_temps(shm_dir, name);
         let cfg = parse_config(&config_bytes, &config_path)?;
-        Self::build(shm_dir, name, &ck, cfg.num_hidden_layers, &fingerprint, &config_hash, progress)?;
-        Ok((Self::attach(shm_dir, name, Some(&fingerprint))?, Provenance::Built))
+        let placement = Self::build(shm_dir, name, &ck, cfg.num_hidden_layers, &fingerprint, &config_hash, numa_nodes, progress)?;
+        let mut store = Self::attach(shm_dir, name, Some(&fingerprint))?;
+        store.placement = placement;
+        Ok((store, Provenance::Built))
     }
 
-    fn build(shm_dir: &Path, name: &str, ck: &Checkpoint, n_layers: usize, fingerprint: &str, config_hash: &str, progress: &mut dyn FnMut(u64, u64)) -> Result<(), IpcError> {
+    #[allow(clippy::too_many_arguments)]
+    fn build(shm_dir: &Path, name: &str, ck: &Checkpoint, n_layers: usize, fingerprint: &str, config_hash: &str, numa_nodes: usize, progress: &mut dyn FnMut(u64, u64)) -> Result<PlacementReport, IpcError> {
         let mut tensors: Vec<_> = ck.raw_tensors().filter(|(n, ..)| !is_mtp(n, n_layers)).collect();
         tensors.sort_by_key(|t| t.0);
         let mut directory = BTreeMap::new();
@@ -188,7 +202,13 @@ impl WeightStore {
         let data_offset = align_up(HEADER_LEN + dir_json.len(), PAGE);
         let total = data_offset + end;
 
-        let temp = segment::create_reserved(shm_dir, name, total as u64)?;
+        let plan = numa::plan(directory.iter().map(|(n, t)| (*n, data_offset + t.data_offsets.0, t.data_offsets.1 - t.data_offsets.0)), numa_nodes, numa::page_size());
+        let mut placement = PlacementReport { nodes: numa_nodes, ..Default::default() };
+        let temp = segment::create_reserved_placed(shm_dir, name, total as u64, |file| {
+            if !plan.is_empty() {
+                placement = numa::apply(file, &plan, numa_nodes, numa::memory_nodes());
+            }
+        })?;
         let file = temp.as_file();
         let write = |bytes: &[u8], at: usize| file.write_all_at(bytes, at as u64).map_err(io_err(temp.path()));
         let mut header = Vec::with_capacity(HEADER_LEN);
@@ -212,7 +232,7 @@ impl WeightStore {
         write(&1u32.to_le_bytes(), COMPLETE_AT)?;
         let path = shm_dir.join(name);
         temp.persist(&path).map_err(|e| IpcError::Io { path, source: e.error })?;
-        Ok(())
+        Ok(placement)
     }
 
     /// Map `<shm_dir>/<name>` read-only and check its header and directory,
@@ -262,7 +282,13 @@ impl WeightStore {
         // Check every tensor's range now, so that a bad directory is a stale
         // segment here rather than an error when the model loads.
         Checkpoint::from_mapping(path.clone(), map.clone(), data_offset, directory.clone(), None).map_err(|e| corrupt(e.to_string()))?;
-        Ok(WeightStore { path, map, fingerprint, config_hash, data_offset, directory })
+        Ok(WeightStore { path, map, fingerprint, config_hash, data_offset, directory, placement: PlacementReport::default() })
+    }
+
+    /// The NUMA placement this process gave the segment when it built it
+    /// (nodes 0 when it attached to one built elsewhere).
+    pub fn placement(&self) -> &PlacementReport {
+        &self.placement
     }
 
     /// The fingerprint of the checkpoint this segment was built from (hex).
@@ -465,5 +491,55 @@ mod tests {
         });
         assert_eq!(results.iter().filter(|(_, how)| *how == Provenance::Built).count(), 1);
         assert_eq!(results[0].0.fingerprint(), results[1].0.fingerprint());
+    }
+
+    /// The `/proc/self/numa_maps` line of the mapping that starts at `addr`.
+    fn numa_maps_line(addr: *const u8) -> String {
+        let maps = std::fs::read_to_string("/proc/self/numa_maps").unwrap();
+        let key = format!("{:x} ", addr as usize);
+        maps.lines().find(|l| l.starts_with(&key)).unwrap_or_else(|| panic!("no numa_maps line for {key}")).to_string()
+    }
+
+    #[test]
+    fn numa_placement_keeps_the_bytes_and_sets_the_policy() {
+        // A tmpfs, where the policy decides where pages go.
+        let shm = tempfile::tempdir_in("/dev/shm").unwrap();
+        let (plain, _) = WeightStore::open_or_build_placed(shm.path(), "plain", fixture(), 1, &mut |_, _| {}).unwrap();
+        let (placed, how) = WeightStore::open_or_build_placed(shm.path(), "placed", fixture(), 2, &mut |_, _| {}).unwrap();
+        assert_eq!(how, Provenance::Built);
+        assert_eq!(plain.placement().nodes, 1);
+        assert!(plain.placement().placed.is_empty());
+        assert_eq!(std::fs::read(plain.path()).unwrap(), std::fs::read(placed.path()).unwrap(), "placement changes no byte");
+
+        let plan = numa::plan(
+            placed.directory.iter().map(|(n, t)| (n.as_str(), placed.data_offset + t.data_offsets.0, t.data_offsets.1 - t.data_offsets.0)),
+            2,
+            numa::page_size(),
+        );
+        let planned = |node| plan.iter().filter(|r| r.node == node).map(|r| r.len as u64).sum::<u64>();
+        assert!(planned(0) > 0 && planned(1) > 0, "the fixture's experts span whole pages");
+        let machine = numa::memory_nodes().unwrap();
+        let report = placed.placement();
+        eprintln!("{report}");
+        // Every planned byte is either placed on a node the machine has, or
+        // reported unplaced because the machine lacks that node.
+        for node in [0, 1] {
+            let on_machine = machine.contains(&node);
+            assert_eq!(report.placed.get(&node).copied().unwrap_or(0), if on_machine { planned(node) } else { 0 }, "node {node}: {report}");
+        }
+        if !machine.contains(&1) {
+            assert_eq!(report.unplaced, planned(1));
+            assert!(report.note.as_deref().unwrap_or("").contains("no memory node 1"), "{report}");
+        }
+        // The policy is the file's: a fresh mapping of a node-0 range shows
+        // it, one of a non-expert range shows the default.
+        let file = File::open(placed.path()).unwrap();
+        let r0 = plan.iter().find(|r| r.node == 0).unwrap();
+        let map = unsafe { memmap2::MmapOptions::new().offset(r0.start as u64).len(r0.len).map(&file) }.unwrap();
+        let line = numa_maps_line(map.as_ptr());
+        assert!(line.contains(" prefer:0 "), "{line}");
+        let header = unsafe { memmap2::MmapOptions::new().len(PAGE).map(&file) }.unwrap();
+        let line = numa_maps_line(header.as_ptr());
+        assert!(line.contains(" default "), "{line}");
     }
 }
