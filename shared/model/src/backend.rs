@@ -98,6 +98,10 @@ pub struct AttentionCall<'a> {
     /// Room for MLA's expanded keys and values, `[ctx, heads_per_step·(dn+dv)]`
     /// (backends that do not attend in place; else empty).
     pub expanded: Matrix,
+    /// Room for MLA's absorbed decode, `[heads, 2·kv_lora + dn + dv]`:
+    /// per head its latent query, its latent context and its keys and
+    /// values (backends that do not attend in place; empty for GQA).
+    pub absorbed: Matrix,
     pub heads_per_step: usize,
     pub scale: f32,
     pub precision: Precision,

@@ -68,6 +68,8 @@ struct Workspace {
     fresh: Matrix,
     context: Matrix,
     expanded: Matrix,
+    /// MLA's absorbed decode on a device: per head `[q_latent | context latent | keys and values]`.
+    absorbed: Matrix,
     attn: Matrix,
     out: Matrix,
     router: Matrix,
@@ -107,9 +109,9 @@ fn layout(cfg: &ModelConfig, s: PassShape, carve: &mut dyn FnMut(usize, usize) -
     let (d, heads) = (cfg.hidden_size, cfg.num_attention_heads);
     let inter = cfg.intermediate_size.max(cfg.moe_intermediate_size * cfg.n_shared_experts.max(1));
     let k = cfg.num_experts_per_tok.max(1);
-    let (lora, dnv) = match &cfg.attention {
-        AttentionConfig::Mla(m) => (m.q_lora_rank.unwrap_or(0), m.qk_nope_head_dim + m.v_head_dim),
-        AttentionConfig::Gqa(_) => (0, 0),
+    let (lora, dnv, dc) = match &cfg.attention {
+        AttentionConfig::Mla(m) => (m.q_lora_rank.unwrap_or(0), m.qk_nope_head_dim + m.v_head_dim, m.kv_lora_rank),
+        AttentionConfig::Gqa(_) => (0, 0, 0),
     };
     let some = |rows: usize, cols: usize| if rows > 0 && cols > 0 { (rows, cols) } else { (0, 1) };
     let entry = cfg.kv_entry_dim();
@@ -128,6 +130,7 @@ fn layout(cfg: &ModelConfig, s: PassShape, carve: &mut dyn FnMut(usize, usize) -
         fresh: next((n, entry))?,
         context: next(some(s.context, entry))?,
         expanded: next(some(s.expanded, s.heads_per_step * dnv))?,
+        absorbed: next(some(if dc > 0 { heads } else { 0 }, 2 * dc + dnv))?,
         attn: next((n, heads * cfg.v_head_dim()))?,
         out: next((n, d))?,
         router: next(some(n, cfg.n_routed_experts))?,
@@ -515,6 +518,7 @@ impl<'m, B: Backend> Pass<'m, B> {
             out: ws.attn.rows(seg.rows()),
             context: if seg.start > 0 && ws.context.rows >= ctx { ws.context.rows(0..ctx) } else { ws.context.rows(0..0) },
             expanded: if ws.expanded.rows >= ctx { ws.expanded.rows(0..ctx) } else { ws.expanded.rows(0..0) },
+            absorbed: ws.absorbed,
             heads_per_step: self.heads_per_step,
             scale: self.model.softmax_scale,
             precision: self.precision,

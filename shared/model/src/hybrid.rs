@@ -21,6 +21,7 @@
 //! stream only where it needs the router's choices, and the other's work is
 //! already queued by then.
 
+use crate::checkpoint::HostTensor;
 use crate::backend::{AttentionCall, Backend, ExpertJob, ExpertScratch, Segment};
 use crate::cpu::CpuBackend;
 use crate::forward::{align, ModuleKind, Pass};
@@ -45,12 +46,14 @@ pub enum Placed {
     Device(DeviceWeight),
     /// In the host mapping (a routed expert's projections).
     Host(HostWeight),
+    /// One device weight per attention head (MLA's absorbed key bands).
+    PerHead(Vec<DeviceWeight>),
 }
 
 fn on_device(w: &Placed) -> Result<&DeviceWeight, ForwardError> {
     match w {
         Placed::Device(d) => Ok(d),
-        Placed::Host(_) => Err(ForwardError::BadModule("a host weight where the hybrid placement runs on the device".into())),
+        _ => Err(ForwardError::BadModule("a host or per-head weight where the hybrid placement runs one device matrix".into())),
     }
 }
 
@@ -214,6 +217,19 @@ impl HybridEngine {
         let modules = model.staged_modules(usize::MAX);
         let block_bytes = DeviceKv::block_bytes(c.num_hidden_layers, block_size, entry);
         let mut budget = DeviceBudget::default();
+        // MLA's absorbed decode reads each head's key band transposed, as
+        // the CPU does: made once on the host, resident like the rest.
+        let key_t = |layer: usize| -> Vec<HostTensor> {
+            let attention = model.modules.iter().find(|m| m.kind == ModuleKind::Attention { layer });
+            match attention.and_then(|m| m.weights.find("kv_b_proj.key_t")) {
+                Some(HostWeight::PerHead(heads)) => heads.iter().map(owned_tensor).collect(),
+                _ => vec![],
+            }
+        };
+        let tensor_bytes = |t: &HostTensor| align(t.data.len()) + t.scales.as_ref().map_or(0, |s| align(s.len()));
+        for l in 0..c.num_hidden_layers {
+            budget.attention += key_t(l).iter().map(tensor_bytes).sum::<usize>();
+        }
         for m in modules.iter().filter(|m| !m.is_expert()) {
             let slot = match m.kind {
                 ModuleKind::Embed { .. } => &mut budget.embedding,
@@ -248,7 +264,7 @@ impl HybridEngine {
         let copy = dev.create_stream(StreamKind::Copy)?;
         let streams = [dev.create_stream(StreamKind::Compute)?, dev.create_stream(StreamKind::Compute)?];
         let mut resident = vec![];
-        let mut upload = |m: &crate::staged::StagedModule| -> Result<Weights<Placed>, ForwardError> {
+        let upload = |m: &crate::staged::StagedModule, resident: &mut Vec<DevicePtr>| -> Result<Weights<Placed>, ForwardError> {
             let dst = dev.alloc(m.device_bytes().max(1))?;
             resident.push(dst);
             Ok(m.upload(&*dev, copy, dst)?.filter_map(|w| Some(Placed::Device(*w))))
@@ -257,11 +273,28 @@ impl HybridEngine {
         let mut head = Weights::default();
         let mut layers: Vec<Layer> = (0..c.num_hidden_layers).map(|_| Layer { attention: Weights::default(), ffn: Weights::default(), experts: vec![] }).collect();
         for m in modules.iter().filter(|m| !m.is_expert()) {
-            let w = upload(m)?;
+            let w = upload(m, &mut resident)?;
             match m.kind {
                 ModuleKind::Embed { .. } => embed = w,
                 ModuleKind::Head { .. } => head = w,
-                ModuleKind::Attention { layer } => layers[layer].attention = w,
+                ModuleKind::Attention { layer } => {
+                    let mut w = w;
+                    let heads = key_t(layer);
+                    if !heads.is_empty() {
+                        let dst = dev.alloc(heads.iter().map(tensor_bytes).sum::<usize>().max(1))?;
+                        resident.push(dst);
+                        let mut offset = 0;
+                        let mut placed = Vec::with_capacity(heads.len());
+                        for t in &heads {
+                            let module = crate::staged::StagedModule { kind: m.kind, tensors: Weights::default().with("key_t", t.clone()) };
+                            let uploaded = module.upload(&*dev, copy, dst.slice(offset, tensor_bytes(t))?)?;
+                            offset += tensor_bytes(t);
+                            placed.push(*uploaded.get("key_t")?);
+                        }
+                        w.push("kv_b_proj.key_t", Placed::PerHead(placed));
+                    }
+                    layers[layer].attention = w;
+                }
                 ModuleKind::Ffn { layer } => layers[layer].ffn = w,
                 ModuleKind::Expert { .. } => unreachable!("filtered out"),
             }
@@ -484,6 +517,12 @@ fn seqs_decoding(seqs: &[SeqInput]) -> bool {
     seqs.iter().all(|s| s.tokens.len() == 1)
 }
 
+/// A host-made weight as a device copies it.
+fn owned_tensor(w: &duplex_kernels::linear::OwnedWeight) -> HostTensor {
+    let scales = (!w.scales.is_empty()).then(|| HostBytes::from_f32(&w.scales));
+    HostTensor { rows: w.rows, cols: w.cols, format: w.format, data: HostBytes::new(Arc::new(w.data.clone()), 0..w.data.len()).expect("the whole vector"), scales }
+}
+
 /// A segment's device block table.
 struct SeqTable {
     /// The segment's first row in its pass.
@@ -527,6 +566,40 @@ impl HybridBackend<'_> {
         let op = Op::KvGather { kv: self.kv, table: t.ids, blocks: t.blocks, layer: c.layer, out };
         self.dev.launch(op)?;
         Ok(out)
+    }
+
+    /// MLA for one new token in the absorbed form, as the CPU engine runs
+    /// it: per head the latent query `W_kᵀ q_nope`, attention over the
+    /// context's latents, then the head's value band of `kv_b_proj` over
+    /// the attended latent. The context's keys and values are never
+    /// expanded, so a step costs what its latents do, not the context times
+    /// the heads.
+    fn mla_absorbed(&mut self, c: &AttentionCall, kv_b: &DeviceWeight, key_t: &[DeviceWeight], latents: Matrix) -> Result<(), ForwardError> {
+        let (cfg, m) = (c.cfg, c.cfg.mla().expect("MLA"));
+        let (heads, dn, dr, dv, dc) = (cfg.num_attention_heads, m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim, m.kv_lora_rank);
+        let (dq, dkv, p) = (dn + dr, dn + dv, c.precision);
+        if key_t.len() != heads || c.absorbed.rows < heads || c.absorbed.cols < 2 * dc + dkv {
+            return Err(ForwardError::Workspace(format!("no room for the absorbed form of {heads} heads")));
+        }
+        // Three contiguous blocks (kernels refuse outputs whose span
+        // overlaps an input's, as interleaved columns would).
+        let at = |floats: usize, cols: usize| Matrix { offset: c.absorbed.offset + floats, rows: heads, cols, stride: cols, ..c.absorbed };
+        let (q_latent, ctx_latent, kv) = (at(0, dc), at(heads * dc, dc), at(2 * heads * dc, dkv));
+        let q = c.q.reshape(heads, dq);
+        for (h, k) in key_t.iter().enumerate() {
+            self.dev.gemm(k, q.rows(h..h + 1).columns(0..dn), q_latent.rows(h..h + 1), p, true)?;
+        }
+        let op = Op::MlaDecode { q_latent, q_pe: q.columns(dn..dq), latents, out: ctx_latent, scale: c.scale, precision: p };
+        self.dev.launch(op)?;
+        if p == Precision::Bf16 {
+            self.dev.round_bf16(ctx_latent)?;
+        }
+        // A head's whole band (keys and values: slices of an FP8 weight
+        // start on a scale block) over its latent; the values are kept.
+        for h in 0..heads {
+            self.dev.gemm(&kv_b.rows(h * dkv..(h + 1) * dkv)?, ctx_latent.rows(h..h + 1), kv.rows(h..h + 1), p, true)?;
+        }
+        self.dev.copy(kv.columns(dn..dkv), c.out.reshape(heads, dv))
     }
 
     /// Hold `xs` as the host's copy of device matrix `m` (replacing an older one).
@@ -581,6 +654,7 @@ impl Backend for HybridBackend<'_> {
         match w {
             Placed::Device(d) => Ok(d.rows),
             Placed::Host(h) => CpuBackend::rows_of(h),
+            Placed::PerHead(_) => Err(ForwardError::BadModule("rows of a per-head weight".into())),
         }
     }
 
@@ -688,7 +762,11 @@ impl Backend for HybridBackend<'_> {
 
     fn mla_attention(&mut self, c: &AttentionCall, w: &Weights<Placed>) -> Result<(), ForwardError> {
         let context = self.context(c)?;
-        self.dev.mla_over(c, on_device(w.get("kv_b_proj")?)?, context)
+        let kv_b = on_device(w.get("kv_b_proj")?)?;
+        match w.find("kv_b_proj.key_t") {
+            Some(Placed::PerHead(key_t)) if c.seg.n == 1 => self.mla_absorbed(c, kv_b, key_t, context),
+            _ => self.dev.mla_over(c, kv_b, context),
+        }
     }
 
     fn gqa_attention(&mut self, c: &AttentionCall) -> Result<(), ForwardError> {
