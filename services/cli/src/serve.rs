@@ -104,6 +104,59 @@ impl Shutdown {
     }
 }
 
+/// The cores `duplex serve` gives the two workers when neither sets `cores`.
+#[derive(Debug, PartialEq, Eq)]
+struct CoreSets {
+    decode: Vec<usize>,
+    prefill: Vec<usize>,
+}
+
+/// Disjoint core sets out of `allowed` (the cores the supervisor may run
+/// on, ascending), so that a running prefill and the decode worker's experts
+/// do not fight over cores. With an accelerator the prefill worker mostly
+/// waits on it: it gets max(1, n/8) cores, the highest-numbered, and the
+/// decode worker's expert pool the rest. With a CPU prefill the two halves,
+/// decode taking the lower one and, for an odd count, the extra core (it
+/// serves every token). One core: both share it.
+fn default_core_sets(allowed: &[usize], prefill_accelerator: bool) -> CoreSets {
+    let n = allowed.len();
+    if n <= 1 {
+        return CoreSets { decode: allowed.to_vec(), prefill: allowed.to_vec() };
+    }
+    let prefill = if prefill_accelerator { (n / 8).max(1) } else { n / 2 };
+    let (decode, prefill) = allowed.split_at(n - prefill);
+    CoreSets { decode: decode.to_vec(), prefill: prefill.to_vec() }
+}
+
+/// Whether the prefill worker runs on an accelerator, for the core split.
+/// `auto` counts as the CPU: knowing whether CUDA is there would mean
+/// opening it in the supervisor, and the smaller prefill set would starve a
+/// CPU prefill, while the larger one only costs decode a few cores.
+fn prefill_has_accelerator(prefill: &duplex_prefill::PrefillConfig) -> bool {
+    matches!(prefill.device.as_str(), "cuda" | "emulated")
+}
+
+/// `--cores` for the decode and prefill workers: the default split when
+/// neither config sets `cores`, else none (each worker takes its own).
+fn worker_cores(decode: &duplex_decode::DecodeConfig, prefill: &duplex_prefill::PrefillConfig) -> Option<CoreSets> {
+    if !decode.cores.trim().is_empty() || !prefill.cores.trim().is_empty() {
+        return None;
+    }
+    let allowed = duplex_kernels::pool::allowed_cores();
+    if allowed.is_empty() {
+        eprintln!("duplex serve: cannot read this process's cores; the workers are left to pin as they do alone");
+        return None;
+    }
+    let sets = default_core_sets(&allowed, prefill_has_accelerator(prefill));
+    let list = duplex_kernels::pool::format_cpu_list;
+    if allowed.len() == 1 {
+        eprintln!("duplex serve: one core ({}): both workers share it", list(&allowed));
+    } else {
+        eprintln!("duplex serve: cores: decode worker {}, prefill worker {} (set `cores` in [decode] or [prefill] to choose)", list(&sets.decode), list(&sets.prefill));
+    }
+    Some(sets)
+}
+
 /// Exponential back-off, capped: the delay before the `n`-th restart in a row.
 fn backoff(n: u32) -> Duration {
     FIRST_BACKOFF.saturating_mul(1u32 << n.saturating_sub(1).min(16)).min(MAX_BACKOFF)
@@ -316,10 +369,11 @@ async fn supervise(a: ServeArgs) -> Result<()> {
     let started = Instant::now();
     let weights = duplex_ipc::weight_segment_name(&a.instance);
     let build = {
-        let (shm_dir, weights, model) = (shm_dir.clone(), weights.clone(), a.model.clone());
+        let (shm_dir, weights, model, numa_nodes) = (shm_dir.clone(), weights.clone(), a.model.clone(), decode.numa_nodes);
         tokio::task::spawn_blocking(move || {
             let mut progress = duplex_telemetry::progress::ByteProgress::new("duplex serve: building the weight segment");
-            let r = WeightStore::open_or_build_reporting(&shm_dir, &weights, &model, &mut |done, total| progress.update(done, total));
+            // Placed for the decode worker's pool, whose threads compute the experts.
+            let r = WeightStore::open_or_build_placed(&shm_dir, &weights, &model, numa_nodes, &mut |done, total| progress.update(done, total));
             progress.finish();
             r
         })
@@ -347,6 +401,9 @@ async fn supervise(a: ServeArgs) -> Result<()> {
         store.size_bytes() as f64 / (1 << 20) as f64,
         started.elapsed().as_secs_f64()
     );
+    if provenance == duplex_ipc::Provenance::Built {
+        eprintln!("duplex serve: {}", store.placement());
+    }
     drop(store);
 
     let common = |sub: &str| -> Vec<String> {
@@ -368,6 +425,10 @@ async fn supervise(a: ServeArgs) -> Result<()> {
     decode_args.extend(flag("unix-socket", sockets.decode().display()));
     let mut prefill_args = worker("prefill");
     prefill_args.extend(flag("unix-socket", sockets.prefill().display()));
+    if let Some(sets) = worker_cores(&decode, &prefill) {
+        decode_args.extend(flag("cores", duplex_kernels::pool::format_cpu_list(&sets.decode)));
+        prefill_args.extend(flag("cores", duplex_kernels::pool::format_cpu_list(&sets.prefill)));
+    }
     let mut router_args = common("router");
     router_args.extend(flag("http-port", http_port));
     router_args.extend(flag("grpc-port", grpc_port));
@@ -515,5 +576,56 @@ mod tests {
         assert_eq!(url_authority("::1", 80), "[::1]:80");
         assert_eq!(url_authority("127.0.0.1", 80), "127.0.0.1:80");
         assert_eq!(url_authority("localhost", 80), "localhost:80");
+    }
+
+    #[test]
+    fn default_core_sets_are_disjoint_and_favour_decode() {
+        let cores = |n: usize| (0..n).collect::<Vec<_>>();
+        let sets = |n, accel| {
+            let s = default_core_sets(&cores(n), accel);
+            (s.decode, s.prefill)
+        };
+        // An accelerator prefill: max(1, n/8) highest cores.
+        assert_eq!(sets(2, true), (vec![0], vec![1]));
+        assert_eq!(sets(8, true), (cores(7), vec![7]));
+        assert_eq!(sets(16, true), (cores(14), vec![14, 15]));
+        assert_eq!(sets(48, true), (cores(42), (42..48).collect()));
+        // A CPU prefill: halves, decode the lower (and the odd core).
+        assert_eq!(sets(2, false), (vec![0], vec![1]));
+        assert_eq!(sets(3, false), (vec![0, 1], vec![2]));
+        assert_eq!(sets(16, false), (cores(8), (8..16).collect()));
+        // One core: shared.
+        assert_eq!(sets(1, true), (vec![0], vec![0]));
+        assert_eq!(sets(1, false), (vec![0], vec![0]));
+        // The cores this process may run on need not start at 0 nor be contiguous.
+        let s = default_core_sets(&[2, 4, 6, 8], false);
+        assert_eq!((s.decode, s.prefill), (vec![2, 4], vec![6, 8]));
+        for n in 2..70 {
+            for accel in [false, true] {
+                let (d, p) = sets(n, accel);
+                assert_eq!(d.len() + p.len(), n, "n {n}");
+                assert!(!d.is_empty() && !p.is_empty() && d.len() >= p.len(), "n {n} accel {accel}");
+                assert!(d.last() < p.first(), "disjoint, decode lower: n {n}");
+            }
+        }
+    }
+
+    #[test]
+    fn which_prefill_devices_count_as_accelerators() {
+        let with = |device: &str| prefill_has_accelerator(&duplex_prefill::PrefillConfig { device: device.into(), ..Default::default() });
+        assert!(with("cuda") && with("emulated"));
+        assert!(!with("cpu") && !with("auto"));
+    }
+
+    #[test]
+    fn serve_splits_cores_only_when_neither_worker_sets_them() {
+        let decode = duplex_decode::DecodeConfig::default();
+        let prefill = duplex_prefill::PrefillConfig::default();
+        let sets = worker_cores(&decode, &prefill).unwrap();
+        assert_eq!(sets, default_core_sets(&duplex_kernels::pool::allowed_cores(), false));
+        let decode_set = duplex_decode::DecodeConfig { cores: "0".into(), ..Default::default() };
+        assert_eq!(worker_cores(&decode_set, &prefill), None);
+        let prefill_set = duplex_prefill::PrefillConfig { cores: "0".into(), ..Default::default() };
+        assert_eq!(worker_cores(&decode, &prefill_set), None);
     }
 }

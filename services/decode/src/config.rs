@@ -47,6 +47,12 @@ pub struct DecodeConfig {
     pub threads: usize,
     /// NUMA nodes the thread pool is split into.
     pub numa_nodes: usize,
+    /// The cores this worker runs on, as a CPU list (`0-11,24-35`); its
+    /// pool's threads are pinned to them in order, NUMA nodes taking
+    /// consecutive slices. Empty: not set (started alone, the pool pins to
+    /// the first cores the process may use; under `duplex serve`, which
+    /// gives the two workers disjoint sets when neither sets one).
+    pub cores: String,
     /// Where decode runs: `cpu` (everything on the CPU), or the hybrid
     /// placement on `cuda` or `emulated` (a CPU-backed stand-in, for tests
     /// and demos): attention, norms, router, shared experts, dense layers,
@@ -81,6 +87,16 @@ pub enum DeviceKind {
 }
 
 impl DecodeConfig {
+    /// `cores` parsed; empty when not set.
+    pub fn core_list(&self) -> anyhow::Result<Vec<usize>> {
+        duplex_kernels::pool::parse_cpu_list(&self.cores).map_err(|e| anyhow::anyhow!("cores: {e}"))
+    }
+
+    /// The compute pool: `threads`, `numa_nodes` and `cores` checked together.
+    pub fn pool(&self) -> anyhow::Result<duplex_kernels::pool::PoolConfig> {
+        duplex_kernels::pool::PoolConfig::on_cores(self.threads, self.numa_nodes, &self.core_list()?).map_err(|e| anyhow::anyhow!("threads/numa_nodes/cores: {e}"))
+    }
+
     pub fn precision(&self) -> anyhow::Result<duplex_model::Precision> {
         self.dtype.parse().map_err(|e: String| anyhow::anyhow!("dtype: {e}"))
     }
@@ -114,6 +130,7 @@ impl Default for DecodeConfig {
             dtype: "bf16".into(),
             threads: 0,
             numa_nodes: 1,
+            cores: String::new(),
             device: "cpu".into(),
             device_memory_mib: 0,
             cuda_device: 0,
@@ -180,6 +197,9 @@ pub struct DecodeArgs {
     /// NUMA nodes to split the threads into [default: 1].
     #[arg(long)]
     pub numa_nodes: Option<usize>,
+    /// Cores to run on, a CPU list like 0-11,24-35 [default: not set].
+    #[arg(long)]
+    pub cores: Option<String>,
     /// Where decode runs: cpu, or the hybrid placement on cuda or emulated [default: cpu].
     #[arg(long)]
     pub device: Option<String>,
@@ -215,12 +235,13 @@ impl DecodeArgs {
         if let Some(path) = self.unix_socket {
             c.unix_socket = Some(path);
         }
-        take!(model, host, port, metrics_port, shm_dir, instance, context_length, kv_blocks, max_batch_size, prefill_chunk_tokens, lease_timeout_seconds, max_waiting_requests, dtype, threads, numa_nodes, device, device_memory_mib, cuda_device, device_threads, device_kv_blocks, micro_batches, defer_experts);
+        take!(model, host, port, metrics_port, shm_dir, instance, context_length, kv_blocks, max_batch_size, prefill_chunk_tokens, lease_timeout_seconds, max_waiting_requests, dtype, threads, numa_nodes, cores, device, device_memory_mib, cuda_device, device_threads, device_kv_blocks, micro_batches, defer_experts);
         if c.max_batch_size == 0 || c.prefill_chunk_tokens == 0 {
             anyhow::bail!("max_batch_size and prefill_chunk_tokens must be at least 1");
         }
         c.precision()?;
         c.device_kind()?;
+        c.core_list()?;
         Ok(c)
     }
 }
@@ -236,5 +257,25 @@ mod tests {
         for key in keys.keys() {
             assert!(readme.contains(&format!("`{key}`")), "README.md does not document `{key}`");
         }
+    }
+
+    #[test]
+    fn cores_come_from_the_file_or_the_flag_and_are_checked() {
+        let path = std::env::temp_dir().join(format!("duplex-decode-cores-{}.toml", std::process::id()));
+        std::fs::write(&path, "[decode]\ncores = \"0\"\n").unwrap();
+        let c = DecodeArgs { config: Some(path.clone()), ..Default::default() }.resolve().unwrap();
+        assert_eq!(c.core_list().unwrap(), [0]);
+        let c = DecodeArgs { config: Some(path.clone()), cores: Some("0-1, 3".into()), ..Default::default() }.resolve().unwrap();
+        assert_eq!(c.core_list().unwrap(), [0, 1, 3]);
+        std::fs::remove_file(&path).unwrap();
+        assert_eq!(DecodeConfig::default().core_list().unwrap(), Vec::<usize>::new(), "not set by default");
+        let err = DecodeArgs { cores: Some("3-1".into()), ..Default::default() }.resolve().unwrap_err().to_string();
+        assert!(err.starts_with("cores: ") && err.contains("backwards"), "{err}");
+        // More threads than cores is refused, naming both.
+        let c = DecodeConfig { cores: "0".into(), threads: 2, ..Default::default() };
+        let err = c.pool().unwrap_err().to_string();
+        assert!(err.contains("threads = 2") && err.contains("1 cores"), "{err}");
+        let c = DecodeConfig { cores: "0".into(), ..Default::default() };
+        assert_eq!(c.pool().unwrap().cores, Some(vec![0]));
     }
 }

@@ -33,6 +33,12 @@ pub struct PrefillConfig {
     pub threads: usize,
     /// NUMA nodes the thread pool is split into.
     pub numa_nodes: usize,
+    /// The cores this worker runs on, as a CPU list (`0-11,24-35`); its
+    /// pool's threads are pinned to them in order, NUMA nodes taking
+    /// consecutive slices. Empty: not set (started alone, the pool pins to
+    /// the first cores the process may use; under `duplex serve`, which
+    /// gives the two workers disjoint sets when neither sets one).
+    pub cores: String,
     /// The accelerator for stream-loading prefill: `cuda`, `emulated` (a
     /// CPU-backed stand-in, for tests and demos), `cpu` (none: every prompt
     /// on the CPU engine), or `auto` (`cuda` when built in and a GPU is
@@ -68,6 +74,16 @@ pub enum DeviceKind {
 }
 
 impl PrefillConfig {
+    /// `cores` parsed; empty when not set.
+    pub fn core_list(&self) -> anyhow::Result<Vec<usize>> {
+        duplex_kernels::pool::parse_cpu_list(&self.cores).map_err(|e| anyhow::anyhow!("cores: {e}"))
+    }
+
+    /// The compute pool: `threads`, `numa_nodes` and `cores` checked together.
+    pub fn pool(&self) -> anyhow::Result<duplex_kernels::pool::PoolConfig> {
+        duplex_kernels::pool::PoolConfig::on_cores(self.threads, self.numa_nodes, &self.core_list()?).map_err(|e| anyhow::anyhow!("threads/numa_nodes/cores: {e}"))
+    }
+
     pub fn precision(&self) -> anyhow::Result<duplex_model::Precision> {
         self.dtype.parse().map_err(|e: String| anyhow::anyhow!("dtype: {e}"))
     }
@@ -97,6 +113,7 @@ impl Default for PrefillConfig {
             dtype: "bf16".into(),
             threads: 0,
             numa_nodes: 1,
+            cores: String::new(),
             device: "auto".into(),
             slp_threshold_tokens: 4096,
             device_memory_mib: 0,
@@ -149,6 +166,9 @@ pub struct PrefillArgs {
     /// NUMA nodes to split the threads into [default: 1].
     #[arg(long)]
     pub numa_nodes: Option<usize>,
+    /// Cores to run on, a CPU list like 0-11,24-35 [default: not set].
+    #[arg(long)]
+    pub cores: Option<String>,
     /// Accelerator for stream-loading prefill: auto, cuda, emulated or cpu [default: auto].
     #[arg(long)]
     pub device: Option<String>,
@@ -187,13 +207,14 @@ impl PrefillArgs {
         if let Some(path) = self.unix_socket {
             c.unix_socket = Some(path);
         }
-        take!(model, host, port, metrics_port, shm_dir, instance, chunk_tokens, dtype, threads, numa_nodes);
+        take!(model, host, port, metrics_port, shm_dir, instance, chunk_tokens, dtype, threads, numa_nodes, cores);
         take!(device, slp_threshold_tokens, device_memory_mib, cuda_device, emulated_h2d_gb_per_s, ring_slots, ring_turning_point_tokens, dense_budget_mib);
         if c.chunk_tokens == 0 {
             anyhow::bail!("chunk_tokens must be at least 1");
         }
         c.precision()?;
         c.device_kind()?;
+        c.core_list()?;
         if c.ring_slots == 1 {
             anyhow::bail!("ring_slots must be 0 (adaptive) or at least 2");
         }
@@ -218,5 +239,25 @@ mod tests {
         for key in keys.keys() {
             assert!(readme.contains(&format!("`{key}`")), "README.md does not document `{key}`");
         }
+    }
+
+    #[test]
+    fn cores_come_from_the_file_or_the_flag_and_are_checked() {
+        let path = std::env::temp_dir().join(format!("duplex-prefill-cores-{}.toml", std::process::id()));
+        std::fs::write(&path, "[prefill]\ncores = \"0\"\n").unwrap();
+        let c = PrefillArgs { config: Some(path.clone()), ..Default::default() }.resolve().unwrap();
+        assert_eq!(c.core_list().unwrap(), [0]);
+        let c = PrefillArgs { config: Some(path.clone()), cores: Some("0-1, 3".into()), ..Default::default() }.resolve().unwrap();
+        assert_eq!(c.core_list().unwrap(), [0, 1, 3]);
+        std::fs::remove_file(&path).unwrap();
+        assert_eq!(PrefillConfig::default().core_list().unwrap(), Vec::<usize>::new(), "not set by default");
+        let err = PrefillArgs { cores: Some("3-1".into()), ..Default::default() }.resolve().unwrap_err().to_string();
+        assert!(err.starts_with("cores: ") && err.contains("backwards"), "{err}");
+        // More threads than cores is refused, naming both.
+        let c = PrefillConfig { cores: "0".into(), threads: 2, ..Default::default() };
+        let err = c.pool().unwrap_err().to_string();
+        assert!(err.contains("threads = 2") && err.contains("1 cores"), "{err}");
+        let c = PrefillConfig { cores: "0".into(), ..Default::default() };
+        assert_eq!(c.pool().unwrap().cores, Some(vec![0]));
     }
 }

@@ -17,7 +17,6 @@ use duplex_kernels::device::emulated::{EmulatedConfig, EmulatedDevice};
 use duplex_kernels::device::Device;
 use engine::Slp;
 use slp::{SlpConfig, SlpEngine};
-use duplex_kernels::pool::PoolConfig;
 use duplex_proto::worker::prefill_worker_server::PrefillWorkerServer;
 use engine::{Engine, KvSource};
 use duplex_proto::stats::StatsCell;
@@ -46,11 +45,24 @@ pub async fn run(config: PrefillConfig) -> anyhow::Result<()> {
 
 fn start_engine(cfg: &PrefillConfig) -> anyhow::Result<(Engine, Arc<StatsCell>)> {
     let started = Instant::now();
-    let pool = PoolConfig::split(cfg.threads, cfg.numa_nodes).map_err(|e| anyhow::anyhow!("threads/numa_nodes: {e}"))?;
+    let pool = cfg.pool()?;
+    let cores = cfg.core_list()?;
+    if cores.is_empty() {
+        tracing::info!("cores: not set; compute pool: {}", pool.describe());
+    } else {
+        // Every thread of this worker stays on its cores, not only the
+        // pinned pool workers: the engine thread (the pool's thread 0), the
+        // runtime's, an emulated device's.
+        duplex_kernels::pool::restrict_process_to(&cores).map_err(|e| anyhow::anyhow!("cores: {e}"))?;
+        tracing::info!("cores {}; compute pool: {}", duplex_kernels::pool::format_cpu_list(&cores), pool.describe());
+    }
     let mut progress = duplex_telemetry::progress::ByteProgress::new("building the weight segment");
     let (model, store, provenance) = duplex_ipc::open_shared_model(&cfg.shm_dir, &cfg.instance, &cfg.model, &pool, &mut |done, total| progress.update(done, total))?;
     progress.finish();
     tracing::info!("weight segment {} {provenance:?} and model loaded in {:.3} s ({} bytes)", store.path().display(), started.elapsed().as_secs_f64(), store.size_bytes());
+    if provenance == duplex_ipc::Provenance::Built {
+        tracing::info!("{}", store.placement());
+    }
     metrics::gauge!(duplex_telemetry::WEIGHT_SEGMENT_BYTES).set(store.size_bytes() as f64);
     let kv = KvSource::new(cfg.shm_dir.clone(), duplex_ipc::kv_segment_name(&cfg.instance));
     let stats = Arc::new(StatsCell::new(model.cfg.max_position_embeddings, store.fingerprint().to_string()));
