@@ -4,7 +4,10 @@
 //! fit, stop tokens, and blocks returned when a client goes away.
 
 use duplex_decode::batcher::{Admission, Batcher, Command, Limits, Prefilled};
+use duplex_decode::engine::Engine;
 use duplex_decode::kv_alloc::KvAllocator;
+use duplex_kernels::device::emulated::{EmulatedConfig, EmulatedDevice};
+use duplex_model::hybrid::{HybridConfig, HybridEngine};
 use duplex_model::sampling::SamplingParams;
 use duplex_model::{KvPool, Model, Precision};
 use duplex_proto::stats::StatsCell;
@@ -18,11 +21,25 @@ use tokio::sync::oneshot;
 use tonic::{Code, Status};
 
 fn start(kv_blocks: usize) -> (Sender<Command>, Arc<StatsCell>) {
+    start_on(kv_blocks, None)
+}
+
+/// With `device_kv_blocks`, the hybrid placement on an emulated device
+/// whose KV pool has that many blocks.
+fn start_on(kv_blocks: usize, device_kv_blocks: Option<usize>) -> (Sender<Command>, Arc<StatsCell>) {
     let model = Model::load(std::path::Path::new(duplex_model::BUNDLED_MODEL), &mut |_, _| {}).unwrap();
     let pool = KvPool::new(kv_blocks, 16, model.cfg.num_hidden_layers, model.cfg.kv_entry_dim());
     let stats = Arc::new(StatsCell::new(1024, "test".into()));
     let limits = Limits { context_length: 1024, lease_timeout: Duration::from_secs(60), max_batch_size: 6, prefill_chunk_tokens: 64, max_waiting_requests: 4 };
-    let batcher = Batcher::new(duplex_decode::engine::Engine::Cpu(model), KvAllocator::new(pool, 1), limits, Precision::F32, stats.clone());
+    let engine = match device_kv_blocks {
+        None => Engine::Cpu(model),
+        Some(blocks) => {
+            let dev = EmulatedDevice::new(EmulatedConfig { memory_bytes: 64 << 20, compute_threads: 1, ..Default::default() }).unwrap();
+            let config = HybridConfig { kv_blocks: blocks, micro_batches: true, defer_experts: 0, cpu_jitter: None };
+            Engine::Hybrid(Box::new(HybridEngine::new(model, dev, config, 16).unwrap()))
+        }
+    };
+    let batcher = Batcher::new(engine, KvAllocator::new(pool, 1), limits, Precision::F32, stats.clone());
     let (commands, receiver) = std::sync::mpsc::channel();
     std::thread::spawn(move || batcher.run(receiver));
     (commands, stats)
@@ -281,4 +298,32 @@ fn stats_fail_once_the_engine_has_stopped() {
     wait_until("the engine to stop", || stats.engine_stopped.load(Relaxed));
     let status = ask().unwrap_err();
     assert_eq!(status.code(), Code::Unavailable, "{status:?}");
+}
+
+/// The hybrid placement: a full device KV pool makes sequences that hold
+/// their host blocks wait for a place (not fail, not hang); they run as
+/// running ones leave, every one to the end with the CPU engine's tokens;
+/// and a need the device pool can never hold is refused at once.
+#[test]
+fn a_full_device_kv_pool_queues_and_a_need_it_cannot_hold_is_refused() {
+    // Host pool 64 blocks; device pool 8. Each request needs 4 (20 + 40 positions).
+    let (commands, stats) = start_on(64, Some(8));
+    let mut streams: Vec<Events> = (0..3).map(|i| admit(&commands, &format!("r{i}"), 20, 40, &[])).collect();
+    wait_until("two running on the device, one waiting for its blocks there", || {
+        stats.running.load(Relaxed) == 2 && stats.waiting.load(Relaxed) == 1 && stats.kv_blocks_used.load(Relaxed) == 12
+    });
+    let outputs: Vec<_> = streams.iter_mut().map(drain).collect();
+    let (cpu, _) = start(64);
+    let (want, _) = drain(&mut admit(&cpu, "cpu", 20, 40, &[]));
+    for (tokens, reason) in &outputs {
+        assert_eq!(reason.as_deref().unwrap(), "length");
+        assert_eq!(tokens, &want, "the hybrid placement's tokens are the CPU engine's");
+    }
+    wait_until("blocks back", || stats.kv_blocks_used.load(Relaxed) == 0 && stats.running.load(Relaxed) == 0);
+
+    let (tokens, result) = drain(&mut admit(&commands, "big", 20, 120, &[]));
+    assert!(tokens.is_empty());
+    let status = result.unwrap_err();
+    assert_eq!(status.code(), Code::InvalidArgument, "{status:?}");
+    assert!(status.message().contains("needs 9 device KV blocks") && status.message().contains("only 8"), "{}", status.message());
 }
