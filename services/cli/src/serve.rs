@@ -401,7 +401,7 @@ async fn supervise(a: ServeArgs) -> Result<()> {
         store.size_bytes() as f64 / (1 << 20) as f64,
         started.elapsed().as_secs_f64()
     );
-    if provenance == duplex_ipc::Provenance::Built {
+    if provenance == duplex_ipc::Provenance::Built && store.placement().nodes > 1 {
         eprintln!("duplex serve: {}", store.placement());
     }
     drop(store);

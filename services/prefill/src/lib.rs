@@ -60,7 +60,7 @@ fn start_engine(cfg: &PrefillConfig) -> anyhow::Result<(Engine, Arc<StatsCell>)>
     let (model, store, provenance) = duplex_ipc::open_shared_model(&cfg.shm_dir, &cfg.instance, &cfg.model, &pool, &mut |done, total| progress.update(done, total))?;
     progress.finish();
     tracing::info!("weight segment {} {provenance:?} and model loaded in {:.3} s ({} bytes)", store.path().display(), started.elapsed().as_secs_f64(), store.size_bytes());
-    if provenance == duplex_ipc::Provenance::Built {
+    if provenance == duplex_ipc::Provenance::Built && store.placement().nodes > 1 {
         tracing::info!("{}", store.placement());
     }
     metrics::gauge!(duplex_telemetry::WEIGHT_SEGMENT_BYTES).set(store.size_bytes() as f64);
