@@ -137,24 +137,31 @@ fn prefill_has_accelerator(prefill: &duplex_prefill::PrefillConfig) -> bool {
 }
 
 /// `--cores` for the decode and prefill workers: the default split when
-/// neither config sets `cores`, else none (each worker takes its own).
-fn worker_cores(decode: &duplex_decode::DecodeConfig, prefill: &duplex_prefill::PrefillConfig) -> Option<CoreSets> {
+/// neither config sets `cores`, else none (each worker takes its own). A
+/// worker whose `threads` or `numa_nodes` do not fit its default set is an
+/// error now, saying what to set, rather than a worker dying at start.
+fn worker_cores(decode: &duplex_decode::DecodeConfig, prefill: &duplex_prefill::PrefillConfig) -> Result<Option<CoreSets>> {
     if !decode.cores.trim().is_empty() || !prefill.cores.trim().is_empty() {
-        return None;
+        return Ok(None);
     }
     let allowed = duplex_kernels::pool::allowed_cores();
     if allowed.is_empty() {
         eprintln!("duplex serve: cannot read this process's cores; the workers are left to pin as they do alone");
-        return None;
+        return Ok(None);
     }
     let sets = default_core_sets(&allowed, prefill_has_accelerator(prefill));
     let list = duplex_kernels::pool::format_cpu_list;
+    for (name, threads, nodes, set) in [("decode", decode.threads, decode.numa_nodes, &sets.decode), ("prefill", prefill.threads, prefill.numa_nodes, &sets.prefill)] {
+        if let Err(e) = duplex_kernels::pool::PoolConfig::on_cores(threads, nodes, set) {
+            bail!("[{name}]: {e}; duplex serve gives the {name} worker cores {} by default: lower its threads / numa_nodes, or set `cores` in [decode] and [prefill]", list(set));
+        }
+    }
     if allowed.len() == 1 {
         eprintln!("duplex serve: one core ({}): both workers share it", list(&allowed));
     } else {
         eprintln!("duplex serve: cores: decode worker {}, prefill worker {} (set `cores` in [decode] or [prefill] to choose)", list(&sets.decode), list(&sets.prefill));
     }
-    Some(sets)
+    Ok(Some(sets))
 }
 
 /// Exponential back-off, capped: the delay before the `n`-th restart in a row.
@@ -350,6 +357,7 @@ async fn supervise(a: ServeArgs) -> Result<()> {
     let decode = DecodeArgs { config: config(), ..DecodeArgs::default() }.resolve()?;
     let prefill = PrefillArgs { config: config(), ..PrefillArgs::default() }.resolve()?;
     let router = RouterArgs { config: config(), ..RouterArgs::default() }.resolve()?;
+    let core_sets = worker_cores(&decode, &prefill)?;
     let http_port = a.http_port.unwrap_or(router.http_port);
     let grpc_port = a.grpc_port.unwrap_or(router.grpc_port);
     // The workers take internal calls on Unix sockets, not TCP ports.
@@ -425,7 +433,7 @@ async fn supervise(a: ServeArgs) -> Result<()> {
     decode_args.extend(flag("unix-socket", sockets.decode().display()));
     let mut prefill_args = worker("prefill");
     prefill_args.extend(flag("unix-socket", sockets.prefill().display()));
-    if let Some(sets) = worker_cores(&decode, &prefill) {
+    if let Some(sets) = core_sets {
         decode_args.extend(flag("cores", duplex_kernels::pool::format_cpu_list(&sets.decode)));
         prefill_args.extend(flag("cores", duplex_kernels::pool::format_cpu_list(&sets.prefill)));
     }
@@ -621,11 +629,16 @@ mod tests {
     fn serve_splits_cores_only_when_neither_worker_sets_them() {
         let decode = duplex_decode::DecodeConfig::default();
         let prefill = duplex_prefill::PrefillConfig::default();
-        let sets = worker_cores(&decode, &prefill).unwrap();
-        assert_eq!(sets, default_core_sets(&duplex_kernels::pool::allowed_cores(), false));
+        let allowed = duplex_kernels::pool::allowed_cores();
+        let sets = worker_cores(&decode, &prefill).unwrap().unwrap();
+        assert_eq!(sets, default_core_sets(&allowed, false));
         let decode_set = duplex_decode::DecodeConfig { cores: "0".into(), ..Default::default() };
-        assert_eq!(worker_cores(&decode_set, &prefill), None);
+        assert_eq!(worker_cores(&decode_set, &prefill).unwrap(), None);
         let prefill_set = duplex_prefill::PrefillConfig { cores: "0".into(), ..Default::default() };
-        assert_eq!(worker_cores(&decode, &prefill_set), None);
+        assert_eq!(worker_cores(&decode, &prefill_set).unwrap(), None);
+        // More threads than the default set holds: refused up front, saying what to do.
+        let greedy = duplex_decode::DecodeConfig { threads: allowed.len() + 1, ..Default::default() };
+        let err = worker_cores(&greedy, &prefill).unwrap_err().to_string();
+        assert!(err.starts_with("[decode]: threads = ") && err.contains("set `cores`"), "{err}");
     }
 }
