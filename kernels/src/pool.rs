@@ -79,6 +79,26 @@ impl PoolConfig {
         self.threads_per_node.len().max(1)
     }
 
+    /// The cores each node's threads are pinned to (thread 0, the caller,
+    /// counted at the first one), or `None` when the pool is not pinned.
+    pub fn node_cores(&self) -> Option<Vec<Vec<usize>>> {
+        if !self.pin {
+            return None;
+        }
+        let cores = self.cores.clone().unwrap_or_else(allowed_cores);
+        let mut at = 0;
+        let slices = self
+            .threads_per_node
+            .iter()
+            .map(|&n| {
+                let slice = cores.get(at..(at + n.max(1)).min(cores.len())).unwrap_or_default().to_vec();
+                at += n.max(1);
+                slice
+            })
+            .collect();
+        Some(slices)
+    }
+
     /// What the pool runs on, for the log: threads, nodes, cores.
     pub fn describe(&self) -> String {
         let threads: usize = self.threads_per_node.iter().map(|&n| n.max(1)).sum();
@@ -557,6 +577,10 @@ mod tests {
         let c = PoolConfig { threads_per_node: split_threads(6, 2).unwrap(), pin: true, cores: Some(cores) };
         assert_eq!(c.threads_per_node, [3, 3]);
         assert_eq!(c.nodes(), 2);
+        assert_eq!(c.node_cores(), Some(vec![vec![0, 1, 2], vec![3, 4, 5]]));
+        let uneven = PoolConfig { threads_per_node: split_threads(5, 2).unwrap(), pin: true, cores: Some(vec![9, 8, 7, 6, 5]) };
+        assert_eq!(uneven.node_cores(), Some(vec![vec![9, 8, 7], vec![6, 5]]));
+        assert_eq!(PoolConfig::single_node(2).node_cores(), None, "not pinned");
         assert!(c.describe().contains("cores 0-5"), "{}", c.describe());
     }
 

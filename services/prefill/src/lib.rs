@@ -56,6 +56,9 @@ fn start_engine(cfg: &PrefillConfig) -> anyhow::Result<(Engine, Arc<StatsCell>)>
         duplex_kernels::pool::restrict_process_to(&cores).map_err(|e| anyhow::anyhow!("cores: {e}"))?;
         tracing::info!("cores {}; compute pool: {}", duplex_kernels::pool::format_cpu_list(&cores), pool.describe());
     }
+    for line in duplex_ipc::numa::check_pool(&pool) {
+        tracing::warn!("{line}");
+    }
     let mut progress = duplex_telemetry::progress::ByteProgress::new("building the weight segment");
     let (model, store, provenance) = duplex_ipc::open_shared_model(&cfg.shm_dir, &cfg.instance, &cfg.model, &pool, &mut |done, total| progress.update(done, total))?;
     progress.finish();

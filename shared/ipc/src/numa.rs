@@ -137,6 +137,57 @@ pub fn memory_nodes() -> Result<Vec<usize>, String> {
     duplex_kernels::pool::parse_cpu_list(text.trim()).map_err(|e| format!("cannot parse {HAS_MEMORY}: {e}"))
 }
 
+/// The machine's NUMA node of each core, from `/sys/devices/system/node/node*/cpulist`.
+pub fn core_nodes() -> Result<BTreeMap<usize, usize>, String> {
+    let dir = "/sys/devices/system/node";
+    let entries = std::fs::read_dir(dir).map_err(|e| format!("cannot list {dir}: {e}"))?;
+    let mut out = BTreeMap::new();
+    for entry in entries.flatten() {
+        let name = entry.file_name();
+        let Some(node) = name.to_str().and_then(|n| n.strip_prefix("node")).and_then(|n| n.parse::<usize>().ok()) else { continue };
+        let path = entry.path().join("cpulist");
+        let text = std::fs::read_to_string(&path).map_err(|e| format!("cannot read {}: {e}", path.display()))?;
+        for core in duplex_kernels::pool::parse_cpu_list(text.trim()).map_err(|e| format!("{}: {e}", path.display()))? {
+            out.insert(core, node);
+        }
+    }
+    Ok(out)
+}
+
+/// Where a pool's node slices disagree with the machine: pool node `k`'s
+/// experts are placed on NUMA node `k`, so its threads should run there.
+/// `slices[k]` are the cores of pool node `k`'s threads; `core_nodes` maps a
+/// core to its NUMA node. One line per pool node whose cores are elsewhere
+/// (say on a machine whose cores alternate between sockets); nothing on a
+/// one-node machine, where the nodes are simulated anyway.
+pub fn slice_mismatches(slices: &[Vec<usize>], core_nodes: &BTreeMap<usize, usize>) -> Vec<String> {
+    let machine_nodes: std::collections::BTreeSet<usize> = core_nodes.values().copied().collect();
+    if machine_nodes.len() <= 1 {
+        return vec![];
+    }
+    let mut out = vec![];
+    for (k, cores) in slices.iter().enumerate() {
+        let elsewhere: Vec<usize> = cores.iter().copied().filter(|c| core_nodes.get(c) != Some(&k)).collect();
+        if !elsewhere.is_empty() {
+            out.push(format!(
+                "pool node {k} computes the experts placed on NUMA node {k}, but its cores {} are not on NUMA node {k}: give node {k}'s slice of `cores` the cores of NUMA node {k}",
+                duplex_kernels::pool::format_cpu_list(&elsewhere)
+            ));
+        }
+    }
+    out
+}
+
+/// [`slice_mismatches`] for `pool` on this machine, for a worker to log at
+/// start; nothing for a one-node or unpinned pool.
+pub fn check_pool(pool: &duplex_kernels::pool::PoolConfig) -> Vec<String> {
+    match (pool.nodes() > 1, pool.node_cores(), core_nodes()) {
+        (true, Some(slices), Ok(map)) => slice_mismatches(&slices, &map),
+        (true, Some(_), Err(e)) => vec![format!("cannot check that the pool's node slices match the machine's NUMA nodes: {e}")],
+        _ => vec![],
+    }
+}
+
 /// The system page size, which `mbind` ranges must be aligned to.
 pub fn page_size() -> usize {
     // SAFETY: sysconf has no preconditions.
@@ -283,5 +334,22 @@ mod tests {
         // No NUMA information at all: everything unplaced, the reason kept.
         let report = apply(&file, &[r(0)], 2, Err("no NUMA information".into()));
         assert_eq!((report.unplaced, report.note.as_deref()), (4096, Some("no NUMA information")));
+    }
+
+    #[test]
+    fn slices_on_the_wrong_socket_are_named() {
+        // Two sockets whose cores alternate: even cores on node 0, odd on node 1.
+        let alternating: BTreeMap<usize, usize> = (0..8).map(|c| (c, c % 2)).collect();
+        let lines = slice_mismatches(&[vec![0, 1, 2, 3], vec![4, 5, 6, 7]], &alternating);
+        assert_eq!(lines.len(), 2);
+        assert!(lines[0].contains("pool node 0") && lines[0].contains("cores 1,3 are not on NUMA node 0"), "{}", lines[0]);
+        assert!(lines[1].contains("cores 4,6 are not on NUMA node 1"), "{}", lines[1]);
+        assert!(slice_mismatches(&[vec![0, 2, 4, 6], vec![1, 3, 5, 7]], &alternating).is_empty());
+        // One node: nothing to say, the two pool nodes are simulated.
+        let one: BTreeMap<usize, usize> = (0..8).map(|c| (c, 0)).collect();
+        assert!(slice_mismatches(&[vec![0, 1], vec![2, 3]], &one).is_empty());
+        // This machine's map covers the cores this process may use.
+        let here = core_nodes().unwrap();
+        assert!(duplex_kernels::pool::allowed_cores().iter().all(|c| here.contains_key(c)), "{here:?}");
     }
 }
