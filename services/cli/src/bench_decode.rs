@@ -16,6 +16,10 @@
 //! interleaved round by round, so that load from other tenants of the
 //! machine hits all three alike, and every ratio is taken within a round.
 //!
+//! With `--defer N`, batch 1 also runs with Expert Deferral (each token's N
+//! lowest-weighted routed experts run on the CPU while the device runs the
+//! next layer's attention), the other way to overlap at batch 1.
+//!
 //! Per-layer figures are a step's totals divided by its layers: the engine
 //! reports its timings per pass, not per layer.
 
@@ -61,6 +65,10 @@ pub struct BenchDecodeArgs {
     /// Blocks of each engine's device KV pool [default: enough for two sequences].
     #[arg(long)]
     kv_blocks: Option<usize>,
+    /// Expert Deferral at batch 1: defer this many of each token's routed experts
+    /// (less than the model's experts per token); 0 leaves that row out.
+    #[arg(long, default_value_t = 2)]
+    defer: usize,
 }
 
 /// What one configuration did in one round, summed over its steps.
@@ -130,7 +138,7 @@ fn default_device_bytes(model: &Model, kv_blocks: usize, positions: usize) -> Re
     Ok((resident + kv) / 9 * 10 + 2 * 2 * activations * 3 / 2 + (64 << 20))
 }
 
-fn placement(args: &BenchDecodeArgs, micro_batches: bool, kv_blocks: usize, positions: usize, host: &KvPool, tables: &[BlockTable]) -> Result<Placement> {
+fn placement(args: &BenchDecodeArgs, micro_batches: bool, defer_experts: usize, kv_blocks: usize, positions: usize, host: &KvPool, tables: &[BlockTable]) -> Result<Placement> {
     let dir = &args.model.model;
     let (bar, mut progress) = load_progress(dir);
     // Unpinned: the CPU pool's threads and the device's are separate threads,
@@ -143,7 +151,7 @@ fn placement(args: &BenchDecodeArgs, micro_batches: bool, kv_blocks: usize, posi
     };
     let device = EmulatedDevice::new(EmulatedConfig { memory_bytes, compute_threads: args.device_threads, ..Default::default() })?;
     let dyn_device: Arc<dyn Device> = device.clone();
-    let mut engine = HybridEngine::new(model, dyn_device, HybridConfig { kv_blocks, micro_batches, cpu_jitter: None }, BLOCK)?;
+    let mut engine = HybridEngine::new(model, dyn_device, HybridConfig { kv_blocks, micro_batches, defer_experts, cpu_jitter: None }, BLOCK)?;
     let seqs = tables.iter().map(|t| engine.admit(host, t, positions)).collect::<Result<Vec<_>, _>>()?;
     Ok(Placement { engine, device, seqs })
 }
@@ -192,6 +200,9 @@ pub fn run(args: BenchDecodeArgs) -> Result<()> {
     if positions > cfg.max_position_embeddings {
         bail!("--context {} and --steps {} need {positions} positions but the model allows {}", args.context, args.steps, cfg.max_position_embeddings);
     }
+    if args.defer > 0 && args.defer >= cfg.num_experts_per_tok {
+        bail!("--defer {} must be less than the model's {} routed experts per token (0 turns deferral off)", args.defer, cfg.num_experts_per_tok);
+    }
     let precision = args.model.dtype;
     let per_seq = positions.div_ceil(BLOCK);
     let kv_blocks = args.kv_blocks.unwrap_or(2 * per_seq);
@@ -217,7 +228,11 @@ pub fn run(args: BenchDecodeArgs) -> Result<()> {
     }
     drop(cpu);
 
-    let mut placements = [placement(&args, true, kv_blocks, positions, &host, &tables)?, placement(&args, false, kv_blocks, positions, &host, &tables)?];
+    let mut placements = vec![placement(&args, true, 0, kv_blocks, positions, &host, &tables)?, placement(&args, false, 0, kv_blocks, positions, &host, &tables)?];
+    if args.defer > 0 {
+        // Deferral applies to a pass of one decoding sequence: an engine of its own.
+        placements.push(placement(&args, true, args.defer, kv_blocks, positions, &host, &tables)?);
+    }
     let budget = placements[0].engine.budget();
     println!(
         "{}: {} layers, hidden {}, {} routed experts (top {}), dtype {precision:?}, context {}, {} decode steps × {} rounds interleaved; routed experts on a CPU pool of {} thread(s); {}, {} compute thread(s) of its own; {} cores on this machine",
@@ -235,16 +250,20 @@ pub fn run(args: BenchDecodeArgs) -> Result<()> {
         std::thread::available_parallelism().map_or(1, |n| n.get())
     );
     println!(
-        "device memory per placement: resident weights {:.1} MiB, KV pool {kv_blocks} blocks {:.1} MiB; expert deferral: not available in HybridConfig, not measured\n",
+        "device memory per placement: resident weights {:.1} MiB, KV pool {kv_blocks} blocks {:.1} MiB; expert deferral: {}\n",
         mib(budget.total() - budget.kv),
-        mib(budget.kv)
+        mib(budget.kv),
+        if args.defer > 0 { format!("{} of {} routed experts per token at batch 1", args.defer, cfg.num_experts_per_tok) } else { "off (--defer 0)".into() }
     );
 
-    let configs = [
+    let mut configs = vec![
         Config { label: "batch 1", placement: 0, batch: 1 },
         Config { label: "batch 2, two micro-batches", placement: 0, batch: 2 },
         Config { label: "batch 2, one batch", placement: 1, batch: 2 },
     ];
+    if args.defer > 0 {
+        configs.push(Config { label: "batch 1, expert deferral", placement: 2, batch: 1 });
+    }
     // One unmeasured round each: the workspaces are allocated and the pages
     // of the weights and the KV touched on first use.
     for c in &configs {
@@ -284,6 +303,9 @@ pub fn run(args: BenchDecodeArgs) -> Result<()> {
     println!("| --- | --- | --- |");
     println!("| batch 2 (two micro-batches) ÷ batch 1 | {} | paper: {PAPER_BATCH2_SPEEDUP:.2}× |", ratio(1, 0));
     println!("| batch 2 (two micro-batches) ÷ batch 2 (one batch) | {} | 1.00× without overlap |", ratio(1, 2));
+    if args.defer > 0 {
+        println!("| batch 1 with expert deferral ÷ batch 1 | {} | 1.00× without overlap |", ratio(3, 0));
+    }
 
     for p in placements {
         let Placement { mut engine, seqs, .. } = p;

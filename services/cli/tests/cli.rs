@@ -162,16 +162,24 @@ fn a_missing_model_directory_is_a_clear_error() {
     assert!(err.contains("/nonexistent/model is not a model directory"), "{err}");
 }
 
-/// `duplex bench-decode` on the bundled model: the three configurations'
+/// `duplex bench-decode` on the bundled model: the four configurations'
 /// per-layer times, overlap efficiencies and throughputs, and the batch-2 ÷
-/// batch-1 ratio next to the paper's; zero lengths are refused by name.
+/// batch-1 ratio next to the paper's; zero lengths, and a deferral of as
+/// many experts as a token has, are refused by name.
 #[test]
 fn bench_decode_reports_overlap_and_throughput() {
-    for (flag, needle) in [("--steps", "--steps must be at least 1"), ("--rounds", "--rounds must be at least 1"), ("--context", "--context must be at least 1")] {
-        let out = duplex(&["bench-decode", flag, "0"]);
+    let bad: [(&[&str], &str); 4] = [
+        (&["--steps", "0"], "--steps must be at least 1"),
+        (&["--rounds", "0"], "--rounds must be at least 1"),
+        (&["--context", "0"], "--context must be at least 1"),
+        // The bundled model routes each token to 4 experts.
+        (&["--defer", "4"], "--defer 4 must be less than the model's 4 routed experts per token"),
+    ];
+    for (args, needle) in bad {
+        let out = duplex(&[&["bench-decode"], args].concat());
         let stderr = String::from_utf8_lossy(&out.stderr);
-        assert!(!out.status.success(), "{flag} 0 should fail");
-        assert!(stderr.contains(needle), "{flag} 0: {stderr}");
+        assert!(!out.status.success(), "{args:?} should fail");
+        assert!(stderr.contains(needle), "{args:?}: {stderr}");
     }
     let out = duplex(&["bench-decode", "--context", "8", "--steps", "2", "--rounds", "2"]);
     let stdout = String::from_utf8_lossy(&out.stdout);
@@ -189,7 +197,8 @@ fn bench_decode_reports_overlap_and_throughput() {
         v
     };
     assert!(stdout.contains("dtype Bf16, context 8, 2 decode steps × 2 rounds"), "{stdout}");
-    for label in ["batch 1", "batch 2, two micro-batches", "batch 2, one batch"] {
+    assert!(stdout.contains("expert deferral: 2 of 4 routed experts per token at batch 1"), "{stdout}");
+    for label in ["batch 1", "batch 2, two micro-batches", "batch 2, one batch", "batch 1, expert deferral"] {
         let row = cells(label, "| overlap efficiency");
         assert_eq!(row.len(), 6, "{row:?}");
         for ms in [&row[1], &row[2], &row[3]] {
@@ -204,4 +213,6 @@ fn bench_decode_reports_overlap_and_throughput() {
     let paper = cells("batch 2 (two micro-batches) ÷ batch 1", "| ratio of tokens/s");
     assert!(spread(&paper[1])[0] > 0.0, "{paper:?}");
     assert_eq!(paper[2], "paper: 1.56×");
+    let deferral = cells("batch 1 with expert deferral ÷ batch 1", "| ratio of tokens/s");
+    assert!(spread(&deferral[1])[0] > 0.0, "{deferral:?}");
 }
