@@ -42,6 +42,15 @@ unsafe impl GlobalAlloc for Counting {
 #[global_allocator]
 static GLOBAL: Counting = Counting;
 
+/// The count covers every thread (the pools' workers too), so the tests of
+/// this file take turns: run side by side, one's set-up counted against the
+/// other's warmed-up call (it failed about one run in five).
+static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn serial() -> std::sync::MutexGuard<'static, ()> {
+    SERIAL.lock().unwrap_or_else(|e| e.into_inner())
+}
+
 /// Allocations made by every thread while `f` runs.
 fn allocations(f: impl FnOnce()) -> usize {
     ALLOCATIONS.store(0, Ordering::Relaxed);
@@ -53,6 +62,7 @@ fn allocations(f: impl FnOnce()) -> usize {
 
 #[test]
 fn warmed_up_moe_and_linear_do_not_allocate() {
+    let _serial = serial();
     let pool = ThreadPool::new(&PoolConfig::split(2, 2).unwrap());
     let (hidden, inter) = (256, 384);
     let mat = hidden * inter;
@@ -92,6 +102,7 @@ fn warmed_up_moe_and_linear_do_not_allocate() {
 
 #[test]
 fn warmed_up_gqa_decode_does_not_allocate() {
+    let _serial = serial();
     let pool = ThreadPool::new(&PoolConfig::split(2, 2).unwrap());
     // Qwen3-30B-A3B's heads (32 query heads on 4 kv heads of 128), over a
     // paged cache long enough for several split-K parts.
