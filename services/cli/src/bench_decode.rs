@@ -31,6 +31,7 @@ use duplex_kernels::device::Device;
 use duplex_kernels::pool::PoolConfig;
 use duplex_model::hybrid::{DeviceKv, DeviceSeq, HybridConfig, HybridEngine};
 use duplex_model::{BlockTable, KvPool, Logits, Model, Precision, SeqInput};
+use std::io::Write;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -103,6 +104,40 @@ struct Placement {
     seqs: Vec<DeviceSeq>,
 }
 
+/// Cores of their own for the host thread (the CPU pool's thread 0, which
+/// runs the routed experts) with the pool's workers, and for the emulated
+/// device's stream threads. Unpinned, the scheduler tends to wake a stream
+/// thread on its waker's core, where it preempts the host thread: the two
+/// then take turns on one core and nothing overlaps.
+#[derive(Clone)]
+struct Pinning {
+    host: Vec<usize>,
+    device: usize,
+}
+
+impl Pinning {
+    /// `None` when the machine has too few cores, or the device more than
+    /// one thread (its pool pins its own workers, from the first core up).
+    fn plan(cpu_threads: usize, device_threads: usize) -> Option<Pinning> {
+        let cores = duplex_kernels::pool::allowed_cores();
+        (device_threads == 1 && cores.len() > cpu_threads).then(|| Pinning { host: cores[..cpu_threads].to_vec(), device: cores[cpu_threads] })
+    }
+
+    fn describe(p: &Option<Pinning>) -> String {
+        match p {
+            Some(p) => format!("pinned: host and CPU pool on cores {}, device streams on core {}", duplex_kernels::pool::format_cpu_list(&p.host), p.device),
+            None => "not pinned (too few cores, or more than one device thread)".into(),
+        }
+    }
+}
+
+fn pin_current(core: usize) -> Result<()> {
+    if !core_affinity::set_for_current(core_affinity::CoreId { id: core }) {
+        bail!("cannot pin the benchmark's thread to core {core}");
+    }
+    Ok(())
+}
+
 /// A configuration: which placement, how many sequences.
 struct Config {
     label: &'static str,
@@ -138,12 +173,19 @@ fn default_device_bytes(model: &Model, kv_blocks: usize, positions: usize) -> Re
     Ok((resident + kv) / 9 * 10 + 2 * 2 * activations * 3 / 2 + (64 << 20))
 }
 
-fn placement(args: &BenchDecodeArgs, micro_batches: bool, defer_experts: usize, kv_blocks: usize, positions: usize, host: &KvPool, tables: &[BlockTable]) -> Result<Placement> {
+fn pool_config(args: &BenchDecodeArgs, pin: &Option<Pinning>) -> Result<PoolConfig> {
+    match pin {
+        // Workers on the host's cores after the first, which the host thread (thread 0) has.
+        Some(p) => PoolConfig::on_cores(args.cpu_threads, 1, &p.host).map_err(anyhow::Error::msg),
+        None => Ok(PoolConfig::single_node(args.cpu_threads)),
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+fn placement(args: &BenchDecodeArgs, pin: &Option<Pinning>, micro_batches: bool, defer_experts: usize, kv_blocks: usize, positions: usize, host: &KvPool, tables: &[BlockTable]) -> Result<Placement> {
     let dir = &args.model.model;
     let (bar, mut progress) = load_progress(dir);
-    // Unpinned: the CPU pool's threads and the device's are separate threads,
-    // and pinning both from core 0 up would put them on the same cores.
-    let model = Model::load_with(dir, &PoolConfig::single_node(args.cpu_threads), &mut progress).with_context(|| format!("loading model from {}", dir.display()))?;
+    let model = Model::load_with(dir, &pool_config(args, pin)?, &mut progress).with_context(|| format!("loading model from {}", dir.display()))?;
     bar.finish_and_clear();
     let memory_bytes = match args.device_memory_mib {
         Some(m) => m << 20,
@@ -151,7 +193,16 @@ fn placement(args: &BenchDecodeArgs, micro_batches: bool, defer_experts: usize, 
     };
     let device = EmulatedDevice::new(EmulatedConfig { memory_bytes, compute_threads: args.device_threads, ..Default::default() })?;
     let dyn_device: Arc<dyn Device> = device.clone();
-    let mut engine = HybridEngine::new(model, dyn_device, HybridConfig { kv_blocks, micro_batches, defer_experts, cpu_jitter: None }, BLOCK)?;
+    // The engine starts the device's stream threads, which inherit the
+    // starting thread's cores: the device's core while it does.
+    if let Some(p) = pin {
+        pin_current(p.device)?;
+    }
+    let engine = HybridEngine::new(model, dyn_device, HybridConfig { kv_blocks, micro_batches, defer_experts, cpu_jitter: None }, BLOCK);
+    if let Some(p) = pin {
+        pin_current(p.host[0])?;
+    }
+    let mut engine = engine?;
     let seqs = tables.iter().map(|t| engine.admit(host, t, positions)).collect::<Result<Vec<_>, _>>()?;
     Ok(Placement { engine, device, seqs })
 }
@@ -209,8 +260,14 @@ pub fn run(args: BenchDecodeArgs) -> Result<()> {
 
     // The prompts, prefilled on the CPU engine into a host pool, as the
     // prefill worker hands them over; both placements copy them in.
+    // Counted before pinning narrows what this thread may run on.
+    let cores = duplex_kernels::pool::allowed_cores().len();
+    let pin = Pinning::plan(args.cpu_threads, args.device_threads);
+    if let Some(p) = &pin {
+        pin_current(p.host[0])?;
+    }
     let (bar, mut progress) = load_progress(dir);
-    let cpu = Model::load_with(dir, &PoolConfig::single_node(args.cpu_threads), &mut progress).with_context(|| format!("loading model from {}", dir.display()))?;
+    let cpu = Model::load_with(dir, &pool_config(&args, &pin)?, &mut progress).with_context(|| format!("loading model from {}", dir.display()))?;
     bar.finish_and_clear();
     let mut host = cpu.new_kv_pool(2 * per_seq, BLOCK);
     let mut tables = vec![BlockTable::default(), BlockTable::default()];
@@ -228,14 +285,18 @@ pub fn run(args: BenchDecodeArgs) -> Result<()> {
     }
     drop(cpu);
 
-    let mut placements = vec![placement(&args, true, 0, kv_blocks, positions, &host, &tables)?, placement(&args, false, 0, kv_blocks, positions, &host, &tables)?];
+    let mut placements = vec![placement(&args, &pin, true, 0, kv_blocks, positions, &host, &tables)?, placement(&args, &pin, false, 0, kv_blocks, positions, &host, &tables)?];
     if args.defer > 0 {
         // Deferral applies to a pass of one decoding sequence: an engine of its own.
-        placements.push(placement(&args, true, args.defer, kv_blocks, positions, &host, &tables)?);
+        placements.push(placement(&args, &pin, true, args.defer, kv_blocks, positions, &host, &tables)?);
     }
     let budget = placements[0].engine.budget();
-    println!(
-        "{}: {} layers, hidden {}, {} routed experts (top {}), dtype {precision:?}, context {}, {} decode steps × {} rounds interleaved; routed experts on a CPU pool of {} thread(s); {}, {} compute thread(s) of its own; {} cores on this machine",
+    // Written, not printed: a reader that goes away (`| head`) is an error
+    // the caller reports, not a panic.
+    let mut out = std::io::stdout().lock();
+    writeln!(
+        out,
+        "{}: {} layers, hidden {}, {} routed experts (top {}), dtype {precision:?}, context {}, {} decode steps × {} rounds interleaved; routed experts on a CPU pool of {} thread(s); {}, {} compute thread(s) of its own; {} cores on this machine, {}",
         dir.display(),
         cfg.num_hidden_layers,
         cfg.hidden_size,
@@ -247,14 +308,16 @@ pub fn run(args: BenchDecodeArgs) -> Result<()> {
         args.cpu_threads,
         placements[0].device.describe(),
         args.device_threads,
-        std::thread::available_parallelism().map_or(1, |n| n.get())
-    );
-    println!(
+        cores,
+        Pinning::describe(&pin)
+    )?;
+    writeln!(
+        out,
         "device memory per placement: resident weights {:.1} MiB, KV pool {kv_blocks} blocks {:.1} MiB; expert deferral: {}\n",
         mib(budget.total() - budget.kv),
         mib(budget.kv),
         if args.defer > 0 { format!("{} of {} routed experts per token at batch 1", args.defer, cfg.num_experts_per_tok) } else { "off (--defer 0)".into() }
-    );
+    )?;
 
     let mut configs = vec![
         Config { label: "batch 1", placement: 0, batch: 1 },
@@ -278,11 +341,12 @@ pub fn run(args: BenchDecodeArgs) -> Result<()> {
 
     let layers = cfg.num_hidden_layers as f64;
     let per_layer = |rs: &[Round], f: fn(&Round) -> Duration| spread(rs.iter().map(|r| f(r).as_secs_f64() * 1e3 / (args.steps as f64 * layers)).collect(), 3);
-    println!("Per layer of a decode step (a step's totals ÷ {} layers), min / median / max over {} rounds:", cfg.num_hidden_layers, args.rounds);
-    println!("| configuration | device busy ms (attention, router, shared experts, head) | CPU MoE ms | measured ms | overlap efficiency max(device, CPU) ÷ measured | host blocked on the device ms |");
-    println!("| --- | --- | --- | --- | --- | --- |");
+    writeln!(out, "Per layer of a decode step (a step's totals ÷ {} layers), min / median / max over {} rounds:", cfg.num_hidden_layers, args.rounds)?;
+    writeln!(out, "| configuration | device busy ms (attention, router, shared experts, head) | CPU MoE ms | measured ms | overlap efficiency max(device, CPU) ÷ measured | host blocked on the device ms |")?;
+    writeln!(out, "| --- | --- | --- | --- | --- | --- |")?;
     for (c, rs) in configs.iter().zip(&rounds) {
-        println!(
+        writeln!(
+            out,
             "| {} | {} | {} | {} | {} | {} |",
             c.label,
             per_layer(rs, |r| r.device),
@@ -290,21 +354,21 @@ pub fn run(args: BenchDecodeArgs) -> Result<()> {
             per_layer(rs, |r| r.measured),
             spread(rs.iter().map(Round::efficiency).collect(), 2),
             per_layer(rs, |r| r.wait)
-        );
+        )?;
     }
-    println!("\n| configuration | tokens/s (min / median / max) |");
-    println!("| --- | --- |");
+    writeln!(out, "\n| configuration | tokens/s (min / median / max) |")?;
+    writeln!(out, "| --- | --- |")?;
     for (c, rs) in configs.iter().zip(&rounds) {
-        println!("| {} | {} |", c.label, spread(rs.iter().map(Round::tokens_per_s).collect(), 2));
+        writeln!(out, "| {} | {} |", c.label, spread(rs.iter().map(Round::tokens_per_s).collect(), 2))?;
     }
     // Ratios within a round: its configurations ran back to back.
     let ratio = |a: usize, b: usize| spread(rounds[a].iter().zip(&rounds[b]).map(|(x, y)| x.tokens_per_s() / y.tokens_per_s()).collect(), 2);
-    println!("\n| ratio of tokens/s, within each round | min / median / max | compared with |");
-    println!("| --- | --- | --- |");
-    println!("| batch 2 (two micro-batches) ÷ batch 1 | {} | paper: {PAPER_BATCH2_SPEEDUP:.2}× |", ratio(1, 0));
-    println!("| batch 2 (two micro-batches) ÷ batch 2 (one batch) | {} | 1.00× without overlap |", ratio(1, 2));
+    writeln!(out, "\n| ratio of tokens/s, within each round | min / median / max | compared with |")?;
+    writeln!(out, "| --- | --- | --- |")?;
+    writeln!(out, "| batch 2 (two micro-batches) ÷ batch 1 | {} | paper: {PAPER_BATCH2_SPEEDUP:.2}× |", ratio(1, 0))?;
+    writeln!(out, "| batch 2 (two micro-batches) ÷ batch 2 (one batch) | {} | 1.00× without overlap |", ratio(1, 2))?;
     if args.defer > 0 {
-        println!("| batch 1 with expert deferral ÷ batch 1 | {} | 1.00× without overlap |", ratio(3, 0));
+        writeln!(out, "| batch 1 with expert deferral ÷ batch 1 | {} | 1.00× without overlap |", ratio(3, 0))?;
     }
 
     for p in placements {
