@@ -439,8 +439,10 @@ impl HybridEngine {
             if let Some(pb) = pb.as_mut() {
                 pb.run(ModuleKind::Ffn { layer: l }, &layer.ffn, host)?;
             }
-            if let Some(next) = me.layers.get(l + 1) {
-                pa.run(ModuleKind::Attention { layer: l + 1 }, &next.attention, host)?;
+            match me.layers.get(l + 1) {
+                Some(next) => pa.run(ModuleKind::Attention { layer: l + 1 }, &next.attention, host)?,
+                // A's LM head runs on the device during B's last experts.
+                None => pa.run(ModuleKind::Head { first_row: 0 }, &me.head, host)?,
             }
             // Deferred experts (one sequence alone) run while the device
             // runs the next layer's attention, queued just above.
@@ -449,7 +451,6 @@ impl HybridEngine {
                 Self::experts(pb, l, layer)?;
             }
         }
-        pa.run(ModuleKind::Head { first_row: 0 }, &me.head, host)?;
         if let Some(pb) = pb.as_mut() {
             pb.run(ModuleKind::Head { first_row: 0 }, &me.head, host)?;
         }
