@@ -29,6 +29,7 @@ use crate::kv_cache::{BlockTable, KvPool};
 use crate::model::{ForwardError, Logits, Model, Precision, SeqInput};
 use crate::staged::DeviceBackend;
 use crate::weights::{HostWeight, Weights};
+use duplex_kernels::linear::OwnedWeight;
 use duplex_kernels::device::emulated::Jitter;
 use duplex_kernels::device::{Device, DeviceError, DevicePtr, DeviceWeight, Event, HostBytes, Matrix, Op, PagedKv, StreamId, StreamKind};
 use duplex_kernels::router::RouterParams;
@@ -219,16 +220,16 @@ impl HybridEngine {
         let mut budget = DeviceBudget::default();
         // MLA's absorbed decode reads each head's key band transposed, as
         // the CPU does: made once on the host, resident like the rest.
-        let key_t = |layer: usize| -> Vec<HostTensor> {
+        let key_bands = |layer: usize| -> &[OwnedWeight] {
             let attention = model.modules.iter().find(|m| m.kind == ModuleKind::Attention { layer });
             match attention.and_then(|m| m.weights.find("kv_b_proj.key_t")) {
-                Some(HostWeight::PerHead(heads)) => heads.iter().map(owned_tensor).collect(),
-                _ => vec![],
+                Some(HostWeight::PerHead(heads)) => heads,
+                _ => &[],
             }
         };
-        let tensor_bytes = |t: &HostTensor| align(t.data.len()) + t.scales.as_ref().map_or(0, |s| align(s.len()));
+        let band_bytes = |w: &OwnedWeight| align(w.data.len()) + if w.scales.is_empty() { 0 } else { align(w.scales.len() * 4) };
         for l in 0..c.num_hidden_layers {
-            budget.attention += key_t(l).iter().map(tensor_bytes).sum::<usize>();
+            budget.attention += key_bands(l).iter().map(band_bytes).sum::<usize>();
         }
         for m in modules.iter().filter(|m| !m.is_expert()) {
             let slot = match m.kind {
@@ -263,8 +264,9 @@ impl HybridEngine {
         }
         let copy = dev.create_stream(StreamKind::Copy)?;
         let streams = [dev.create_stream(StreamKind::Compute)?, dev.create_stream(StreamKind::Compute)?];
-        let mut resident = vec![];
-        let upload = |m: &crate::staged::StagedModule, resident: &mut Vec<DevicePtr>| -> Result<Weights<Placed>, ForwardError> {
+        // Given back if start-up fails half way (the engine then never exists to drop them).
+        let mut resident = Allocations { dev: dev.clone(), copy, ptrs: vec![] };
+        let upload = |m: &crate::staged::StagedModule, resident: &mut Allocations| -> Result<Weights<Placed>, ForwardError> {
             let dst = dev.alloc(m.device_bytes().max(1))?;
             resident.push(dst);
             Ok(m.upload(&*dev, copy, dst)?.filter_map(|w| Some(Placed::Device(*w))))
@@ -279,16 +281,17 @@ impl HybridEngine {
                 ModuleKind::Head { .. } => head = w,
                 ModuleKind::Attention { layer } => {
                     let mut w = w;
-                    let heads = key_t(layer);
+                    let heads = key_bands(layer);
                     if !heads.is_empty() {
-                        let dst = dev.alloc(heads.iter().map(tensor_bytes).sum::<usize>().max(1))?;
+                        let dst = dev.alloc(heads.iter().map(band_bytes).sum::<usize>().max(1))?;
                         resident.push(dst);
                         let mut offset = 0;
                         let mut placed = Vec::with_capacity(heads.len());
-                        for t in &heads {
-                            let module = crate::staged::StagedModule { kind: m.kind, tensors: Weights::default().with("key_t", t.clone()) };
-                            let uploaded = module.upload(&*dev, copy, dst.slice(offset, tensor_bytes(t))?)?;
-                            offset += tensor_bytes(t);
+                        for band in heads {
+                            // One tensor staged as a module is placed as any other.
+                            let module = crate::staged::StagedModule { kind: m.kind, tensors: Weights::default().with("key_t", owned_tensor(band)) };
+                            let uploaded = module.upload(&*dev, copy, dst.slice(offset, band_bytes(band))?)?;
+                            offset += band_bytes(band);
                             placed.push(*uploaded.get("key_t")?);
                         }
                         w.push("kv_b_proj.key_t", Placed::PerHead(placed));
@@ -314,7 +317,7 @@ impl HybridEngine {
         // The weights must be in place before the first pass reads them.
         let done = dev.record(copy)?;
         dev.synchronize(&done)?;
-        Ok(HybridEngine { model, dev, embed, layers, head, streams, copy, workspaces: [None, None], kv, micro_batches: cfg.micro_batches, defer_experts: cfg.defer_experts, cpu_jitter: cfg.cpu_jitter, moe_calls: Default::default(), budget, resident })
+        Ok(HybridEngine { model, dev, embed, layers, head, streams, copy, workspaces: [None, None], kv, micro_batches: cfg.micro_batches, defer_experts: cfg.defer_experts, cpu_jitter: cfg.cpu_jitter, moe_calls: Default::default(), budget, resident: std::mem::take(&mut resident.ptrs) })
     }
 
     pub fn budget(&self) -> DeviceBudget {
@@ -522,8 +525,36 @@ fn seqs_decoding(seqs: &[SeqInput]) -> bool {
     seqs.iter().all(|s| s.tokens.len() == 1)
 }
 
+/// Device allocations given back when dropped.
+struct Allocations {
+    dev: Arc<dyn Device>,
+    /// The stream copying into them, waited for before they go back.
+    copy: StreamId,
+    ptrs: Vec<DevicePtr>,
+}
+
+impl Allocations {
+    fn push(&mut self, p: DevicePtr) {
+        self.ptrs.push(p);
+    }
+}
+
+impl Drop for Allocations {
+    fn drop(&mut self) {
+        if self.ptrs.is_empty() {
+            return;
+        }
+        if let Ok(done) = self.dev.record(self.copy) {
+            let _ = self.dev.synchronize(&done);
+        }
+        for p in self.ptrs.drain(..) {
+            let _ = self.dev.free(p);
+        }
+    }
+}
+
 /// A host-made weight as a device copies it.
-fn owned_tensor(w: &duplex_kernels::linear::OwnedWeight) -> HostTensor {
+fn owned_tensor(w: &OwnedWeight) -> HostTensor {
     let scales = (!w.scales.is_empty()).then(|| HostBytes::from_f32(&w.scales));
     HostTensor { rows: w.rows, cols: w.cols, format: w.format, data: HostBytes::new(Arc::new(w.data.clone()), 0..w.data.len()).expect("the whole vector"), scales }
 }
