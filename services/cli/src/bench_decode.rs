@@ -210,6 +210,7 @@ fn placement(args: &BenchDecodeArgs, pin: &Option<Pinning>, micro_batches: bool,
 /// `steps` greedy decode steps of the first `batch` sequences, from the end
 /// of their prompts (the tables are rewound, so every round decodes the same
 /// tokens over the same blocks and the rounds differ only in noise).
+#[allow(clippy::too_many_arguments)]
 fn decode(p: &mut Placement, host: &mut KvPool, tables: &mut [BlockTable], first: &[Vec<f32>], context: usize, batch: usize, steps: usize, precision: Precision) -> Result<Round> {
     let vocab = p.engine.model.cfg.vocab_size;
     let mut logits: Vec<f32> = first[..batch].concat();

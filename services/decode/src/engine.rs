@@ -7,9 +7,11 @@ use duplex_model::model::ForwardError;
 use duplex_model::{BlockTable, ForwardTimings, KvPool, Logits, Model, Precision, SeqInput};
 use std::time::Duration;
 
+// One per worker, built once: the size of its variants does not matter.
+#[allow(clippy::large_enum_variant)]
 pub enum Engine {
     Cpu(Model),
-    Hybrid(Box<HybridEngine>),
+    Hybrid(HybridEngine),
 }
 
 /// Where one step's time went.

@@ -88,7 +88,7 @@ fn start_engine(cfg: &DecodeConfig) -> anyhow::Result<(Batcher, Arc<StatsCell>, 
         None => Engine::Cpu(model),
         Some(device) => {
             let hybrid = HybridConfig { kv_blocks: cfg.device_kv_blocks, micro_batches: cfg.micro_batches, defer_experts: cfg.defer_experts, cpu_jitter: None };
-            Engine::Hybrid(Box::new(HybridEngine::new(model, device, hybrid, block_size)?))
+            Engine::Hybrid(HybridEngine::new(model, device, hybrid, block_size)?)
         }
     };
     tracing::info!("decoding on {}", engine.describe());
