@@ -191,6 +191,12 @@ fn nvrtc_archs() -> Vec<i32> {
     archs
 }
 
+/// A paged KV pool's arguments, as `kv.cu`'s kernels take them: the pool,
+/// its shape, the sequence's block table and the layer.
+fn paged(p: Params, kv: &super::PagedKv, table: &DevicePtr, layer: usize) -> Params {
+    p.ptr(kv.pool.addr).u64(kv.blocks()).u64(kv.n_layers).u64(kv.block_size).u64(kv.entry_dim).ptr(table.addr).u64(layer)
+}
+
 /// Kernel parameters. Each sits in its own 8-byte slot, and the kernel's
 /// signature says how many bytes of it the driver reads; narrower values
 /// are stored in the slot's first bytes in native order, which is where a
@@ -705,28 +711,11 @@ impl CudaDevice {
             // Block ids past the pool are skipped (store) or read as NaN
             // rows (gather) by the kernels: see kv.cu.
             Op::KvStore { entries, kv, table, layer, start, .. } => {
-                let params = Params::default()
-                    .matrix(entries)
-                    .u64(entries.rows)
-                    .ptr(kv.pool.addr)
-                    .u64(kv.blocks())
-                    .u64(kv.n_layers)
-                    .u64(kv.block_size)
-                    .u64(kv.entry_dim)
-                    .ptr(table.addr)
-                    .u64(*layer)
-                    .u64(*start);
+                let params = paged(Params::default().matrix(entries).u64(entries.rows), kv, table, *layer).u64(*start);
                 self.run_elementwise(s, &k.kv_store, entries.rows, kv.entry_dim, params)
             }
             Op::KvGather { kv, table, layer, out, .. } => {
-                let params = Params::default()
-                    .ptr(kv.pool.addr)
-                    .u64(kv.blocks())
-                    .u64(kv.n_layers)
-                    .u64(kv.block_size)
-                    .u64(kv.entry_dim)
-                    .ptr(table.addr)
-                    .u64(*layer)
+                let params = paged(Params::default(), kv, table, *layer)
                     .matrix(out)
                     .u64(out.rows);
                 self.run_elementwise(s, &k.kv_gather, out.rows, kv.entry_dim, params)

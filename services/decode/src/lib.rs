@@ -52,19 +52,9 @@ pub async fn run(config: DecodeConfig) -> anyhow::Result<()> {
 fn start_engine(cfg: &DecodeConfig) -> anyhow::Result<(Batcher, Arc<StatsCell>, usize, usize)> {
     let started = Instant::now();
     let pool = cfg.pool()?;
-    let cores = cfg.core_list()?;
-    if cores.is_empty() {
-        tracing::info!("cores: not set; compute pool: {}", pool.describe());
-    } else {
-        // Every thread of this worker stays on its cores, not only the
-        // pinned pool workers: the engine thread (the pool's thread 0), the
-        // runtime's, an emulated device's.
-        duplex_kernels::pool::restrict_process_to(&cores).map_err(|e| anyhow::anyhow!("cores: {e}"))?;
-        tracing::info!("cores {}; compute pool: {}", duplex_kernels::pool::format_cpu_list(&cores), pool.describe());
-    }
-    for line in duplex_ipc::numa::check_pool(&pool) {
-        tracing::warn!("{line}");
-    }
+    let (placed, warnings) = duplex_ipc::numa::place_worker(&pool, &cfg.core_list()?).map_err(|e| anyhow::anyhow!(e))?;
+    tracing::info!("{placed}");
+    warnings.iter().for_each(|w| tracing::warn!("{w}"));
     let mut progress = duplex_telemetry::progress::ByteProgress::new("building the weight segment");
     let (model, store, provenance) = duplex_ipc::open_shared_model(&cfg.shm_dir, &cfg.instance, &cfg.model, &pool, &mut |done, total| progress.update(done, total))?;
     progress.finish();

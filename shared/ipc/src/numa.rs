@@ -178,6 +178,20 @@ pub fn slice_mismatches(slices: &[Vec<usize>], core_nodes: &BTreeMap<usize, usiz
     out
 }
 
+/// Settle a worker on its cores at start: every thread of the process
+/// stays on `cores` (when set), not only the pinned pool workers (the
+/// engine thread, the async runtime's, an emulated device's). Returns what
+/// to log: the core set and pool, then any warnings from [`check_pool`].
+pub fn place_worker(pool: &duplex_kernels::pool::PoolConfig, cores: &[usize]) -> Result<(String, Vec<String>), String> {
+    let placed = if cores.is_empty() {
+        format!("cores: not set; compute pool: {}", pool.describe())
+    } else {
+        duplex_kernels::pool::restrict_process_to(cores).map_err(|e| format!("cores: {e}"))?;
+        format!("cores {}; compute pool: {}", duplex_kernels::pool::format_cpu_list(cores), pool.describe())
+    };
+    Ok((placed, check_pool(pool)))
+}
+
 /// [`slice_mismatches`] for `pool` on this machine, for a worker to log at
 /// start; nothing for a one-node or unpinned pool.
 pub fn check_pool(pool: &duplex_kernels::pool::PoolConfig) -> Vec<String> {
