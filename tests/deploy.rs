@@ -650,24 +650,31 @@ fn dashboard_layout_is_consistent() {
 #[test]
 fn a_running_server_exports_what_the_dashboard_queries() {
     // The prefill worker on an emulated device with a low stream-loading
-    // threshold, so that its SLP metrics are recorded too.
-    let server = Server::start(Options { prefill_threshold_tokens: 64, slp_threshold_tokens: Some(64), ..Options::default() });
-    let scrapes = tokio::runtime::Builder::new_multi_thread().enable_all().build().unwrap().block_on(async {
-        let mut client = server.grpc_client().await;
-        // One prompt through the decode worker's chunked prefill, one through
-        // the prefill worker's stream-loading prefill, so that every metric
-        // has been recorded.
-        for n in [16, 100] {
-            let run = collect(&mut client, greedy_request(&prompt(n), 4));
-            tokio::time::timeout(Duration::from_secs(60), run).await.expect("a request took over 60 s").expect("a request failed");
+    // threshold, so that its SLP metrics are recorded too; then a second
+    // server whose decode worker runs the hybrid placement on an emulated
+    // device, for its own metrics. A process's exports are the union of both.
+    let mut scrapes: BTreeMap<String, String> = BTreeMap::new();
+    for decode_device in ["cpu", "emulated"] {
+        let server = Server::start(Options { prefill_threshold_tokens: 64, slp_threshold_tokens: Some(64), decode_device, ..Options::default() });
+        let scraped = tokio::runtime::Builder::new_multi_thread().enable_all().build().unwrap().block_on(async {
+            let mut client = server.grpc_client().await;
+            // One prompt through the decode worker's chunked prefill, one through
+            // the prefill worker's stream-loading prefill, so that every metric
+            // has been recorded.
+            for n in [16, 100] {
+                let run = collect(&mut client, greedy_request(&prompt(n), 4));
+                tokio::time::timeout(Duration::from_secs(60), run).await.expect("a request took over 60 s").expect("a request failed");
+            }
+            let mut scrapes = vec![];
+            for (process, url) in [(Process::Router, format!("{}/metrics", server.http)), (Process::Decode, server.decode_metrics_url()), (Process::Prefill, server.prefill_metrics_url())] {
+                scrapes.push((format!("{process:?}"), reqwest::get(&url).await.unwrap().text().await.unwrap()));
+            }
+            scrapes
+        });
+        for (process, text) in scraped {
+            scrapes.entry(process).or_default().push_str(&text);
         }
-        let mut scrapes = BTreeMap::new();
-        for (process, url) in [(Process::Router, format!("{}/metrics", server.http)), (Process::Decode, server.decode_metrics_url()), (Process::Prefill, server.prefill_metrics_url())] {
-            let text = reqwest::get(&url).await.unwrap().text().await.unwrap();
-            scrapes.insert(format!("{process:?}"), text);
-        }
-        scrapes
-    });
+    }
     let types = |text: &str| -> BTreeMap<String, String> {
         text.lines().filter_map(|l| l.strip_prefix("# TYPE ")).filter_map(|l| l.split_once(' ')).map(|(n, k)| (n.to_string(), k.to_string())).collect()
     };
