@@ -157,27 +157,31 @@ if [ "$serve" = 1 ]; then
   if [ ! -x "$bin" ] || ! command -v curl >/dev/null 2>&1 || ! command -v python3 >/dev/null 2>&1; then
     fail "--serve needs $bin (cargo build --bins), curl and python3"
   else
+    # Two servers: the decode worker on the CPU, then on the hybrid placement
+    # (an emulated device), so that the series of both exist.
+    for decode_device in cpu emulated; do
     http=$(free_port) grpc=$(free_port) dm=$(free_port) pm=$(free_port) dp=$(free_port) pp=$(free_port)
     # A low prefill threshold, so that one request goes through each worker;
     # the prefill worker on an emulated accelerator with a low stream-loading
     # threshold (and a small device), so that its SLP series exist too.
-    printf '[router]\nprefill_threshold_tokens = 16\n[decode]\nport = %s\nmetrics_port = %s\nthreads = 1\n[prefill]\nport = %s\nmetrics_port = %s\nthreads = 1\n' \
-      "$dp" "$dm" "$pp" "$pm" >"$work/duplex.toml"
+    printf '[router]\nprefill_threshold_tokens = 16\n[decode]\nport = %s\nmetrics_port = %s\nthreads = 1\ndevice = "%s"\ndevice_memory_mib = 256\n[prefill]\nport = %s\nmetrics_port = %s\nthreads = 1\n' \
+      "$dp" "$dm" "$decode_device" "$pp" "$pm" >"$work/duplex.toml"
     printf 'device = "emulated"\nslp_threshold_tokens = 16\ndevice_memory_mib = 64\ndense_budget_mib = 4\n' >>"$work/duplex.toml"
-    "$bin" serve --config "$work/duplex.toml" --http-port "$http" --grpc-port "$grpc" --instance "checkdeploy-$$" --ready-timeout 120 >"$work/serve.log" 2>&1 &
+    "$bin" serve --config "$work/duplex.toml" --http-port "$http" --grpc-port "$grpc" --instance "checkdeploy-$$-$decode_device" --ready-timeout 120 >"$work/serve.log" 2>&1 &
     pids+=($!)
     for _ in $(seq 1 240); do grep -q "Duplex is ready" "$work/serve.log" && break; kill -0 "${pids[-1]}" 2>/dev/null || break; sleep 0.5; done
     if grep -q "Duplex is ready" "$work/serve.log"; then
       long=$(python3 -c 'print(" ".join(["the quick brown fox jumps over the lazy dog"] * 6))')
       for p in "hello" "$long"; do
         curl -sf "http://127.0.0.1:$http/v1/completions" -H 'content-type: application/json' \
-          -d "{\"prompt\": \"$p\", \"max_tokens\": 4}" >/dev/null || fail "a completion request to duplex serve"
+          -d "{\"prompt\": \"$p\", \"max_tokens\": 4}" >/dev/null || fail "a completion request to duplex serve (decode on $decode_device)"
       done
       urls+=("http://127.0.0.1:$http/metrics" "http://127.0.0.1:$dm/metrics" "http://127.0.0.1:$pm/metrics")
     else
       sed 's/^/      /' "$work/serve.log" | tail -20
-      fail "duplex serve did not become ready"
+      fail "duplex serve (decode on $decode_device) did not become ready"
     fi
+    done
   fi
 fi
 

@@ -4,7 +4,10 @@
 //! it owns), and runs continuous batching: decoding sequences and chunked
 //! prefill of short prompts in the same steps, plus sequences whose long
 //! prompts the prefill worker ran into KV blocks leased from here. The
-//! router talks to it over the `DecodeWorker` gRPC service.
+//! router talks to it over the `DecodeWorker` gRPC service. With `device =
+//! "emulated" | "cuda"` its steps run the hybrid placement (`engine`):
+//! attention and the rest on the device, routed experts on the CPU, two
+//! micro-batches overlapped.
 
 pub mod batcher;
 pub mod config;
