@@ -122,6 +122,10 @@ fn layout(cfg: &ModelConfig, s: PassShape, carve: &mut dyn FnMut(usize, usize) -
         sin: next((n, cfg.rope_dim() / 2))?,
         h: next((n, d))?,
         x: next((n, d))?,
+        // Right after the FFN's input: a backend that fetches both with the
+        // router's choices takes them in one copy.
+        route_ids: next((n * k, 1))?.buf,
+        route_weights: next((n, k))?,
         x_router: next(some(n, if cfg.n_routed_experts > 0 { d } else { 0 }))?,
         x_deferred: next(some(n, if cfg.n_routed_experts > 0 { d } else { 0 }))?,
         out_deferred: next(some(n, if cfg.n_routed_experts > 0 { d } else { 0 }))?,
@@ -134,8 +138,6 @@ fn layout(cfg: &ModelConfig, s: PassShape, carve: &mut dyn FnMut(usize, usize) -
         attn: next((n, heads * cfg.v_head_dim()))?,
         out: next((n, d))?,
         router: next(some(n, cfg.n_routed_experts))?,
-        route_ids: next((n * k, 1))?.buf,
-        route_weights: next((n, k))?,
         experts: ExpertScratch {
             rows: next((n * k, 1))?.buf,
             scales: next((n * k, 1))?.buf,

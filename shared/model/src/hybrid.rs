@@ -745,14 +745,29 @@ impl Backend for HybridBackend<'_> {
         self.dev.zero(x)
     }
 
-    fn route(&mut self, logits: Matrix, bias: Option<&Placed>, params: &RouterParams, p: Precision, scratch: (DevicePtr, Matrix), input: Matrix) -> Result<Vec<Vec<(usize, f32)>>, ForwardError> {
+    fn route(&mut self, logits: Matrix, bias: Option<&Placed>, params: &RouterParams, p: Precision, (ids, weights): (DevicePtr, Matrix), input: Matrix) -> Result<Vec<Vec<(usize, f32)>>, ForwardError> {
         let bias = bias.map(on_device).transpose()?;
+        let (n, k) = (logits.rows, params.top_k);
         let waited = Instant::now();
-        let chosen = self.dev.route(logits, bias, params, p, scratch, input)?;
-        // The experts' input comes with the choices, in the same wait: the
+        self.dev.launch(Op::Route { logits, bias: bias.map(|b| b.data), params: params.clone(), ids, weights, precision: p })?;
+        // The experts' input comes with the choices, in the same wait (the
         // shared experts queued next then run on the device while the CPU
-        // runs the routed ones.
-        let xs = self.dev.download(input)?;
+        // runs the routed ones), and in one copy: the pass lays the input,
+        // the ids and the weights out one after another.
+        let (x_at, ids_at, w_at) = (input.buf.addr + 4 * input.offset as u64, ids.addr, weights.buf.addr + 4 * weights.offset as u64);
+        let end = w_at + 4 * (n * k) as u64;
+        let together = input.is_contiguous() && weights.is_contiguous() && x_at < ids_at && ids_at < w_at && end - x_at <= 4 * (input.rows * input.cols + 2 * n * k) as u64 + 2048;
+        let (xs, chosen) = if together {
+            let bytes = self.dev.dev.download(self.dev.stream, DevicePtr { addr: x_at, bytes: (end - x_at) as usize })?;
+            let floats = |at: u64, len: usize| -> Vec<f32> { bytes[(at - x_at) as usize..][..4 * len].chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect() };
+            let xs = floats(x_at, input.rows * input.cols);
+            let chosen_ids: Vec<u32> = floats(ids_at, n * k).iter().map(|v| v.to_bits()).collect();
+            let ws = floats(w_at, n * k);
+            (xs, chosen_ids.chunks(k).zip(ws.chunks(k)).map(|(e, w)| e.iter().map(|&e| e as usize).zip(w.iter().copied()).collect()).collect())
+        } else {
+            let chosen = self.dev.route_results((ids, weights), n, k)?;
+            (self.dev.download(input)?, chosen)
+        };
         self.timings.device_wait += waited.elapsed();
         self.keep_copy(input, xs);
         Ok(chosen)

@@ -138,6 +138,13 @@ impl<'a> DeviceBackend<'a> {
         DeviceBackend { dev, stream, workspace }
     }
 
+    /// A route op's choices, `(expert, weight)` per row, once it has run.
+    pub(crate) fn route_results(&self, (ids, weights): (DevicePtr, Matrix), n: usize, k: usize) -> Result<Vec<Vec<(usize, f32)>>, ForwardError> {
+        let ids = device::download_u32(self.dev, self.stream, ids.slice(0, n * k * 4)?)?;
+        let ws = device::download_matrix(self.dev, self.stream, weights)?;
+        Ok(ids.chunks(k).zip(ws.chunks(k)).map(|(e, w)| e.iter().map(|&e| e as usize).zip(w.iter().copied()).collect()).collect())
+    }
+
     pub(crate) fn launch(&self, op: Op) -> Result<(), ForwardError> {
         Ok(self.dev.launch(self.stream, &op)?)
     }
@@ -240,9 +247,7 @@ impl Backend for DeviceBackend<'_> {
     fn route(&mut self, logits: Matrix, bias: Option<&DeviceWeight>, params: &RouterParams, p: Precision, (ids, weights): (DevicePtr, Matrix), _input: Matrix) -> Result<Vec<Vec<(usize, f32)>>, ForwardError> {
         let (n, k) = (logits.rows, params.top_k);
         self.launch(Op::Route { logits, bias: bias.map(|b| b.data), params: params.clone(), ids, weights, precision: p })?;
-        let ids = device::download_u32(self.dev, self.stream, ids.slice(0, n * k * 4)?)?;
-        let ws = device::download_matrix(self.dev, self.stream, weights)?;
-        Ok(ids.chunks(k).zip(ws.chunks(k)).map(|(e, w)| e.iter().map(|&e| e as usize).zip(w.iter().copied()).collect()).collect())
+        self.route_results((ids, weights), n, k)
     }
 
     fn experts(&mut self, x: Matrix, jobs: &[ExpertJob<DeviceWeight>], out: Matrix, p: Precision, s: &ExpertScratch) -> Result<(), ForwardError> {
