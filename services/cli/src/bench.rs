@@ -4,6 +4,7 @@
 
 use crate::{load_progress, BenchArgs, BenchKernelsArgs};
 use anyhow::{bail, Result};
+use duplex_toolkit::reference::argmax;
 use duplex_toolkit::kernel_bench::{gemv_bandwidth, moe_layer_bandwidth, random_fp8, read_bandwidth};
 use duplex_kernels::cpu::isa;
 use duplex_kernels::pool::{PoolConfig, ThreadPool};
@@ -64,10 +65,6 @@ pub fn kernels(args: BenchKernelsArgs) -> Result<()> {
 /// Token ids for synthetic prompts: deterministic, spread over the tokenizer range.
 fn prompt(len: usize, vocab: usize) -> Vec<u32> {
     (0..len).map(|i| ((i * 7919 + 13) % vocab.min(2048)) as u32).collect()
-}
-
-fn argmax(row: &[f32]) -> u32 {
-    row.iter().enumerate().fold((0, f32::NEG_INFINITY), |best, (i, &v)| if v > best.1 { (i, v) } else { best }).0 as u32
 }
 
 pub fn end_to_end(args: BenchArgs) -> Result<()> {

@@ -31,6 +31,7 @@ use duplex_kernels::device::Device;
 use duplex_kernels::pool::PoolConfig;
 use duplex_model::hybrid::{DeviceKv, DeviceSeq, HybridConfig, HybridEngine};
 use duplex_model::{BlockTable, KvPool, Logits, Model, Precision, SeqInput};
+use duplex_toolkit::reference::argmax;
 use std::io::Write;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -96,11 +97,9 @@ impl Round {
     }
 }
 
-/// One engine with its device (the concrete one, for its counters) and its
-/// sequences' device blocks.
+/// One engine and its sequences' device blocks.
 struct Placement {
     engine: HybridEngine,
-    device: Arc<EmulatedDevice>,
     seqs: Vec<DeviceSeq>,
 }
 
@@ -145,10 +144,6 @@ struct Config {
     batch: usize,
 }
 
-fn argmax(row: &[f32]) -> u32 {
-    row.iter().enumerate().fold((0, f32::NEG_INFINITY), |best, (i, &v)| if v > best.1 { (i, v) } else { best }).0 as u32
-}
-
 /// `min / median / max`.
 fn spread(mut xs: Vec<f64>, digits: usize) -> String {
     xs.sort_by(f64::total_cmp);
@@ -191,20 +186,19 @@ fn placement(args: &BenchDecodeArgs, pin: &Option<Pinning>, micro_batches: bool,
         Some(m) => m << 20,
         None => default_device_bytes(&model, kv_blocks, positions)?,
     };
-    let device = EmulatedDevice::new(EmulatedConfig { memory_bytes, compute_threads: args.device_threads, ..Default::default() })?;
-    let dyn_device: Arc<dyn Device> = device.clone();
+    let device: Arc<dyn Device> = EmulatedDevice::new(EmulatedConfig { memory_bytes, compute_threads: args.device_threads, ..Default::default() })?;
     // The engine starts the device's stream threads, which inherit the
     // starting thread's cores: the device's core while it does.
     if let Some(p) = pin {
         pin_current(p.device)?;
     }
-    let engine = HybridEngine::new(model, dyn_device, HybridConfig { kv_blocks, micro_batches, defer_experts, cpu_jitter: None }, BLOCK);
+    let engine = HybridEngine::new(model, device, HybridConfig { kv_blocks, micro_batches, defer_experts, cpu_jitter: None }, BLOCK);
     if let Some(p) = pin {
         pin_current(p.host[0])?;
     }
     let mut engine = engine?;
     let seqs = tables.iter().map(|t| engine.admit(host, t, positions)).collect::<Result<Vec<_>, _>>()?;
-    Ok(Placement { engine, device, seqs })
+    Ok(Placement { engine, seqs })
 }
 
 /// `steps` greedy decode steps of the first `batch` sequences, from the end
@@ -222,13 +216,12 @@ fn decode(p: &mut Placement, host: &mut KvPool, tables: &mut [BlockTable], first
     for _ in 0..steps {
         let tokens: Vec<[u32; 1]> = logits.chunks(vocab).map(|row| [argmax(row)]).collect();
         let mut seqs: Vec<SeqInput> = tables[..batch].iter_mut().zip(&tokens).map(|(table, t)| SeqInput { table, tokens: t }).collect();
-        let busy = p.device.stats().compute_busy;
         let started = Instant::now();
         let (out, timings) = p.engine.forward(host, &mut seqs, &dseqs, precision, Logits::Last)?;
         // The pass ends by downloading each stream's logits, so all of its
         // device work has finished (and been counted) by now.
         round.measured += started.elapsed();
-        round.device += p.device.stats().compute_busy - busy;
+        round.device += timings.device_busy.context("the emulated device reports its compute time")?;
         round.cpu += timings.cpu_moe;
         round.wait += timings.device_wait;
         logits = out;
@@ -307,7 +300,7 @@ pub fn run(args: BenchDecodeArgs) -> Result<()> {
         args.steps,
         args.rounds,
         args.cpu_threads,
-        placements[0].device.describe(),
+        placements[0].engine.device().describe(),
         args.device_threads,
         cores,
         Pinning::describe(&pin)
