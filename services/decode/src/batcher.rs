@@ -31,7 +31,7 @@
 //! then wait only for a place in the batch, which running sequences free as
 //! they finish.
 
-use crate::engine::Engine;
+use crate::engine::{Engine, StepTimings};
 use crate::kv_alloc::KvAllocator;
 use duplex_model::hybrid::{AdmitError, DeviceSeq};
 use duplex_model::model::ForwardError;
@@ -584,21 +584,23 @@ fn release(kv: &mut KvAllocator, engine: &mut Engine, seq: &mut Sequence) {
 }
 
 /// A step's timings into the metrics.
-fn record_step(t: &crate::engine::StepTimings, elapsed: Duration) {
+fn record_step(t: &StepTimings, elapsed: Duration) {
     let part = |name: &'static str, d: Duration| metrics::histogram!(names::DECODE_STEP_TIME, "part" => name).record(d.as_secs_f64());
-    if let Some(c) = &t.cpu {
-        part("attention", c.attention);
-        part("moe", c.ffn);
-    }
-    if let Some(h) = &t.hybrid {
-        part("cpu_moe", h.cpu_moe);
-        part("device_wait", h.device_wait);
-        if let Some(busy) = h.device_busy {
-            part("device", busy);
+    match t {
+        StepTimings::Cpu(c) => {
+            part("attention", c.attention);
+            part("moe", c.ffn);
         }
-        for (half, &n) in ["a", "b"].iter().zip(&h.micro_batches) {
-            if n > 0 {
-                metrics::histogram!(names::DECODE_MICRO_BATCH_SIZE, "half" => *half).record(n as f64);
+        StepTimings::Hybrid(h) => {
+            part("cpu_moe", h.cpu_moe);
+            part("device_wait", h.device_wait);
+            if let Some(busy) = h.device_busy {
+                part("device", busy);
+            }
+            for (half, &n) in ["a", "b"].iter().zip(&h.micro_batches) {
+                if n > 0 {
+                    metrics::histogram!(names::DECODE_MICRO_BATCH_SIZE, "half" => *half).record(n as f64);
+                }
             }
         }
     }

@@ -15,12 +15,12 @@ pub enum Engine {
 }
 
 /// Where one step's time went.
-#[derive(Debug, Default)]
-pub struct StepTimings {
+#[derive(Debug)]
+pub enum StepTimings {
     /// CPU engine: attention and FFN time.
-    pub cpu: Option<ForwardTimings>,
+    Cpu(ForwardTimings),
     /// Hybrid placement: CPU MoE, waits, device time, micro-batch sizes.
-    pub hybrid: Option<HybridTimings>,
+    Hybrid(HybridTimings),
 }
 
 impl Engine {
@@ -88,7 +88,7 @@ impl Engine {
             Engine::Cpu(m) => {
                 let mut t = ForwardTimings::default();
                 let logits = m.forward_batch(pool, seqs, p, Logits::Last, &mut t)?;
-                Ok((logits, StepTimings { cpu: Some(t), hybrid: None }))
+                Ok((logits, StepTimings::Cpu(t)))
             }
             Engine::Hybrid(h) => {
                 let device: Vec<&DeviceSeq> = device
@@ -96,7 +96,7 @@ impl Engine {
                     .map(|d| d.ok_or_else(|| ForwardError::BadModule("a running sequence without device KV blocks".into())))
                     .collect::<Result<_, _>>()?;
                 let (logits, t) = h.forward(pool, seqs, &device, p, Logits::Last)?;
-                Ok((logits, StepTimings { cpu: None, hybrid: Some(t) }))
+                Ok((logits, StepTimings::Hybrid(t)))
             }
         }
     }
@@ -106,7 +106,7 @@ impl StepTimings {
     /// max(device busy, CPU MoE) ÷ the step's time: how well the two sides
     /// overlapped, where the device reports its busy time.
     pub fn overlap(&self, step: Duration) -> Option<f64> {
-        let h = self.hybrid?;
+        let StepTimings::Hybrid(h) = self else { return None };
         let busy = h.device_busy?;
         (step > Duration::ZERO).then(|| busy.max(h.cpu_moe).as_secs_f64() / step.as_secs_f64())
     }

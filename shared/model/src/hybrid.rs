@@ -204,8 +204,8 @@ pub struct HybridEngine {
     /// Counts CPU MoE calls, for the jitter's random delays.
     moe_calls: std::cell::Cell<u64>,
     budget: DeviceBudget,
-    /// Device allocations to give back on drop.
-    resident: Vec<DevicePtr>,
+    /// The resident weights and the KV pool, given back on drop.
+    _resident: Allocations,
 }
 
 impl HybridEngine {
@@ -264,7 +264,6 @@ impl HybridEngine {
         }
         let copy = dev.create_stream(StreamKind::Copy)?;
         let streams = [dev.create_stream(StreamKind::Compute)?, dev.create_stream(StreamKind::Compute)?];
-        // Given back if start-up fails half way (the engine then never exists to drop them).
         let mut resident = Allocations { dev: dev.clone(), copy, ptrs: vec![] };
         let upload = |m: &crate::staged::StagedModule, resident: &mut Allocations| -> Result<Weights<Placed>, ForwardError> {
             let dst = dev.alloc(m.device_bytes().max(1))?;
@@ -317,7 +316,7 @@ impl HybridEngine {
         // The weights must be in place before the first pass reads them.
         let done = dev.record(copy)?;
         dev.synchronize(&done)?;
-        Ok(HybridEngine { model, dev, embed, layers, head, streams, copy, workspaces: [None, None], kv, micro_batches: cfg.micro_batches, defer_experts: cfg.defer_experts, cpu_jitter: cfg.cpu_jitter, moe_calls: Default::default(), budget, resident: std::mem::take(&mut resident.ptrs) })
+        Ok(HybridEngine { model, dev, embed, layers, head, streams, copy, workspaces: [None, None], kv, micro_batches: cfg.micro_batches, defer_experts: cfg.defer_experts, cpu_jitter: cfg.cpu_jitter, moe_calls: Default::default(), budget, _resident: resident })
     }
 
     pub fn budget(&self) -> DeviceBudget {
@@ -449,7 +448,9 @@ impl HybridEngine {
             }
             // Deferred experts (one sequence alone) run while the device
             // runs the next layer's attention, queued just above.
-            pa.run_deferred(&Self::group(layer))?;
+            if pb.is_none() && self.defer_experts > 0 {
+                pa.run_deferred(&Self::group(layer))?;
+            }
             if let Some(pb) = pb.as_mut() {
                 Self::experts(pb, l, layer)?;
             }
@@ -513,7 +514,8 @@ impl HybridEngine {
 
 impl Drop for HybridEngine {
     fn drop(&mut self) {
-        for w in self.resident.drain(..).chain(self.workspaces.iter_mut().filter_map(Option::take)) {
+        // (The resident allocations go back with `_resident`.)
+        for w in self.workspaces.iter_mut().filter_map(Option::take) {
             let _ = self.dev.free(w);
         }
     }
@@ -525,7 +527,8 @@ fn seqs_decoding(seqs: &[SeqInput]) -> bool {
     seqs.iter().all(|s| s.tokens.len() == 1)
 }
 
-/// Device allocations given back when dropped.
+/// Device allocations given back when dropped: the engine's resident ones,
+/// or what a start-up that fails half way allocated.
 struct Allocations {
     dev: Arc<dyn Device>,
     /// The stream copying into them, waited for before they go back.
