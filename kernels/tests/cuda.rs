@@ -684,6 +684,39 @@ fn copies_events_and_host_functions_keep_stream_order() {
     dev.free(buf).unwrap();
 }
 
+/// Hybrid decode's pattern: a copy down into page-locked staging, a host
+/// function that reads it and writes an answer beside it, and a copy of the
+/// answer back up, queued at once on one stream.
+#[test]
+fn staging_copies_and_host_functions_keep_stream_order() {
+    let Some(gpu) = cuda_device() else { return };
+    let dev: &dyn Device = &*gpu;
+    let s = dev.create_stream(StreamKind::Compute).unwrap();
+    let n = 1 << 16;
+    let (x, y) = (dev.alloc(n * 4).unwrap(), dev.alloc(n * 4).unwrap());
+    let xs: Vec<f32> = (0..n).map(|i| i as f32).collect();
+    dev.upload(s, &HostBytes::from_f32(&xs), x).unwrap();
+    let staging = dev.staging(2 * n * 4).expect("page-locked staging");
+    dev.download_to(s, x, &staging, 0).unwrap();
+    let st = staging.clone();
+    dev.host_fn(s, Box::new(move || {
+        let mut bytes = st.lock();
+        let (input, output) = bytes.split_at_mut(n * 4);
+        for (o, i) in output.chunks_exact_mut(4).zip(input.chunks_exact(4)) {
+            o.copy_from_slice(&(2.0 * f32::from_le_bytes(i.try_into().unwrap())).to_le_bytes());
+        }
+    }))
+    .unwrap();
+    dev.upload_from(s, &staging, n * 4, y).unwrap();
+    drop(staging); // the device keeps it alive until the copies are done
+    let done = dev.record(s).unwrap();
+    let got = download_matrix(dev, s, y.matrix(1, n)).unwrap();
+    assert!(got.iter().zip(&xs).all(|(g, x)| *g == 2.0 * x), "the host function or a copy ran out of order");
+    assert!(dev.query(&done).unwrap());
+    dev.free(x).unwrap();
+    dev.free(y).unwrap();
+}
+
 #[test]
 fn bad_launches_are_refused_before_the_gpu_sees_them() {
     let Some(gpu) = cuda_device() else { return };

@@ -102,3 +102,63 @@ fn bad_launches_are_refused_and_faults_are_sticky() {
     assert!(d.synchronize(&e).is_err());
     assert!(d.launch(s, &Op::Zero { x: a.matrix(8, 8) }).is_err(), "faults are sticky");
 }
+
+/// Staging round trip, the pattern of hybrid decode's CPU experts: a copy
+/// down into staging memory, a host function that reads it and writes an
+/// answer beside it, a copy of the answer back up, all queued at once on one
+/// stream, with random delays in the stream.
+#[test]
+fn staging_copies_and_host_functions_keep_stream_order() {
+    for seed in 0..10 {
+        let d = dev(EmulatedConfig { jitter: Some(Jitter { seed, max: Duration::from_micros(300) }), ..Default::default() });
+        let s = d.create_stream(StreamKind::Compute).unwrap();
+        let (x, y) = (d.alloc(16 * 4).unwrap(), d.alloc(16 * 4).unwrap());
+        let xs: Vec<f32> = (0..16).map(|i| i as f32).collect();
+        device::upload_f32(&*d, s, &xs, x).unwrap();
+        let staging = d.staging(32 * 4).unwrap();
+        d.download_to(s, x, &staging, 0).unwrap();
+        let st = staging.clone();
+        d.host_fn(s, Box::new(move || {
+            let mut bytes = st.lock();
+            let (input, output) = bytes.split_at_mut(64);
+            for (o, i) in output.chunks_exact_mut(4).zip(input.chunks_exact(4)) {
+                o.copy_from_slice(&(2.0 * f32::from_le_bytes(i.try_into().unwrap())).to_le_bytes());
+            }
+        }))
+        .unwrap();
+        d.upload_from(s, &staging, 64, y).unwrap();
+        let done = d.record(s).unwrap();
+        let got = device::download_matrix(&*d, s, y.matrix(1, 16)).unwrap();
+        assert_eq!(got, xs.iter().map(|v| 2.0 * v).collect::<Vec<_>>(), "seed {seed}");
+        assert!(d.query(&done).unwrap(), "the download came after the event");
+    }
+}
+
+#[test]
+fn staging_ranges_are_checked_and_failures_show_in_query() {
+    let d = dev(EmulatedConfig::default());
+    let s = d.create_stream(StreamKind::Compute).unwrap();
+    let p = d.alloc(64).unwrap();
+    let staging = d.staging(48).unwrap();
+    assert!(matches!(d.download_to(s, p, &staging, 0), Err(DeviceError::Invalid(_))), "64 bytes into 48");
+    assert!(matches!(d.upload_from(s, &staging, 40, p.slice(0, 16).unwrap()), Err(DeviceError::Invalid(_))), "past the end");
+    // A stream stuck in a host function: its event is not reached yet.
+    let (release, stuck) = std::sync::mpsc::channel::<()>();
+    d.host_fn(s, Box::new(move || {
+        let _ = stuck.recv();
+    }))
+    .unwrap();
+    let later = d.record(s).unwrap();
+    assert!(!d.query(&later).unwrap());
+    release.send(()).unwrap();
+    d.synchronize(&later).unwrap();
+    assert!(d.query(&later).unwrap());
+    // A fault on the device shows in `query`, so a host waiting on a stream can stop.
+    let bad = device::PagedKv { pool: p, n_layers: 1, block_size: 1, entry_dim: 4 };
+    let table = d.alloc(4).unwrap();
+    device::upload_u32(&*d, s, &[99], table).unwrap();
+    d.launch(s, &Op::KvGather { kv: bad, table, blocks: 1, layer: 0, out: d.alloc(16).unwrap().matrix(1, 4) }).unwrap();
+    let after = d.record(s).unwrap();
+    let _ = d.synchronize(&after);
+    assert!(d.query(&after).is_err(), "a faulted device reports it");
+}

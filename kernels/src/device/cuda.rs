@@ -7,6 +7,8 @@
 //! - Streams: non-blocking CUDA streams, indexed by [`StreamId`].
 //! - Uploads: `cuMemcpyHtoDAsync`; the source [`HostBytes`] is kept, with an
 //!   event recorded after the copy, until that event shows it done.
+//! - Staging: host memory page-locked with `cuMemHostRegister`, copied to and
+//!   from asynchronously (`cuMemcpy{DtoH,HtoD}Async`), kept alive the same way.
 //! - Events: CUDA events with timing, so [`Device::elapsed`] works on any.
 //! - Ops: one NVRTC kernel each, written for clarity first and following the
 //!   CPU references operation for operation (see `kernels/cuda/common.cu`).
@@ -15,7 +17,8 @@
 //! [`DeviceError::Unavailable`], and any other failure [`DeviceError::Backend`].
 
 use super::arena::Arena;
-use super::{Device, DeviceError, DevicePtr, DeviceWeight, Event, HostBytes, Matrix, Op, StreamId, StreamKind};
+use super::{Device, DeviceError, DevicePtr, DeviceWeight, Event, HostBytes, Matrix, Op, Staging, StreamId, StreamKind};
+use std::any::Any;
 use crate::router::ScoringFunc;
 use crate::{Precision, WeightFormat};
 use cudarc::driver::{result as cu, sys, CudaContext, CudaEvent, CudaFunction, CudaStream, DriverError};
@@ -262,7 +265,7 @@ struct Stream {
     /// Each upload's source, with an event recorded after its copy: kept
     /// until the event completes. In stream order, so completed entries are
     /// always at the front.
-    in_flight: Mutex<VecDeque<(CudaEvent, HostBytes)>>,
+    in_flight: Mutex<VecDeque<(CudaEvent, Box<dyn Any + Send + Sync>)>>,
 }
 
 impl Stream {
@@ -807,7 +810,7 @@ impl Device for CudaDevice {
         // until an event recorded after the copy completes.
         unsafe { cu::memcpy_htod_async(dst.addr, src.as_slice(), s.cuda.cu_stream()) }.map_err(backend("host→device copy"))?;
         let done = s.cuda.record_event(None).map_err(backend("recording an upload's event"))?;
-        lock(&s.in_flight).push_back((done, src.clone()));
+        lock(&s.in_flight).push_back((done, Box::new(src.clone())));
         Ok(())
     }
 
@@ -832,6 +835,63 @@ impl Device for CudaDevice {
         Ok(out)
     }
 
+    /// Page-locked (registered, not copied), so that copies to and from it
+    /// are asynchronous; unregistered when it goes.
+    fn staging(&self, bytes: usize) -> Result<Arc<Staging>, DeviceError> {
+        let staging = Arc::new(Staging::new(bytes));
+        if bytes == 0 {
+            return Ok(staging);
+        }
+        self.bind()?;
+        let addr = staging.addr(0, bytes)?;
+        // SAFETY: the staging's bytes are live host memory that never moves
+        // while it lives; it unregisters them (below) before they are freed.
+        unsafe { sys::cuMemHostRegister_v2(addr as *mut c_void, bytes, 0) }.result().map_err(|e| DeviceError::Backend(format!("page-locking {bytes} bytes of staging memory: {e}")))?;
+        let ctx = self.ctx.clone();
+        staging.on_drop(Box::new(move || {
+            if ctx.bind_to_thread().is_ok() {
+                // SAFETY: registered above, and unregistered only here.
+                let _ = unsafe { sys::cuMemHostUnregister(addr as *mut c_void) };
+            }
+        }));
+        Ok(staging)
+    }
+
+    fn download_to(&self, stream: StreamId, src: DevicePtr, dst: &Arc<Staging>, offset: usize) -> Result<(), DeviceError> {
+        self.check_ptr(&src, 1, "download")?;
+        let at = dst.addr(offset, src.bytes)?;
+        let s = self.stream(stream)?;
+        s.release_finished();
+        if src.bytes == 0 {
+            return Ok(());
+        }
+        self.bind()?;
+        // SAFETY: `src` lies in this device's memory and the destination
+        // range in the staging (both checked); the staging stays alive until
+        // an event recorded after the copy completes (kept below), and host
+        // code reads it only from work ordered after the copy (its contract).
+        unsafe { sys::cuMemcpyDtoHAsync_v2(at as *mut c_void, src.addr, src.bytes, s.cuda.cu_stream()) }.result().map_err(backend("device→host copy"))?;
+        let done = s.cuda.record_event(None).map_err(backend("recording a copy's event"))?;
+        lock(&s.in_flight).push_back((done, Box::new(dst.clone())));
+        Ok(())
+    }
+
+    fn upload_from(&self, stream: StreamId, src: &Arc<Staging>, offset: usize, dst: DevicePtr) -> Result<(), DeviceError> {
+        self.check_ptr(&dst, 1, "upload")?;
+        let at = src.addr(offset, dst.bytes)?;
+        let s = self.stream(stream)?;
+        s.release_finished();
+        if dst.bytes == 0 {
+            return Ok(());
+        }
+        self.bind()?;
+        // SAFETY: as for `download_to`, the other way.
+        unsafe { sys::cuMemcpyHtoDAsync_v2(dst.addr, at as *const c_void, dst.bytes, s.cuda.cu_stream()) }.result().map_err(backend("host→device copy"))?;
+        let done = s.cuda.record_event(None).map_err(backend("recording a copy's event"))?;
+        lock(&s.in_flight).push_back((done, Box::new(src.clone())));
+        Ok(())
+    }
+
     fn launch(&self, stream: StreamId, op: &Op) -> Result<(), DeviceError> {
         op.validate()?;
         self.check_op(op)?;
@@ -849,6 +909,11 @@ impl Device for CudaDevice {
     fn wait_event(&self, stream: StreamId, event: &Event) -> Result<(), DeviceError> {
         let s = self.stream(stream)?;
         s.cuda.wait(Self::event(event)?).map_err(backend("making a stream wait for an event"))
+    }
+
+    fn query(&self, event: &Event) -> Result<bool, DeviceError> {
+        self.bind()?;
+        Self::event(event)?.try_is_complete().map_err(backend("querying an event"))
     }
 
     fn synchronize(&self, event: &Event) -> Result<(), DeviceError> {

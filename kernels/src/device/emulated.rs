@@ -17,7 +17,7 @@
 
 use super::arena::Arena;
 use super::host_ops::{Executor, Memory};
-use super::{Device, DeviceError, DevicePtr, Event, HostBytes, Op, StreamId, StreamKind};
+use super::{Device, DeviceError, DevicePtr, Event, HostBytes, Op, Staging, StreamId, StreamKind};
 use crate::pool::{PoolConfig, ThreadPool};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc::{channel, Sender};
@@ -61,6 +61,8 @@ pub struct EmulatedStats {
 enum Command {
     Upload { src: HostBytes, dst: DevicePtr },
     Download { src: DevicePtr, reply: Sender<Result<Vec<u8>, DeviceError>> },
+    DownloadTo { src: DevicePtr, dst: Arc<Staging>, offset: usize },
+    UploadFrom { src: Arc<Staging>, offset: usize, dst: DevicePtr },
     Launch(Box<Op>),
     Record(Arc<EventState>),
     Wait(Arc<EventState>),
@@ -113,26 +115,42 @@ impl Inner {
         }
     }
 
+    /// A host→device copy through the copy engine, paced to its bandwidth.
+    fn upload(&self, src: &[u8], dst: DevicePtr) {
+        let _engine = lock(&self.copy_engine);
+        let started = Instant::now();
+        if let Err(e) = self.memory.write(dst, src) {
+            self.fail(e);
+        }
+        if let Some(rate) = self.config.h2d_bytes_per_second {
+            let due = Duration::from_secs_f64(src.len() as f64 / rate);
+            if let Some(rest) = due.checked_sub(started.elapsed()) {
+                std::thread::sleep(rest);
+            }
+        }
+        self.bytes_uploaded.fetch_add(src.len() as u64, Ordering::Relaxed);
+        self.copy_busy_ns.fetch_add(started.elapsed().as_nanos() as u64, Ordering::Relaxed);
+    }
+
     fn execute(&self, command: Command) {
         match command {
-            Command::Upload { src, dst } => {
-                let _engine = lock(&self.copy_engine);
-                let started = Instant::now();
-                if let Err(e) = self.memory.write(dst, src.as_slice()) {
-                    self.fail(e);
-                }
-                if let Some(rate) = self.config.h2d_bytes_per_second {
-                    let due = Duration::from_secs_f64(src.len() as f64 / rate);
-                    if let Some(rest) = due.checked_sub(started.elapsed()) {
-                        std::thread::sleep(rest);
-                    }
-                }
-                self.bytes_uploaded.fetch_add(src.len() as u64, Ordering::Relaxed);
-                self.copy_busy_ns.fetch_add(started.elapsed().as_nanos() as u64, Ordering::Relaxed);
+            Command::Upload { src, dst } => self.upload(src.as_slice(), dst),
+            Command::UploadFrom { src, offset, dst } => {
+                let bytes = src.lock();
+                self.upload(&bytes[offset..offset + dst.bytes], dst);
             }
             Command::Download { src, reply } => {
                 let result = self.failed().and_then(|_| self.memory.bytes(src).map(<[u8]>::to_vec));
                 let _ = reply.send(result);
+            }
+            Command::DownloadTo { src, dst, offset } => {
+                // After a failure the bytes would be garbage: leave them, the error is sticky.
+                if self.failed().is_ok() {
+                    match self.memory.bytes(src) {
+                        Ok(bytes) => dst.lock()[offset..offset + src.bytes].copy_from_slice(bytes),
+                        Err(e) => self.fail(e),
+                    }
+                }
             }
             Command::Launch(op) => {
                 if self.failed().is_err() {
@@ -288,6 +306,18 @@ impl Device for EmulatedDevice {
         result.recv().map_err(|_| DeviceError::Backend(format!("stream {} stopped before the download", stream.0)))?
     }
 
+    fn download_to(&self, stream: StreamId, src: DevicePtr, dst: &Arc<Staging>, offset: usize) -> Result<(), DeviceError> {
+        self.inner.memory.bytes(src)?;
+        dst.check(offset, src.bytes)?;
+        self.send(stream, Command::DownloadTo { src, dst: dst.clone(), offset })
+    }
+
+    fn upload_from(&self, stream: StreamId, src: &Arc<Staging>, offset: usize, dst: DevicePtr) -> Result<(), DeviceError> {
+        self.inner.memory.bytes(dst)?;
+        src.check(offset, dst.bytes)?;
+        self.send(stream, Command::UploadFrom { src: src.clone(), offset, dst })
+    }
+
     fn launch(&self, stream: StreamId, op: &Op) -> Result<(), DeviceError> {
         op.validate()?;
         self.send(stream, Command::Launch(Box::new(op.clone())))
@@ -302,6 +332,11 @@ impl Device for EmulatedDevice {
     fn wait_event(&self, stream: StreamId, event: &Event) -> Result<(), DeviceError> {
         let state = Self::event(event)?;
         self.send(stream, Command::Wait(state))
+    }
+
+    fn query(&self, event: &Event) -> Result<bool, DeviceError> {
+        let done = lock(&Self::event(event)?.at).is_some();
+        self.inner.failed().map(|_| done)
     }
 
     fn synchronize(&self, event: &Event) -> Result<(), DeviceError> {

@@ -32,7 +32,7 @@ use crate::router::RouterParams;
 use crate::{Precision, WeightFormat};
 use std::any::Any;
 use std::ops::Range;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 #[derive(Debug, thiserror::Error, Clone, PartialEq)]
@@ -368,6 +368,77 @@ impl HostBytes {
     }
 }
 
+/// Host memory that a stream's copies fill and drain asynchronously,
+/// page-locked where that matters (a GPU's copy engines reach it directly).
+/// Host code takes its bytes with [`Staging::lock`] only from work ordered
+/// after the copies that touch it — a host function later on the same
+/// stream, or after an event — because a copy in flight does not take the
+/// lock: the stream's order is what keeps them apart.
+pub struct Staging {
+    bytes: Mutex<Box<[u8]>>,
+    /// Where the bytes are (they never move), for a copy engine.
+    addr: usize,
+    /// Undoes the backend's page-locking when the memory goes.
+    unpin: Mutex<Option<Box<dyn FnOnce() + Send>>>,
+}
+
+impl Staging {
+    /// `len` zeroed bytes of plain host memory.
+    pub fn new(len: usize) -> Staging {
+        let mut bytes = vec![0u8; len].into_boxed_slice();
+        let addr = bytes.as_mut_ptr() as usize;
+        Staging { bytes: Mutex::new(bytes), addr, unpin: Mutex::new(None) }
+    }
+
+    pub fn len(&self) -> usize {
+        self.lock().len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The bytes, for host code ordered after the copies that touch them.
+    pub fn lock(&self) -> MutexGuard<'_, Box<[u8]>> {
+        self.bytes.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The address of byte `offset` of a range of `bytes` (checked), for a backend's copy engine.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    pub(crate) fn addr(&self, offset: usize, bytes: usize) -> Result<usize, DeviceError> {
+        self.check(offset, bytes)?;
+        Ok(self.addr + offset)
+    }
+
+    fn check(&self, offset: usize, bytes: usize) -> Result<(), DeviceError> {
+        let len = self.len();
+        match offset.checked_add(bytes) {
+            Some(end) if end <= len => Ok(()),
+            _ => Err(DeviceError::Invalid(format!("bytes {offset}+{bytes} of a {len}-byte staging buffer"))),
+        }
+    }
+
+    /// Run `unpin` when the memory goes (a backend that page-locked it).
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    pub(crate) fn on_drop(&self, unpin: Box<dyn FnOnce() + Send>) {
+        *self.unpin.lock().unwrap_or_else(|e| e.into_inner()) = Some(unpin);
+    }
+}
+
+impl Drop for Staging {
+    fn drop(&mut self) {
+        if let Some(unpin) = self.unpin.get_mut().unwrap_or_else(|e| e.into_inner()).take() {
+            unpin();
+        }
+    }
+}
+
+impl std::fmt::Debug for Staging {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Staging({} bytes)", self.len())
+    }
+}
+
 /// An accelerator. Every method is callable from any thread; work on one
 /// stream runs in the order it was enqueued, work on different streams in
 /// any order unless events order it.
@@ -387,12 +458,26 @@ pub trait Device: Send + Sync {
     fn upload(&self, stream: StreamId, src: &HostBytes, dst: DevicePtr) -> Result<(), DeviceError>;
     /// Copy `src` back to the host after the stream's earlier work, and wait for it.
     fn download(&self, stream: StreamId, src: DevicePtr) -> Result<Vec<u8>, DeviceError>;
+    /// Host memory for [`Device::download_to`] and [`Device::upload_from`],
+    /// page-locked where the backend needs that for copies to be asynchronous.
+    fn staging(&self, bytes: usize) -> Result<Arc<Staging>, DeviceError> {
+        Ok(Arc::new(Staging::new(bytes)))
+    }
+    /// Copy `src` into `dst` at `offset` after the stream's earlier work;
+    /// returns at once (read it from work ordered after this copy).
+    fn download_to(&self, stream: StreamId, src: DevicePtr, dst: &Arc<Staging>, offset: usize) -> Result<(), DeviceError>;
+    /// Copy `dst.bytes` bytes of `src` at `offset` into `dst` after the
+    /// stream's earlier work (a host function may have written them); returns at once.
+    fn upload_from(&self, stream: StreamId, src: &Arc<Staging>, offset: usize, dst: DevicePtr) -> Result<(), DeviceError>;
     /// Enqueue a kernel. Shapes and bounds are checked here.
     fn launch(&self, stream: StreamId, op: &Op) -> Result<(), DeviceError>;
     /// An event completed when the stream reaches this point.
     fn record(&self, stream: StreamId) -> Result<Event, DeviceError>;
     /// Make the stream's later work wait until `event` completes.
     fn wait_event(&self, stream: StreamId, event: &Event) -> Result<(), DeviceError>;
+    /// Whether `event` has completed; an error if the device has failed
+    /// (its streams may then never get there).
+    fn query(&self, event: &Event) -> Result<bool, DeviceError>;
     /// Block the calling thread until `event` completes.
     fn synchronize(&self, event: &Event) -> Result<(), DeviceError>;
     /// Time from `from` to `to`, both completed; zero if `to` came first.
