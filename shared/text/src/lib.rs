@@ -7,6 +7,7 @@
 
 pub mod sampling;
 pub mod stop;
+mod tiktoken;
 pub mod tokenizer;
 
 pub use stop::StopStrings;

@@ -4,7 +4,12 @@
 //! A checkpoint directory spreads its tokenizer state over several files,
 //! and real models disagree about which file holds what:
 //!
-//! * `tokenizer.json` (required): the `tokenizers` pipeline itself.
+//! * `tokenizer.json` (required, unless `tiktoken.model` stands in): the
+//!   `tokenizers` pipeline itself.
+//! * `tiktoken.model` (when there is no `tokenizer.json`): Kimi-K2's
+//!   tokenizer as published, tiktoken ranks whose special tokens are in
+//!   `tokenizer_config.json`; converted to the same pipeline at load time
+//!   (see `tiktoken.rs`).
 //! * `tokenizer_config.json` (optional): chat template, BOS/EOS token
 //!   strings and the `add_bos_token` / `add_eos_token` switches.
 //! * `chat_template.jinja` (optional): newer `transformers` releases store
@@ -74,6 +79,11 @@ pub enum TokenizerError {
         #[source]
         source: tokenizers::Error,
     },
+    /// `tiktoken.model` is malformed or cannot become a tokenizer (a line
+    /// that is not `<base64> <rank>`, a missing rank, an added token that
+    /// clashes with a ranked one, ...).
+    #[error("cannot load tiktoken tokenizer from {}: {message}", path.display())]
+    Tiktoken { path: PathBuf, message: String },
     /// A field has the wrong type or names a token that does not exist.
     #[error("{}: field `{field}` {message}", path.display())]
     Field {
@@ -162,7 +172,7 @@ pub struct Tokenizer {
     /// [`DecodeStep::LossyBytes`], for SentencePiece-style vocabularies
     /// (Mixtral, Llama); `None` when the decoder has no `ByteFallback`.
     byte_fallback_steps: Option<Vec<DecodeStep>>,
-    /// `tokenizer.json` path, kept for error messages.
+    /// `tokenizer.json` (or `tiktoken.model`) path, kept for error messages.
     tokenizer_path: PathBuf,
     bos_id: Option<u32>,
     /// Union of every EOS id the side files mention, in discovery order.
@@ -224,7 +234,9 @@ impl std::fmt::Debug for Tokenizer {
 }
 
 impl Tokenizer {
-    /// Loads `dir/tokenizer.json` (required), `dir/tokenizer_config.json`
+    /// Loads `dir/tokenizer.json` (required; without it `dir/tiktoken.model`
+    /// with `tokenizer_config.json`'s `added_tokens_decoder`, as Kimi-K2
+    /// ships), `dir/tokenizer_config.json`
     /// (optional: `chat_template`, `bos_token`, `eos_token`, `add_bos_token`,
     /// `add_eos_token`; BOS/EOS tokens may be plain strings or AddedToken
     /// objects like `{"content": "..."}`), `dir/generation_config.json`
@@ -235,23 +247,32 @@ impl Tokenizer {
     /// The chat template is compiled here, so a broken template fails at
     /// startup rather than on the first chat request.
     pub fn from_dir(dir: &Path) -> Result<Self, TokenizerError> {
-        let tokenizer_path = dir.join("tokenizer.json");
-        let bytes = fs::read(&tokenizer_path).map_err(|source| TokenizerError::Io {
-            path: tokenizer_path.clone(),
-            source,
-        })?;
-        let inner =
-            tokenizers::Tokenizer::from_bytes(&bytes).map_err(|source| TokenizerError::Load {
-                path: tokenizer_path.clone(),
-                source,
-            })?;
-
         let tc_path = dir.join("tokenizer_config.json");
         let gen_path = dir.join("generation_config.json");
         let cfg_path = dir.join("config.json");
         let tc = read_optional_json(&tc_path)?;
         let gen = read_optional_json(&gen_path)?;
         let cfg = read_optional_json(&cfg_path)?;
+
+        let json_path = dir.join("tokenizer.json");
+        let tiktoken_path = dir.join("tiktoken.model");
+        // tokenizer.json wins where both exist (it is what transformers'
+        // fast tokenizer loads); tiktoken.model only stands in for it, and
+        // without either the error names tokenizer.json, the usual file.
+        let (tokenizer_path, inner) = if !json_path.exists() && tiktoken_path.exists() {
+            let inner = crate::tiktoken::load(&tiktoken_path, tc.as_ref(), &tc_path)?;
+            (tiktoken_path, inner)
+        } else {
+            let bytes = fs::read(&json_path).map_err(|source| TokenizerError::Io {
+                path: json_path.clone(),
+                source,
+            })?;
+            let inner = tokenizers::Tokenizer::from_bytes(&bytes).map_err(|source| TokenizerError::Load {
+                path: json_path.clone(),
+                source,
+            })?;
+            (json_path, inner)
+        };
 
         // Token strings from tokenizer_config.json, resolved to ids so that a
         // typo surfaces now instead of as a never-matching stop token.
