@@ -33,7 +33,13 @@
 //! the same token (parts `ab`, `a`, `ba` of `ababa` with `aba` a token),
 //! tiktoken merges the left one and the merge list the one whose parts rank
 //! lower. `transformers`' conversion has the same difference; it needs a
-//! token that two different splits make, met twice in one piece.
+//! token that two different splits make, met twice in one piece. (On a
+//! 163,584-rank file trained on Python sources it did not occur in 9.8 M
+//! tokens of held-out text; see the README.) And `tokenization_kimi.py`
+//! cuts text into chunks of at most 25,000 consecutive whitespace or
+//! non-whitespace characters before encoding, because tiktoken's merging is
+//! quadratic in a piece's length; the merge queue here is not, so text is
+//! not cut, and only a piece longer than that can encode differently.
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::Path;
