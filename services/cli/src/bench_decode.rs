@@ -20,6 +20,11 @@
 //! lowest-weighted routed experts run on the CPU while the device runs the
 //! next layer's attention), the other way to overlap at batch 1.
 //!
+//! The CPU experts are started and awaited from the device streams (the
+//! default, [`Submit::Stream`]); batch 1 and batch 2 also run with the host
+//! thread driving the micro-batches layer by layer ([`Submit::Host`]), to
+//! compare the two.
+//!
 //! Per-layer figures are a step's totals divided by its layers: the engine
 //! reports its timings per pass, not per layer.
 
@@ -29,7 +34,7 @@ use clap::Args;
 use duplex_kernels::device::emulated::{EmulatedConfig, EmulatedDevice};
 use duplex_kernels::device::Device;
 use duplex_kernels::pool::PoolConfig;
-use duplex_model::hybrid::{DeviceKv, DeviceSeq, HybridConfig, HybridEngine};
+use duplex_model::hybrid::{DeviceKv, DeviceSeq, HybridConfig, HybridEngine, Submit};
 use duplex_model::{BlockTable, KvPool, Logits, Model, Precision, SeqInput};
 use duplex_toolkit::reference::argmax;
 use std::io::Write;
@@ -177,7 +182,7 @@ fn pool_config(args: &BenchDecodeArgs, pin: &Option<Pinning>) -> Result<PoolConf
 }
 
 #[allow(clippy::too_many_arguments)]
-fn placement(args: &BenchDecodeArgs, pin: &Option<Pinning>, micro_batches: bool, defer_experts: usize, kv_blocks: usize, positions: usize, host: &KvPool, tables: &[BlockTable]) -> Result<Placement> {
+fn placement(args: &BenchDecodeArgs, pin: &Option<Pinning>, (micro_batches, defer_experts, submit): (bool, usize, Submit), kv_blocks: usize, positions: usize, host: &KvPool, tables: &[BlockTable]) -> Result<Placement> {
     let dir = &args.model.model;
     let (bar, mut progress) = load_progress(dir);
     let model = Model::load_with(dir, &pool_config(args, pin)?, &mut progress).with_context(|| format!("loading model from {}", dir.display()))?;
@@ -192,7 +197,7 @@ fn placement(args: &BenchDecodeArgs, pin: &Option<Pinning>, micro_batches: bool,
     if let Some(p) = pin {
         pin_current(p.device)?;
     }
-    let engine = HybridEngine::new(model, device, HybridConfig { kv_blocks, micro_batches, defer_experts, cpu_jitter: None }, BLOCK);
+    let engine = HybridEngine::new(model, device, HybridConfig { kv_blocks, micro_batches, defer_experts, cpu_jitter: None, submit }, BLOCK);
     if let Some(p) = pin {
         pin_current(p.host[0])?;
     }
@@ -279,10 +284,13 @@ pub fn run(args: BenchDecodeArgs) -> Result<()> {
     }
     drop(cpu);
 
-    let mut placements = vec![placement(&args, &pin, true, 0, kv_blocks, positions, &host, &tables)?, placement(&args, &pin, false, 0, kv_blocks, positions, &host, &tables)?];
+    let mut placements = vec![];
+    for kind in [(true, 0, Submit::Stream), (false, 0, Submit::Stream), (true, 0, Submit::Host)] {
+        placements.push(placement(&args, &pin, kind, kv_blocks, positions, &host, &tables)?);
+    }
     if args.defer > 0 {
         // Deferral applies to a pass of one decoding sequence: an engine of its own.
-        placements.push(placement(&args, &pin, true, args.defer, kv_blocks, positions, &host, &tables)?);
+        placements.push(placement(&args, &pin, (true, args.defer, Submit::Stream), kv_blocks, positions, &host, &tables)?);
     }
     let budget = placements[0].engine.budget();
     // Written, not printed: a reader that goes away (`| head`) is an error
@@ -317,9 +325,11 @@ pub fn run(args: BenchDecodeArgs) -> Result<()> {
         Config { label: "batch 1", placement: 0, batch: 1 },
         Config { label: "batch 2, two micro-batches", placement: 0, batch: 2 },
         Config { label: "batch 2, one batch", placement: 1, batch: 2 },
+        Config { label: "batch 1, host-driven", placement: 2, batch: 1 },
+        Config { label: "batch 2, two micro-batches, host-driven", placement: 2, batch: 2 },
     ];
     if args.defer > 0 {
-        configs.push(Config { label: "batch 1, expert deferral", placement: 2, batch: 1 });
+        configs.push(Config { label: "batch 1, expert deferral", placement: 3, batch: 1 });
     }
     // One unmeasured round each: the workspaces are allocated and the pages
     // of the weights and the KV touched on first use.
@@ -361,8 +371,10 @@ pub fn run(args: BenchDecodeArgs) -> Result<()> {
     writeln!(out, "| --- | --- | --- |")?;
     writeln!(out, "| batch 2 (two micro-batches) ÷ batch 1 | {} | paper: {PAPER_BATCH2_SPEEDUP:.2}× |", ratio(1, 0))?;
     writeln!(out, "| batch 2 (two micro-batches) ÷ batch 2 (one batch) | {} | 1.00× without overlap |", ratio(1, 2))?;
+    writeln!(out, "| batch 1, from the streams ÷ host-driven | {} | 1.00× |", ratio(0, 3))?;
+    writeln!(out, "| batch 2 (two micro-batches), from the streams ÷ host-driven | {} | 1.00× |", ratio(1, 4))?;
     if args.defer > 0 {
-        writeln!(out, "| batch 1 with expert deferral ÷ batch 1 | {} | 1.00× without overlap |", ratio(3, 0))?;
+        writeln!(out, "| batch 1 with expert deferral ÷ batch 1 | {} | 1.00× without overlap |", ratio(5, 0))?;
     }
 
     for p in placements {

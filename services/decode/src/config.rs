@@ -2,6 +2,7 @@
 //! TOML config file, then command-line flags.
 
 use serde::{Deserialize, Serialize};
+use duplex_model::hybrid::Submit;
 use std::path::PathBuf;
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -76,6 +77,10 @@ pub struct DecodeConfig {
     /// the next layer's attention does, and join the next MoE layer's
     /// output. It changes the model's function slightly; 0: off.
     pub defer_experts: usize,
+    /// How a device step starts and awaits the CPU's routed experts:
+    /// `stream` (from the device streams through host functions, a step
+    /// queued whole) or `host` (this worker's thread, layer by layer).
+    pub expert_submit: String,
 }
 
 /// Where the decode worker runs its steps.
@@ -109,6 +114,14 @@ impl DecodeConfig {
             other => anyhow::bail!("device: unknown device {other:?}; expected cpu, emulated or cuda"),
         }
     }
+
+    pub fn submit(&self) -> anyhow::Result<Submit> {
+        match self.expert_submit.as_str() {
+            "stream" => Ok(Submit::Stream),
+            "host" => Ok(Submit::Host),
+            other => anyhow::bail!("expert_submit: unknown mode {other:?}; expected stream or host"),
+        }
+    }
 }
 
 impl Default for DecodeConfig {
@@ -138,6 +151,7 @@ impl Default for DecodeConfig {
             device_kv_blocks: 0,
             micro_batches: true,
             defer_experts: 0,
+            expert_submit: "stream".into(),
         }
     }
 }
@@ -221,6 +235,9 @@ pub struct DecodeArgs {
     /// Routed experts deferred per token when one sequence decodes alone on a device; 0 for none [default: 0].
     #[arg(long)]
     pub defer_experts: Option<usize>,
+    /// How a device step starts the CPU's experts: stream (host functions) or host [default: stream].
+    #[arg(long)]
+    pub expert_submit: Option<String>,
 }
 
 impl DecodeArgs {
@@ -235,12 +252,13 @@ impl DecodeArgs {
         if let Some(path) = self.unix_socket {
             c.unix_socket = Some(path);
         }
-        take!(model, host, port, metrics_port, shm_dir, instance, context_length, kv_blocks, max_batch_size, prefill_chunk_tokens, lease_timeout_seconds, max_waiting_requests, dtype, threads, numa_nodes, cores, device, device_memory_mib, cuda_device, device_threads, device_kv_blocks, micro_batches, defer_experts);
+        take!(model, host, port, metrics_port, shm_dir, instance, context_length, kv_blocks, max_batch_size, prefill_chunk_tokens, lease_timeout_seconds, max_waiting_requests, dtype, threads, numa_nodes, cores, device, device_memory_mib, cuda_device, device_threads, device_kv_blocks, micro_batches, defer_experts, expert_submit);
         if c.max_batch_size == 0 || c.prefill_chunk_tokens == 0 {
             anyhow::bail!("max_batch_size and prefill_chunk_tokens must be at least 1");
         }
         c.precision()?;
         c.device_kind()?;
+        c.submit()?;
         c.core_list()?;
         Ok(c)
     }
@@ -277,5 +295,14 @@ mod tests {
         assert!(err.contains("threads = 2") && err.contains("1 cores"), "{err}");
         let c = DecodeConfig { cores: "0".into(), ..Default::default() };
         assert_eq!(c.pool().unwrap().cores, Some(vec![0]));
+    }
+
+    #[test]
+    fn expert_submit_is_stream_or_host() {
+        assert_eq!(DecodeConfig::default().submit().unwrap(), Submit::Stream);
+        let c = DecodeArgs { expert_submit: Some("host".into()), ..Default::default() }.resolve().unwrap();
+        assert_eq!(c.submit().unwrap(), Submit::Host);
+        let err = DecodeArgs { expert_submit: Some("callbacks".into()), ..Default::default() }.resolve().unwrap_err().to_string();
+        assert!(err.starts_with("expert_submit: ") && err.contains("\"callbacks\""), "{err}");
     }
 }

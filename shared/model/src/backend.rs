@@ -107,6 +107,32 @@ pub struct AttentionCall<'a> {
     pub precision: Precision,
 }
 
+/// A MoE layer's routing, as the forward program asks a backend for it.
+pub struct RouteCall<'a, W> {
+    pub layer: usize,
+    pub logits: Matrix,
+    pub bias: Option<&'a W>,
+    pub params: &'a RouterParams,
+    pub precision: Precision,
+    /// Where the chosen ids (u32, `[n, k]`) and weights (`[n, k]`) go.
+    pub ids: DevicePtr,
+    pub weights: Matrix,
+    /// The experts' input.
+    pub input: Matrix,
+    /// Experts per token deferred to the next MoE layer (Expert Deferral).
+    pub defer: usize,
+}
+
+/// What a backend did with a MoE layer's routing.
+pub enum Routes {
+    /// Per token, its `(expert, weight)` pairs: the pass runs the experts.
+    Chosen(Vec<Vec<(usize, f32)>>),
+    /// The backend runs the routed experts itself once the choices exist
+    /// (the hybrid placement's CPU experts, started from the device's
+    /// stream); the pass collects their sums with [`Backend::routed_sum`].
+    Submitted,
+}
+
 pub trait Backend {
     /// A weight as this backend reads it.
     type Weight;
@@ -139,10 +165,17 @@ pub trait Backend {
     fn round_bf16(&mut self, x: Matrix) -> Result<(), ForwardError>;
     fn zero(&mut self, x: Matrix) -> Result<(), ForwardError>;
 
-    /// The router's top-k of every row of `logits`: per row, `(expert, weight)`.
+    /// The router's top-k of every row of `logits` for MoE layer `layer`.
     /// `input` is what the routed experts will read (a backend that runs
-    /// them elsewhere may fetch it along with the choices).
-    fn route(&mut self, logits: Matrix, bias: Option<&Self::Weight>, params: &RouterParams, p: Precision, scratch: (DevicePtr, Matrix), input: Matrix) -> Result<Vec<Vec<(usize, f32)>>, ForwardError>;
+    /// them elsewhere may fetch it along with the choices), and `defer` how
+    /// many of each token's experts are deferred ([`crate::forward::Pass::defer_experts`]).
+    fn route(&mut self, route: RouteCall<'_, Self::Weight>) -> Result<Routes, ForwardError>;
+    /// Add the summed output of the routed experts that this backend runs
+    /// itself (after [`Routes::Submitted`]) into `out`: the layer's
+    /// immediate experts, or with `deferred` its deferred ones.
+    fn routed_sum(&mut self, _out: Matrix, _deferred: bool, _scratch: &ExpertScratch) -> Result<(), ForwardError> {
+        Err(ForwardError::BadModule("this backend hands the router's choices back; it runs no experts itself".into()))
+    }
     /// `dst = src` (same shape).
     fn copy(&mut self, src: Matrix, dst: Matrix) -> Result<(), ForwardError>;
     /// Run experts on rows of `x`, adding their scaled outputs into `out`

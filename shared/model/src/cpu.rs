@@ -7,7 +7,7 @@
 //! scalar reference kernels; the BF16 path the SIMD kernels of the level
 //! the CPU supports, spread over the pool.
 
-use crate::backend::{AttentionCall, Backend, ExpertJob, ExpertScratch, Segment, Tokens};
+use crate::backend::{AttentionCall, Backend, ExpertJob, ExpertScratch, RouteCall, Routes, Segment, Tokens};
 use crate::kv_cache::KvPool;
 use crate::model::{ForwardError, Precision};
 use crate::weights::{HostWeight, Weights};
@@ -20,7 +20,7 @@ use duplex_kernels::mla::{decode_attention, prefill_attention, LatentCache, MlaD
 use duplex_kernels::moe::{moe_forward, ExpertCall, ExpertWeights, MoeScratch};
 use duplex_kernels::parallel_linear::{par_matmul, LinearScratch};
 use duplex_kernels::pool::{PoolConfig, ThreadPool};
-use duplex_kernels::router::{route, route_simd, RouterParams};
+use duplex_kernels::router::{route, route_simd};
 use duplex_kernels::shared::SharedSlice;
 use duplex_kernels::WeightFormat;
 use std::borrow::Cow;
@@ -106,6 +106,52 @@ fn check(m: Matrix, len: usize) -> Result<(), ForwardError> {
 }
 
 impl CpuBackend<'_> {
+    /// Run experts on rows of `x`, adding their scaled outputs into `out`
+    /// unrounded ([`Backend::experts`], which needs no scratch here).
+    pub fn run_experts(&mut self, x: Matrix, jobs: &[ExpertJob<HostWeight>], out: Matrix, p: Precision) -> Result<(), ForwardError> {
+        let (rt, a) = (self.rt, &mut *self.arena);
+        check(x, a.data.len())?;
+        check(out, a.data.len())?;
+        let (n, d) = (x.rows, x.cols);
+        let xs = read(&a.data, x);
+        let all: Vec<(usize, f32)> = if jobs.iter().any(|j| matches!(j.tokens, Tokens::All)) { (0..n).map(|t| (t, 1.0)).collect() } else { vec![] };
+        fn tokens<'t>(j: &ExpertJob<'t, HostWeight>, all: &'t [(usize, f32)]) -> &'t [(usize, f32)] {
+            match j.tokens {
+                Tokens::All => all,
+                Tokens::Rows(r) => r,
+            }
+        }
+        a.tmp.clear();
+        a.tmp.resize(n * d, 0.0);
+        match p {
+            Precision::F32 => {
+                for job in jobs {
+                    let rows = tokens(job, &all);
+                    let picked: Vec<f32> = rows.iter().flat_map(|&(i, _)| xs[i * d..(i + 1) * d].iter().copied()).collect();
+                    let ys = Self::expert_f32(job, &picked, rows.len())?;
+                    for (&(i, w), y) in rows.iter().zip(ys.chunks(d)) {
+                        a.tmp[i * d..(i + 1) * d].iter_mut().zip(y).for_each(|(o, v)| *o += w * v);
+                    }
+                }
+            }
+            Precision::Bf16 => {
+                let nodes = rt.pool.nodes();
+                let calls = jobs
+                    .iter()
+                    .map(|j| {
+                        let weights = ExpertWeights { gate: matrix(j.gate)?, up: matrix(j.up)?, down: matrix(j.down)? };
+                        Ok(ExpertCall { weights, tokens: tokens(j, &all), node: duplex_kernels::pool::expert_node(j.expert, nodes) })
+                    })
+                    .collect::<Result<Vec<_>, ForwardError>>()?;
+                moe_forward(&rt.pool, rt.isa, &calls, &xs, d, &mut a.tmp, &mut a.moe);
+            }
+        }
+        drop(xs);
+        let sum = &a.tmp;
+        rows_mut(&mut a.data, out, |r, row| row.iter_mut().zip(&sum[r * d..(r + 1) * d]).for_each(|(o, v)| *o += v));
+        Ok(())
+    }
+
     /// `x · Wᵀ` of contiguous rows into `out`.
     fn product(rt: &CpuRuntime, linear: &mut LinearScratch, w: &WeightView, x: &[f32], rows: usize, out: &mut Vec<f32>, p: Precision) {
         out.clear();
@@ -389,61 +435,23 @@ impl Backend for CpuBackend<'_> {
         Ok(())
     }
 
-    fn route(&mut self, logits: Matrix, bias: Option<&HostWeight>, params: &RouterParams, p: Precision, _scratch: (DevicePtr, Matrix), _input: Matrix) -> Result<Vec<Vec<(usize, f32)>>, ForwardError> {
-        let bias = bias.map(vector).transpose()?;
+    fn route(&mut self, c: RouteCall<'_, HostWeight>) -> Result<Routes, ForwardError> {
+        let (logits, params, p) = (c.logits, c.params, c.precision);
+        let bias = c.bias.map(vector).transpose()?;
         check(logits, self.arena.data.len())?;
         let xs = read(&self.arena.data, logits);
-        Ok(xs
-            .chunks(logits.cols)
-            .map(|row| match p {
-                Precision::F32 => route(params, row, bias),
-                Precision::Bf16 => route_simd(self.rt.isa, params, row, bias),
-            })
-            .collect())
+        Ok(Routes::Chosen(
+            xs.chunks(logits.cols)
+                .map(|row| match p {
+                    Precision::F32 => route(params, row, bias),
+                    Precision::Bf16 => route_simd(self.rt.isa, params, row, bias),
+                })
+                .collect(),
+        ))
     }
 
     fn experts(&mut self, x: Matrix, jobs: &[ExpertJob<HostWeight>], out: Matrix, p: Precision, _scratch: &ExpertScratch) -> Result<(), ForwardError> {
-        let (rt, a) = (self.rt, &mut *self.arena);
-        check(x, a.data.len())?;
-        check(out, a.data.len())?;
-        let (n, d) = (x.rows, x.cols);
-        let xs = read(&a.data, x);
-        let all: Vec<(usize, f32)> = if jobs.iter().any(|j| matches!(j.tokens, Tokens::All)) { (0..n).map(|t| (t, 1.0)).collect() } else { vec![] };
-        fn tokens<'t>(j: &ExpertJob<'t, HostWeight>, all: &'t [(usize, f32)]) -> &'t [(usize, f32)] {
-            match j.tokens {
-                Tokens::All => all,
-                Tokens::Rows(r) => r,
-            }
-        }
-        a.tmp.clear();
-        a.tmp.resize(n * d, 0.0);
-        match p {
-            Precision::F32 => {
-                for job in jobs {
-                    let rows = tokens(job, &all);
-                    let picked: Vec<f32> = rows.iter().flat_map(|&(i, _)| xs[i * d..(i + 1) * d].iter().copied()).collect();
-                    let ys = Self::expert_f32(job, &picked, rows.len())?;
-                    for (&(i, w), y) in rows.iter().zip(ys.chunks(d)) {
-                        a.tmp[i * d..(i + 1) * d].iter_mut().zip(y).for_each(|(o, v)| *o += w * v);
-                    }
-                }
-            }
-            Precision::Bf16 => {
-                let nodes = rt.pool.nodes();
-                let calls = jobs
-                    .iter()
-                    .map(|j| {
-                        let weights = ExpertWeights { gate: matrix(j.gate)?, up: matrix(j.up)?, down: matrix(j.down)? };
-                        Ok(ExpertCall { weights, tokens: tokens(j, &all), node: duplex_kernels::pool::expert_node(j.expert, nodes) })
-                    })
-                    .collect::<Result<Vec<_>, ForwardError>>()?;
-                moe_forward(&rt.pool, rt.isa, &calls, &xs, d, &mut a.tmp, &mut a.moe);
-            }
-        }
-        drop(xs);
-        let sum = &a.tmp;
-        rows_mut(&mut a.data, out, |r, row| row.iter_mut().zip(&sum[r * d..(r + 1) * d]).for_each(|(o, v)| *o += v));
-        Ok(())
+        self.run_experts(x, jobs, out, p)
     }
 
     fn store_kv(&mut self, layer: usize, parts: &[Matrix], seg: &Segment, pool: &mut KvPool) -> Result<(), ForwardError> {

@@ -17,7 +17,7 @@
 //! error of the BF16 path (on the three fixtures it roughly halves the mean
 //! logit error against transformers' float32).
 
-use crate::backend::{AttentionCall, Backend, ExpertJob, ExpertScratch, Segment, Tokens};
+use crate::backend::{AttentionCall, Backend, ExpertJob, ExpertScratch, RouteCall, Routes, Segment, Tokens};
 use crate::config::{AttentionConfig, ModelConfig};
 use crate::kv_cache::{BlockTable, KvPool};
 use crate::model::{ForwardError, ForwardTimings, Logits, Model, Precision, SeqInput};
@@ -46,6 +46,65 @@ impl ModuleKind {
             ModuleKind::Attention { layer } | ModuleKind::Ffn { layer } | ModuleKind::Expert { layer, .. } => Some(layer),
             ModuleKind::Embed { .. } | ModuleKind::Head { .. } => None,
         }
+    }
+}
+
+/// A MoE layer's routing as per-expert work: for each expert, its `(row,
+/// weight)` pairs, split into the experts that run now and the deferred
+/// ones (Expert Deferral), with where each expert's rows start in the
+/// layer's row lists (the immediate experts' lists, then the deferred ones').
+#[derive(Default)]
+pub struct Assignment {
+    pub now: Vec<Vec<(usize, f32)>>,
+    now_firsts: Vec<usize>,
+    pub deferred: Vec<Vec<(usize, f32)>>,
+    deferred_firsts: Vec<usize>,
+}
+
+impl Assignment {
+    /// Split the router's choices (per token, `(expert, weight)`) among
+    /// `n_experts`: of each token's experts, the `defer` with the lowest
+    /// weights are deferred. Reuses the lists' memory.
+    pub fn assign(&mut self, chosen: &[Vec<(usize, f32)>], n_experts: usize, defer: usize) -> Result<(), ForwardError> {
+        for lists in [&mut self.now, &mut self.deferred] {
+            lists.iter_mut().for_each(|a| a.clear());
+            lists.resize_with(n_experts, Vec::new);
+        }
+        for (row, picks) in chosen.iter().enumerate() {
+            let mut picks = std::borrow::Cow::Borrowed(picks.as_slice());
+            if defer > 0 {
+                // Highest weights first; a stable sort keeps the router's order on ties.
+                picks.to_mut().sort_by(|a, b| b.1.total_cmp(&a.1));
+            }
+            let immediate = picks.len().saturating_sub(defer);
+            for (rank, &(expert, weight)) in picks.iter().enumerate() {
+                let lists = if rank < immediate { &mut self.now } else { &mut self.deferred };
+                lists.get_mut(expert).ok_or(ForwardError::Routing { expert, experts: n_experts })?.push((row, weight));
+            }
+        }
+        let mut first = 0;
+        for (firsts, lists) in [(&mut self.now_firsts, &self.now), (&mut self.deferred_firsts, &self.deferred)] {
+            firsts.clear();
+            for a in lists {
+                firsts.push(first);
+                first += a.len();
+            }
+        }
+        Ok(())
+    }
+
+    /// The jobs of `experts` (index, weights) that have rows: the immediate
+    /// ones, or with `deferred` the deferred ones.
+    pub fn jobs<'a, W>(&'a self, experts: &[(usize, &'a Weights<W>)], deferred: bool) -> Result<Vec<ExpertJob<'a, W>>, ForwardError> {
+        let (lists, firsts) = if deferred { (&self.deferred, &self.deferred_firsts) } else { (&self.now, &self.now_firsts) };
+        let mut jobs = Vec::with_capacity(experts.len());
+        for &(e, w) in experts {
+            let rows = lists.get(e).ok_or(ForwardError::Routing { expert: e, experts: lists.len() })?;
+            if !rows.is_empty() {
+                jobs.push(ExpertJob::named(w, "", Tokens::Rows(rows), firsts[e], e)?);
+            }
+        }
+        Ok(jobs)
     }
 }
 
@@ -185,16 +244,14 @@ pub struct Pass<'m, B: Backend> {
     rows: usize,
     heads_per_step: usize,
     ws: Workspace,
-    /// The current MoE layer's routing: per expert, its `(row, weight)` pairs.
-    assignments: Vec<Vec<(usize, f32)>>,
-    /// Where each expert's rows start in the layer's row lists.
-    firsts: Vec<usize>,
+    /// The current MoE layer's routing, when the backend hands it back.
+    routing: Assignment,
+    /// Whether the backend runs the current layer's routed experts itself
+    /// ([`Routes::Submitted`]), and whether that includes deferred ones.
+    submitted: Option<bool>,
     /// Expert Deferral: routed experts per token whose output is added one
-    /// MoE layer later, the current layer's deferred rows (as `assignments`)
-    /// and whether `out_deferred` holds a sum still to be added.
+    /// MoE layer later, and whether `out_deferred` holds a sum still to be added.
     defer: usize,
-    deferred: Vec<Vec<(usize, f32)>>,
-    deferred_firsts: Vec<usize>,
     pending_deferred: bool,
     timings: ForwardTimings,
     /// When the running module started, and whether it is attention.
@@ -248,11 +305,9 @@ impl<'m, B: Backend> Pass<'m, B> {
             rows,
             heads_per_step: shape.heads_per_step,
             ws,
-            assignments: vec![],
-            firsts: vec![],
+            routing: Assignment::default(),
+            submitted: None,
             defer: 0,
-            deferred: vec![],
-            deferred_firsts: vec![],
             pending_deferred: false,
             timings: ForwardTimings::default(),
             clock: None,
@@ -370,36 +425,18 @@ impl<'m, B: Backend> Pass<'m, B> {
                 self.backend.router_logits(w.get("gate")?, x_router, logits, p)?;
                 let bias = if cfg.use_correction_bias { Some(w.get("e_score_correction_bias")?) } else { None };
                 let k = cfg.num_experts_per_tok;
-                let chosen = self.backend.route(logits, bias, &self.model.router, p, (ws.route_ids, ws.route_weights.rows(0..n).reshape(n, k)), x)?;
                 let last_moe = (layer + 1..cfg.num_hidden_layers).all(|l| !cfg.is_moe_layer(l));
                 let defer = if last_moe { 0 } else { self.defer.min(k.saturating_sub(1)) };
-                for lists in [&mut self.assignments, &mut self.deferred] {
-                    lists.iter_mut().for_each(|a| a.clear());
-                    lists.resize_with(e, Vec::new);
-                }
-                for (row, picks) in chosen.iter().enumerate() {
-                    let mut picks = std::borrow::Cow::Borrowed(picks.as_slice());
-                    if defer > 0 {
-                        // Highest weights first; a stable sort keeps the router's order on ties.
-                        picks.to_mut().sort_by(|a, b| b.1.total_cmp(&a.1));
+                let call = RouteCall { layer, logits, bias, params: &self.model.router, precision: p, ids: ws.route_ids, weights: ws.route_weights.rows(0..n).reshape(n, k), input: x, defer };
+                match self.backend.route(call)? {
+                    Routes::Chosen(chosen) => {
+                        self.submitted = None;
+                        self.routing.assign(&chosen, e, defer)?;
+                        if self.routing.deferred.iter().any(|d| !d.is_empty()) {
+                            self.backend.copy(x, ws.x_deferred.rows(0..n))?;
+                        }
                     }
-                    let immediate = picks.len().saturating_sub(defer);
-                    for (rank, &(expert, weight)) in picks.iter().enumerate() {
-                        let lists = if rank < immediate { &mut self.assignments } else { &mut self.deferred };
-                        lists.get_mut(expert).ok_or(ForwardError::Routing { expert, experts: e })?.push((row, weight));
-                    }
-                }
-                // Row lists one after another: the immediate experts', then the deferred ones'.
-                let mut first = 0;
-                for (firsts, lists) in [(&mut self.firsts, &self.assignments), (&mut self.deferred_firsts, &self.deferred)] {
-                    firsts.clear();
-                    for a in lists {
-                        firsts.push(first);
-                        first += a.len();
-                    }
-                }
-                if self.deferred.iter().any(|d| !d.is_empty()) {
-                    self.backend.copy(x, ws.x_deferred.rows(0..n))?;
+                    Routes::Submitted => self.submitted = Some(defer > 0),
                 }
                 if cfg.n_shared_experts > 0 {
                     // Within this module: a placement may free its weights once it has run.
@@ -446,21 +483,22 @@ impl<'m, B: Backend> Pass<'m, B> {
     /// after the layer's last, add the MoE output to the residual.
     pub fn run_experts(&mut self, layer: usize, experts: &[(usize, &Weights<B::Weight>)]) -> Result<(), ForwardError> {
         let cfg = self.cfg();
-        if !cfg.is_moe_layer(layer) || self.assignments.len() != cfg.n_routed_experts {
+        let routed = self.submitted.is_some() || self.routing.now.len() == cfg.n_routed_experts;
+        if !cfg.is_moe_layer(layer) || !routed {
             return Err(ForwardError::BadModule(format!("experts of layer {layer} before its router")));
         }
-        let mut jobs = Vec::with_capacity(experts.len());
-        let mut last = false;
-        for &(e, w) in experts {
-            let rows = self.assignments.get(e).ok_or(ForwardError::Routing { expert: e, experts: cfg.n_routed_experts })?;
-            last |= e + 1 == cfg.n_routed_experts;
-            if !rows.is_empty() {
-                jobs.push(ExpertJob::named(w, "", Tokens::Rows(rows), self.firsts[e], e)?);
-            }
-        }
+        let last = experts.iter().any(|&(e, _)| e + 1 == cfg.n_routed_experts);
         let (n, ws) = (self.rows, &self.ws);
-        if !jobs.is_empty() {
-            self.backend.experts(ws.x.rows(0..n), &jobs, ws.out.rows(0..n), self.precision, &ws.experts)?;
+        if self.submitted.is_some() {
+            // The backend runs them all: their sum is there once the layer's last is asked for.
+            if last {
+                self.backend.routed_sum(ws.out.rows(0..n), false, &ws.experts)?;
+            }
+        } else {
+            let jobs = self.routing.jobs(experts, false)?;
+            if !jobs.is_empty() {
+                self.backend.experts(ws.x.rows(0..n), &jobs, ws.out.rows(0..n), self.precision, &ws.experts)?;
+            }
         }
         if last {
             self.finish_ffn()?;
@@ -473,23 +511,26 @@ impl<'m, B: Backend> Pass<'m, B> {
     /// next MoE layer's. A placement runs this while the next layer's
     /// attention runs elsewhere.
     pub fn run_deferred(&mut self, experts: &[(usize, &Weights<B::Weight>)]) -> Result<(), ForwardError> {
-        if self.deferred.iter().all(|d| d.is_empty()) {
-            return Ok(());
-        }
-        let cfg = self.cfg();
-        let mut jobs = Vec::with_capacity(experts.len());
-        for &(e, w) in experts {
-            let rows = self.deferred.get(e).ok_or(ForwardError::Routing { expert: e, experts: cfg.n_routed_experts })?;
-            if !rows.is_empty() {
-                jobs.push(ExpertJob::named(w, "", Tokens::Rows(rows), self.deferred_firsts[e], e)?);
-            }
-        }
         let (n, ws) = (self.rows, &self.ws);
         let out = ws.out_deferred.rows(0..n);
-        self.backend.zero(out)?;
-        self.backend.experts(ws.x_deferred.rows(0..n), &jobs, out, self.precision, &ws.experts)?;
-        drop(jobs);
-        self.deferred.iter_mut().for_each(|d| d.clear());
+        match self.submitted {
+            Some(true) => {
+                self.backend.zero(out)?;
+                self.backend.routed_sum(out, true, &ws.experts)?;
+                self.submitted = Some(false);
+            }
+            Some(false) => return Ok(()),
+            None => {
+                if self.routing.deferred.iter().all(|d| d.is_empty()) {
+                    return Ok(());
+                }
+                let jobs = self.routing.jobs(experts, true)?;
+                self.backend.zero(out)?;
+                self.backend.experts(ws.x_deferred.rows(0..n), &jobs, out, self.precision, &ws.experts)?;
+                drop(jobs);
+                self.routing.deferred.iter_mut().for_each(|d| d.clear());
+            }
+        }
         self.pending_deferred = true;
         Ok(())
     }

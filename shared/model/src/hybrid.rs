@@ -17,23 +17,27 @@
 //! micro-batches on two device streams and alternates them layer by layer,
 //! so that the device runs one micro-batch's attention while the CPU runs
 //! the other's experts (the schedule of KTransformers and of the paper's
-//! §3.3.1). One host thread drives both: each micro-batch waits on its own
-//! stream only where it needs the router's choices, and the other's work is
-//! already queued by then.
+//! §3.3.1). By default ([`Submit::Stream`]) a step is queued whole: per MoE
+//! layer a stream copies the experts' input and the router's choices into
+//! staging memory and a host function hands them to the host thread, which
+//! runs the experts as they arrive; a later host function holds the stream
+//! until their sum has landed, and a copy takes it up. Events between the
+//! two streams keep the alternation. With [`Submit::Host`] the host thread
+//! instead queues the work layer by layer and waits on each micro-batch's
+//! routes itself.
 
 use crate::checkpoint::HostTensor;
-use crate::backend::{AttentionCall, Backend, ExpertJob, ExpertScratch, Segment};
+use crate::backend::{AttentionCall, Backend, ExpertJob, ExpertScratch, RouteCall, Routes, Segment};
 use crate::cpu::CpuBackend;
-use crate::forward::{align, ModuleKind, Pass};
+use crate::forward::{align, Assignment, ModuleKind, Pass};
 use crate::kv_cache::{BlockTable, KvPool};
 use crate::model::{ForwardError, Logits, Model, Precision, SeqInput};
 use crate::staged::DeviceBackend;
 use crate::weights::{HostWeight, Weights};
 use duplex_kernels::linear::OwnedWeight;
 use duplex_kernels::device::emulated::Jitter;
-use duplex_kernels::device::{Device, DeviceError, DevicePtr, DeviceWeight, Event, HostBytes, Matrix, Op, PagedKv, StreamId, StreamKind};
-use duplex_kernels::router::RouterParams;
-use std::sync::Arc;
+use duplex_kernels::device::{Device, DeviceError, DevicePtr, DeviceWeight, Event, HostBytes, Matrix, Op, PagedKv, Staging, StreamId, StreamKind};
+use std::sync::{mpsc, Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 /// Bound on MLA's expanded keys and values in a pass's workspace (heads are
@@ -156,6 +160,25 @@ pub struct HybridConfig {
     /// A random delay before every CPU MoE, as the emulated device's
     /// jitter delays its commands (tests: it shakes out ordering bugs).
     pub cpu_jitter: Option<Jitter>,
+    /// How a step's CPU experts are started and awaited.
+    pub submit: Submit,
+}
+
+/// How a hybrid step starts the CPU's routed experts and waits for them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum Submit {
+    /// From the device streams (host functions), as KTransformers does: a
+    /// step is queued whole, each micro-batch one ordered stream of device
+    /// work; per MoE layer its stream copies the experts' input and the
+    /// router's choices down, a host function hands them to the CPU, and a
+    /// later one (after the shared experts) waits for the sum, which is
+    /// copied up. The host thread runs the experts as they arrive and never
+    /// round-trips to the device per layer.
+    #[default]
+    Stream,
+    /// From the host thread, which queues the device work layer by layer
+    /// and waits on each micro-batch's routes before running its experts.
+    Host,
 }
 
 /// What the resident weights and the KV pool take on the device.
@@ -197,6 +220,10 @@ pub struct HybridEngine {
     copy: StreamId,
     /// Each stream's activation memory, grown when a batch needs more.
     workspaces: [Option<DevicePtr>; 2],
+    /// Each stream's staging memory for the CPU experts' inputs and sums
+    /// ([`Submit::Stream`]), grown likewise.
+    stagings: [Option<Arc<Staging>>; 2],
+    submit: Submit,
     kv: DeviceKv,
     micro_batches: bool,
     defer_experts: usize,
@@ -316,7 +343,7 @@ impl HybridEngine {
         // The weights must be in place before the first pass reads them.
         let done = dev.record(copy)?;
         dev.synchronize(&done)?;
-        Ok(HybridEngine { model, dev, embed, layers, head, streams, copy, workspaces: [None, None], kv, micro_batches: cfg.micro_batches, defer_experts: cfg.defer_experts, cpu_jitter: cfg.cpu_jitter, moe_calls: Default::default(), budget, _resident: resident })
+        Ok(HybridEngine { model, dev, embed, layers, head, streams, copy, workspaces: [None, None], stagings: [None, None], submit: cfg.submit, kv, micro_batches: cfg.micro_batches, defer_experts: cfg.defer_experts, cpu_jitter: cfg.cpu_jitter, moe_calls: Default::default(), budget, _resident: resident })
     }
 
     pub fn budget(&self) -> DeviceBudget {
@@ -411,15 +438,33 @@ impl HybridEngine {
         let (da, db) = dseqs.split_at(split);
         let wa = self.pass_workspace(0, a, want)?;
         let wb = if b.is_empty() { None } else { Some(self.pass_workspace(1, b, want)?) };
-        let mut pa = self.pass(host, a, da, wa, self.streams[0], precision, want)?;
+        let (logits, mut timings) = match self.submit {
+            Submit::Host => self.step_host(host, (a, da, wa), (b, db, wb), precision, want)?,
+            Submit::Stream => {
+                let n = |seqs: &[SeqInput]| seqs.iter().map(|s| s.tokens.len()).sum::<usize>();
+                let sa = self.staging(0, n(a))?;
+                let sb = if b.is_empty() { None } else { Some(self.staging(1, n(b))?) };
+                self.step_streamed(host, (a, da, wa, sa), (b, db, wb, sb), precision, want)?
+            }
+        };
+        timings.micro_batches = [a.len(), b.len()];
+        timings.device_busy = busy_before.zip(self.dev.compute_busy()).map(|(before, after)| after.saturating_sub(before));
+        Ok((logits, timings))
+    }
+
+    /// One step with [`Submit::Host`]: this thread queues both micro-batches'
+    /// device work layer by layer and runs their experts in between.
+    #[allow(clippy::type_complexity)]
+    fn step_host(&self, host: &mut KvPool, (a, da, wa): (&mut [SeqInput], &[&DeviceSeq], DevicePtr), (b, db, wb): (&mut [SeqInput], &[&DeviceSeq], Option<DevicePtr>), precision: Precision, want: Logits) -> Result<(Vec<f32>, HybridTimings), ForwardError> {
+        let mut pa = self.pass(host, a, da, wa, self.streams[0], precision, want, None)?;
         let mut pb = match wb {
-            Some(w) => Some(self.pass(host, b, db, w, self.streams[1], precision, want)?),
+            Some(w) => Some(self.pass(host, b, db, w, self.streams[1], precision, want, None)?),
             None => None,
         };
         if pb.is_none() && seqs_decoding(a) {
             pa.defer_experts(self.defer_experts);
         }
-        let me = &*self;
+        let me = self;
         pa.run(ModuleKind::Embed { first_row: 0 }, &me.embed, host)?;
         if let Some(pb) = pb.as_mut() {
             pb.run(ModuleKind::Embed { first_row: 0 }, &me.embed, host)?;
@@ -467,9 +512,194 @@ impl HybridEngine {
             logits.extend(more);
             timings += backend.timings;
         }
-        timings.micro_batches = [a.len(), b.len()];
-        timings.device_busy = busy_before.zip(self.dev.compute_busy()).map(|(before, after)| after.saturating_sub(before));
         Ok((logits, timings))
+    }
+
+    /// One step with [`Submit::Stream`]: each micro-batch's whole pass is
+    /// queued on its stream at once, then this thread runs the CPU experts
+    /// that the streams hand it, in the order they arrive, until every MoE
+    /// layer of both has had its experts.
+    #[allow(clippy::type_complexity)]
+    fn step_streamed(&self, host: &mut KvPool, (a, da, wa, sa): (&mut [SeqInput], &[&DeviceSeq], DevicePtr, Arc<Staging>), (b, db, wb, sb): (&mut [SeqInput], &[&DeviceSeq], Option<DevicePtr>, Option<Arc<Staging>>), precision: Precision, want: Logits) -> Result<(Vec<f32>, HybridTimings), ForwardError> {
+        let (tasks, arrivals) = mpsc::channel();
+        let board = Arc::new(Board::default());
+        let streamed = |micro: usize, staging: &Arc<Staging>| Some(Streamed { micro, staging: staging.clone(), tasks: tasks.clone(), board: board.clone(), next_offset: 0, current: None, submitted: 0, handed: None });
+        let mut pa = self.pass(host, a, da, wa, self.streams[0], precision, want, streamed(0, &sa))?;
+        let mut pb = match (wb, &sb) {
+            (Some(w), Some(st)) => Some(self.pass(host, b, db, w, self.streams[1], precision, want, streamed(1, st))?),
+            _ => None,
+        };
+        let stagings = [Some(sa), sb];
+        if pb.is_none() && seqs_decoding(a) {
+            pa.defer_experts(self.defer_experts);
+        }
+        let defer = pb.is_none() && self.defer_experts > 0;
+        let queued = self.queue_step(&mut pa, pb.as_mut(), host, defer);
+        let ends = [Some(&pa), pb.as_ref()].into_iter().flatten().map(|p| self.dev.record(p.backend.dev.stream)).collect::<Result<Vec<_>, _>>();
+        let expected = pa.backend.streamed.as_ref().map_or(0, |s| s.submitted) + pb.as_ref().and_then(|p| p.backend.streamed.as_ref()).map_or(0, |s| s.submitted);
+        let mut timings = HybridTimings::default();
+        let served = match (queued, ends) {
+            (Ok(()), Ok(ends)) => self.serve_experts(&arrivals, &stagings, expected, &board, &ends, precision, &mut timings),
+            (Err(e), _) => Err(e),
+            (_, Err(e)) => Err(e.into()),
+        };
+        if let Err(e) = served {
+            // Let the streams run to their end (their waits now pass) before
+            // the pass's memory can be reused.
+            board.abort();
+            for stream in self.streams {
+                if let Ok(done) = self.dev.record(stream) {
+                    let _ = self.dev.synchronize(&done);
+                }
+            }
+            return Err(e);
+        }
+        let mut tables: Vec<&mut BlockTable> = a.iter_mut().map(|s| &mut *s.table).collect();
+        let (mut logits, backend, _) = pa.finish(&mut tables)?;
+        timings += backend.timings;
+        if let Some(pb) = pb {
+            let mut tables: Vec<&mut BlockTable> = b.iter_mut().map(|s| &mut *s.table).collect();
+            let (more, backend, _) = pb.finish(&mut tables)?;
+            logits.extend(more);
+            timings += backend.timings;
+        }
+        Ok((logits, timings))
+    }
+
+    /// Queue a whole step on the streams, in the host schedule's order, with
+    /// the same alternation made by events instead of by this thread: B's
+    /// attention of a layer waits until A has handed that layer's experts
+    /// to the CPU (so the device runs it while the CPU runs A's experts),
+    /// and A's next attention until B has handed over its own. Without
+    /// them both streams would share the device from the start and reach
+    /// their routes late together, leaving the CPU idle (0.92× the
+    /// host-driven throughput at batch 2 in `duplex bench-decode`).
+    fn queue_step(&self, pa: &mut Pass<HybridBackend>, mut pb: Option<&mut Pass<HybridBackend>>, host: &mut KvPool, defer: bool) -> Result<(), ForwardError> {
+        pa.run(ModuleKind::Embed { first_row: 0 }, &self.embed, host)?;
+        if let Some(pb) = pb.as_deref_mut() {
+            pb.run(ModuleKind::Embed { first_row: 0 }, &self.embed, host)?;
+        }
+        pa.run(ModuleKind::Attention { layer: 0 }, &self.layers[0].attention, host)?;
+        for (l, layer) in self.layers.iter().enumerate() {
+            pa.run(ModuleKind::Ffn { layer: l }, &layer.ffn, host)?;
+            Self::experts(pa, l, layer)?;
+            if let Some(pb) = pb.as_deref_mut() {
+                self.follow(pb, pa)?;
+                pb.run(ModuleKind::Attention { layer: l }, &layer.attention, host)?;
+                pb.run(ModuleKind::Ffn { layer: l }, &layer.ffn, host)?;
+                Self::experts(pb, l, layer)?;
+                self.follow(pa, pb)?;
+            }
+            match self.layers.get(l + 1) {
+                Some(next) => pa.run(ModuleKind::Attention { layer: l + 1 }, &next.attention, host)?,
+                None => pa.run(ModuleKind::Head { first_row: 0 }, &self.head, host)?,
+            }
+            // Deferred experts after the next layer's attention, as the host schedule runs them.
+            if defer {
+                pa.run_deferred(&Self::group(layer))?;
+            }
+        }
+        if let Some(pb) = pb {
+            pb.run(ModuleKind::Head { first_row: 0 }, &self.head, host)?;
+        }
+        Ok(())
+    }
+
+    /// Make `waiter`'s stream wait until `leader` has handed its latest MoE
+    /// layer to the host (nothing after a dense layer).
+    fn follow(&self, waiter: &Pass<HybridBackend>, leader: &mut Pass<HybridBackend>) -> Result<(), ForwardError> {
+        if let Some(handed) = leader.backend.streamed.as_mut().and_then(|s| s.handed.take()) {
+            self.dev.wait_event(waiter.backend.dev.stream, &handed)?;
+        }
+        Ok(())
+    }
+
+    /// Run the CPU experts the streams hand over until `expected` have
+    /// arrived. Stops with the device's error if it fails (its streams may
+    /// then never get to their host functions).
+    #[allow(clippy::too_many_arguments)]
+    fn serve_experts(&self, arrivals: &mpsc::Receiver<MoeTask>, stagings: &[Option<Arc<Staging>>; 2], expected: usize, board: &Board, ends: &[Event], p: Precision, timings: &mut HybridTimings) -> Result<(), ForwardError> {
+        for _ in 0..expected {
+            let waited = Instant::now();
+            let task = loop {
+                match arrivals.recv_timeout(Duration::from_millis(20)) {
+                    Ok(task) => break task,
+                    Err(mpsc::RecvTimeoutError::Timeout) => {
+                        let mut finished = true;
+                        for end in ends {
+                            finished &= self.dev.query(end)?;
+                        }
+                        if finished {
+                            return Err(ForwardError::BadModule("the device streams finished without handing over every MoE layer's experts".into()));
+                        }
+                    }
+                    Err(mpsc::RecvTimeoutError::Disconnected) => return Err(ForwardError::BadModule("the passes stopped handing over experts".into())),
+                }
+            };
+            timings.device_wait += waited.elapsed();
+            let staging = stagings[task.micro].as_ref().ok_or_else(|| ForwardError::BadModule(format!("no staging for micro-batch {}", task.micro)))?;
+            self.cpu_task(&task, staging, board, p, timings)?;
+        }
+        Ok(())
+    }
+
+    /// One MoE layer's routed experts on the CPU pool, from what the stream
+    /// copied into the staging: the immediate experts' sum, then (Expert
+    /// Deferral) the deferred ones', each marked done on the board as it lands.
+    fn cpu_task(&self, t: &MoeTask, staging: &Staging, board: &Board, p: Precision, timings: &mut HybridTimings) -> Result<(), ForwardError> {
+        let c = &self.model.cfg;
+        let (n, d, k) = (t.rows, c.hidden_size, c.num_experts_per_tok);
+        let layout = SlotLayout::new(n, d, k);
+        let (xs, chosen) = {
+            let bytes = staging.lock();
+            let slot = &bytes[t.offset..t.offset + layout.bytes];
+            let word = |i: usize| [slot[4 * i], slot[4 * i + 1], slot[4 * i + 2], slot[4 * i + 3]];
+            let xs: Vec<f32> = (0..n * d).map(|i| f32::from_le_bytes(word(i))).collect();
+            let chosen: Vec<Vec<(usize, f32)>> = (0..n)
+                .map(|r| (0..k).map(|j| (u32::from_le_bytes(word(n * d + r * k + j)) as usize, f32::from_le_bytes(word(n * d + n * k + r * k + j)))).collect())
+                .collect();
+            (xs, chosen)
+        };
+        if let Some(j) = self.cpu_jitter {
+            std::thread::sleep(jitter_delay(j, &self.moe_calls));
+        }
+        let started = Instant::now();
+        let mut routing = Assignment::default();
+        routing.assign(&chosen, c.n_routed_experts, t.defer)?;
+        let group = Self::group(&self.layers[t.layer]);
+        let mut sums = vec![(false, t.now, layout.sum)];
+        if let Some(id) = t.deferred {
+            sums.push((true, id, layout.deferred_sum));
+        }
+        for (deferred, id, at) in sums {
+            let (_, host) = split_jobs(&routing.jobs(&group, deferred)?)?;
+            let sum = cpu_sum(&self.model.cpu, &xs, n, d, &host, p)?;
+            let mut bytes = staging.lock();
+            for (o, v) in bytes[t.offset + at..][..4 * n * d].chunks_exact_mut(4).zip(&sum) {
+                o.copy_from_slice(&v.to_le_bytes());
+            }
+            drop(bytes);
+            board.finish(id);
+        }
+        timings.cpu_moe += started.elapsed();
+        Ok(())
+    }
+
+    /// Staging for stream `i`'s CPU experts: one slot per MoE layer for a
+    /// pass of `n` tokens.
+    fn staging(&mut self, i: usize, n: usize) -> Result<Arc<Staging>, ForwardError> {
+        let c = &self.model.cfg;
+        let slots = (0..c.num_hidden_layers).filter(|&l| c.is_moe_layer(l)).count();
+        let bytes = slots * SlotLayout::new(n, c.hidden_size, c.num_experts_per_tok).bytes;
+        match &self.stagings[i] {
+            Some(st) if st.len() >= bytes => Ok(st.clone()),
+            _ => {
+                // Room to spare, as for the workspaces.
+                let st = self.dev.staging(bytes + bytes / 2)?;
+                self.stagings[i] = Some(st.clone());
+                Ok(st)
+            }
+        }
     }
 
     fn experts(pass: &mut Pass<HybridBackend>, layer: usize, w: &Layer) -> Result<(), ForwardError> {
@@ -490,7 +720,7 @@ impl HybridEngine {
     }
 
     #[allow(clippy::too_many_arguments)]
-    fn pass<'e>(&'e self, host: &mut KvPool, seqs: &mut [SeqInput], dseqs: &[&DeviceSeq], workspace: DevicePtr, stream: StreamId, precision: Precision, want: Logits) -> Result<Pass<'e, HybridBackend<'e>>, ForwardError> {
+    fn pass<'e>(&'e self, host: &mut KvPool, seqs: &mut [SeqInput], dseqs: &[&DeviceSeq], workspace: DevicePtr, stream: StreamId, precision: Precision, want: Logits, streamed: Option<Streamed>) -> Result<Pass<'e, HybridBackend<'e>>, ForwardError> {
         let mut tables = Vec::with_capacity(seqs.len());
         let mut row = 0;
         for (s, d) in seqs.iter().zip(dseqs) {
@@ -507,6 +737,7 @@ impl HybridEngine {
             host_copies: vec![],
             timings: HybridTimings::default(),
             jitter: self.cpu_jitter.map(|j| (j, &self.moe_calls)),
+            streamed,
         };
         Pass::new(&self.model, backend, host, seqs, precision, want, EXPANDED_BYTES)
     }
@@ -562,6 +793,151 @@ fn owned_tensor(w: &OwnedWeight) -> HostTensor {
     HostTensor { rows: w.rows, cols: w.cols, format: w.format, data: HostBytes::new(Arc::new(w.data.clone()), 0..w.data.len()).expect("the whole vector"), scales }
 }
 
+/// What a micro-batch's stream hands the host for one MoE layer.
+struct MoeTask {
+    micro: usize,
+    layer: usize,
+    /// Tokens of the pass.
+    rows: usize,
+    /// Where the layer's slot starts in the micro-batch's staging.
+    offset: usize,
+    defer: usize,
+    /// The board's entries for the immediate experts' sum and the deferred ones'.
+    now: usize,
+    deferred: Option<usize>,
+}
+
+/// One MoE layer's slot in a staging: the experts' input `[n, d]`, the
+/// chosen ids (u32) and weights `[n, k]` as the stream copies them down,
+/// then the immediate and the deferred experts' sums `[n, d]` for it to copy up.
+struct SlotLayout {
+    ids: usize,
+    weights: usize,
+    sum: usize,
+    deferred_sum: usize,
+    bytes: usize,
+}
+
+impl SlotLayout {
+    fn new(n: usize, d: usize, k: usize) -> Self {
+        let (x, choices) = (4 * n * d, 4 * n * k);
+        SlotLayout { ids: x, weights: x + choices, sum: x + 2 * choices, deferred_sum: 2 * x + 2 * choices, bytes: align(3 * x + 2 * choices) }
+    }
+}
+
+/// Which CPU expert sums have landed, for the streams' host functions to
+/// wait on. Aborting releases every wait (a step that failed half way must
+/// still let its streams run to their end).
+#[derive(Default)]
+struct Board {
+    state: Mutex<BoardState>,
+    changed: Condvar,
+}
+
+#[derive(Default)]
+struct BoardState {
+    done: Vec<bool>,
+    aborted: bool,
+}
+
+impl Board {
+    fn lock(&self) -> std::sync::MutexGuard<'_, BoardState> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// A new entry, not yet done.
+    fn add(&self) -> usize {
+        let mut st = self.lock();
+        st.done.push(false);
+        st.done.len() - 1
+    }
+
+    fn finish(&self, id: usize) {
+        if let Some(d) = self.lock().done.get_mut(id) {
+            *d = true;
+        }
+        self.changed.notify_all();
+    }
+
+    fn abort(&self) {
+        self.lock().aborted = true;
+        self.changed.notify_all();
+    }
+
+    /// Block until entry `id` is done or the step is aborted.
+    fn wait(&self, id: usize) {
+        let mut st = self.lock();
+        while !st.aborted && !st.done.get(id).copied().unwrap_or(true) {
+            st = self.changed.wait(st).unwrap_or_else(|e| e.into_inner());
+        }
+    }
+}
+
+/// A pass's side of [`Submit::Stream`]: where its stream copies each MoE
+/// layer's inputs and finds its sums, and how it hands the layer to the host.
+struct Streamed {
+    micro: usize,
+    staging: Arc<Staging>,
+    tasks: mpsc::Sender<MoeTask>,
+    board: Arc<Board>,
+    /// Where the next MoE layer's slot starts.
+    next_offset: usize,
+    /// The current MoE layer's hand-over.
+    current: Option<Handed>,
+    /// Layers handed over so far.
+    submitted: usize,
+    /// Completed when the latest layer has been handed over (its copies
+    /// down and the host function that hands it over have run).
+    handed: Option<Event>,
+}
+
+/// A MoE layer handed to the host: where its sums will be, for how many
+/// tokens, and the board entries that say they are there.
+#[derive(Clone, Copy)]
+struct Handed {
+    rows: usize,
+    sum: usize,
+    deferred_sum: usize,
+    now: usize,
+    deferred: Option<usize>,
+}
+
+/// A random delay for the CPU's next MoE call (tests): SplitMix64 of the
+/// seed and the call's number, so runs are reproducible.
+fn jitter_delay(j: Jitter, calls: &std::cell::Cell<u64>) -> Duration {
+    let n = calls.get();
+    calls.set(n + 1);
+    let mut z = j.seed.wrapping_add(n.wrapping_mul(0x9e37_79b9_7f4a_7c15));
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    j.max.mul_f64((z ^ (z >> 31)) as f64 / u64::MAX as f64)
+}
+
+/// Expert jobs by where their weights are: on the device, or in the host mapping.
+#[allow(clippy::type_complexity)]
+fn split_jobs<'a>(jobs: &[ExpertJob<'a, Placed>]) -> Result<(Vec<ExpertJob<'a, DeviceWeight>>, Vec<ExpertJob<'a, HostWeight>>), ForwardError> {
+    let (mut device, mut host) = (vec![], vec![]);
+    for j in jobs {
+        match (j.gate, j.up, j.down) {
+            (Placed::Device(gate), Placed::Device(up), Placed::Device(down)) => device.push(ExpertJob { gate, up, down, tokens: j.tokens, first: j.first, expert: j.expert }),
+            (Placed::Host(gate), Placed::Host(up), Placed::Host(down)) => host.push(ExpertJob { gate, up, down, tokens: j.tokens, first: j.first, expert: j.expert }),
+            _ => return Err(ForwardError::BadModule(format!("expert {}'s projections are split between the host and the device", j.expert))),
+        }
+    }
+    Ok((device, host))
+}
+
+/// The summed output `[n, d]` of host-placed experts over `xs`, on the CPU pool.
+fn cpu_sum(cpu: &crate::cpu::CpuRuntime, xs: &[f32], n: usize, d: usize, jobs: &[ExpertJob<HostWeight>], p: Precision) -> Result<Vec<f32>, ForwardError> {
+    let mut cpu: CpuBackend = cpu.backend();
+    let base = cpu.workspace(2 * n * d * 4)?;
+    let (x, y) = (base.slice(0, n * d * 4)?.matrix(n, d), base.slice(n * d * 4, n * d * 4)?.matrix(n, d));
+    cpu.upload_f32(xs, x.buf)?;
+    cpu.zero(y)?;
+    cpu.run_experts(x, jobs, y, p)?;
+    cpu.download(y)
+}
+
 /// A segment's device block table.
 struct SeqTable {
     /// The segment's first row in its pass.
@@ -583,6 +959,8 @@ pub struct HybridBackend<'a> {
     host_copies: Vec<(Matrix, Vec<f32>)>,
     timings: HybridTimings,
     jitter: Option<(Jitter, &'a std::cell::Cell<u64>)>,
+    /// With [`Submit::Stream`]: the routed experts go to the host from the stream.
+    streamed: Option<Streamed>,
 }
 
 impl HybridBackend<'_> {
@@ -641,6 +1019,42 @@ impl HybridBackend<'_> {
         self.dev.copy(kv.columns(dn..dkv), c.out.reshape(heads, dv))
     }
 
+    /// [`Submit::Stream`]: queue copies of a MoE layer's expert input and
+    /// router choices into the next staging slot, and a host function that
+    /// hands the layer to the host; nothing here waits.
+    fn hand_over(&mut self, layer: usize, input: Matrix, ids: DevicePtr, weights: Matrix, defer: usize) -> Result<Routes, ForwardError> {
+        let (n, d, k) = (input.rows, input.cols, weights.cols);
+        let Some(st) = self.streamed.as_mut() else {
+            return Err(ForwardError::BadModule("no staging to hand the experts over in".into()));
+        };
+        if !input.is_contiguous() || !weights.is_contiguous() {
+            return Err(ForwardError::Workspace("the experts' input and the router's weights must be contiguous to be copied down".into()));
+        }
+        let span = |m: Matrix| DevicePtr { addr: m.buf.addr + 4 * m.offset as u64, bytes: 4 * m.rows * m.cols };
+        let layout = SlotLayout::new(n, d, k);
+        let offset = st.next_offset;
+        let (dev, stream) = (self.dev.dev, self.dev.stream);
+        dev.download_to(stream, span(input), &st.staging, offset)?;
+        dev.download_to(stream, ids.slice(0, 4 * n * k)?, &st.staging, offset + layout.ids)?;
+        dev.download_to(stream, span(weights), &st.staging, offset + layout.weights)?;
+        let now = st.board.add();
+        let deferred = (defer > 0).then(|| st.board.add());
+        let task = MoeTask { micro: st.micro, layer, rows: n, offset, defer, now, deferred };
+        let tasks = st.tasks.clone();
+        dev.host_fn(
+            stream,
+            Box::new(move || {
+                // The host stops listening only once the step has failed.
+                let _ = tasks.send(task);
+            }),
+        )?;
+        st.handed = Some(dev.record(stream)?);
+        st.next_offset += layout.bytes;
+        st.current = Some(Handed { rows: n, sum: offset + layout.sum, deferred_sum: offset + layout.deferred_sum, now, deferred });
+        st.submitted += 1;
+        Ok(Routes::Submitted)
+    }
+
     /// Hold `xs` as the host's copy of device matrix `m` (replacing an older one).
     fn keep_copy(&mut self, m: Matrix, xs: Vec<f32>) {
         self.host_copies.retain(|(k, _)| *k != m);
@@ -659,24 +1073,10 @@ impl HybridBackend<'_> {
         }
         let xs = &self.host_copies.iter().find(|(m, _)| *m == x).expect("kept above").1;
         if let Some((j, calls)) = self.jitter {
-            let n = calls.get();
-            calls.set(n + 1);
-            // SplitMix64 of the seed and the call number: reproducible delays.
-            let mut z = j.seed.wrapping_add(n.wrapping_mul(0x9e37_79b9_7f4a_7c15));
-            z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-            z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-            std::thread::sleep(j.max.mul_f64((z ^ (z >> 31)) as f64 / u64::MAX as f64));
+            std::thread::sleep(jitter_delay(j, calls));
         }
         let started = Instant::now();
-        let sum = {
-            let mut cpu: CpuBackend = self.cpu.backend();
-            let base = cpu.workspace(2 * n * d * 4)?;
-            let (xs_m, ys) = (base.slice(0, n * d * 4)?.matrix(n, d), base.slice(n * d * 4, n * d * 4)?.matrix(n, d));
-            cpu.upload_f32(xs, xs_m.buf)?;
-            cpu.zero(ys)?;
-            cpu.experts(xs_m, jobs, ys, p, s)?;
-            cpu.download(ys)?
-        };
+        let sum = cpu_sum(self.cpu, xs, n, d, jobs, p)?;
         self.timings.cpu_moe += started.elapsed();
         let ye = s.ye.rows(0..n).reshape(n, d);
         self.dev.upload_f32(&sum, ye.buf.slice(ye.offset * 4, n * d * 4)?)?;
@@ -748,11 +1148,15 @@ impl Backend for HybridBackend<'_> {
         self.dev.zero(x)
     }
 
-    fn route(&mut self, logits: Matrix, bias: Option<&Placed>, params: &RouterParams, p: Precision, (ids, weights): (DevicePtr, Matrix), input: Matrix) -> Result<Vec<Vec<(usize, f32)>>, ForwardError> {
-        let bias = bias.map(on_device).transpose()?;
-        let (n, k) = (logits.rows, params.top_k);
+    fn route(&mut self, c: RouteCall<'_, Placed>) -> Result<Routes, ForwardError> {
+        let bias = c.bias.map(on_device).transpose()?;
+        let (n, k, p) = (c.logits.rows, c.params.top_k, c.precision);
+        let (ids, weights, input) = (c.ids, c.weights, c.input);
         let waited = Instant::now();
-        self.dev.launch(Op::Route { logits, bias: bias.map(|b| b.data), params: params.clone(), ids, weights, precision: p })?;
+        self.dev.launch(Op::Route { logits: c.logits, bias: bias.map(|b| b.data), params: c.params.clone(), ids, weights, precision: p })?;
+        if self.streamed.is_some() {
+            return self.hand_over(c.layer, input, ids, weights, c.defer);
+        }
         // The experts' input comes with the choices, in the same wait (the
         // shared experts queued next then run on the device while the CPU
         // runs the routed ones), and in one copy: the pass lays the input,
@@ -773,7 +1177,29 @@ impl Backend for HybridBackend<'_> {
         };
         self.timings.device_wait += waited.elapsed();
         self.keep_copy(input, xs);
-        Ok(chosen)
+        Ok(Routes::Chosen(chosen))
+    }
+
+    fn routed_sum(&mut self, out: Matrix, deferred: bool, s: &ExpertScratch) -> Result<(), ForwardError> {
+        let Some(st) = self.streamed.as_ref() else {
+            return Err(ForwardError::BadModule("routed sums without handing the experts to the host".into()));
+        };
+        let Some(h) = st.current else {
+            return Err(ForwardError::BadModule("a routed sum before its layer's routes".into()));
+        };
+        let (id, at) = match (deferred, h.deferred) {
+            (false, _) => (h.now, h.sum),
+            (true, Some(id)) => (id, h.deferred_sum),
+            (true, None) => return Err(ForwardError::BadModule("deferred experts' sum of a layer that deferred none".into())),
+        };
+        let (n, d) = (h.rows, out.cols);
+        // The stream waits here (a host function) until the sum has landed, then copies it up.
+        let board = st.board.clone();
+        let (dev, stream) = (self.dev.dev, self.dev.stream);
+        dev.host_fn(stream, Box::new(move || board.wait(id)))?;
+        let ye = s.ye.rows(0..n).reshape(n, d);
+        dev.upload_from(stream, &st.staging, at, ye.buf.slice(ye.offset * 4, n * d * 4)?)?;
+        self.dev.add(out, ye, Precision::F32)
     }
 
     fn copy(&mut self, src: Matrix, dst: Matrix) -> Result<(), ForwardError> {
@@ -787,15 +1213,7 @@ impl Backend for HybridBackend<'_> {
     }
 
     fn experts(&mut self, x: Matrix, jobs: &[ExpertJob<Placed>], out: Matrix, p: Precision, s: &ExpertScratch) -> Result<(), ForwardError> {
-        let mut device = vec![];
-        let mut host = vec![];
-        for j in jobs {
-            match (j.gate, j.up, j.down) {
-                (Placed::Device(gate), Placed::Device(up), Placed::Device(down)) => device.push(ExpertJob { gate, up, down, tokens: j.tokens, first: j.first, expert: j.expert }),
-                (Placed::Host(gate), Placed::Host(up), Placed::Host(down)) => host.push(ExpertJob { gate, up, down, tokens: j.tokens, first: j.first, expert: j.expert }),
-                _ => return Err(ForwardError::BadModule(format!("expert {}'s projections are split between the host and the device", j.expert))),
-            }
-        }
+        let (device, host) = split_jobs(jobs)?;
         if !device.is_empty() {
             self.dev.experts(x, &device, out, p, s)?;
         }

@@ -13,14 +13,13 @@
 //! expert, from the router's top-k) and moving KV entries between the
 //! device and the paged pool.
 
-use crate::backend::{AttentionCall, Backend, ExpertJob, ExpertScratch, Segment, Tokens};
+use crate::backend::{AttentionCall, Backend, ExpertJob, ExpertScratch, RouteCall, Routes, Segment, Tokens};
 use crate::checkpoint::HostTensor;
 use crate::forward::{align, Pass, PassShape};
 use crate::kv_cache::{BlockTable, KvPool};
 use crate::model::{ForwardError, Logits, Model, Precision, SeqInput};
 use crate::weights::{HostWeight, Weights};
 use duplex_kernels::device::{self, Device, DeviceError, DevicePtr, DeviceWeight, GqaDims, Matrix, MlaDims, Op, StreamId};
-use duplex_kernels::router::RouterParams;
 use std::ops::Range;
 
 pub use crate::forward::ModuleKind;
@@ -244,10 +243,10 @@ impl Backend for DeviceBackend<'_> {
         self.launch(Op::Add { h: dst, delta: src, precision: Precision::F32 })
     }
 
-    fn route(&mut self, logits: Matrix, bias: Option<&DeviceWeight>, params: &RouterParams, p: Precision, (ids, weights): (DevicePtr, Matrix), _input: Matrix) -> Result<Vec<Vec<(usize, f32)>>, ForwardError> {
-        let (n, k) = (logits.rows, params.top_k);
-        self.launch(Op::Route { logits, bias: bias.map(|b| b.data), params: params.clone(), ids, weights, precision: p })?;
-        self.route_results((ids, weights), n, k)
+    fn route(&mut self, c: RouteCall<'_, DeviceWeight>) -> Result<Routes, ForwardError> {
+        let (n, k) = (c.logits.rows, c.params.top_k);
+        self.launch(Op::Route { logits: c.logits, bias: c.bias.map(|b| b.data), params: c.params.clone(), ids: c.ids, weights: c.weights, precision: c.precision })?;
+        Ok(Routes::Chosen(self.route_results((c.ids, c.weights), n, k)?))
     }
 
     fn experts(&mut self, x: Matrix, jobs: &[ExpertJob<DeviceWeight>], out: Matrix, p: Precision, s: &ExpertScratch) -> Result<(), ForwardError> {

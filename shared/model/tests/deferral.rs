@@ -13,7 +13,7 @@
 use duplex_kernels::device::emulated::{EmulatedConfig, EmulatedDevice};
 use duplex_kernels::linear::{matmul, WeightView};
 use duplex_model::forward::ModuleKind;
-use duplex_model::hybrid::{HybridConfig, HybridEngine};
+use duplex_model::hybrid::{HybridConfig, HybridEngine, Submit};
 use duplex_model::weights::HostWeight;
 use duplex_model::{BlockTable, Logits, Model, Precision, SeqInput};
 use duplex_toolkit::reference::{self, argmax, max_abs_diff, F32_MAX_ABS_DIFF};
@@ -210,9 +210,9 @@ fn hybrid_deferral_equals_the_cpu_engine_and_its_effect_is_quoted() {
         let cpu = load(f);
         let k = cpu.cfg.num_experts_per_tok;
         let v = cpu.cfg.vocab_size;
-        for defer in [1, k - 1] {
+        for (defer, submit) in [(1, Submit::Stream), (k - 1, Submit::Stream), (k - 1, Submit::Host)] {
             let dev = EmulatedDevice::new(EmulatedConfig { memory_bytes: 64 << 20, compute_threads: 1, ..Default::default() }).unwrap();
-            let mut e = HybridEngine::new(load(f), dev, HybridConfig { kv_blocks: 64, micro_batches: true, defer_experts: defer, cpu_jitter: None }, 16).unwrap();
+            let mut e = HybridEngine::new(load(f), dev, HybridConfig { kv_blocks: 64, micro_batches: true, defer_experts: defer, cpu_jitter: None, submit }, 16).unwrap();
             for (i, p) in refs.iter().enumerate().take(2) {
                 let ids = &p.input_ids;
                 let mut host = e.model.new_kv_pool(64, 16);
@@ -227,7 +227,7 @@ fn hybrid_deferral_equals_the_cpu_engine_and_its_effect_is_quoted() {
                 e.release(dseq).unwrap();
                 let want = cpu_decode(&cpu, ids, defer);
                 let diff = max_abs_diff(&got, &want);
-                assert!(diff <= F32_MAX_ABS_DIFF, "{f} defer {defer} prompt {i}: hybrid vs CPU max |Δlogit| {diff}");
+                assert!(diff <= F32_MAX_ABS_DIFF, "{f} defer {defer} ({submit:?}) prompt {i}: hybrid vs CPU max |Δlogit| {diff}");
                 let mean = got.iter().zip(&p.logits).map(|(a, b)| (a - b).abs()).sum::<f32>() / got.len() as f32;
                 let rows = got.len() / v;
                 let agree = (0..rows).filter(|&r| argmax(&got[r * v..(r + 1) * v]) == argmax(&p.logits[r * v..(r + 1) * v])).count();

@@ -4,12 +4,12 @@
 //! family.
 
 use duplex_kernels::device::emulated::{EmulatedConfig, EmulatedDevice, Jitter};
-use duplex_kernels::device::Device;
-use duplex_model::hybrid::{AdmitError, DeviceSeq, HybridConfig, HybridEngine};
+use duplex_kernels::device::{self, Device, Op, StreamKind};
+use duplex_model::hybrid::{AdmitError, DeviceSeq, HybridConfig, HybridEngine, Submit};
 use duplex_model::{BlockTable, KvPool, Logits, Model, Precision, SeqInput};
 use duplex_toolkit::reference::{self, argmax, max_abs_diff, Bf16Gate, ReferencePrompt, F32_MAX_ABS_DIFF};
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
+use std::sync::{mpsc, Arc};
 use std::time::Duration;
 
 const FIXTURES: [&str; 3] = ["tiny-dsv3", "tiny-qwen3moe", "tiny-mixtral"];
@@ -32,8 +32,8 @@ fn device(jitter: Option<Jitter>) -> Arc<dyn Device> {
     EmulatedDevice::new(EmulatedConfig { memory_bytes: 64 << 20, compute_threads: 1, jitter, ..Default::default() }).unwrap()
 }
 
-fn engine(name: &str, micro_batches: bool, jitter: Option<Jitter>) -> HybridEngine {
-    HybridEngine::new(load(name), device(jitter), HybridConfig { kv_blocks: 64, micro_batches, defer_experts: 0, cpu_jitter: None }, BLOCK).expect("the tiny model fits")
+fn engine(name: &str, micro_batches: bool, submit: Submit) -> HybridEngine {
+    HybridEngine::new(load(name), device(None), HybridConfig { kv_blocks: 64, micro_batches, defer_experts: 0, cpu_jitter: None, submit }, BLOCK).expect("the tiny model fits")
 }
 
 /// Six prompts of mixed lengths cut from the fixture's reference prompts.
@@ -117,14 +117,15 @@ fn hybrid_decode(e: &mut HybridEngine, prompts: &[Vec<u32>], steps: usize, p: Pr
 
 /// F32: the hybrid placement's tokens equal the CPU engine's, and its logits
 /// lie within 2e-3 of them, at batch 1, 2 and 6 with long and short prompts
-/// mixed, with and without micro-batches.
+/// mixed, with and without micro-batches, the CPU experts started from the
+/// device streams or from the host.
 #[test]
 fn f32_hybrid_decode_equals_the_cpu_engine() {
     for f in FIXTURES {
         let all = batch_prompts(f);
         let cpu_model = load(f);
-        for micro_batches in [true, false] {
-            let mut e = engine(f, micro_batches, None);
+        for (micro_batches, submit) in [(true, Submit::Stream), (false, Submit::Stream), (true, Submit::Host)] {
+            let mut e = engine(f, micro_batches, submit);
             for batch in [1usize, 2, 6] {
                 let prompts = &all[..batch];
                 let want = cpu_decode(&cpu_model, prompts, 5, Precision::F32);
@@ -132,7 +133,7 @@ fn f32_hybrid_decode_equals_the_cpu_engine() {
                 for (i, (g, w)) in got.iter().zip(&want).enumerate() {
                     for (step, (gs, ws)) in g.iter().zip(w).enumerate() {
                         let d = max_abs_diff(gs, ws);
-                        assert!(d <= F32_MAX_ABS_DIFF, "{f} batch {batch} (micro-batches {micro_batches}) seq {i} step {step}: max |Δlogit| {d}");
+                        assert!(d <= F32_MAX_ABS_DIFF, "{f} batch {batch} (micro-batches {micro_batches}, {submit:?}) seq {i} step {step}: max |Δlogit| {d}");
                         assert_eq!(argmax(gs), argmax(ws), "{f} batch {batch} seq {i} step {step}: greedy token differs");
                     }
                 }
@@ -148,7 +149,7 @@ fn f32_hybrid_decode_equals_the_cpu_engine() {
 fn bf16_hybrid_decode_meets_the_reference_gates() {
     for f in FIXTURES {
         let refs = prompts(f);
-        let mut e = engine(f, true, None);
+        let mut e = engine(f, true, Submit::Stream);
         let v = e.model.cfg.vocab_size;
         let (a, b) = (&refs[0], &refs[1 % refs.len()]);
         let len = a.input_ids.len().min(b.input_ids.len());
@@ -189,17 +190,19 @@ fn jittered_streams_and_churn_keep_the_cpu_engines_results() {
     let f = "tiny-qwen3moe";
     let all = batch_prompts(f);
     let cpu_model = load(f);
-    let jitter = Jitter { seed: 7, max: Duration::from_micros(300) };
-    let mut e = HybridEngine::new(load(f), device(Some(jitter)), HybridConfig { kv_blocks: 24, micro_batches: true, defer_experts: 0, cpu_jitter: Some(jitter) }, BLOCK).unwrap();
-    // Rounds of 3 sequences reuse the same 24 blocks: each round's blocks
-    // were another's the round before.
-    for round in 0..4 {
-        let prompts: Vec<Vec<u32>> = (0..3).map(|i| all[(round + i) % all.len()].clone()).collect();
-        let want = cpu_decode(&cpu_model, &prompts, 12, Precision::F32);
-        let got = hybrid_decode(&mut e, &prompts, 12, Precision::F32);
-        for (i, (g, w)) in got.iter().zip(&want).enumerate() {
-            for (step, (gs, ws)) in g.iter().zip(w).enumerate() {
-                assert!(max_abs_diff(gs, ws) <= F32_MAX_ABS_DIFF, "round {round} seq {i} step {step}");
+    for submit in [Submit::Stream, Submit::Host] {
+        let jitter = Jitter { seed: 7, max: Duration::from_micros(300) };
+        let mut e = HybridEngine::new(load(f), device(Some(jitter)), HybridConfig { kv_blocks: 24, micro_batches: true, defer_experts: 0, cpu_jitter: Some(jitter), submit }, BLOCK).unwrap();
+        // Rounds of 3 sequences reuse the same 24 blocks: each round's blocks
+        // were another's the round before.
+        for round in 0..4 {
+            let prompts: Vec<Vec<u32>> = (0..3).map(|i| all[(round + i) % all.len()].clone()).collect();
+            let want = cpu_decode(&cpu_model, &prompts, 12, Precision::F32);
+            let got = hybrid_decode(&mut e, &prompts, 12, Precision::F32);
+            for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+                for (step, (gs, ws)) in g.iter().zip(w).enumerate() {
+                    assert!(max_abs_diff(gs, ws) <= F32_MAX_ABS_DIFF, "{submit:?} round {round} seq {i} step {step}");
+                }
             }
         }
     }
@@ -211,7 +214,7 @@ fn jittered_streams_and_churn_keep_the_cpu_engines_results() {
 #[test]
 fn refusals_name_what_does_not_fit() {
     let f = "tiny-dsv3";
-    let mut e = HybridEngine::new(load(f), device(None), HybridConfig { kv_blocks: 3, micro_batches: true, defer_experts: 0, cpu_jitter: None }, BLOCK).unwrap();
+    let mut e = HybridEngine::new(load(f), device(None), HybridConfig { kv_blocks: 3, micro_batches: true, defer_experts: 0, cpu_jitter: None, submit: Submit::Stream }, BLOCK).unwrap();
     let host: KvPool = e.model.new_kv_pool(8, BLOCK);
     let held = e.admit(&host, &BlockTable::default(), 2 * BLOCK).unwrap();
     match e.admit(&host, &BlockTable::default(), 2 * BLOCK) {
@@ -223,9 +226,72 @@ fn refusals_name_what_does_not_fit() {
     e.release(again).unwrap();
 
     let tiny = EmulatedDevice::new(EmulatedConfig { memory_bytes: 64 << 10, ..Default::default() }).unwrap();
-    let err = HybridEngine::new(load(f), tiny, HybridConfig { kv_blocks: 4, micro_batches: true, defer_experts: 0, cpu_jitter: None }, BLOCK).err().expect("64 KiB is too small");
+    let err = HybridEngine::new(load(f), tiny, HybridConfig { kv_blocks: 4, micro_batches: true, defer_experts: 0, cpu_jitter: None, submit: Submit::Stream }, BLOCK).err().expect("64 KiB is too small");
     let msg = err.to_string();
     for part in ["resident weights", "embedding", "attention", "LM head", "KV pool of 4 blocks"] {
         assert!(msg.contains(part), "{msg}");
     }
+}
+
+/// A device fault in the middle of steps whose CPU experts are started and
+/// awaited from the device streams ends the step with the device's error,
+/// promptly: no stream is left waiting on the host, nor the host on a stream.
+#[test]
+fn a_device_fault_mid_step_is_an_error_not_a_hang() {
+    let f = "tiny-qwen3moe";
+    let dev = EmulatedDevice::new(EmulatedConfig { memory_bytes: 64 << 20, compute_threads: 1, ..Default::default() }).unwrap();
+    let mut e = HybridEngine::new(load(f), dev.clone(), HybridConfig { kv_blocks: 8, micro_batches: true, defer_experts: 0, cpu_jitter: None, submit: Submit::Stream }, BLOCK).unwrap();
+    // A stream of the test's own holds a faulting op until released.
+    let s = dev.create_stream(StreamKind::Compute).unwrap();
+    let (release, gate) = mpsc::channel::<()>();
+    dev.host_fn(
+        s,
+        Box::new(move || {
+            let _ = gate.recv();
+        }),
+    )
+    .unwrap();
+    let (pool, table) = (dev.alloc(64).unwrap(), dev.alloc(4).unwrap());
+    device::upload_u32(&*dev, s, &[99], table).unwrap();
+    let bad = device::PagedKv { pool, n_layers: 1, block_size: 1, entry_dim: 4 };
+    dev.launch(s, &Op::KvGather { kv: bad, table, blocks: 1, layer: 0, out: dev.alloc(16).unwrap().matrix(1, 4) }).unwrap();
+
+    let (results, outcomes) = mpsc::channel();
+    let prompts = batch_prompts(f);
+    std::thread::spawn(move || {
+        let mut host = e.model.new_kv_pool(16, BLOCK);
+        let mut tables = [BlockTable::default(), BlockTable::default()];
+        for t in tables.iter_mut() {
+            host.reserve(t, 64).unwrap();
+        }
+        let dseqs: Vec<DeviceSeq> = tables.iter().map(|t| e.admit(&host, t, 64).unwrap()).collect();
+        let refs: Vec<&DeviceSeq> = dseqs.iter().collect();
+        for step in 0..60 {
+            let (ta, tb) = ([prompts[0][step % prompts[0].len()]], [prompts[2][step % prompts[2].len()]]);
+            let [t0, t1] = &mut tables;
+            let mut seqs = [SeqInput { table: t0, tokens: &ta }, SeqInput { table: t1, tokens: &tb }];
+            let r = e.forward(&mut host, &mut seqs, &refs, Precision::F32, Logits::Last).map(|_| ()).map_err(|e| e.to_string());
+            if results.send(r).is_err() {
+                return;
+            }
+        }
+    });
+    let mut fault_at = None;
+    for step in 0..60 {
+        if step == 2 {
+            release.send(()).unwrap();
+        }
+        match outcomes.recv_timeout(Duration::from_secs(60)) {
+            Ok(Ok(())) => assert!(fault_at.is_none(), "step {step} succeeded after the fault at step {fault_at:?}"),
+            Ok(Err(msg)) => {
+                assert!(msg.contains("failed") || msg.contains("block"), "{msg}");
+                if fault_at.is_none() {
+                    println!("step {step}: {msg}");
+                }
+                fault_at.get_or_insert(step);
+            }
+            Err(e) => panic!("step {step} did not finish: {e}"),
+        }
+    }
+    assert!(fault_at.is_some(), "the fault never showed");
 }
