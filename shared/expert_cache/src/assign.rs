@@ -134,6 +134,8 @@ pub struct Scratch {
     by_load: Vec<usize>,
     /// HybriMoE's two-ended queue: cached by load descending, then uncached.
     seq: Vec<usize>,
+    /// DALI's sort keys, `|t_gpu − t_cpu|` per expert of `active`.
+    keys: Vec<f64>,
 }
 
 fn cpu_cost(cost: &CostModel, a: &Active) -> f64 {
@@ -196,7 +198,7 @@ pub fn assign_into(
             )
         }
         AssignmentKind::Dali => {
-            dali_sides(active, cost, &mut scratch.by_load, &mut plan.sides);
+            dali_sides(active, cost, &mut scratch.by_load, &mut scratch.keys, &mut plan.sides);
             simulate_with(active, &plan.sides, cost, &mut scratch.by_load)
         }
     };
@@ -308,15 +310,22 @@ pub(crate) fn hybrimoe_timelines(
 /// compute overlap fully; the plan's times are then [`simulate`]'s, which
 /// does not, so DALI's predicted time can exceed the static one by at most
 /// one expert's `min(transfer, compute)` (tests/assignment.rs).
-fn dali_sides(active: &[Active], cost: &CostModel, order: &mut Vec<usize>, sides: &mut [Side]) {
+fn dali_sides(
+    active: &[Active],
+    cost: &CostModel,
+    order: &mut Vec<usize>,
+    keys: &mut Vec<f64>,
+    sides: &mut [Side],
+) {
     let t_gpu = |a: &Active| {
         let transfer = if a.cached { 0.0 } else { cost.transfer };
         transfer.max(device_cost(cost, a))
     };
-    let diff = |i: usize| (t_gpu(&active[i]) - cpu_cost(cost, &active[i])).abs();
+    keys.clear();
+    keys.extend(active.iter().map(|a| (t_gpu(a) - cpu_cost(cost, a)).abs()));
     order.clear();
     order.extend((0..active.len()).filter(|&i| active[i].tokens > 0));
-    order.sort_unstable_by(|&x, &y| diff(y).total_cmp(&diff(x)).then(x.cmp(&y)));
+    order.sort_unstable_by(|&x, &y| keys[y].total_cmp(&keys[x]).then(x.cmp(&y)));
 
     let (mut total_gpu, mut total_cpu) = (0.0, 0.0);
     for &i in order.iter() {

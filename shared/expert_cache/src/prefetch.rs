@@ -81,13 +81,27 @@ pub enum PrefetchError {
 /// (`predicted[e]`, for layer l+1) that are not cached and have at least one,
 /// most tokens first, equal counts by lower expert id.
 pub fn top_ps(predicted: &[usize], cached: &[bool], ps: usize) -> Result<Vec<usize>, PrefetchError> {
+    let mut out = Vec::new();
+    top_ps_into(predicted, cached, ps, &mut out)?;
+    Ok(out)
+}
+
+/// [`top_ps`] into `out` (cleared first), allocation-free once `out` has
+/// grown to the number of candidates.
+pub fn top_ps_into(
+    predicted: &[usize],
+    cached: &[bool],
+    ps: usize,
+    out: &mut Vec<usize>,
+) -> Result<(), PrefetchError> {
+    out.clear();
     if predicted.len() != cached.len() {
         return Err(PrefetchError::ExpertCount { layer: 0, predicted: predicted.len(), cached: cached.len() });
     }
-    let mut picks: Vec<usize> = (0..predicted.len()).filter(|&e| predicted[e] > 0 && !cached[e]).collect();
-    picks.sort_unstable_by_key(|&e| (Reverse(predicted[e]), e));
-    picks.truncate(ps);
-    Ok(picks)
+    out.extend((0..predicted.len()).filter(|&e| predicted[e] > 0 && !cached[e]));
+    out.sort_unstable_by_key(|&e| (Reverse(predicted[e]), e));
+    out.truncate(ps);
+    Ok(())
 }
 
 /// Reusable buffers for [`impact_into`].
@@ -247,7 +261,7 @@ impl ResidualMean {
     /// back.
     pub fn add(&mut self, h_l: &[f32], h_next: &[f32]) -> Result<(), PrefetchError> {
         let dim = self.sum.len();
-        if h_l.len() != h_next.len() || dim == 0 || h_l.len() % dim != 0 {
+        if h_l.len() != h_next.len() || dim == 0 || !h_l.len().is_multiple_of(dim) {
             return Err(PrefetchError::Shape { h_l: h_l.len(), h_next: h_next.len(), dim });
         }
         for (x, y) in h_l.chunks_exact(dim).zip(h_next.chunks_exact(dim)) {

@@ -7,13 +7,51 @@ use duplex_expert_cache::assign::{
     assign, assign_into, simulate, AssignmentKind, Plan, Scratch, Side,
 };
 use duplex_expert_cache::prefetch::{
-    impact, impact_into, top_ps, ImpactScratch, PrefetchError, PrefetchKind, ResidualMean,
-    DEFAULT_PS,
+    impact, impact_into, top_ps, top_ps_into, ImpactScratch, PrefetchError, PrefetchKind,
+    ResidualMean, DEFAULT_PS,
 };
 use duplex_expert_cache::{Active, CostModel};
 use proptest::prelude::*;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
+use std::alloc::{GlobalAlloc, Layout, System};
+use std::cell::Cell;
+
+/// Counts each thread's allocations, so a test can check that a warm
+/// decision allocates nothing whatever the other tests do meanwhile.
+struct PerThreadCount;
+
+thread_local! {
+    static ALLOCATIONS: Cell<usize> = const { Cell::new(0) };
+}
+
+fn count_allocation() {
+    // `try_with`: a thread being torn down may still free and allocate.
+    let _ = ALLOCATIONS.try_with(|n| n.set(n.get() + 1));
+}
+
+unsafe impl GlobalAlloc for PerThreadCount {
+    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+        count_allocation();
+        unsafe { System.alloc(layout) }
+    }
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+        unsafe { System.dealloc(ptr, layout) }
+    }
+    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
+        count_allocation();
+        unsafe { System.realloc(ptr, layout, new_size) }
+    }
+}
+
+#[global_allocator]
+static GLOBAL: PerThreadCount = PerThreadCount;
+
+fn allocations_in(f: impl FnOnce()) -> usize {
+    let before = ALLOCATIONS.with(Cell::get);
+    f();
+    ALLOCATIONS.with(Cell::get) - before
+}
 
 fn act(expert: usize, tokens: usize, cached: bool) -> Active {
     Active { expert, tokens, cached }
@@ -167,6 +205,34 @@ fn assign_into_reuses_buffers_and_matches_assign() {
             assert_eq!(plan, assign(kind, active, &UNIT), "{kind}");
         }
     }
+}
+
+/// The hybrid placement decides once per MoE layer per step: once its
+/// buffers have grown, a decision must not touch the allocator.
+#[test]
+fn warm_decisions_allocate_nothing() {
+    let big: Vec<Active> = (0..48).map(|e| act(e * 5, 1 + e % 4, e % 2 == 0)).collect();
+    let small = four();
+    let (predicted, cached) = three_layers();
+    let mut scratch = Scratch::default();
+    let mut plan = Plan::default();
+    let mut impact_scratch = ImpactScratch::default();
+    let mut copies = Vec::new();
+    let mut picks = Vec::new();
+    let mut all = || {
+        for kind in AssignmentKind::ALL {
+            for active in [&big[..], &small[..]] {
+                assign_into(kind, active, &UNIT, &mut scratch, &mut plan);
+            }
+        }
+        impact_into(&predicted, &cached, &UNIT, 5, &mut impact_scratch, &mut copies).unwrap();
+        top_ps_into(&predicted[1], &cached[1], 2, &mut picks).unwrap();
+    };
+    all();
+    assert_eq!(allocations_in(&mut all), 0);
+    assert_eq!((plan.sides.len(), copies.len(), picks.len()), (4, 3, 2));
+    // The counter does count: the allocating forms allocate.
+    assert!(allocations_in(|| drop(assign(AssignmentKind::Dali, &big, &UNIT))) > 0);
 }
 
 // ---------------------------------------------------------------- properties
