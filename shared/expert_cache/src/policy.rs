@@ -229,6 +229,55 @@ impl PolicyParams {
     }
 }
 
+/// Applies `swaps` to `cached`, checking [`ReplacementPolicy::swaps`]'s
+/// contract on the way: at most `max_swaps`, each admitting an uncached
+/// expert and evicting a cached one, no expert named twice, no more than
+/// `capacity` cached afterwards (or no more than before, for a cache that was
+/// already over it). On a breach `cached` is left as it was and the error
+/// says what broke.
+pub fn apply_swaps(
+    cached: &mut [bool],
+    swaps: &[Swap],
+    capacity: usize,
+    max_swaps: usize,
+) -> Result<(), String> {
+    if swaps.len() > max_swaps {
+        return Err(format!("{} swaps, more than max_swaps {max_swaps}", swaps.len()));
+    }
+    let mut next = cached.to_vec();
+    let mut named = vec![false; cached.len()];
+    let mut name = |e: usize| -> Result<(), String> {
+        match named.get_mut(e) {
+            None => Err(format!("expert {e} out of range (n_experts {})", cached.len())),
+            Some(true) => Err(format!("expert {e} named twice in {swaps:?}")),
+            Some(n) => {
+                *n = true;
+                Ok(())
+            }
+        }
+    };
+    for s in swaps {
+        name(s.admit)?;
+        if cached[s.admit] {
+            return Err(format!("admits expert {}, which is cached", s.admit));
+        }
+        if let Some(v) = s.evict {
+            name(v)?;
+            if !cached[v] {
+                return Err(format!("evicts expert {v}, which is not cached"));
+            }
+            next[v] = false;
+        }
+        next[s.admit] = true;
+    }
+    let (before, after) = (count_cached(cached), count_cached(&next));
+    if after > capacity.max(before) {
+        return Err(format!("{after} cached after the swaps, capacity {capacity} (was {before})"));
+    }
+    cached.copy_from_slice(&next);
+    Ok(())
+}
+
 /// A policy of `kind` for one layer of `n_experts` routed experts.
 pub fn new_policy(
     kind: PolicyKind,
@@ -740,6 +789,34 @@ mod tests {
         );
         assert_eq!(l.swaps(&cached(4, &[]), 0, 8), vec![]);
         assert_eq!(l.swaps(&cached(4, &[0, 1, 2, 3]), 4, 8), vec![]);
+    }
+
+    #[test]
+    fn apply_swaps_checks_the_contract() {
+        let c = cached(4, &[0, 1]);
+        let ok = |swaps: &[Swap], cap: usize, max: usize| {
+            let mut c2 = c.clone();
+            apply_swaps(&mut c2, swaps, cap, max).map(|()| c2)
+        };
+        assert_eq!(
+            ok(&[swap(2, Some(0)), swap(3, None)], 3, 2).unwrap(),
+            cached(4, &[1, 2, 3])
+        );
+        let bad = [
+            (vec![swap(2, None)], 2, 2, "capacity 2"),
+            (vec![swap(1, Some(0))], 2, 2, "admits expert 1"),
+            (vec![swap(2, Some(3))], 2, 2, "evicts expert 3"),
+            (vec![swap(2, Some(0)), swap(3, Some(0))], 2, 2, "named twice"),
+            (vec![swap(2, Some(0)), swap(0, Some(1))], 2, 2, "named twice"),
+            (vec![swap(2, Some(0)), swap(3, Some(1))], 2, 1, "max_swaps 1"),
+            (vec![swap(7, None)], 4, 2, "out of range"),
+        ];
+        for (swaps, cap, max, want) in bad {
+            let mut c2 = c.clone();
+            let err = apply_swaps(&mut c2, &swaps, cap, max).unwrap_err();
+            assert!(err.contains(want), "{swaps:?}: {err}");
+            assert_eq!(c2, c, "left as it was");
+        }
     }
 
     #[test]
