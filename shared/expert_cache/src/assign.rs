@@ -252,6 +252,10 @@ fn simulate_with(
 /// the two sides' end times after their candidate expert (the code's
 /// `gpu_total + gpu_time <= cpu_total + cpu_time`), and copies start at the
 /// layer's start and run back to back in the order the device claims them.
+/// The paper also re-inserts a landed expert into the device's queue by load,
+/// possibly ahead of lighter cached ones; that only reorders the device's
+/// work, and running the cached ones first never ends later (no wait for a
+/// copy can be filled better), so the code's order is kept.
 /// One difference from the code: it charges its CPU intercept once per layer
 /// (first CPU expert), whereas here every CPU expert costs
 /// `cpu_fixed + cpu_per_token·tokens`, the cost model all assignments share.

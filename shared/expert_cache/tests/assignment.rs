@@ -515,6 +515,47 @@ fn impact_takes_the_largest_simulated_gains_nearer_layers_first() {
     assert_eq!(impact(&predicted, &cached, &UNIT, 5), Ok(vec![(0, 0), (1, 0), (2, 0)]));
 }
 
+proptest! {
+    /// Whatever the loads: copies are distinct, uncached, predicted some
+    /// tokens, within the budget, listed nearer layer first; a larger budget
+    /// only adds copies (greedy); and every layer given a copy gets faster
+    /// under HybriMoE's assignment, none slower.
+    #[test]
+    fn impact_copies_are_valid_and_pay_off(
+        layers in prop::collection::vec(
+            prop::collection::vec((0usize..6, any::<bool>()), 1..12), 0..4),
+        cost in cost_strategy(),
+        budget in 0usize..6,
+    ) {
+        let predicted: Vec<Vec<usize>> = layers.iter().map(|l| l.iter().map(|x| x.0).collect()).collect();
+        let cached: Vec<Vec<bool>> = layers.iter().map(|l| l.iter().map(|x| x.1).collect()).collect();
+        let copies = impact(&predicted, &cached, &cost, budget).unwrap();
+        prop_assert!(copies.len() <= budget);
+        prop_assert!(copies.windows(2).all(|w| w[0].0 <= w[1].0), "{copies:?}");
+        let mut after = cached.clone();
+        for &(l, e) in &copies {
+            prop_assert!(predicted[l][e] > 0 && !after[l][e], "{copies:?}");
+            after[l][e] = true;
+        }
+        let more = impact(&predicted, &cached, &cost, budget + 1).unwrap();
+        prop_assert!(copies.iter().all(|c| more.contains(c)), "{copies:?} vs {more:?}");
+        let time = |l: usize, cached: &[Vec<bool>]| {
+            let active: Vec<Active> = (0..predicted[l].len())
+                .map(|e| act(e, predicted[l][e], cached[l][e]))
+                .collect();
+            assign(AssignmentKind::HybriMoe, &active, &cost).predicted
+        };
+        for l in 0..predicted.len() {
+            let (t0, t1) = (time(l, &cached), time(l, &after));
+            if copies.iter().any(|c| c.0 == l) {
+                prop_assert!(t1 < t0, "layer {l}: {t0} -> {t1}");
+            } else {
+                prop_assert_eq!(t0, t1);
+            }
+        }
+    }
+}
+
 #[test]
 fn impact_with_no_budget_or_nothing_to_copy_is_empty() {
     let (predicted, cached) = three_layers();
