@@ -169,7 +169,7 @@ impl TraceParams {
             }
         }
         // Infinity is allowed: sequences that never end.
-        if !(self.sequence_length >= 1.0) {
+        if self.sequence_length.is_nan() || self.sequence_length < 1.0 {
             return Err(TraceError::Value("sequence_length", self.sequence_length));
         }
         for (name, p) in [
