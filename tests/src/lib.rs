@@ -49,11 +49,13 @@ pub struct Options {
     /// The decode worker's `device`: `cpu`, or `emulated` for the hybrid
     /// placement on an emulated accelerator with one compute thread.
     pub decode_device: &'static str,
+    /// Routed experts the decode device's expert cache holds (0: none).
+    pub expert_cache_experts: usize,
 }
 
 impl Default for Options {
     fn default() -> Self {
-        Options { prefill_threshold_tokens: 2048, max_pending_requests: 64, dtype: "bf16", slp_threshold_tokens: None, model: None, decode_device: "cpu" }
+        Options { prefill_threshold_tokens: 2048, max_pending_requests: 64, dtype: "bf16", slp_threshold_tokens: None, model: None, decode_device: "cpu", expert_cache_experts: 0 }
     }
 }
 
@@ -78,12 +80,15 @@ impl Server {
         let [http, grpc, decode, prefill, decode_metrics, prefill_metrics] = free_ports();
         let config = format!(
             "[router]\nhttp_port = {http}\ngrpc_port = {grpc}\nprefill_threshold_tokens = {}\nmax_pending_requests = {}\n\n\
-             [decode]\nport = {decode}\nmetrics_port = {decode_metrics}\nthreads = 1\ndtype = \"{dtype}\"\ndevice = \"{decode_device}\"\ndevice_memory_mib = 256\ndevice_threads = 1\n\n\
+             [decode]\nport = {decode}\nmetrics_port = {decode_metrics}\nthreads = 1\ndtype = \"{dtype}\"\ndevice = \"{decode_device}\"\ndevice_memory_mib = 256\ndevice_threads = 1\nexpert_cache_experts = {expert_cache}\nexpert_prefetch = \"{prefetch}\"\n\n\
              [prefill]\nport = {prefill}\nmetrics_port = {prefill_metrics}\nthreads = 1\ndtype = \"{dtype}\"\n",
             options.prefill_threshold_tokens,
             options.max_pending_requests,
             dtype = options.dtype,
-            decode_device = options.decode_device
+            decode_device = options.decode_device,
+            expert_cache = options.expert_cache_experts,
+            // With a cache, prefetch too, so that every metric of the cache moves.
+            prefetch = if options.expert_cache_experts > 0 { "impact" } else { "none" }
         );
         let slp = match options.slp_threshold_tokens {
             Some(n) => format!("device = \"emulated\"\nslp_threshold_tokens = {n}\ndevice_memory_mib = 64\ndense_budget_mib = 4\n"),

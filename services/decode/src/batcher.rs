@@ -602,6 +602,19 @@ fn record_step(t: &StepTimings, elapsed: Duration) {
                     metrics::histogram!(names::DECODE_MICRO_BATCH_SIZE, "half" => *half).record(n as f64);
                 }
             }
+            let c = &h.cache;
+            if c.layers > 0 {
+                let layers = c.layers as f64;
+                metrics::counter!(names::EXPERT_CACHE_LOOKUPS).increment(c.lookups);
+                metrics::counter!(names::EXPERT_CACHE_HITS).increment(c.hits);
+                metrics::histogram!(names::EXPERTS_PER_LAYER, "side" => "device").record(c.device_experts as f64 / layers);
+                metrics::histogram!(names::EXPERTS_PER_LAYER, "side" => "cpu").record(c.cpu_experts as f64 / layers);
+                metrics::counter!(names::EXPERT_PREFETCH_BYTES, "outcome" => "copied").increment(c.prefetched_bytes);
+                metrics::counter!(names::EXPERT_PREFETCH_BYTES, "outcome" => "wasted").increment(c.wasted_bytes);
+                metrics::histogram!(names::EXPERT_LAYER_TIME, "kind" => "predicted").record(c.predicted.as_secs_f64() / layers);
+                metrics::histogram!(names::EXPERT_LAYER_TIME, "kind" => "measured").record(c.measured.as_secs_f64() / layers);
+                metrics::histogram!(names::EXPERT_DECISION_TIME).record(c.deciding.as_secs_f64() / layers);
+            }
         }
     }
     if let Some(overlap) = t.overlap(elapsed) {

@@ -2,6 +2,7 @@
 //! TOML config file, then command-line flags.
 
 use serde::{Deserialize, Serialize};
+use duplex_model::device_experts::ExpertCacheConfig;
 use duplex_model::hybrid::Submit;
 use std::path::PathBuf;
 
@@ -81,6 +82,20 @@ pub struct DecodeConfig {
     /// `stream` (from the device streams through host functions, a step
     /// queued whole) or `host` (this worker's thread, layer by layer).
     pub expert_submit: String,
+    /// With a device: routed experts the device's expert cache holds, over
+    /// all MoE layers (0: no cache, unless `expert_cache_bytes` sizes it).
+    /// With a cache, steps are host-driven (`expert_submit` is not used).
+    pub expert_cache_experts: usize,
+    /// The cache's size in bytes instead (as many whole experts as fit);
+    /// `expert_cache_experts` wins when both are set.
+    pub expert_cache_bytes: usize,
+    /// Where each activated expert of a layer runs: `static` (the CPU),
+    /// `hybrimoe` or `dali`.
+    pub expert_assignment: String,
+    /// What to copy ahead: `none`, `impact` (HybriMoE) or `residual` (DALI).
+    pub expert_prefetch: String,
+    /// Which experts the cache keeps: `mrs`, `workload`, `lru` or `lfu`.
+    pub expert_cache_policy: String,
 }
 
 /// Where the decode worker runs its steps.
@@ -113,6 +128,26 @@ impl DecodeConfig {
             "cuda" => Ok(DeviceKind::Cuda),
             other => anyhow::bail!("device: unknown device {other:?}; expected cpu, emulated or cuda"),
         }
+    }
+
+    /// The expert cache's settings, with its size in experts resolved
+    /// against the model (`None`: no cache).
+    pub fn expert_cache(&self, model: &duplex_model::Model) -> anyhow::Result<Option<ExpertCacheConfig>> {
+        let assignment = self.expert_assignment.parse().map_err(|e| anyhow::anyhow!("expert_assignment: {e}"))?;
+        let prefetch = self.expert_prefetch.parse().map_err(|e| anyhow::anyhow!("expert_prefetch: {e}"))?;
+        let policy = self.expert_cache_policy.parse().map_err(|e| anyhow::anyhow!("expert_cache_policy: {e}"))?;
+        let experts = match (self.expert_cache_experts, self.expert_cache_bytes) {
+            (0, 0) => return Ok(None),
+            (0, bytes) => {
+                let per = duplex_model::device_experts::expert_slot_bytes(model).ok_or_else(|| anyhow::anyhow!("expert_cache_bytes: the model has no routed experts to cache"))?;
+                if bytes < per {
+                    anyhow::bail!("expert_cache_bytes: {bytes} bytes hold no expert of this model ({per} bytes each)");
+                }
+                bytes / per
+            }
+            (n, _) => n,
+        };
+        Ok(Some(ExpertCacheConfig { experts, assignment, prefetch, policy }))
     }
 
     pub fn submit(&self) -> anyhow::Result<Submit> {
@@ -152,6 +187,11 @@ impl Default for DecodeConfig {
             micro_batches: true,
             defer_experts: 0,
             expert_submit: "stream".into(),
+            expert_cache_experts: 0,
+            expert_cache_bytes: 0,
+            expert_assignment: "hybrimoe".into(),
+            expert_prefetch: "none".into(),
+            expert_cache_policy: "mrs".into(),
         }
     }
 }
@@ -238,6 +278,21 @@ pub struct DecodeArgs {
     /// How a device step starts the CPU's experts: stream (host functions) or host [default: stream].
     #[arg(long)]
     pub expert_submit: Option<String>,
+    /// Routed experts the device's expert cache holds; 0 for none [default: 0].
+    #[arg(long)]
+    pub expert_cache_experts: Option<usize>,
+    /// The expert cache's size in bytes (when expert_cache_experts is 0) [default: 0].
+    #[arg(long)]
+    pub expert_cache_bytes: Option<usize>,
+    /// Where activated experts run: static, hybrimoe or dali [default: hybrimoe].
+    #[arg(long)]
+    pub expert_assignment: Option<String>,
+    /// Expert prefetch: none, impact or residual [default: none].
+    #[arg(long)]
+    pub expert_prefetch: Option<String>,
+    /// Expert cache replacement: mrs, workload, lru or lfu [default: mrs].
+    #[arg(long)]
+    pub expert_cache_policy: Option<String>,
 }
 
 impl DecodeArgs {
@@ -252,13 +307,16 @@ impl DecodeArgs {
         if let Some(path) = self.unix_socket {
             c.unix_socket = Some(path);
         }
-        take!(model, host, port, metrics_port, shm_dir, instance, context_length, kv_blocks, max_batch_size, prefill_chunk_tokens, lease_timeout_seconds, max_waiting_requests, dtype, threads, numa_nodes, cores, device, device_memory_mib, cuda_device, device_threads, device_kv_blocks, micro_batches, defer_experts, expert_submit);
+        take!(model, host, port, metrics_port, shm_dir, instance, context_length, kv_blocks, max_batch_size, prefill_chunk_tokens, lease_timeout_seconds, max_waiting_requests, dtype, threads, numa_nodes, cores, device, device_memory_mib, cuda_device, device_threads, device_kv_blocks, micro_batches, defer_experts, expert_submit, expert_cache_experts, expert_cache_bytes, expert_assignment, expert_prefetch, expert_cache_policy);
         if c.max_batch_size == 0 || c.prefill_chunk_tokens == 0 {
             anyhow::bail!("max_batch_size and prefill_chunk_tokens must be at least 1");
         }
         c.precision()?;
         c.device_kind()?;
         c.submit()?;
+        c.expert_assignment.parse::<duplex_expert_cache::assign::AssignmentKind>().map_err(|e| anyhow::anyhow!("expert_assignment: {e}"))?;
+        c.expert_prefetch.parse::<duplex_expert_cache::prefetch::PrefetchKind>().map_err(|e| anyhow::anyhow!("expert_prefetch: {e}"))?;
+        c.expert_cache_policy.parse::<duplex_expert_cache::policy::PolicyKind>().map_err(|e| anyhow::anyhow!("expert_cache_policy: {e}"))?;
         c.core_list()?;
         Ok(c)
     }

@@ -80,7 +80,7 @@ fn start_engine(cfg: &DecodeConfig) -> anyhow::Result<(Batcher, Arc<StatsCell>, 
     let engine = match open_device(cfg)? {
         None => Engine::Cpu(model),
         Some(device) => {
-            let hybrid = HybridConfig { kv_blocks: cfg.device_kv_blocks, micro_batches: cfg.micro_batches, defer_experts: cfg.defer_experts, cpu_jitter: None, submit: cfg.submit()? };
+            let hybrid = HybridConfig { kv_blocks: cfg.device_kv_blocks, micro_batches: cfg.micro_batches, defer_experts: cfg.defer_experts, cpu_jitter: None, submit: cfg.submit()?, expert_cache: cfg.expert_cache(&model)? };
             Engine::Hybrid(HybridEngine::new(model, device, hybrid, block_size)?)
         }
     };

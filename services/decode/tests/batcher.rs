@@ -35,7 +35,7 @@ fn start_on(kv_blocks: usize, device_kv_blocks: Option<usize>) -> (Sender<Comman
         None => Engine::Cpu(model),
         Some(blocks) => {
             let dev = EmulatedDevice::new(EmulatedConfig { memory_bytes: 64 << 20, compute_threads: 1, ..Default::default() }).unwrap();
-            let config = HybridConfig { kv_blocks: blocks, micro_batches: true, defer_experts: 0, cpu_jitter: None, submit: Default::default() };
+            let config = HybridConfig { kv_blocks: blocks, micro_batches: true, defer_experts: 0, cpu_jitter: None, submit: Default::default(), expert_cache: None };
             Engine::Hybrid(HybridEngine::new(model, dev, config, 16).unwrap())
         }
     };

@@ -119,6 +119,9 @@ pub struct RouteCall<'a, W> {
     pub weights: Matrix,
     /// The experts' input.
     pub input: Matrix,
+    /// The FFN's input hidden state (before its norm), for a placement that
+    /// predicts the next layers' routes from it.
+    pub hidden: Matrix,
     /// Experts per token deferred to the next MoE layer (Expert Deferral).
     pub defer: usize,
 }

@@ -427,7 +427,7 @@ impl<'m, B: Backend> Pass<'m, B> {
                 let k = cfg.num_experts_per_tok;
                 let last_moe = (layer + 1..cfg.num_hidden_layers).all(|l| !cfg.is_moe_layer(l));
                 let defer = if last_moe { 0 } else { self.defer.min(k.saturating_sub(1)) };
-                let call = RouteCall { layer, logits, bias, params: &self.model.router, precision: p, ids: ws.route_ids, weights: ws.route_weights.rows(0..n).reshape(n, k), input: x, defer };
+                let call = RouteCall { layer, logits, bias, params: &self.model.router, precision: p, ids: ws.route_ids, weights: ws.route_weights.rows(0..n).reshape(n, k), input: x, hidden: h, defer };
                 match self.backend.route(call)? {
                     Routes::Chosen(chosen) => {
                         self.submitted = None;
@@ -470,6 +470,12 @@ impl<'m, B: Backend> Pass<'m, B> {
             }
         }
         Ok(())
+    }
+
+    /// The residual stream `[n, d]` as the modules run so far left it.
+    pub fn hidden(&mut self) -> Result<Vec<f32>, ForwardError> {
+        let h = self.ws.h.rows(0..self.rows);
+        self.backend.download(h)
     }
 
     fn logit_rows(&self) -> usize {

@@ -29,7 +29,11 @@
 use crate::checkpoint::HostTensor;
 use crate::backend::{AttentionCall, Backend, ExpertJob, ExpertScratch, RouteCall, Routes, Segment};
 use crate::cpu::CpuBackend;
+use crate::device_experts::{CacheStats, ExpertCache, ExpertCacheConfig};
 use crate::forward::{align, Assignment, ModuleKind, Pass};
+use duplex_expert_cache::prefetch::PrefetchKind;
+use duplex_expert_cache::CostModel;
+use std::cell::RefCell;
 use crate::kv_cache::{BlockTable, KvPool};
 use crate::model::{ForwardError, Logits, Model, Precision, SeqInput};
 use crate::staged::DeviceBackend;
@@ -73,6 +77,8 @@ pub struct HybridTimings {
     pub device_busy: Option<Duration>,
     /// Sequences in each micro-batch (the second empty when unsplit).
     pub micro_batches: [usize; 2],
+    /// What the expert cache did (all zero without one).
+    pub cache: CacheStats,
 }
 
 impl std::ops::AddAssign for HybridTimings {
@@ -84,6 +90,7 @@ impl std::ops::AddAssign for HybridTimings {
             (a, b) => a.or(b),
         };
         self.micro_batches = [self.micro_batches[0] + o.micro_batches[0], self.micro_batches[1] + o.micro_batches[1]];
+        self.cache += o.cache;
     }
 }
 
@@ -162,6 +169,12 @@ pub struct HybridConfig {
     pub cpu_jitter: Option<Jitter>,
     /// How a step's CPU experts are started and awaited.
     pub submit: Submit,
+    /// A cache of routed experts in device memory (HybriMoE, DALI): each
+    /// layer's activated experts then run on the device or the CPU as the
+    /// assignment decides. Steps are then host-driven ([`Submit::Host`]):
+    /// where an expert runs is decided on the host once its layer's routes
+    /// are known.
+    pub expert_cache: Option<ExpertCacheConfig>,
 }
 
 /// How a hybrid step starts the CPU's routed experts and waits for them.
@@ -189,11 +202,13 @@ pub struct DeviceBudget {
     pub ffn: usize,
     pub head: usize,
     pub kv: usize,
+    /// The expert cache's slots (cached and transient).
+    pub experts: usize,
 }
 
 impl DeviceBudget {
     pub fn total(&self) -> usize {
-        self.embedding + self.attention + self.ffn + self.head + self.kv
+        self.embedding + self.attention + self.ffn + self.head + self.kv + self.experts
     }
 }
 
@@ -224,6 +239,7 @@ pub struct HybridEngine {
     /// ([`Submit::Stream`]), grown likewise.
     stagings: [Option<Arc<Staging>>; 2],
     submit: Submit,
+    cache: Option<RefCell<ExpertCache>>,
     kv: DeviceKv,
     micro_batches: bool,
     defer_experts: usize,
@@ -268,6 +284,9 @@ impl HybridEngine {
             };
             *slot += m.device_bytes();
         }
+        if let Some(ec) = cfg.expert_cache.as_ref().filter(|ec| ec.experts > 0) {
+            budget.experts = ExpertCache::bytes(&model, ec.experts);
+        }
         // Activations are small next to these; a tenth of the memory is left for them.
         let usable = dev.capacity() / 10 * 9;
         let kv_blocks = match cfg.kv_blocks {
@@ -276,11 +295,15 @@ impl HybridEngine {
         };
         budget.kv = kv_blocks * block_bytes;
         if kv_blocks == 0 || budget.total() > usable {
+            let cache = match &cfg.expert_cache {
+                Some(ec) if ec.experts > 0 => format!(", an expert cache of {} experts {}", ec.experts, human(budget.experts)),
+                _ => String::new(),
+            };
             return Err(ForwardError::Workspace(format!(
-                "the hybrid placement does not fit the device ({}, {} usable after a tenth kept for activations): resident weights {} (embedding {}, attention {}, dense FFNs, routers and shared experts {}, LM head {}) and a KV pool of {} blocks {}",
+                "the hybrid placement does not fit the device ({}, {} usable after a tenth kept for activations): resident weights {} (embedding {}, attention {}, dense FFNs, routers and shared experts {}, LM head {}){cache} and a KV pool of {} blocks {}",
                 human(dev.capacity()),
                 human(usable),
-                human(budget.total() - budget.kv),
+                human(budget.total() - budget.kv - budget.experts),
                 human(budget.embedding),
                 human(budget.attention),
                 human(budget.ffn),
@@ -343,7 +366,20 @@ impl HybridEngine {
         // The weights must be in place before the first pass reads them.
         let done = dev.record(copy)?;
         dev.synchronize(&done)?;
-        Ok(HybridEngine { model, dev, embed, layers, head, streams, copy, workspaces: [None, None], stagings: [None, None], submit: cfg.submit, kv, micro_batches: cfg.micro_batches, defer_experts: cfg.defer_experts, cpu_jitter: cfg.cpu_jitter, moe_calls: Default::default(), budget, _resident: resident })
+        let cache = match cfg.expert_cache.filter(|ec| ec.experts > 0) {
+            Some(ec) => {
+                let memory = dev.alloc(budget.experts)?;
+                resident.push(memory);
+                let cost = profile_costs(&model, &*dev, streams[0], copy, memory)?;
+                let mut cache = ExpertCache::new(&model, memory, ec, cost)?;
+                if cache.config().prefetch == PrefetchKind::Residual {
+                    calibrate_residuals(&model, &mut cache)?;
+                }
+                Some(RefCell::new(cache))
+            }
+            None => None,
+        };
+        Ok(HybridEngine { model, dev, embed, layers, head, streams, copy, workspaces: [None, None], stagings: [None, None], submit: cfg.submit, cache, kv, micro_batches: cfg.micro_batches, defer_experts: cfg.defer_experts, cpu_jitter: cfg.cpu_jitter, moe_calls: Default::default(), budget, _resident: resident })
     }
 
     pub fn budget(&self) -> DeviceBudget {
@@ -356,6 +392,11 @@ impl HybridEngine {
 
     pub fn device(&self) -> &Arc<dyn Device> {
         &self.dev
+    }
+
+    /// The expert cache, where there is one.
+    pub fn expert_cache(&self) -> Option<std::cell::Ref<'_, ExpertCache>> {
+        self.cache.as_ref().map(RefCell::borrow)
     }
 
     /// Give a sequence of up to `positions` positions its device blocks and
@@ -438,7 +479,8 @@ impl HybridEngine {
         let (da, db) = dseqs.split_at(split);
         let wa = self.pass_workspace(0, a, want)?;
         let wb = if b.is_empty() { None } else { Some(self.pass_workspace(1, b, want)?) };
-        let (logits, mut timings) = match self.submit {
+        let submit = if self.cache.is_some() { Submit::Host } else { self.submit };
+        let (logits, mut timings) = match submit {
             Submit::Host => self.step_host(host, (a, da, wa), (b, db, wb), precision, want)?,
             Submit::Stream => {
                 let n = |seqs: &[SeqInput]| seqs.iter().map(|s| s.tokens.len()).sum::<usize>();
@@ -448,6 +490,9 @@ impl HybridEngine {
             }
         };
         timings.micro_batches = [a.len(), b.len()];
+        if let Some(cache) = &self.cache {
+            timings.cache = cache.borrow_mut().take_stats(&*self.dev);
+        }
         timings.device_busy = busy_before.zip(self.dev.compute_busy()).map(|(before, after)| after.saturating_sub(before));
         Ok((logits, timings))
     }
@@ -738,6 +783,12 @@ impl HybridEngine {
             timings: HybridTimings::default(),
             jitter: self.cpu_jitter.map(|j| (j, &self.moe_calls)),
             streamed,
+            cache: self.cache.as_ref(),
+            model: &self.model,
+            copy: self.copy,
+            moe_layer: 0,
+            routed_input: None,
+            hidden: None,
         };
         Pass::new(&self.model, backend, host, seqs, precision, want, EXPANDED_BYTES)
     }
@@ -750,6 +801,152 @@ impl Drop for HybridEngine {
             let _ = self.dev.free(w);
         }
     }
+}
+
+/// The expert cache's cost model, measured on this machine: routed experts
+/// copied to the device, and run there and on the CPU pool at 1 and 8
+/// tokens, fitted as fixed + per-token times. Each timing is the best of
+/// five after one to warm up (the pool's threads wake slowly from a sleep,
+/// and another tenant of the cores can take one), and each run reads
+/// another expert, as a decode step does: one expert read over and over
+/// would be timed from the cache, not from memory. BF16, the precision the
+/// decode worker runs by default.
+fn profile_costs(model: &Model, dev: &dyn Device, stream: StreamId, copy: StreamId, memory: DevicePtr) -> Result<CostModel, ForwardError> {
+    let c = &model.cfg;
+    let (d, inter, p) = (c.hidden_size, c.moe_intermediate_size, Precision::Bf16);
+    let layer = (0..c.num_hidden_layers).find(|&l| c.is_moe_layer(l)).ok_or_else(|| ForwardError::BadModule("no MoE layer to profile".into()))?;
+    let slot_bytes = crate::device_experts::expert_slot_bytes(model).ok_or_else(|| ForwardError::BadModule("no routed expert to profile".into()))?;
+    let staged: Vec<crate::staged::StagedModule> = model.staged_modules(usize::MAX).into_iter().filter(|m| matches!(m.kind, ModuleKind::Expert { layer: l, .. } if l == layer)).collect();
+    let host: Vec<&crate::model::Module> = model.modules.iter().filter(|m| matches!(m.kind, ModuleKind::Expert { layer: l, .. } if l == layer)).collect();
+    let distinct = staged.len().min(host.len()).min(memory.bytes / slot_bytes).min(6);
+    if distinct == 0 {
+        return Err(ForwardError::BadModule("no routed expert to profile".into()));
+    }
+    let best = |f: &mut dyn FnMut(usize) -> Result<Duration, ForwardError>| -> Result<f64, ForwardError> {
+        f(0)?;
+        let mut best = f64::MAX;
+        for run in 1..=5 {
+            best = best.min(f(run % distinct)?.as_secs_f64());
+        }
+        Ok(best)
+    };
+    let timed = |stream: StreamId, f: &mut dyn FnMut() -> Result<(), ForwardError>| -> Result<Duration, ForwardError> {
+        let before = dev.record(stream)?;
+        f()?;
+        let after = dev.record(stream)?;
+        dev.synchronize(&after)?;
+        Ok(dev.elapsed(&before, &after)?)
+    };
+    let mut weights = vec![None; distinct];
+    for (i, w) in weights.iter_mut().enumerate() {
+        *w = Some(ExpertCache::upload_expert(dev, copy, &staged[i], memory.slice(i * slot_bytes, slot_bytes)?)?);
+    }
+    let transfer = best(&mut |i| timed(copy, &mut || ExpertCache::upload_expert(dev, copy, &staged[i], memory.slice(i * slot_bytes, slot_bytes)?).map(|_| ())))?;
+    let weights: Vec<crate::device_experts::SlotWeights> = weights.into_iter().flatten().collect();
+    let t = 8;
+    let scratch_bytes = [t * d, t * d, t, t, t * d, t * inter, t * inter, t * d].iter().map(|n| align(n * 4)).sum::<usize>();
+    let ws = dev.alloc(scratch_bytes)?;
+    let measured = (|| -> Result<[f64; 4], ForwardError> {
+        let mut offset = 0;
+        let mut next = |rows: usize, cols: usize| -> Result<Matrix, ForwardError> {
+            let m = ws.slice(offset, rows * cols * 4)?.matrix(rows, cols);
+            offset += align(rows * cols * 4);
+            Ok(m)
+        };
+        let (x, out) = (next(t, d)?, next(t, d)?);
+        let s = ExpertScratch { rows: next(t, 1)?.buf, scales: next(t, 1)?.buf, xe: next(t, d)?, gate: next(t, inter)?, up: next(t, inter)?, ye: next(t, d)? };
+        let mut backend = DeviceBackend::new(dev, stream, ws);
+        backend.zero(x)?;
+        let xs = vec![0.01f32; t * d];
+        let mut times = [0.0; 4];
+        for (i, n) in [1usize, t].into_iter().enumerate() {
+            let rows: Vec<(usize, f32)> = (0..n).map(|r| (r, 1.0)).collect();
+            let tokens = crate::backend::Tokens::Rows(&rows);
+            times[i] = best(&mut |e| {
+                let w = &weights[e];
+                let job = ExpertJob { gate: &w.gate, up: &w.up, down: &w.down, tokens, first: 0, expert: e };
+                timed(stream, &mut || backend.experts(x, std::slice::from_ref(&job), out, p, &s))
+            })?;
+            times[2 + i] = best(&mut |e| {
+                let job = ExpertJob::named(&host[e].weights, "", tokens, 0, e)?;
+                let started = Instant::now();
+                cpu_sum(&model.cpu, &xs[..n * d], n, d, std::slice::from_ref(&job), p)?;
+                Ok(started.elapsed())
+            })?;
+        }
+        Ok(times)
+    })();
+    // Its work has finished (each timing synchronized), or failed.
+    dev.free(ws)?;
+    let [dev1, dev8, cpu1, cpu8] = measured?;
+    let per = |one: f64, many: f64| ((many - one) / (t - 1) as f64).max(0.0);
+    let (device_per_token, cpu_per_token) = (per(dev1, dev8), per(cpu1, cpu8));
+    Ok(CostModel { cpu_fixed: (cpu1 - cpu_per_token).max(0.0), cpu_per_token, device_fixed: (dev1 - device_per_token).max(0.0), device_per_token, transfer })
+}
+
+/// DALI's residual vectors, computed by the engine itself: the CPU engine
+/// runs a calibration sequence (seeded pseudo-random token ids: the engine
+/// has no tokenizer, and the mean change of the hidden state is what is
+/// wanted, not any one text) and, per MoE layer, averages how the FFN's
+/// input hidden state changes from it to the next MoE layer's.
+fn calibrate_residuals(model: &Model, cache: &mut ExpertCache) -> Result<(), ForwardError> {
+    let c = &model.cfg;
+    let len = 128.min(c.max_position_embeddings);
+    let mut state = 0x9E37_79B9_7F4A_7C15u64;
+    let tokens: Vec<u32> = (0..len)
+        .map(|_| {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            (state % c.vocab_size as u64) as u32
+        })
+        .collect();
+    let mut pool = model.new_kv_pool(len.div_ceil(16), 16);
+    let mut table = BlockTable::default();
+    let mut seqs = [SeqInput { table: &mut table, tokens: &tokens }];
+    let mut pass = Pass::new(model, model.cpu.backend(), &mut pool, &mut seqs, Precision::F32, Logits::Last, usize::MAX)?;
+    let mut hidden: Vec<Option<Vec<f32>>> = vec![None; c.num_hidden_layers];
+    let mut i = 0;
+    while i < model.modules.len() {
+        let m = &model.modules[i];
+        match m.kind {
+            ModuleKind::Expert { layer, .. } => {
+                let group: Vec<(usize, &Weights<HostWeight>)> = model.modules[i..]
+                    .iter()
+                    .map_while(|x| match x.kind {
+                        ModuleKind::Expert { layer: l, expert } if l == layer => Some((expert, &x.weights)),
+                        _ => None,
+                    })
+                    .collect();
+                i += group.len();
+                pass.run_experts(layer, &group)?;
+            }
+            ModuleKind::Head { .. } => break,
+            kind => {
+                pass.run(kind, &m.weights, &mut pool)?;
+                if let ModuleKind::Attention { layer } = kind {
+                    if c.is_moe_layer(layer) {
+                        hidden[layer] = Some(pass.hidden()?);
+                    }
+                }
+                i += 1;
+            }
+        }
+    }
+    let moe: Vec<usize> = (0..c.num_hidden_layers).filter(|&l| c.is_moe_layer(l)).collect();
+    for pair in moe.windows(2) {
+        if let (Some(h), Some(next)) = (&hidden[pair[0]], &hidden[pair[1]]) {
+            let d = c.hidden_size;
+            let mut mean = vec![0f64; d];
+            for (a, b) in h.chunks(d).zip(next.chunks(d)) {
+                for ((m, x), y) in mean.iter_mut().zip(a).zip(b) {
+                    *m += f64::from(y - x);
+                }
+            }
+            cache.set_residual(pair[0], mean.iter().map(|m| (m / len as f64) as f32).collect());
+        }
+    }
+    Ok(())
 }
 
 /// Whether every sequence of a batch decodes (one new token each): Expert
@@ -961,6 +1158,15 @@ pub struct HybridBackend<'a> {
     jitter: Option<(Jitter, &'a std::cell::Cell<u64>)>,
     /// With [`Submit::Stream`]: the routed experts go to the host from the stream.
     streamed: Option<Streamed>,
+    /// The expert cache, and what it needs: the model (prefetch predicts
+    /// routes from it), the copy stream, the current MoE layer, its
+    /// experts' input and (for prefetch) its FFN input hidden state.
+    cache: Option<&'a RefCell<ExpertCache>>,
+    model: &'a Model,
+    copy: StreamId,
+    moe_layer: usize,
+    routed_input: Option<Matrix>,
+    hidden: Option<Vec<f32>>,
 }
 
 impl HybridBackend<'_> {
@@ -1017,6 +1223,36 @@ impl HybridBackend<'_> {
             self.dev.gemm(&kv_b.rows(h * dkv..(h + 1) * dkv)?, ctx_latent.rows(h..h + 1), kv.rows(h..h + 1), p, true)?;
         }
         self.dev.copy(kv.columns(dn..dkv), c.out.reshape(heads, dv))
+    }
+
+    /// A layer's routed experts with the expert cache: the device runs the
+    /// share the assignment gives it (from cache slots, or copied in for
+    /// the layer), queued first so that it runs while the CPU runs the
+    /// rest; then the layer's policy updates the cache and the next layers
+    /// are prefetched.
+    fn cached_experts(&mut self, cache: &RefCell<ExpertCache>, x: Matrix, host: &[ExpertJob<HostWeight>], out: Matrix, p: Precision, s: &ExpertScratch) -> Result<(), ForwardError> {
+        let (dev, stream, layer) = (self.dev.dev, self.dev.stream, self.moe_layer);
+        let mut cache = cache.borrow_mut();
+        let planned = cache.plan(dev, stream, self.copy, layer, host)?;
+        let on_device: Vec<ExpertJob<DeviceWeight>> = planned.device.iter().map(|(i, w)| ExpertJob { gate: &w.gate, up: &w.up, down: &w.down, tokens: host[*i].tokens, first: host[*i].first, expert: host[*i].expert }).collect();
+        let device_span = if on_device.is_empty() {
+            None
+        } else {
+            let before = dev.record(stream)?;
+            self.dev.experts(x, &on_device, out, p, s)?;
+            Some((before, dev.record(stream)?))
+        };
+        let on_cpu: Vec<ExpertJob<HostWeight>> = planned.cpu.iter().map(|&i| ExpertJob { gate: host[i].gate, up: host[i].up, down: host[i].down, tokens: host[i].tokens, first: host[i].first, expert: host[i].expert }).collect();
+        let started = Instant::now();
+        if !on_cpu.is_empty() {
+            self.host_experts(x, &on_cpu, out, p, s)?;
+        }
+        let cpu = started.elapsed();
+        cache.ran(dev, stream, self.copy, layer, host, &planned, device_span, cpu)?;
+        if let Some(h) = self.hidden.take() {
+            cache.prefetch(dev, self.copy, self.model, layer, &h)?;
+        }
+        Ok(())
     }
 
     /// [`Submit::Stream`]: queue copies of a MoE layer's expert input and
@@ -1157,6 +1393,11 @@ impl Backend for HybridBackend<'_> {
         if self.streamed.is_some() {
             return self.hand_over(c.layer, input, ids, weights, c.defer);
         }
+        self.moe_layer = c.layer;
+        self.routed_input = Some(input);
+        if self.cache.is_some_and(|cache| cache.borrow().config().prefetch != PrefetchKind::None) {
+            self.hidden = Some(self.dev.download(c.hidden)?);
+        }
         // The experts' input comes with the choices, in the same wait (the
         // shared experts queued next then run on the device while the CPU
         // runs the routed ones), and in one copy: the pass lays the input,
@@ -1214,6 +1455,13 @@ impl Backend for HybridBackend<'_> {
 
     fn experts(&mut self, x: Matrix, jobs: &[ExpertJob<Placed>], out: Matrix, p: Precision, s: &ExpertScratch) -> Result<(), ForwardError> {
         let (device, host) = split_jobs(jobs)?;
+        // A layer's routed experts (not its deferred ones) go through the cache.
+        if let (Some(cache), true) = (self.cache, self.routed_input == Some(x) && !host.is_empty()) {
+            if !device.is_empty() {
+                self.dev.experts(x, &device, out, p, s)?;
+            }
+            return self.cached_experts(cache, x, &host, out, p, s);
+        }
         if !device.is_empty() {
             self.dev.experts(x, &device, out, p, s)?;
         }

@@ -13,6 +13,7 @@ pub mod backend;
 pub mod checkpoint;
 pub mod config;
 pub mod cpu;
+pub mod device_experts;
 pub mod forward;
 pub mod generation;
 pub mod hybrid;

@@ -5,6 +5,10 @@
 
 use duplex_kernels::device::emulated::{EmulatedConfig, EmulatedDevice, Jitter};
 use duplex_kernels::device::{self, Device, Op, StreamKind};
+use duplex_expert_cache::assign::AssignmentKind;
+use duplex_expert_cache::policy::PolicyKind;
+use duplex_expert_cache::prefetch::PrefetchKind;
+use duplex_model::device_experts::{CacheStats, ExpertCacheConfig};
 use duplex_model::hybrid::{AdmitError, DeviceSeq, HybridConfig, HybridEngine, Submit};
 use duplex_model::{BlockTable, KvPool, Logits, Model, Precision, SeqInput};
 use duplex_toolkit::reference::{self, argmax, max_abs_diff, Bf16Gate, ReferencePrompt, F32_MAX_ABS_DIFF};
@@ -33,7 +37,7 @@ fn device(jitter: Option<Jitter>) -> Arc<dyn Device> {
 }
 
 fn engine(name: &str, micro_batches: bool, submit: Submit) -> HybridEngine {
-    HybridEngine::new(load(name), device(None), HybridConfig { kv_blocks: 64, micro_batches, defer_experts: 0, cpu_jitter: None, submit }, BLOCK).expect("the tiny model fits")
+    HybridEngine::new(load(name), device(None), HybridConfig { kv_blocks: 64, micro_batches, defer_experts: 0, cpu_jitter: None, submit, expert_cache: None }, BLOCK).expect("the tiny model fits")
 }
 
 /// Six prompts of mixed lengths cut from the fixture's reference prompts.
@@ -72,7 +76,13 @@ fn cpu_decode(m: &Model, prompts: &[Vec<u32>], steps: usize, p: Precision) -> Ve
 /// worker: their blocks are copied in); odd-numbered ones are prefilled by
 /// the hybrid placement itself, in one batch.
 fn hybrid_decode(e: &mut HybridEngine, prompts: &[Vec<u32>], steps: usize, p: Precision) -> Vec<Vec<Vec<f32>>> {
+    hybrid_decode_counting(e, prompts, steps, p).0
+}
+
+/// [`hybrid_decode`], with what the expert cache did over the whole run.
+fn hybrid_decode_counting(e: &mut HybridEngine, prompts: &[Vec<u32>], steps: usize, p: Precision) -> (Vec<Vec<Vec<f32>>>, CacheStats) {
     let v = e.model.cfg.vocab_size;
+    let mut stats = CacheStats::default();
     let mut host = e.model.new_kv_pool(64, BLOCK);
     let mut tables: Vec<BlockTable> = prompts.iter().map(|_| BlockTable::default()).collect();
     let mut out: Vec<Vec<Vec<f32>>> = prompts.iter().map(|_| vec![]).collect();
@@ -88,7 +98,8 @@ fn hybrid_decode(e: &mut HybridEngine, prompts: &[Vec<u32>], steps: usize, p: Pr
         let mut picked: Vec<(usize, &mut BlockTable)> = tables.iter_mut().enumerate().filter(|(i, _)| i % 2 == 1).collect();
         let mut seqs: Vec<SeqInput> = picked.iter_mut().map(|(i, table)| SeqInput { table, tokens: &prompts[*i] }).collect();
         let ds: Vec<&DeviceSeq> = odd.iter().map(|&i| &dseqs[i]).collect();
-        let (logits, _) = e.forward(&mut host, &mut seqs, &ds, p, Logits::Last).unwrap();
+        let (logits, timings) = e.forward(&mut host, &mut seqs, &ds, p, Logits::Last).unwrap();
+        stats += timings.cache;
         for (&i, row) in odd.iter().zip(logits.chunks(v)) {
             out[i].push(row.to_vec());
         }
@@ -98,7 +109,8 @@ fn hybrid_decode(e: &mut HybridEngine, prompts: &[Vec<u32>], steps: usize, p: Pr
         let tokens: Vec<[u32; 1]> = out.iter().map(|o| [argmax(o.last().unwrap())]).collect();
         let mut seqs: Vec<SeqInput> = tables.iter_mut().zip(&tokens).map(|(table, t)| SeqInput { table, tokens: t }).collect();
         let (logits, timings) = e.forward(&mut host, &mut seqs, &refs, p, Logits::Last).unwrap();
-        assert!(timings.cpu_moe > Duration::ZERO, "the routed experts ran on the CPU");
+        assert!(timings.cpu_moe > Duration::ZERO || timings.cache.device_experts > 0, "the routed experts ran");
+        stats += timings.cache;
         for (o, row) in out.iter_mut().zip(logits.chunks(v)) {
             o.push(row.to_vec());
         }
@@ -112,7 +124,7 @@ fn hybrid_decode(e: &mut HybridEngine, prompts: &[Vec<u32>], steps: usize, p: Pr
     }
     assert!(e.kv().free_blocks() > free);
     assert_eq!(e.kv().free_blocks(), e.kv().total_blocks(), "every device block is back");
-    out
+    (out, stats)
 }
 
 /// F32: the hybrid placement's tokens equal the CPU engine's, and its logits
@@ -147,9 +159,13 @@ fn f32_hybrid_decode_equals_the_cpu_engine() {
 /// against transformers.
 #[test]
 fn bf16_hybrid_decode_meets_the_reference_gates() {
-    for f in FIXTURES {
+    for (f, cache) in FIXTURES.iter().flat_map(|f| [(*f, false), (*f, true)]) {
         let refs = prompts(f);
-        let mut e = engine(f, true, Submit::Stream);
+        let mut e = match cache {
+            false => engine(f, true, Submit::Stream),
+            // With an expert cache of a few experts, DALI assignment and DALI prefetch.
+            true => cached_engine(f, None, ExpertCacheConfig { experts: 4, assignment: AssignmentKind::Dali, prefetch: PrefetchKind::Residual, policy: PolicyKind::Workload }),
+        };
         let v = e.model.cfg.vocab_size;
         let (a, b) = (&refs[0], &refs[1 % refs.len()]);
         let len = a.input_ids.len().min(b.input_ids.len());
@@ -171,8 +187,8 @@ fn bf16_hybrid_decode_meets_the_reference_gates() {
         }
         for (label, p, got) in [("a", a, &got_a), ("b", b, &got_b)] {
             let gate = Bf16Gate::new(p, got, v);
-            println!("{f} hybrid bf16 decode, prompt {label}: {gate}");
-            assert!(gate.passed(), "{f} prompt {label}: {gate}");
+            println!("{f} hybrid bf16 decode (expert cache {cache}), prompt {label}: {gate}");
+            assert!(gate.passed(), "{f} (expert cache {cache}) prompt {label}: {gate}");
         }
         for d in dseqs {
             e.release(d).unwrap();
@@ -190,9 +206,12 @@ fn jittered_streams_and_churn_keep_the_cpu_engines_results() {
     let f = "tiny-qwen3moe";
     let all = batch_prompts(f);
     let cpu_model = load(f);
-    for submit in [Submit::Stream, Submit::Host] {
+    // The third run has an expert cache of two experts, HybriMoE assignment
+    // and impact prefetch: its slots are copied, read and replaced under the jitter.
+    let cache = ExpertCacheConfig { experts: 2, assignment: AssignmentKind::HybriMoe, prefetch: PrefetchKind::Impact, policy: PolicyKind::Lru };
+    for (submit, expert_cache) in [(Submit::Stream, None), (Submit::Host, None), (Submit::Host, Some(cache))] {
         let jitter = Jitter { seed: 7, max: Duration::from_micros(300) };
-        let mut e = HybridEngine::new(load(f), device(Some(jitter)), HybridConfig { kv_blocks: 24, micro_batches: true, defer_experts: 0, cpu_jitter: Some(jitter), submit }, BLOCK).unwrap();
+        let mut e = HybridEngine::new(load(f), device(Some(jitter)), HybridConfig { kv_blocks: 24, micro_batches: true, defer_experts: 0, cpu_jitter: Some(jitter), submit, expert_cache }, BLOCK).unwrap();
         // Rounds of 3 sequences reuse the same 24 blocks: each round's blocks
         // were another's the round before.
         for round in 0..4 {
@@ -201,7 +220,7 @@ fn jittered_streams_and_churn_keep_the_cpu_engines_results() {
             let got = hybrid_decode(&mut e, &prompts, 12, Precision::F32);
             for (i, (g, w)) in got.iter().zip(&want).enumerate() {
                 for (step, (gs, ws)) in g.iter().zip(w).enumerate() {
-                    assert!(max_abs_diff(gs, ws) <= F32_MAX_ABS_DIFF, "{submit:?} round {round} seq {i} step {step}");
+                    assert!(max_abs_diff(gs, ws) <= F32_MAX_ABS_DIFF, "{submit:?} (cache {expert_cache:?}) round {round} seq {i} step {step}");
                 }
             }
         }
@@ -214,7 +233,7 @@ fn jittered_streams_and_churn_keep_the_cpu_engines_results() {
 #[test]
 fn refusals_name_what_does_not_fit() {
     let f = "tiny-dsv3";
-    let mut e = HybridEngine::new(load(f), device(None), HybridConfig { kv_blocks: 3, micro_batches: true, defer_experts: 0, cpu_jitter: None, submit: Submit::Stream }, BLOCK).unwrap();
+    let mut e = HybridEngine::new(load(f), device(None), HybridConfig { kv_blocks: 3, micro_batches: true, defer_experts: 0, cpu_jitter: None, submit: Submit::Stream, expert_cache: None }, BLOCK).unwrap();
     let host: KvPool = e.model.new_kv_pool(8, BLOCK);
     let held = e.admit(&host, &BlockTable::default(), 2 * BLOCK).unwrap();
     match e.admit(&host, &BlockTable::default(), 2 * BLOCK) {
@@ -226,7 +245,7 @@ fn refusals_name_what_does_not_fit() {
     e.release(again).unwrap();
 
     let tiny = EmulatedDevice::new(EmulatedConfig { memory_bytes: 64 << 10, ..Default::default() }).unwrap();
-    let err = HybridEngine::new(load(f), tiny, HybridConfig { kv_blocks: 4, micro_batches: true, defer_experts: 0, cpu_jitter: None, submit: Submit::Stream }, BLOCK).err().expect("64 KiB is too small");
+    let err = HybridEngine::new(load(f), tiny, HybridConfig { kv_blocks: 4, micro_batches: true, defer_experts: 0, cpu_jitter: None, submit: Submit::Stream, expert_cache: None }, BLOCK).err().expect("64 KiB is too small");
     let msg = err.to_string();
     for part in ["resident weights", "embedding", "attention", "LM head", "KV pool of 4 blocks"] {
         assert!(msg.contains(part), "{msg}");
@@ -240,7 +259,7 @@ fn refusals_name_what_does_not_fit() {
 fn a_device_fault_mid_step_is_an_error_not_a_hang() {
     let f = "tiny-qwen3moe";
     let dev = EmulatedDevice::new(EmulatedConfig { memory_bytes: 64 << 20, compute_threads: 1, ..Default::default() }).unwrap();
-    let mut e = HybridEngine::new(load(f), dev.clone(), HybridConfig { kv_blocks: 8, micro_batches: true, defer_experts: 0, cpu_jitter: None, submit: Submit::Stream }, BLOCK).unwrap();
+    let mut e = HybridEngine::new(load(f), dev.clone(), HybridConfig { kv_blocks: 8, micro_batches: true, defer_experts: 0, cpu_jitter: None, submit: Submit::Stream, expert_cache: None }, BLOCK).unwrap();
     // A stream of the test's own holds a faulting op until released.
     let s = dev.create_stream(StreamKind::Compute).unwrap();
     let (release, gate) = mpsc::channel::<()>();
@@ -294,4 +313,65 @@ fn a_device_fault_mid_step_is_an_error_not_a_hang() {
         }
     }
     assert!(fault_at.is_some(), "the fault never showed");
+}
+
+fn cached_engine(name: &str, jitter: Option<Jitter>, cache: ExpertCacheConfig) -> HybridEngine {
+    let cfg = HybridConfig { kv_blocks: 64, micro_batches: true, defer_experts: 0, cpu_jitter: jitter, submit: Submit::Stream, expert_cache: Some(cache) };
+    HybridEngine::new(load(name), device(jitter), cfg, BLOCK).expect("the tiny model and its cache fit")
+}
+
+/// With the device's expert cache, under every assignment, prefetch and
+/// replacement setting (each varied from a default, on every family; the
+/// whole cross product on Qwen3-MoE), with a budget of one expert and of a
+/// quarter of them, batch 1 and 6: the CPU engine's tokens, and logits within
+/// 2e-3. The settings that may run experts on the device do so.
+#[test]
+fn f32_expert_cache_keeps_the_cpu_engines_results() {
+    let assignments = [AssignmentKind::Static, AssignmentKind::HybriMoe, AssignmentKind::Dali];
+    let prefetches = [PrefetchKind::None, PrefetchKind::Impact, PrefetchKind::Residual];
+    let policies = [PolicyKind::Mrs, PolicyKind::Workload, PolicyKind::Lru, PolicyKind::Lfu];
+    for f in FIXTURES {
+        let all = batch_prompts(f);
+        let cpu_model = load(f);
+        let quarter = (cpu_model.cfg.n_routed_experts * cpu_model.cfg.moe_layers.iter().filter(|&&m| m).count() / 4).max(1);
+        let base = ExpertCacheConfig { experts: quarter, assignment: AssignmentKind::Dali, prefetch: PrefetchKind::None, policy: PolicyKind::Mrs };
+        let mut settings: Vec<ExpertCacheConfig> = vec![];
+        if f == "tiny-qwen3moe" {
+            for &assignment in &assignments {
+                for &prefetch in &prefetches {
+                    for &policy in &policies {
+                        settings.push(ExpertCacheConfig { assignment, prefetch, policy, ..base });
+                    }
+                }
+            }
+        } else {
+            settings.extend(assignments.iter().map(|&assignment| ExpertCacheConfig { assignment, ..base }));
+            settings.extend(prefetches.iter().map(|&prefetch| ExpertCacheConfig { prefetch, ..base }));
+            settings.extend(policies.iter().map(|&policy| ExpertCacheConfig { policy, ..base }));
+        }
+        settings.push(ExpertCacheConfig { experts: 1, assignment: AssignmentKind::HybriMoe, prefetch: PrefetchKind::Impact, policy: PolicyKind::Lru });
+        settings.push(ExpertCacheConfig { experts: 1, ..base });
+        for batch in [1usize, 6] {
+            let prompts = &all[..batch];
+            let want = cpu_decode(&cpu_model, prompts, 4, Precision::F32);
+            for cache in &settings {
+                let mut e = cached_engine(f, None, *cache);
+                let (got, stats) = hybrid_decode_counting(&mut e, prompts, 4, Precision::F32);
+                for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+                    for (step, (gs, ws)) in g.iter().zip(w).enumerate() {
+                        let d = max_abs_diff(gs, ws);
+                        assert!(d <= F32_MAX_ABS_DIFF, "{f} batch {batch} {cache:?} seq {i} step {step}: max |Δlogit| {d}");
+                        assert_eq!(argmax(gs), argmax(ws), "{f} batch {batch} {cache:?} seq {i} step {step}");
+                    }
+                }
+                assert!(stats.lookups > 0 && stats.layers > 0, "{f} {cache:?}: the cache planned no layer");
+                if cache.assignment == AssignmentKind::Static {
+                    assert_eq!(stats.device_experts, 0, "{f} {cache:?}: static runs every routed expert on the CPU");
+                }
+                if batch == 6 && cache.experts > 1 {
+                    println!("{f} batch {batch} {cache:?}: {stats:?} {:?}", e.expert_cache().unwrap().cost());
+                }
+            }
+        }
+    }
 }

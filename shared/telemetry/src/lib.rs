@@ -48,6 +48,10 @@ const BATCH: &[f64] = &[1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 8.0, 12.0, 16.0, 24.0, 32.
 const THROUGHPUT: &[f64] = &[10.0, 25.0, 50.0, 100.0, 250.0, 500.0, 1000.0, 2500.0, 5000.0, 10000.0, 25000.0];
 /// Fractions, such as an overlap efficiency.
 const RATIO: &[f64] = &[0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.85, 0.9, 0.95, 1.0];
+/// Short decisions: a microsecond to ten milliseconds.
+const DECISION: &[f64] = &[1e-6, 2.5e-6, 5e-6, 1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 1e-2];
+/// Experts per layer.
+const EXPERTS: &[f64] = &[0.0, 1.0, 2.0, 4.0, 6.0, 8.0, 12.0, 16.0, 24.0, 32.0, 48.0, 64.0, 128.0, 256.0];
 const NONE: &[f64] = &[];
 
 macro_rules! metrics_table {
@@ -93,6 +97,18 @@ metrics_table! {
         "max(device compute, CPU MoE) ÷ step time of each hybrid step, where the device reports its compute time (the emulated device does).";
     DEVICE_KV_BLOCKS_USED = "duplex_decode_device_kv_blocks_used", Gauge, Decode, NONE,
         "Blocks of the decode worker's device KV pool held by running sequences (hybrid placement).";
+    EXPERT_CACHE_LOOKUPS = "duplex_decode_expert_cache_lookups_total", Counter, Decode, NONE,
+        "Activated routed experts looked up in the decode device's expert cache (hybrid placement with expert_cache_experts).";
+    EXPERT_CACHE_HITS = "duplex_decode_expert_cache_hits_total", Counter, Decode, NONE,
+        "Activated routed experts found on the device (cached or prefetched) when their layer ran.";
+    EXPERTS_PER_LAYER = "duplex_decode_experts_per_layer", Histogram, Decode, EXPERTS,
+        "Activated routed experts of a MoE layer run on each side, per step (the mean over its layers); label side = device | cpu.";
+    EXPERT_PREFETCH_BYTES = "duplex_decode_expert_prefetch_bytes_total", Counter, Decode, NONE,
+        "Expert bytes copied to the device ahead of their layer; label outcome = copied | wasted (the layer did not use the expert).";
+    EXPERT_LAYER_TIME = "duplex_decode_expert_layer_seconds", Histogram, Decode, LATENCY,
+        "A MoE layer's routed-expert time per step (the mean over its layers); label kind = predicted (the assignment's cost model) | measured (max of the device's and the CPU's share).";
+    EXPERT_DECISION_TIME = "duplex_decode_expert_decision_seconds", Histogram, Decode, DECISION,
+        "Time the expert cache spent deciding (assignment, replacement, prefetch choice) per MoE layer, per step (the mean over its layers).";
     DECODE_RUNNING = "duplex_decode_running_sequences", Gauge, Decode, NONE,
         "Sequences in the decode worker's running batch.";
     DECODE_WAITING = "duplex_decode_waiting_sequences", Gauge, Decode, NONE,
