@@ -34,6 +34,7 @@ use clap::Args;
 use duplex_kernels::device::emulated::{EmulatedConfig, EmulatedDevice};
 use duplex_kernels::device::Device;
 use duplex_kernels::pool::PoolConfig;
+use duplex_model::device_experts::{CacheStats, ExpertCache, ExpertCacheConfig};
 use duplex_model::hybrid::{DeviceKv, DeviceSeq, HybridConfig, HybridEngine, Submit};
 use duplex_model::{BlockTable, KvPool, Logits, Model, Precision, SeqInput};
 use duplex_toolkit::reference::argmax;
@@ -49,38 +50,49 @@ const PAPER_BATCH2_SPEEDUP: f64 = 1.56;
 #[derive(Args)]
 pub struct BenchDecodeArgs {
     #[command(flatten)]
-    model: ModelArgs,
+    pub(crate) model: ModelArgs,
     /// Prompt tokens per sequence, prefilled on the CPU engine into a host KV pool and
     /// handed to the hybrid placement (as from the prefill worker).
     #[arg(long, default_value_t = 512)]
-    context: usize,
+    pub(crate) context: usize,
     /// Decode steps per round.
     #[arg(long, default_value_t = 16)]
-    steps: usize,
+    pub(crate) steps: usize,
     /// Rounds; each runs every configuration once, interleaved.
     #[arg(long, default_value_t = 5)]
-    rounds: usize,
+    pub(crate) rounds: usize,
     /// Compute threads of the emulated device (its own, apart from the CPU pool's).
     #[arg(long, default_value_t = 1)]
-    device_threads: usize,
+    pub(crate) device_threads: usize,
     /// Threads of the CPU pool that runs the routed experts.
     #[arg(long, default_value_t = 1)]
-    cpu_threads: usize,
+    pub(crate) cpu_threads: usize,
     /// Emulated device memory in MiB [default: the resident weights, the KV pool and room for activations].
     #[arg(long)]
-    device_memory_mib: Option<usize>,
+    pub(crate) device_memory_mib: Option<usize>,
     /// Blocks of each engine's device KV pool [default: enough for two sequences].
     #[arg(long)]
-    kv_blocks: Option<usize>,
+    pub(crate) kv_blocks: Option<usize>,
     /// Expert Deferral at batch 1: defer this many of each token's routed experts
     /// (less than the model's experts per token); 0 leaves that row out.
     #[arg(long, default_value_t = 2)]
-    defer: usize,
+    pub(crate) defer: usize,
+    /// Instead: compare the expert cache's settings (assignment, prefetch,
+    /// policy) with a device cache of this many routed experts (over all MoE layers).
+    #[arg(long, default_value_t = 0)]
+    pub(crate) expert_cache: usize,
+    /// With --expert-cache: the emulated device's host→device bandwidth in GB/s
+    /// (PCIe 4.0 x16 moves about 25).
+    #[arg(long, default_value_t = 25.0)]
+    pub(crate) h2d_gb_per_s: f64,
+    /// With --expert-cache: sequences decoding at once (1 or 2).
+    #[arg(long, default_value_t = 1)]
+    pub(crate) batch: usize,
 }
 
 /// What one configuration did in one round, summed over its steps.
 #[derive(Clone, Copy, Default)]
-struct Round {
+pub(crate) struct Round {
     /// The emulated device's compute time.
     device: Duration,
     /// The host's time in the routed experts.
@@ -88,8 +100,10 @@ struct Round {
     /// The host's time blocked on the device.
     wait: Duration,
     /// Wall time of the steps.
-    measured: Duration,
-    tokens: usize,
+    pub(crate) measured: Duration,
+    pub(crate) tokens: usize,
+    /// What an expert cache did.
+    pub(crate) cache: CacheStats,
 }
 
 impl Round {
@@ -97,15 +111,15 @@ impl Round {
         self.device.max(self.cpu).as_secs_f64() / self.measured.as_secs_f64().max(1e-12)
     }
 
-    fn tokens_per_s(&self) -> f64 {
+    pub(crate) fn tokens_per_s(&self) -> f64 {
         self.tokens as f64 / self.measured.as_secs_f64().max(1e-12)
     }
 }
 
 /// One engine and its sequences' device blocks.
-struct Placement {
-    engine: HybridEngine,
-    seqs: Vec<DeviceSeq>,
+pub(crate) struct Placement {
+    pub(crate) engine: HybridEngine,
+    pub(crate) seqs: Vec<DeviceSeq>,
 }
 
 /// Cores of their own for the host thread (the CPU pool's thread 0, which
@@ -114,7 +128,7 @@ struct Placement {
 /// thread on its waker's core, where it preempts the host thread: the two
 /// then take turns on one core and nothing overlaps.
 #[derive(Clone)]
-struct Pinning {
+pub(crate) struct Pinning {
     host: Vec<usize>,
     device: usize,
 }
@@ -127,7 +141,7 @@ impl Pinning {
         (device_threads == 1 && cores.len() > cpu_threads).then(|| Pinning { host: cores[..cpu_threads].to_vec(), device: cores[cpu_threads] })
     }
 
-    fn describe(p: &Option<Pinning>) -> String {
+    pub(crate) fn describe(p: &Option<Pinning>) -> String {
         match p {
             Some(p) => format!("pinned: host and CPU pool on cores {}, device streams on core {}", duplex_kernels::pool::format_cpu_list(&p.host), p.device),
             None => "not pinned (too few cores, or more than one device thread)".into(),
@@ -135,7 +149,7 @@ impl Pinning {
     }
 }
 
-fn pin_current(core: usize) -> Result<()> {
+pub(crate) fn pin_current(core: usize) -> Result<()> {
     if !core_affinity::set_for_current(core_affinity::CoreId { id: core }) {
         bail!("cannot pin the benchmark's thread to core {core}");
     }
@@ -150,13 +164,13 @@ struct Config {
 }
 
 /// `min / median / max`.
-fn spread(mut xs: Vec<f64>, digits: usize) -> String {
+pub(crate) fn spread(mut xs: Vec<f64>, digits: usize) -> String {
     xs.sort_by(f64::total_cmp);
     let median = if xs.len() % 2 == 1 { xs[xs.len() / 2] } else { (xs[xs.len() / 2 - 1] + xs[xs.len() / 2]) / 2.0 };
     format!("{:.digits$} / {median:.digits$} / {:.digits$}", xs[0], xs[xs.len() - 1])
 }
 
-fn mib(bytes: usize) -> f64 {
+pub(crate) fn mib(bytes: usize) -> f64 {
     bytes as f64 / (1 << 20) as f64
 }
 
@@ -182,22 +196,24 @@ fn pool_config(args: &BenchDecodeArgs, pin: &Option<Pinning>) -> Result<PoolConf
 }
 
 #[allow(clippy::too_many_arguments)]
-fn placement(args: &BenchDecodeArgs, pin: &Option<Pinning>, (micro_batches, defer_experts, submit): (bool, usize, Submit), kv_blocks: usize, positions: usize, host: &KvPool, tables: &[BlockTable]) -> Result<Placement> {
+pub(crate) fn placement(args: &BenchDecodeArgs, pin: &Option<Pinning>, (micro_batches, defer_experts, submit, expert_cache): (bool, usize, Submit, Option<ExpertCacheConfig>), kv_blocks: usize, positions: usize, host: &KvPool, tables: &[BlockTable]) -> Result<Placement> {
     let dir = &args.model.model;
     let (bar, mut progress) = load_progress(dir);
     let model = Model::load_with(dir, &pool_config(args, pin)?, &mut progress).with_context(|| format!("loading model from {}", dir.display()))?;
     bar.finish_and_clear();
     let memory_bytes = match args.device_memory_mib {
         Some(m) => m << 20,
-        None => default_device_bytes(&model, kv_blocks, positions)?,
+        None => default_device_bytes(&model, kv_blocks, positions)? + expert_cache.map_or(0, |ec| ExpertCache::bytes(&model, ec.experts) / 9 * 10),
     };
-    let device: Arc<dyn Device> = EmulatedDevice::new(EmulatedConfig { memory_bytes, compute_threads: args.device_threads, ..Default::default() })?;
+    // Copies paced as over PCIe where an expert cache moves experts; else unlimited.
+    let h2d_bytes_per_second = expert_cache.map(|_| args.h2d_gb_per_s * 1e9);
+    let device: Arc<dyn Device> = EmulatedDevice::new(EmulatedConfig { memory_bytes, compute_threads: args.device_threads, h2d_bytes_per_second, ..Default::default() })?;
     // The engine starts the device's stream threads, which inherit the
     // starting thread's cores: the device's core while it does.
     if let Some(p) = pin {
         pin_current(p.device)?;
     }
-    let engine = HybridEngine::new(model, device, HybridConfig { kv_blocks, micro_batches, defer_experts, cpu_jitter: None, submit }, BLOCK);
+    let engine = HybridEngine::new(model, device, HybridConfig { kv_blocks, micro_batches, defer_experts, cpu_jitter: None, submit, expert_cache }, BLOCK);
     if let Some(p) = pin {
         pin_current(p.host[0])?;
     }
@@ -210,7 +226,7 @@ fn placement(args: &BenchDecodeArgs, pin: &Option<Pinning>, (micro_batches, defe
 /// of their prompts (the tables are rewound, so every round decodes the same
 /// tokens over the same blocks and the rounds differ only in noise).
 #[allow(clippy::too_many_arguments)]
-fn decode(p: &mut Placement, host: &mut KvPool, tables: &mut [BlockTable], first: &[Vec<f32>], context: usize, batch: usize, steps: usize, precision: Precision) -> Result<Round> {
+pub(crate) fn decode(p: &mut Placement, host: &mut KvPool, tables: &mut [BlockTable], first: &[Vec<f32>], context: usize, batch: usize, steps: usize, precision: Precision) -> Result<Round> {
     let vocab = p.engine.model.cfg.vocab_size;
     let mut logits: Vec<f32> = first[..batch].concat();
     let dseqs: Vec<&DeviceSeq> = p.seqs[..batch].iter().collect();
@@ -229,6 +245,7 @@ fn decode(p: &mut Placement, host: &mut KvPool, tables: &mut [BlockTable], first
         round.device += timings.device_busy.context("the emulated device reports its compute time")?;
         round.cpu += timings.cpu_moe;
         round.wait += timings.device_wait;
+        round.cache += timings.cache;
         logits = out;
     }
     Ok(round)
@@ -239,6 +256,12 @@ pub fn run(args: BenchDecodeArgs) -> Result<()> {
         if value == 0 {
             bail!("{flag} must be at least 1");
         }
+    }
+    if args.expert_cache > 0 && !(args.h2d_gb_per_s.is_finite() && args.h2d_gb_per_s > 0.0) {
+        bail!("--h2d-gb-per-s must be a positive number of GB/s");
+    }
+    if !(1..=2).contains(&args.batch) {
+        bail!("--batch must be 1 or 2");
     }
     if args.kv_blocks == Some(0) || args.device_memory_mib == Some(0) {
         bail!("--kv-blocks and --device-memory-mib must be at least 1");
@@ -283,14 +306,17 @@ pub fn run(args: BenchDecodeArgs) -> Result<()> {
         first.push(logits);
     }
     drop(cpu);
+    if args.expert_cache > 0 {
+        return crate::bench_experts::run(&args, &cfg, &pin, kv_blocks, (positions, cores), &mut host, &mut tables, &first);
+    }
 
     let mut placements = vec![];
-    for kind in [(true, 0, Submit::Stream), (false, 0, Submit::Stream), (true, 0, Submit::Host)] {
+    for kind in [(true, 0, Submit::Stream, None), (false, 0, Submit::Stream, None), (true, 0, Submit::Host, None)] {
         placements.push(placement(&args, &pin, kind, kv_blocks, positions, &host, &tables)?);
     }
     if args.defer > 0 {
         // Deferral applies to a pass of one decoding sequence: an engine of its own.
-        placements.push(placement(&args, &pin, (true, args.defer, Submit::Stream), kv_blocks, positions, &host, &tables)?);
+        placements.push(placement(&args, &pin, (true, args.defer, Submit::Stream, None), kv_blocks, positions, &host, &tables)?);
     }
     let budget = placements[0].engine.budget();
     // Written, not printed: a reader that goes away (`| head`) is an error

@@ -17,6 +17,7 @@ use indicatif::{ProgressBar, ProgressStyle};
 
 mod bench;
 mod bench_decode;
+mod bench_experts;
 mod bench_slp;
 mod loadgen;
 mod serve;
