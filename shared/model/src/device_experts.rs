@@ -166,8 +166,8 @@ impl ExpertCache {
         expert_slot_bytes(model).map_or(0, |b| (experts + transient_slots(model)) * b)
     }
 
-    /// Empty slots in `memory` (at least [`ExpertCache::bytes`] long).
-    pub(crate) fn new(model: &Model, memory: DevicePtr, cfg: ExpertCacheConfig, cost: CostModel) -> Result<Self, ForwardError> {
+    /// Empty slots in `memory` (at least [`ExpertCache::bytes`] long) of `dev`.
+    pub(crate) fn new(model: &Model, dev: &dyn Device, memory: DevicePtr, cfg: ExpertCacheConfig, cost: CostModel) -> Result<Self, ForwardError> {
         let c = &model.cfg;
         let slot_bytes = expert_slot_bytes(model).ok_or_else(|| ForwardError::BadModule("an expert cache for a model without routed experts".into()))?;
         let n_slots = cfg.experts + transient_slots(model);
@@ -180,6 +180,17 @@ impl ExpertCache {
             if let ModuleKind::Expert { layer, .. } = m.kind {
                 modules[layer].push(m);
             }
+        }
+        // Page-lock the mappings the experts are copied from (once each), so
+        // that their copies run at the link's speed on a GPU.
+        let mut owners: Vec<duplex_kernels::device::HostBytes> = vec![];
+        for (_, t) in modules.iter().flatten().flat_map(|m| m.tensors.iter()) {
+            if !owners.iter().any(|o| o.same_owner(&t.data)) {
+                owners.push(t.data.whole());
+            }
+        }
+        for o in &owners {
+            dev.register_host(o)?;
         }
         let moe: Vec<usize> = (0..c.num_hidden_layers).filter(|&l| c.is_moe_layer(l)).collect();
         let family = match c.architecture {

@@ -371,7 +371,7 @@ impl HybridEngine {
                 let memory = dev.alloc(budget.experts)?;
                 resident.push(memory);
                 let cost = profile_costs(&model, &*dev, streams[0], copy, memory)?;
-                let mut cache = ExpertCache::new(&model, memory, ec, cost)?;
+                let mut cache = ExpertCache::new(&model, &*dev, memory, ec, cost)?;
                 if cache.config().prefetch == PrefetchKind::Residual {
                     calibrate_residuals(&model, &mut cache)?;
                 }
