@@ -548,16 +548,7 @@ impl HybridEngine {
         if let Some(pb) = pb.as_mut() {
             pb.run(ModuleKind::Head { first_row: 0 }, &me.head, host)?;
         }
-        let mut tables: Vec<&mut BlockTable> = a.iter_mut().map(|s| &mut *s.table).collect();
-        let (mut logits, backend, _) = pa.finish(&mut tables)?;
-        let mut timings = backend.timings;
-        if let Some(pb) = pb {
-            let mut tables: Vec<&mut BlockTable> = b.iter_mut().map(|s| &mut *s.table).collect();
-            let (more, backend, _) = pb.finish(&mut tables)?;
-            logits.extend(more);
-            timings += backend.timings;
-        }
-        Ok((logits, timings))
+        Self::finish(pa, pb, a, b)
     }
 
     /// One step with [`Submit::Stream`]: each micro-batch's whole pass is
@@ -599,9 +590,17 @@ impl HybridEngine {
             }
             return Err(e);
         }
+        let (logits, passes) = Self::finish(pa, pb, a, b)?;
+        timings += passes;
+        Ok((logits, timings))
+    }
+
+    /// The logits of both micro-batches' passes, in order (each pass ends in
+    /// its stream's download of them), and their backends' timings.
+    fn finish(pa: Pass<HybridBackend>, pb: Option<Pass<HybridBackend>>, a: &mut [SeqInput], b: &mut [SeqInput]) -> Result<(Vec<f32>, HybridTimings), ForwardError> {
         let mut tables: Vec<&mut BlockTable> = a.iter_mut().map(|s| &mut *s.table).collect();
         let (mut logits, backend, _) = pa.finish(&mut tables)?;
-        timings += backend.timings;
+        let mut timings = backend.timings;
         if let Some(pb) = pb {
             let mut tables: Vec<&mut BlockTable> = b.iter_mut().map(|s| &mut *s.table).collect();
             let (more, backend, _) = pb.finish(&mut tables)?;
@@ -911,13 +910,7 @@ fn calibrate_residuals(model: &Model, cache: &mut ExpertCache) -> Result<(), For
         let m = &model.modules[i];
         match m.kind {
             ModuleKind::Expert { layer, .. } => {
-                let group: Vec<(usize, &Weights<HostWeight>)> = model.modules[i..]
-                    .iter()
-                    .map_while(|x| match x.kind {
-                        ModuleKind::Expert { layer: l, expert } if l == layer => Some((expert, &x.weights)),
-                        _ => None,
-                    })
-                    .collect();
+                let group = model.expert_group(i);
                 i += group.len();
                 pass.run_experts(layer, &group)?;
             }

@@ -326,6 +326,19 @@ impl Model {
         self.forward_batch_deferred(pool, seqs, precision, want, timings, 0)
     }
 
+    /// The routed experts of one layer, `(index, weights)`, that start at
+    /// module `first` and follow one another in [`Model::modules`].
+    pub(crate) fn expert_group(&self, first: usize) -> Vec<(usize, &Weights<HostWeight>)> {
+        let layer = self.modules.get(first).and_then(|m| m.kind.layer());
+        self.modules[first.min(self.modules.len())..]
+            .iter()
+            .map_while(|x| match x.kind {
+                ModuleKind::Expert { layer: l, expert } if Some(l) == layer => Some((expert, &x.weights)),
+                _ => None,
+            })
+            .collect()
+    }
+
     /// [`Model::forward_batch`] with Expert Deferral of `defer` experts per
     /// token ([`Pass::defer_experts`]): the CPU runs them right after the
     /// others (it has nothing to overlap them with), which gives the maths
@@ -349,13 +362,7 @@ impl Model {
             match m.kind {
                 // A layer's experts run together, in one parallel region.
                 ModuleKind::Expert { layer, .. } => {
-                    let group: Vec<(usize, &Weights<HostWeight>)> = self.modules[i..]
-                        .iter()
-                        .map_while(|x| match x.kind {
-                            ModuleKind::Expert { layer: l, expert } if l == layer => Some((expert, &x.weights)),
-                            _ => None,
-                        })
-                        .collect();
+                    let group = self.expert_group(i);
                     i += group.len();
                     pass.run_experts(layer, &group)?;
                     pass.run_deferred(&group)?;
