@@ -158,14 +158,17 @@ if [ "$serve" = 1 ]; then
     fail "--serve needs $bin (cargo build --bins), curl and python3"
   else
     # Two servers: the decode worker on the CPU, then on the hybrid placement
-    # (an emulated device), so that the series of both exist.
+    # (an emulated device, with an expert cache and prefetch), so that the
+    # series of both exist.
     for decode_device in cpu emulated; do
+    cache=0 prefetch=none
+    if [ "$decode_device" = emulated ]; then cache=8 prefetch=impact; fi
     http=$(free_port) grpc=$(free_port) dm=$(free_port) pm=$(free_port) dp=$(free_port) pp=$(free_port)
     # A low prefill threshold, so that one request goes through each worker;
     # the prefill worker on an emulated accelerator with a low stream-loading
     # threshold (and a small device), so that its SLP series exist too.
-    printf '[router]\nprefill_threshold_tokens = 16\n[decode]\nport = %s\nmetrics_port = %s\nthreads = 1\ndevice = "%s"\ndevice_memory_mib = 256\n[prefill]\nport = %s\nmetrics_port = %s\nthreads = 1\n' \
-      "$dp" "$dm" "$decode_device" "$pp" "$pm" >"$work/duplex.toml"
+    printf '[router]\nprefill_threshold_tokens = 16\n[decode]\nport = %s\nmetrics_port = %s\nthreads = 1\ndevice = "%s"\ndevice_memory_mib = 256\nexpert_cache_experts = %s\nexpert_prefetch = "%s"\n[prefill]\nport = %s\nmetrics_port = %s\nthreads = 1\n' \
+      "$dp" "$dm" "$decode_device" "$cache" "$prefetch" "$pp" "$pm" >"$work/duplex.toml"
     printf 'device = "emulated"\nslp_threshold_tokens = 16\ndevice_memory_mib = 64\ndense_budget_mib = 4\n' >>"$work/duplex.toml"
     "$bin" serve --config "$work/duplex.toml" --http-port "$http" --grpc-port "$grpc" --instance "checkdeploy-$$-$decode_device" --ready-timeout 120 >"$work/serve.log" 2>&1 &
     pids+=($!)
