@@ -55,9 +55,9 @@ impl ModuleKind {
 /// layer's row lists (the immediate experts' lists, then the deferred ones').
 #[derive(Default)]
 pub struct Assignment {
-    pub now: Vec<Vec<(usize, f32)>>,
+    now: Vec<Vec<(usize, f32)>>,
     now_firsts: Vec<usize>,
-    pub deferred: Vec<Vec<(usize, f32)>>,
+    deferred: Vec<Vec<(usize, f32)>>,
     deferred_firsts: Vec<usize>,
 }
 
