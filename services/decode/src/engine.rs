@@ -36,10 +36,24 @@ impl Engine {
             Engine::Cpu(_) => "the CPU".into(),
             Engine::Hybrid(h) => {
                 let b = h.budget();
+                let experts = match h.expert_cache() {
+                    Some(c) => {
+                        let cfg = c.config();
+                        format!(
+                            "an expert cache of {} routed experts ({:.1} MiB; assignment {}, prefetch {}, policy {}; steps host-driven)",
+                            cfg.experts,
+                            b.experts as f64 / (1 << 20) as f64,
+                            cfg.assignment,
+                            cfg.prefetch,
+                            cfg.policy
+                        )
+                    }
+                    None => "routed experts on the CPU".into(),
+                };
                 format!(
-                    "{} (hybrid: {:.1} MiB of resident weights, {} device KV blocks; routed experts on the CPU)",
+                    "{} (hybrid: {:.1} MiB of resident weights, {} device KV blocks; {experts})",
                     h.device().describe(),
-                    (b.total() - b.kv) as f64 / (1 << 20) as f64,
+                    (b.total() - b.kv - b.experts) as f64 / (1 << 20) as f64,
                     h.kv().total_blocks()
                 )
             }
