@@ -70,3 +70,24 @@ GEMM_ENTRY(gemm_f32, FMT_F32)
 GEMM_ENTRY(gemm_bf16, FMT_BF16)
 GEMM_ENTRY(gemm_f16, FMT_F16)
 GEMM_ENTRY(gemm_fp8, FMT_FP8)
+
+// `count` independent products in one launch (MLA's absorbed decode: one per
+// head). Batch b's weight data and scales lie b·w_step and b·scales_step
+// bytes on, its x and y b·x_step and b·y_step floats on; every warp takes its
+// share of each batch in turn, so no batch waits for another's warps.
+#define GEMM_BATCHED_ENTRY(NAME, FMT)                                                               \
+    extern "C" __global__ void NAME(const u8* w, const float* scales, u64 rows, u64 cols, u64 b0,    \
+                                    u64 b1, const float* x, u64 x_stride, float* y, u64 y_stride,  \
+                                    u64 n, int round_x, int round_y, u64 count, u64 w_step,        \
+                                    u64 scales_step, u64 x_step, u64 y_step) {                     \
+        for (u64 b = 0; b < count; ++b) {                                                          \
+            const float* sb = (const float*)((const u8*)scales + b * scales_step);                 \
+            gemm<FMT>(w + b * w_step, sb, rows, cols, b0, b1, x + b * x_step, x_stride,            \
+                      y + b * y_step, y_stride, n, round_x, round_y);                               \
+        }                                                                                          \
+    }
+
+GEMM_BATCHED_ENTRY(gemm_batched_f32, FMT_F32)
+GEMM_BATCHED_ENTRY(gemm_batched_bf16, FMT_BF16)
+GEMM_BATCHED_ENTRY(gemm_batched_f16, FMT_F16)
+GEMM_BATCHED_ENTRY(gemm_batched_fp8, FMT_FP8)

@@ -275,6 +275,38 @@ fn gemm_matches_reference() {
     }
 }
 
+/// One launch for many small GEMMs (MLA's absorbed decode, per head): row
+/// bands of one weight, strided x and y windows, every format and precision.
+#[test]
+fn gemm_batched_matches_reference() {
+    let Some(gpu) = cuda_device() else { return };
+    let mut rng = Rng::new(7);
+    let (heads, rows, cols) = (3, 256, 200);
+    for format in FORMATS {
+        let w = HostWeight::random(&mut rng, heads * rows, cols, format);
+        let x = rng.f32s(2 * heads * (cols + 3), -1.0, 1.0);
+        let y0 = rng.f32s(2 * heads * (rows + 5), -1.0, 1.0);
+        let bpe = format.bytes_per_element();
+        let scales_step = w.scales.len() / heads * 4;
+        for precision in PRECISIONS {
+            for round in [false, true] {
+                let (got, want) = run_both(&gpu, |b| {
+                    let all = b.weight(&w);
+                    let first = DeviceWeight { data: all.data.slice(0, rows * cols * bpe).unwrap(), scales: all.scales.slice(0, scales_step).unwrap(), rows, ..all };
+                    let x = b.matrix(&x, 2 * heads, cols + 3).columns(2..cols + 2);
+                    let y_all = b.matrix(&y0, 2 * heads, rows + 5);
+                    let y = y_all.columns(1..rows + 1);
+                    // Two rows a batch, x and y moving two rows per batch.
+                    let op = Op::GemmBatched { w: first, w_step: rows * cols * bpe, scales_step, x: x.rows(0..2), x_rows: 2, y: y.rows(0..2), y_rows: 2, count: heads, precision, round };
+                    (op, vec![Out::F32(y_all)])
+                });
+                let what = format!("batched gemm {heads} × {rows}×{cols} {format:?}, {precision:?}, round {round}");
+                compare(&got, &want, tolerance(if round { Precision::Bf16 } else { precision }), &what);
+            }
+        }
+    }
+}
+
 #[test]
 fn rms_norm_matches_reference() {
     let Some(gpu) = cuda_device() else { return };

@@ -67,6 +67,10 @@ struct Kernels {
     gemm_bf16: CudaFunction,
     gemm_f16: CudaFunction,
     gemm_fp8: CudaFunction,
+    gemm_batched_f32: CudaFunction,
+    gemm_batched_bf16: CudaFunction,
+    gemm_batched_f16: CudaFunction,
+    gemm_batched_fp8: CudaFunction,
     rms_norm: CudaFunction,
     rope: CudaFunction,
     silu_mul: CudaFunction,
@@ -96,6 +100,10 @@ impl Kernels {
             gemm_bf16: f("gemm_bf16")?,
             gemm_f16: f("gemm_f16")?,
             gemm_fp8: f("gemm_fp8")?,
+            gemm_batched_f32: f("gemm_batched_f32")?,
+            gemm_batched_bf16: f("gemm_batched_bf16")?,
+            gemm_batched_f16: f("gemm_batched_f16")?,
+            gemm_batched_fp8: f("gemm_batched_fp8")?,
             rms_norm: f("rms_norm")?,
             rope: f("rope")?,
             silu_mul: f("silu_mul")?,
@@ -426,6 +434,14 @@ impl CudaDevice {
                 self.check_matrix(x, "gemm x")?;
                 self.check_matrix(y, "gemm y")
             }
+            Op::GemmBatched { w, w_step, scales_step, x, x_rows, y, y_rows, count, .. } => {
+                // The first and the last batch bound the rest.
+                let last = count.saturating_sub(1);
+                self.check_weight(w, "batched gemm weight")?;
+                self.check_weight(&w.shifted(last * w_step, last * scales_step), "batched gemm weight, last batch")?;
+                self.check_matrix(&x.rows(last * x_rows..last * x_rows + x.rows), "batched gemm x")?;
+                self.check_matrix(&y.rows(last * y_rows..last * y_rows + y.rows), "batched gemm y")
+            }
             Op::RmsNorm { x, weight, out, .. } => {
                 self.check_matrix(x, "rms_norm x")?;
                 self.check_ptr(weight, 4, "rms_norm weight")?;
@@ -548,6 +564,38 @@ impl CudaDevice {
                     .u64(n)
                     .flag(bf16(precision))
                     .flag(*round);
+                self.run(s, f, blocks(warps, THREADS / 32), THREADS as u32, 0, params)
+            }
+            Op::GemmBatched { w, w_step, scales_step, x, x_rows, y, y_rows, count, precision, round } => {
+                let n = x.rows;
+                if n == 0 || w.rows == 0 {
+                    return Ok(());
+                }
+                let (f, [b0, b1]) = match w.format {
+                    WeightFormat::F32 => (&k.gemm_batched_f32, [1, 1]),
+                    WeightFormat::Bf16 => (&k.gemm_batched_bf16, [1, 1]),
+                    WeightFormat::F16 => (&k.gemm_batched_f16, [1, 1]),
+                    WeightFormat::Fp8E4m3 { block } => (&k.gemm_batched_fp8, block),
+                };
+                // The warps of one batch; the kernel runs the batches in turn.
+                let warps = w.rows * n.div_ceil(GEMM_TILE);
+                let params = Params::default()
+                    .ptr(w.data.addr)
+                    .ptr(w.scales.addr)
+                    .u64(w.rows)
+                    .u64(w.cols)
+                    .u64(b0)
+                    .u64(b1)
+                    .matrix(x)
+                    .matrix(y)
+                    .u64(n)
+                    .flag(bf16(precision))
+                    .flag(*round)
+                    .u64(*count)
+                    .u64(*w_step)
+                    .u64(*scales_step)
+                    .u64(x_rows * x.stride)
+                    .u64(y_rows * y.stride);
                 self.run(s, f, blocks(warps, THREADS / 32), THREADS as u32, 0, params)
             }
             Op::RmsNorm { x, weight, out, eps, precision } => {

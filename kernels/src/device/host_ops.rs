@@ -107,24 +107,35 @@ impl Executor {
         Executor { pool, isa, linear: LinearScratch::default(), attention: Vec::new() }
     }
 
+    /// `y = x · Wᵀ` ([`Op::Gemm`]).
+    fn gemm(&mut self, mem: &Memory, w: &DeviceWeight, x: &Matrix, y: &Matrix, precision: Precision, round: bool) -> Result<(), DeviceError> {
+        let scales = mem.f32s(w.scales)?;
+        let view = mem.weight(w, &scales)?;
+        let xs = mem.read(x)?;
+        let mut out = vec![0.0; y.rows * y.cols];
+        match precision {
+            Precision::F32 => matmul(&view, &xs, x.rows, &mut out),
+            Precision::Bf16 => par_matmul(&self.pool, self.isa, &view, &xs, x.rows, &mut out, &mut self.linear),
+        }
+        if round {
+            round_bf16_slice(&mut out);
+        }
+        mem.store(y, &out)
+    }
+
     /// Run one (validated) op. Fails only on what validation cannot see:
     /// index values out of range.
     pub fn run(&mut self, mem: &Memory, op: &Op) -> Result<(), DeviceError> {
         let isa = self.isa;
         match op {
-            Op::Gemm { w, x, y, precision, round } => {
-                let scales = mem.f32s(w.scales)?;
-                let view = mem.weight(w, &scales)?;
-                let xs = mem.read(x)?;
-                let mut out = vec![0.0; y.rows * y.cols];
-                match precision {
-                    Precision::F32 => matmul(&view, &xs, x.rows, &mut out),
-                    Precision::Bf16 => par_matmul(&self.pool, isa, &view, &xs, x.rows, &mut out, &mut self.linear),
+            Op::Gemm { w, x, y, precision, round } => self.gemm(mem, w, x, y, *precision, *round),
+            Op::GemmBatched { w, w_step, scales_step, x, x_rows, y, y_rows, count, precision, round } => {
+                for b in 0..*count {
+                    let w = w.shifted(b * w_step, b * scales_step);
+                    let (x, y) = (x.rows(b * x_rows..b * x_rows + x.rows), y.rows(b * y_rows..b * y_rows + y.rows));
+                    self.gemm(mem, &w, &x, &y, *precision, *round)?;
                 }
-                if *round {
-                    round_bf16_slice(&mut out);
-                }
-                mem.store(y, &out)
+                Ok(())
             }
             Op::RmsNorm { x, weight, out, eps, precision } => {
                 let (xs, w) = (mem.read(x)?, mem.f32s(*weight)?);

@@ -161,6 +161,13 @@ impl DeviceWeight {
         Ok(DeviceWeight { data, scales, rows: rows.len(), ..*self })
     }
 
+    /// This weight with its data and its scales `data_bytes` and `scales_bytes` further on.
+    pub fn shifted(&self, data_bytes: usize, scales_bytes: usize) -> DeviceWeight {
+        let data = DevicePtr { addr: self.data.addr + data_bytes as u64, ..self.data };
+        let scales = DevicePtr { addr: self.scales.addr + scales_bytes as u64, ..self.scales };
+        DeviceWeight { data, scales, ..*self }
+    }
+
     fn check(&self, what: &str) -> Result<(), DeviceError> {
         let bytes = self.rows.checked_mul(self.cols).and_then(|n| n.checked_mul(self.format.bytes_per_element()));
         if bytes != Some(self.data.bytes) {
@@ -243,6 +250,13 @@ pub enum Op {
     /// `y = x · Wᵀ` (`x` is `[n, cols]`, `y` `[n, rows]`), FP8 post-scaled per
     /// 128-wide block; with `round`, `y` is rounded to BF16.
     Gemm { w: DeviceWeight, x: Matrix, y: Matrix, precision: Precision, round: bool },
+    /// `count` products `y_b = x_b · W_bᵀ` in one launch, each as [`Op::Gemm`]:
+    /// `w`, `x` and `y` are batch 0's; batch `b`'s weight data and scales lie
+    /// `b · w_step` and `b · scales_step` bytes further on, its `x` and `y`
+    /// `b · x_rows` and `b · y_rows` rows further down. (MLA's absorbed decode
+    /// multiplies one small matrix per attention head: one launch for all
+    /// heads instead of one each.)
+    GemmBatched { w: DeviceWeight, w_step: usize, scales_step: usize, x: Matrix, x_rows: usize, y: Matrix, y_rows: usize, count: usize, precision: Precision, round: bool },
     /// RMSNorm of each row of `x` into `out` (BF16: rounded in the same pass).
     RmsNorm { x: Matrix, weight: DevicePtr, out: Matrix, eps: f32, precision: Precision },
     /// Rotary embedding in place on each row of `x` (each `dr` wide). Row `r`
@@ -568,6 +582,21 @@ impl Op {
                     return bad(format!("gemm: x {}×{}, W {}×{}, y {}×{}", x.rows, x.cols, w.rows, w.cols, y.rows, y.cols));
                 }
                 disjoint(y, &[x], "gemm")
+            }
+            Op::GemmBatched { w, x, x_rows, y, y_rows, count, .. } => {
+                w.check("batched gemm weight")?;
+                if *count == 0 || x.cols != w.cols || y.cols != w.rows || x.rows != y.rows || *x_rows < x.rows || *y_rows < y.rows {
+                    return bad(format!("batched gemm: {count} × (x {}×{} every {x_rows} rows, W {}×{}, y {}×{} every {y_rows} rows)", x.rows, x.cols, w.rows, w.cols, y.rows, y.cols));
+                }
+                // Every batch's rows, at once: all must lie in their buffers,
+                // and no output may overlap an input.
+                let all = |m: &Matrix, step: usize| (count - 1).checked_mul(step).and_then(|r| r.checked_add(m.rows)).map(|rows| Matrix { rows, ..*m });
+                let (Some(xs), Some(ys)) = (all(x, *x_rows), all(y, *y_rows)) else {
+                    return bad(format!("batched gemm: {count} batches overflow"));
+                };
+                xs.check("batched gemm x")?;
+                ys.check("batched gemm y")?;
+                disjoint(&ys, &[&xs], "batched gemm")
             }
             Op::RmsNorm { x, weight, out, .. } => {
                 x.check("rms_norm x")?;

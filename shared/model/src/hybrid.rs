@@ -1128,6 +1128,19 @@ fn cpu_sum(cpu: &crate::cpu::CpuRuntime, xs: &[f32], n: usize, d: usize, jobs: &
     cpu.download(y)
 }
 
+/// The data and scales strides (bytes) at which `ws` follow one another, if
+/// one pair of strides fits them all (and they share a shape).
+fn uniform_steps(ws: &[DeviceWeight]) -> Option<(usize, usize)> {
+    let (first, second) = (ws.first()?, ws.get(1));
+    let step = |a: &DeviceWeight, b: &DeviceWeight| Some(((b.data.addr.checked_sub(a.data.addr)?) as usize, (b.scales.addr.checked_sub(a.scales.addr)?) as usize));
+    let steps = match second {
+        Some(b) => step(first, b)?,
+        None => (0, 0),
+    };
+    let same = ws.windows(2).all(|p| step(&p[0], &p[1]) == Some(steps) && (p[0].rows, p[0].cols, p[0].format, p[0].data.bytes, p[0].scales.bytes) == (p[1].rows, p[1].cols, p[1].format, p[1].data.bytes, p[1].scales.bytes));
+    same.then_some(steps)
+}
+
 /// A segment's device block table.
 struct SeqTable {
     /// The segment's first row in its pass.
@@ -1202,8 +1215,16 @@ impl HybridBackend<'_> {
         let at = |floats: usize, cols: usize| Matrix { offset: c.absorbed.offset + floats, rows: heads, cols, stride: cols, ..c.absorbed };
         let (q_latent, ctx_latent, kv) = (at(0, dc), at(heads * dc, dc), at(2 * heads * dc, dkv));
         let q = c.q.reshape(heads, dq);
-        for (h, k) in key_t.iter().enumerate() {
-            self.dev.gemm(k, q.rows(h..h + 1).columns(0..dn), q_latent.rows(h..h + 1), p, true)?;
+        let round = p == Precision::Bf16;
+        // One launch for every head where the bands lie at one stride (they
+        // are placed so at start-up), else one per head.
+        match uniform_steps(key_t) {
+            Some((w_step, scales_step)) => self.dev.launch(Op::GemmBatched { w: key_t[0], w_step, scales_step, x: q.rows(0..1).columns(0..dn), x_rows: 1, y: q_latent.rows(0..1), y_rows: 1, count: heads, precision: p, round })?,
+            None => {
+                for (h, k) in key_t.iter().enumerate() {
+                    self.dev.gemm(k, q.rows(h..h + 1).columns(0..dn), q_latent.rows(h..h + 1), p, true)?;
+                }
+            }
         }
         let op = Op::MlaDecode { q_latent, q_pe: q.columns(dn..dq), latents, out: ctx_latent, scale: c.scale, precision: p };
         self.dev.launch(op)?;
@@ -1212,8 +1233,14 @@ impl HybridBackend<'_> {
         }
         // A head's whole band (keys and values: slices of an FP8 weight
         // start on a scale block) over its latent; the values are kept.
-        for h in 0..heads {
-            self.dev.gemm(&kv_b.rows(h * dkv..(h + 1) * dkv)?, ctx_latent.rows(h..h + 1), kv.rows(h..h + 1), p, true)?;
+        let bands: Vec<DeviceWeight> = (0..heads).map(|h| kv_b.rows(h * dkv..(h + 1) * dkv)).collect::<Result<_, _>>()?;
+        match uniform_steps(&bands) {
+            Some((w_step, scales_step)) => self.dev.launch(Op::GemmBatched { w: bands[0], w_step, scales_step, x: ctx_latent.rows(0..1), x_rows: 1, y: kv.rows(0..1), y_rows: 1, count: heads, precision: p, round })?,
+            None => {
+                for (h, band) in bands.iter().enumerate() {
+                    self.dev.gemm(band, ctx_latent.rows(h..h + 1), kv.rows(h..h + 1), p, true)?;
+                }
+            }
         }
         self.dev.copy(kv.columns(dn..dkv), c.out.reshape(heads, dv))
     }
