@@ -409,12 +409,10 @@ fn split_files_read_as_one_table() {
 fn inconsistent_split_keys_are_errors() {
     let dir = tempfile::tempdir().unwrap();
     let paths = write_split(dir.path(), 2);
-    // Part 2 claiming to be part 1.
-    let second = GgufPart::open(&paths[1]).unwrap();
-    let first = GgufPart::open(&paths[0]).unwrap();
-    let e = Gguf::from_parts(vec![first, GgufPart::open(&paths[0]).unwrap()]).err().unwrap().to_string();
+    // The first part given twice: the second copy claims split.no 0.
+    let first = || GgufPart::open(&paths[0]).unwrap();
+    let e = Gguf::from_parts(vec![first(), first()]).err().unwrap().to_string();
     assert!(e.contains("split.no 0") && e.contains("00001-of-00002"), "{e}");
-    drop(second);
     // A wrong tensor total.
     let (bytes, _) = Writer::new()
         .kv("split.no", Value::U16(0))
@@ -436,6 +434,103 @@ fn inconsistent_split_keys_are_errors() {
     std::fs::write(&paths[1], dup(1)).unwrap();
     let e = Gguf::open(&paths[0]).err().unwrap().to_string();
     assert!(e.contains("tensor x") && e.contains("earlier part"), "{e}");
+}
+
+/// The fixture rewritten: `kv` edits its metadata (in order), `tensors`
+/// its tensor list; written to `dir/name`.
+fn rewrite_fixture(
+    dir: &Path,
+    name: &str,
+    kv: impl Fn(&mut Vec<(String, Value)>),
+    tensors: impl Fn(&mut Vec<(String, Vec<u64>, u32, Vec<u8>)>),
+) -> Gguf {
+    let g = fixture();
+    let mut kvs: Vec<(String, Value)> = g.metadata().keys().map(|k| (k.to_string(), g.metadata().get(k).unwrap().clone())).collect();
+    kv(&mut kvs);
+    let mut ts: Vec<_> = g.tensors().iter().map(|t| (t.name.clone(), t.dims.clone(), t.ty.id(), g.raw_bytes(t).to_vec())).collect();
+    tensors(&mut ts);
+    let w = Writer { version: 3, alignment: 32, kvs, tensors: ts };
+    let path = dir.join(name);
+    std::fs::write(&path, w.bytes().0).unwrap();
+    Gguf::open(&path).unwrap()
+}
+
+fn set(kvs: &mut Vec<(String, Value)>, key: &str, v: Option<Value>) {
+    kvs.retain(|(k, _)| k != key);
+    if let Some(v) = v {
+        kvs.push((key.into(), v));
+    }
+}
+
+#[test]
+fn the_older_converters_fused_kv_b_and_per_head_widths_map_alike() {
+    // Before llama.cpp's MLA support: attn_kv_b as the HF matrix, per-head
+    // widths under key_length/value_length, no _mla keys.
+    let dir = tempfile::tempdir().unwrap();
+    let old = rewrite_fixture(
+        dir.path(),
+        "old.gguf",
+        |kvs| {
+            set(kvs, "deepseek2.attention.key_length_mla", None);
+            set(kvs, "deepseek2.attention.value_length_mla", None);
+            set(kvs, "deepseek2.attention.key_length", Some(Value::U32(128)));
+            set(kvs, "deepseek2.attention.value_length", Some(Value::U32(64)));
+            set(kvs, "deepseek2.attention.head_count_kv", Some(Value::U32(4)));
+        },
+        |ts| {
+            ts.retain(|t| !t.0.contains("attn_k_b") && !t.0.contains("attn_v_b"));
+            for l in 0..4 {
+                // [heads · (nope + v), kv_lora] = ggml [256, 512], F32.
+                ts.push((format!("blk.{l}.attn_kv_b.weight"), vec![256, 512], 0, vec![0; 256 * 512 * 4]));
+            }
+        },
+    );
+    assert_eq!(deepseek2::kv_b_layout(&old).unwrap(), KvBLayout::Fused);
+    assert_eq!(deepseek2::model_config(&old).unwrap(), deepseek2::model_config(&fixture()).unwrap());
+    let cov = deepseek2::coverage(&deepseek2::model_config(&old).unwrap(), &old);
+    assert!(cov.is_complete(), "{cov:?}");
+    // A lone half of the split form is not kv_b_proj.
+    let half = rewrite_fixture(dir.path(), "half.gguf", |_| {}, |ts| ts.retain(|t| t.0 != "blk.2.attn_v_b.weight"));
+    let cov = deepseek2::coverage(&deepseek2::model_config(&half).unwrap(), &half);
+    assert_eq!(cov.missing, vec!["model.layers.2.self_attn.kv_b_proj.weight".to_string()]);
+}
+
+#[test]
+fn yarn_betas_routing_and_tying_come_from_the_metadata() {
+    let dir = tempfile::tempdir().unwrap();
+    let g = rewrite_fixture(
+        dir.path(),
+        "edited.gguf",
+        |kvs| {
+            // Values unlike llama.cpp's defaults, so reading them shows.
+            set(kvs, "deepseek2.rope.scaling.yarn_beta_fast", Some(Value::F32(48.0)));
+            set(kvs, "deepseek2.rope.scaling.yarn_beta_slow", Some(Value::F32(2.0)));
+            set(kvs, "deepseek2.rope.scaling.yarn_log_multiplier", Some(Value::F32(0.0707)));
+            set(kvs, "deepseek2.expert_gating_func", None);
+            set(kvs, "deepseek2.expert_weights_norm", None);
+            set(kvs, "deepseek2.leading_dense_block_count", Some(Value::U32(2)));
+        },
+        |ts| ts.retain(|t| t.0 != "output.weight" && !t.0.contains("exp_probs_b")),
+    );
+    let c = deepseek2::model_config(&g).unwrap();
+    let y = c.rope_scaling.as_ref().unwrap();
+    assert_eq!((y.beta_fast, y.beta_slow), (48.0, 2.0));
+    assert!((y.mscale_all_dim - 0.707).abs() < 1e-6 && y.mscale == y.mscale_all_dim, "{y:?}");
+    assert_eq!(c.scoring_func, ScoringFunc::Softmax, "no gating key: DeepSeek-V2's softmax");
+    assert!(!c.norm_topk_prob && !c.use_correction_bias && c.tie_word_embeddings);
+    assert_eq!(c.moe_layers, vec![false, false, true, true]);
+    // Without the scaling type there is no YaRN; a type Duplex lacks is an error.
+    let plain = rewrite_fixture(dir.path(), "plain.gguf", |kvs| set(kvs, "deepseek2.rope.scaling.type", None), |_| {});
+    assert_eq!(deepseek2::model_config(&plain).unwrap().rope_scaling, None);
+    let linear = rewrite_fixture(dir.path(), "linear.gguf", |kvs| set(kvs, "deepseek2.rope.scaling.type", Some(s("linear"))), |_| {});
+    let e = deepseek2::model_config(&linear).err().unwrap().to_string();
+    assert!(e.contains("deepseek2.rope.scaling.type") && e.contains("linear") && e.contains("linear.gguf"), "{e}");
+    let bad = rewrite_fixture(dir.path(), "vocab.gguf", |kvs| set(kvs, "deepseek2.vocab_size", Some(Value::U32(4096))), |_| {});
+    let e = deepseek2::model_config(&bad).err().unwrap().to_string();
+    assert!(e.contains("deepseek2.vocab_size") && e.contains("2048 tokens"), "{e}");
+    let groups = rewrite_fixture(dir.path(), "groups.gguf", |kvs| set(kvs, "deepseek2.expert_group_count", Some(Value::U32(3))), |_| {});
+    let e = deepseek2::model_config(&groups).err().unwrap().to_string();
+    assert!(e.contains("n_group (3)") && e.contains("groups.gguf"), "the engine's own validation runs: {e}");
 }
 
 // ---------------------------------------------------------------- corrupt files
