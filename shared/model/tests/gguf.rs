@@ -228,6 +228,18 @@ fn fixture_tensors_have_valid_ranges_and_types() {
     assert_eq!((emb.ty, emb.start, emb.n_bytes, emb.hf_shape()), (GgmlType::Q4K, 928576, 589824, vec![2048, 512]));
     let exps = g.tensor("blk.1.ffn_gate_exps.weight").unwrap();
     assert_eq!(exps.hf_shape(), vec![16, 256, 512], "experts stacked outermost");
+    // One expert of the stacked experts is a contiguous run of its rows.
+    let raw = g.raw_bytes(exps);
+    let each = 256 * GgmlType::Q4K.row_bytes(512).unwrap() as usize;
+    assert_eq!(raw.len(), 16 * each);
+    for e in 0..16 {
+        assert_eq!(g.matrix_of(exps, e).unwrap(), &raw[e * each..(e + 1) * each]);
+    }
+    let e = g.matrix_of(exps, 16).unwrap_err().to_string();
+    assert!(e.contains("blk.1.ffn_gate_exps.weight") && e.contains("matrix 16") && e.contains("16"), "{e}");
+    let e = g.matrix_of(emb, 0).unwrap_err().to_string();
+    assert!(e.contains("token_embd.weight") && e.contains("not three"), "{e}");
+    assert_eq!(g.matrix_of(g.tensor("blk.2.attn_k_b.weight").unwrap(), 3).unwrap().len(), 256 * 2 * 22, "one head: 256 rows of 64 in Q5_0");
     // The norms are F32: their bytes are finite floats (the ranges point at data).
     let norm = g.raw_bytes(g.tensor("output_norm.weight").unwrap());
     assert!(norm.chunks_exact(4).all(|b| f32::from_le_bytes(b.try_into().unwrap()).is_finite()));

@@ -706,6 +706,23 @@ impl Gguf {
         &part.bytes.as_slice()[t.start as usize..(t.start + t.n_bytes) as usize]
     }
 
+    /// Matrix `index` of a 3-D tensor (`dims[2]` matrices of `dims[1]` rows
+    /// of `dims[0]` elements): one expert of a stacked `ffn_*_exps`, one
+    /// head of `attn_k_b`/`attn_v_b`. The outermost dimension varies
+    /// slowest, so each matrix is one contiguous run of whole rows.
+    pub fn matrix_of(&self, t: &TensorInfo, index: usize) -> Result<&[u8], GgufError> {
+        let err = |message: String| GgufError::Tensor { path: self.parts[t.part].path.clone(), tensor: t.name.clone(), message };
+        let [_, _, count] = t.dims[..] else {
+            return Err(err(format!("has dimensions {:?}, not three", t.dims)));
+        };
+        if index as u64 >= count {
+            return Err(err(format!("matrix {index} asked for, it has {count}")));
+        }
+        // n_bytes is a whole number of rows, hence of matrices.
+        let each = (t.n_bytes / count) as usize;
+        Ok(&self.raw_bytes(t)[index * each..(index + 1) * each])
+    }
+
     /// A tensor Duplex can compute with: its info and bytes, or an error
     /// naming it and its type if the type is not one Duplex supports.
     pub fn supported(&self, name: &str) -> Result<(&TensorInfo, &[u8]), GgufError> {
