@@ -51,13 +51,25 @@ pub enum GgmlType {
 /// Elements per k-quant super-block.
 const QK_K: u64 = 256;
 
-/// The types Duplex can compute with (or convert at load time). Q5_0 is
-/// here beyond the k-quants because `llama-quantize` falls back to it for
-/// Q4_K tensors whose rows are not a multiple of 256 elements: DeepSeek's
-/// `attn_k_b` (rows of `qk_nope_head_dim`) is Q5_0 in every Q4_K_M file,
-/// the fixture's included.
-pub const DUPLEX_SUPPORTED: [GgmlType; 9] =
-    [GgmlType::F32, GgmlType::F16, GgmlType::Bf16, GgmlType::Q8_0, GgmlType::Q4_0, GgmlType::Q5_0, GgmlType::Q4K, GgmlType::Q5K, GgmlType::Q6K];
+/// The types Duplex can compute with (or convert at load time): those
+/// `llama-quantize` writes into Q4_K_M, Q5_K_M, Q6_K and Q8_0 files of the
+/// MoE families. Beyond the k-quants, Q8_0 and Q4_0 that includes Q5_0 and
+/// Q5_1, its fallbacks for Q4_K and Q5_K tensors whose rows are not whole
+/// 256-element blocks: DeepSeek's `attn_k_b` has rows of `qk_nope_head_dim`
+/// (64 in the fixture, 128 in V3), so it is Q5_0 in every Q4_K_M file (the
+/// fixture's included) and Q5_1 in Q5_K_M ones. (Q6_K falls back to Q8_0.)
+pub const DUPLEX_SUPPORTED: [GgmlType; 10] = [
+    GgmlType::F32,
+    GgmlType::F16,
+    GgmlType::Bf16,
+    GgmlType::Q8_0,
+    GgmlType::Q4_0,
+    GgmlType::Q5_0,
+    GgmlType::Q5_1,
+    GgmlType::Q4K,
+    GgmlType::Q5K,
+    GgmlType::Q6K,
+];
 
 impl GgmlType {
     /// Every type this reader knows, in id order.
@@ -308,7 +320,7 @@ mod tests {
 
     #[test]
     fn supported_set() {
-        for t in [GgmlType::Q4K, GgmlType::Q5K, GgmlType::Q6K, GgmlType::Q8_0, GgmlType::Q4_0, GgmlType::F16, GgmlType::Bf16, GgmlType::F32] {
+        for t in [GgmlType::Q4K, GgmlType::Q5K, GgmlType::Q6K, GgmlType::Q8_0, GgmlType::Q4_0, GgmlType::Q5_0, GgmlType::Q5_1, GgmlType::F16, GgmlType::Bf16, GgmlType::F32] {
             assert!(t.is_supported(), "{t}");
         }
         for t in [GgmlType::Q2K, GgmlType::Q3K, GgmlType::Iq4Xs, GgmlType::Q4_1, GgmlType::Q8K, GgmlType::I32] {
