@@ -425,6 +425,9 @@ fn inconsistent_split_keys_are_errors() {
     let first = || GgufPart::open(&paths[0]).unwrap();
     let e = Gguf::from_parts(vec![first(), first()]).err().unwrap().to_string();
     assert!(e.contains("split.no 0") && e.contains("00001-of-00002"), "{e}");
+    // One part alone is not the model.
+    let e = Gguf::from_parts(vec![first()]).err().unwrap().to_string();
+    assert!(e.contains("split.count is 2 but 1 part(s)"), "{e}");
     // A wrong tensor total.
     let (bytes, _) = Writer::new()
         .kv("split.no", Value::U16(0))

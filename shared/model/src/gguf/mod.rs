@@ -631,6 +631,10 @@ impl Gguf {
         let Some(head) = parts.first() else {
             return Err(GgufError::Split { path: PathBuf::new(), message: "no parts".into() });
         };
+        let declared_count = head.metadata.usize("split.count")?.unwrap_or(1).max(1);
+        if declared_count != n {
+            return Err(GgufError::Split { path: head.path.clone(), message: format!("split.count is {declared_count} but {n} part(s) were given") });
+        }
         if n > 1 {
             let declared_tensors = head.metadata.usize("split.tensors.count")?;
             let total: usize = parts.iter().map(|p| p.tensors.len()).sum();
