@@ -9,14 +9,14 @@
 //! Lane bounds: a `vpdpbusd` lane is at most 4 × 128 × 127 in magnitude,
 //! times a scale of at most 128, far inside i32.
 
-use super::blocks::{half_at, k_scales_mins, BlockQ8K, BlockQ8_0, QuantKind, K_SCALES, Q4K_QS, Q5K_QH, Q5K_QS, Q6K_D, Q6K_QH, Q6K_SCALES};
-use super::dot_scalar::k_min_term;
+use super::blocks::{k_scales_mins, BlockQ8K, BlockQ8_0, QuantKind, K_SCALES, Q4K_QS, Q5K_QH, Q5K_QS, Q6K_D, Q6K_QH, Q6K_SCALES};
+use super::dot_avx2::{half_bits, halves_at, hsum2, min_lanes};
 use super::{fold_32, fold_k};
 use std::arch::x86_64::*;
 
 /// 64 bytes from the front of `s`.
 #[inline]
-#[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,f16c")]
 fn ld64(s: &[u8]) -> __m512i {
     let s = &s[..64];
     // SAFETY: 64 readable bytes; unaligned load.
@@ -25,7 +25,7 @@ fn ld64(s: &[u8]) -> __m512i {
 
 /// 64 activation quants from the front of `s`.
 #[inline]
-#[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,f16c")]
 fn ld64_i8(s: &[i8]) -> __m512i {
     let s = &s[..64];
     // SAFETY: as in `ld64`.
@@ -34,7 +34,7 @@ fn ld64_i8(s: &[i8]) -> __m512i {
 
 /// 32 bytes from the front of `s`.
 #[inline]
-#[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,f16c")]
 fn ld32(s: &[u8]) -> __m256i {
     let s = &s[..32];
     // SAFETY: 32 readable bytes; unaligned load.
@@ -43,7 +43,7 @@ fn ld32(s: &[u8]) -> __m256i {
 
 /// 32 activation quants from the front of `s`.
 #[inline]
-#[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,f16c")]
 fn ld32_i8(s: &[i8]) -> __m256i {
     let s = &s[..32];
     // SAFETY: as in `ld32`.
@@ -52,20 +52,20 @@ fn ld32_i8(s: &[i8]) -> __m256i {
 
 /// A vector whose low eight i32 lanes are `a` and high eight `b`.
 #[inline]
-#[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,f16c")]
 fn halves_i32(a: i32, b: i32) -> __m512i {
     _mm512_inserti64x4::<1>(_mm512_set1_epi32(a), _mm256_set1_epi32(b))
 }
 
 /// A vector whose low 32 bytes are `a` and high 32 bytes `b`.
 #[inline]
-#[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,f16c")]
 fn halves_i8(a: u8, b: u8) -> __m512i {
     _mm512_inserti64x4::<1>(_mm512_set1_epi8(a as i8), _mm256_set1_epi8(b as i8))
 }
 
 /// Q4_K (`FIVE = false`) or Q5_K row against Q8_K.
-#[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,f16c")]
 pub(super) fn dot_q45k<const FIVE: bool>(row: &[u8], y: &[BlockQ8K]) -> f32 {
     let bb = if FIVE { QuantKind::Q5K } else { QuantKind::Q4K }.block_bytes();
     let qs_at = if FIVE { Q5K_QS } else { Q4K_QS };
@@ -105,15 +105,17 @@ pub(super) fn dot_q45k<const FIVE: bool>(row: &[u8], y: &[BlockQ8K]) -> f32 {
             sum = _mm512_add_epi32(sum, _mm512_mullo_epi32(d_lo, _mm512_permutexvar_epi32(idx_lo[h], scv)));
             sum = _mm512_add_epi32(sum, _mm512_mullo_epi32(d_hi, _mm512_permutexvar_epi32(idx_hi[h], scv)));
         }
-        let sumi = _mm512_reduce_add_epi32(sum);
-        acc = fold_k(acc, half_at(b, 0) * yb.d, sumi, half_at(b, 2) * yb.d, k_min_term(&mn, &yb.bsums));
+        let sum = _mm256_add_epi32(_mm512_castsi512_si256(sum), _mm512_extracti64x4_epi64::<1>(sum));
+        let (sumi, summ) = hsum2(sum, min_lanes(mn, &yb.bsums));
+        let (d, dmin) = halves_at(b, 0);
+        acc = fold_k(acc, d * yb.d, sumi, dmin * yb.d, summ);
     }
     acc
 }
 
 /// Q6_K row against Q8_K; unsigned quants, the `- 32` taken back through
 /// `bsums` as in the AVX2 kernel.
-#[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,f16c")]
 pub(super) fn dot_q6k(row: &[u8], y: &[BlockQ8K]) -> f32 {
     let m4 = _mm512_set1_epi8(15);
     let m30 = _mm512_set1_epi8(0x30);
@@ -134,8 +136,8 @@ pub(super) fn dot_q6k(row: &[u8], y: &[BlockQ8K]) -> f32 {
         let scales = _mm512_cvtepi8_epi32(sc8);
         // SAFETY: `bsums` is 16 i16, 32 bytes; unaligned load.
         let bsums = _mm512_cvtepi16_epi32(unsafe { _mm256_loadu_si256(yb.bsums.as_ptr().cast()) });
-        let offset = _mm512_reduce_add_epi32(_mm512_mullo_epi32(scales, bsums));
-        let mut sum = zero;
+        // Start from -32 × Σ scale × bsum: the offset of the unsigned quants.
+        let mut sum = _mm512_sub_epi32(zero, _mm512_slli_epi32::<5>(_mm512_mullo_epi32(scales, bsums)));
         for h in 0..2 {
             let ql = ld64(&b[64 * h..]);
             let qh = _mm512_broadcast_i64x4(ld32(&b[Q6K_QH + 32 * h..]));
@@ -149,8 +151,9 @@ pub(super) fn dot_q6k(row: &[u8], y: &[BlockQ8K]) -> f32 {
             sum = _mm512_add_epi32(sum, _mm512_mullo_epi32(d01, _mm512_permutexvar_epi32(idx_q[2 * h], scales)));
             sum = _mm512_add_epi32(sum, _mm512_mullo_epi32(d23, _mm512_permutexvar_epi32(idx_q[2 * h + 1], scales)));
         }
-        let sumi = _mm512_reduce_add_epi32(sum) - 32 * offset;
-        acc = fold_k(acc, half_at(b, Q6K_D) * yb.d, sumi, 0.0, 0);
+        let sumi = _mm512_reduce_add_epi32(sum);
+        let d = half_bits(u16::from_le_bytes([b[Q6K_D], b[Q6K_D + 1]]));
+        acc = fold_k(acc, d * yb.d, sumi, 0.0, 0);
     }
     acc
 }
@@ -159,7 +162,7 @@ pub(super) fn dot_q6k(row: &[u8], y: &[BlockQ8K]) -> f32 {
 /// unsigned operand, x's sign moved onto y (y is never -128, so negating it
 /// cannot overflow).
 #[inline]
-#[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,f16c")]
 fn dot_s8(x: __m512i, y: __m512i) -> __m512i {
     let zero = _mm512_setzero_si512();
     let neg = _mm512_movepi8_mask(x);
@@ -169,7 +172,7 @@ fn dot_s8(x: __m512i, y: __m512i) -> __m512i {
 
 /// Sums of the low and the high eight i32 lanes.
 #[inline]
-#[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,f16c")]
 fn hsum_halves(v: __m512i) -> (i32, i32) {
     let lo = _mm512_castsi512_si256(v);
     let hi = _mm512_extracti64x4_epi64::<1>(v);
@@ -180,16 +183,39 @@ fn hsum_halves(v: __m512i) -> (i32, i32) {
     (_mm256_extract_epi32::<0>(a), _mm256_extract_epi32::<4>(a))
 }
 
+/// The block sums of four `dot_s8` results (two blocks each, eight lanes a
+/// block), in block order.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,f16c")]
+fn sums8(v: [__m512i; 4]) -> __m256i {
+    // 128-bit quarter k of s01 holds four partials of block k (0..4); of
+    // s45, of block 4 + k.
+    let s01 = _mm512_add_epi32(
+        _mm512_shuffle_i64x2::<0b10_00_10_00>(v[0], v[1]),
+        _mm512_shuffle_i64x2::<0b11_01_11_01>(v[0], v[1]),
+    );
+    let s45 = _mm512_add_epi32(
+        _mm512_shuffle_i64x2::<0b10_00_10_00>(v[2], v[3]),
+        _mm512_shuffle_i64x2::<0b11_01_11_01>(v[2], v[3]),
+    );
+    // Per quarter: [a0 b0 a1 b1] + [a2 b2 a3 b3], then the pairs added, so
+    // element 0 is block k's sum and element 1 block 4 + k's.
+    let r = _mm512_add_epi32(_mm512_unpacklo_epi32(s01, s45), _mm512_unpackhi_epi32(s01, s45));
+    let r = _mm512_add_epi32(r, _mm512_shuffle_epi32::<0b01_00_11_10>(r));
+    let order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 0, 0, 0, 0, 0, 0, 0, 0);
+    _mm512_castsi512_si256(_mm512_permutexvar_epi32(order, r))
+}
+
 /// Two activation blocks' quants in one vector.
 #[inline]
-#[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,f16c")]
 fn pair_i8(a: &[i8], b: &[i8]) -> __m512i {
     _mm512_inserti64x4::<1>(_mm512_castsi256_si512(ld32_i8(a)), ld32_i8(b))
 }
 
 /// Q4_0's 32 quants of block `b`, minus 8, as signed bytes.
 #[inline]
-#[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,f16c")]
 fn q4_0_quants(b: &[u8]) -> __m256i {
     let qs = &b[2..18];
     // SAFETY: 16 readable bytes; unaligned load.
@@ -201,38 +227,66 @@ fn q4_0_quants(b: &[u8]) -> __m256i {
 }
 
 /// Q8_0 (`FOUR = false`) or Q4_0 row against Q8_0, two blocks per vector.
-#[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,f16c")]
 fn dot_32<const FOUR: bool>(row: &[u8], y: &[BlockQ8_0]) -> f32 {
     let kind = if FOUR { QuantKind::Q4_0 } else { QuantKind::Q8_0 };
     let bb = kind.block_bytes();
     let quants = |b: &[u8]| if FOUR { q4_0_quants(b) } else { ld32(&b[2..]) };
     let mut acc = 0.0f32;
+    // Eight blocks at a time: their sums reduced together, their products
+    // formed in one vector (the same f32 operations as `fold_32`, lane by
+    // lane), then added to `acc` one by one in block order.
+    let eights = y.len() / 8;
+    for (b, yb) in row.chunks_exact(8 * bb).zip(y.chunks_exact(8)) {
+        let mut v = [_mm512_setzero_si512(); 4];
+        let (mut dx, mut dy) = ([0u16; 8], [0u16; 8]);
+        for p in 0..4 {
+            let (b0, b1) = (&b[2 * p * bb..], &b[(2 * p + 1) * bb..]);
+            let x = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(quants(b0)), quants(b1));
+            v[p] = dot_s8(x, pair_i8(&yb[2 * p].qs, &yb[2 * p + 1].qs));
+            dx[2 * p] = u16::from_le_bytes([b0[0], b0[1]]);
+            dx[2 * p + 1] = u16::from_le_bytes([b1[0], b1[1]]);
+            dy[2 * p] = yb[2 * p].d.to_bits();
+            dy[2 * p + 1] = yb[2 * p + 1].d.to_bits();
+        }
+        // SAFETY: two 16-byte arrays; unaligned loads.
+        let (dx, dy) = unsafe { (_mm_loadu_si128(dx.as_ptr().cast()), _mm_loadu_si128(dy.as_ptr().cast())) };
+        let scale = _mm256_mul_ps(_mm256_cvtph_ps(dx), _mm256_cvtph_ps(dy));
+        let prod = _mm256_mul_ps(_mm256_cvtepi32_ps(sums8(v)), scale);
+        let mut t = [0f32; 8];
+        // SAFETY: 8 writable f32; unaligned store.
+        unsafe { _mm256_storeu_ps(t.as_mut_ptr(), prod) };
+        for p in t {
+            acc += p;
+        }
+    }
+    let (row, y) = (&row[eights * 8 * bb..], &y[eights * 8..]);
     let pairs = row.chunks_exact(2 * bb).zip(y.chunks_exact(2));
     for (b, yb) in pairs {
         let (b0, b1) = b.split_at(bb);
         let x = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(quants(b0)), quants(b1));
         let (s0, s1) = hsum_halves(dot_s8(x, pair_i8(&yb[0].qs, &yb[1].qs)));
-        acc = fold_32(acc, half_at(b0, 0), yb[0].d.to_f32(), s0);
-        acc = fold_32(acc, half_at(b1, 0), yb[1].d.to_f32(), s1);
+        acc = fold_32(acc, halves_at(b0, 0).0, half_bits(yb[0].d.to_bits()), s0);
+        acc = fold_32(acc, halves_at(b1, 0).0, half_bits(yb[1].d.to_bits()), s1);
     }
     // An odd last block: its high half is zero and contributes nothing.
     if y.len() % 2 == 1 {
         let (b, yb) = (&row[(y.len() - 1) * bb..], &y[y.len() - 1]);
         let x = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(quants(b)), _mm256_setzero_si256());
         let (s, _) = hsum_halves(dot_s8(x, pair_i8(&yb.qs, &[0; 32])));
-        acc = fold_32(acc, half_at(b, 0), yb.d.to_f32(), s);
+        acc = fold_32(acc, halves_at(b, 0).0, half_bits(yb.d.to_bits()), s);
     }
     acc
 }
 
 /// Q8_0 row against Q8_0.
-#[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,f16c")]
 pub(super) fn dot_q8_0(row: &[u8], y: &[BlockQ8_0]) -> f32 {
     dot_32::<false>(row, y)
 }
 
 /// Q4_0 row against Q8_0.
-#[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,f16c")]
 pub(super) fn dot_q4_0(row: &[u8], y: &[BlockQ8_0]) -> f32 {
     dot_32::<true>(row, y)
 }

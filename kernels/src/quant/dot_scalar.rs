@@ -23,13 +23,13 @@ pub(super) fn dot_q45k<const FIVE: bool>(row: &[u8], y: &[BlockQ8K]) -> f32 {
     for (b, yb) in row.chunks_exact(bb).zip(y) {
         let (sc, mn) = k_scales_mins(&b[K_SCALES..K_SCALES + 12]);
         let mut sumi = 0i32;
-        for s in 0..8 {
+        for (s, &scale) in sc.iter().enumerate() {
             let mut sub = 0i32;
             for e in 32 * s..32 * s + 32 {
                 let q = if FIVE { q5k_quant(&b[Q5K_QH..], &b[Q5K_QS..], e) } else { q4k_quant(&b[Q4K_QS..], e) };
                 sub += q as i32 * yb.qs[e] as i32;
             }
-            sumi += sc[s] as i32 * sub;
+            sumi += scale as i32 * sub;
         }
         acc = fold_k(acc, half_at(b, 0) * yb.d, sumi, half_at(b, 2) * yb.d, k_min_term(&mn, &yb.bsums));
     }

@@ -222,7 +222,7 @@ fn pair(kind: QuantKind, act: &Activations) -> Result<Op<'_>, QuantError> {
 fn check_row<'a>(kind: QuantKind, row: &[u8], act: &'a Activations) -> Result<Op<'a>, QuantError> {
     let op = pair(kind, act)?;
     let bb = kind.block_bytes();
-    if row.len() % bb != 0 {
+    if !row.len().is_multiple_of(bb) {
         return Err(QuantError::PartialBlock { kind, bytes: row.len(), block_bytes: bb });
     }
     let elements = row.len() / bb * kind.block_elems();
