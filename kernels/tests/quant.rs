@@ -196,6 +196,42 @@ fn q8_0_quantization_matches_the_gguf_package() {
     assert_eq!(BlockQ8_0::to_bytes(&quantize_q8_0(&x).unwrap()), expected);
 }
 
+/// Q8_K quantization equals a transcription of ggml's `quantize_row_q8_K_ref`
+/// byte for byte, and real rows' dot products agree with a transcription of
+/// ggml's generic `ggml_vec_dot_q4_K_q8_K` / `_q6_K_q8_K` (both in
+/// `make_quant_reference.py`) to f32 rounding: the integers are the same,
+/// only the f32 fold differs (ggml: eight f32 lanes per row, summed at the
+/// end; here one running sum per block). Each side is within (B + 9) eps of
+/// Σ |d · lane sums| + |dmin · min sum| (`magnitude`) of the exact value
+/// for B blocks, so they are within twice that of each other.
+#[test]
+fn q8_k_and_dots_match_ggml_reference_code() {
+    let fx = fixture();
+    let q = &fx.reference["q8_k"];
+    let x: Vec<f32> = bits_of(&q["x_bits"]).into_iter().map(f32::from_bits).collect();
+    let hex = q["bytes_hex"].as_str().unwrap();
+    let expected: Vec<u8> = (0..hex.len()).step_by(2).map(|i| u8::from_str_radix(&hex[i..i + 2], 16).unwrap()).collect();
+    let blocks = quantize_q8_k(&x).unwrap();
+    assert_eq!(BlockQ8K::to_bytes(&blocks), expected);
+    let act = Activations::Q8K(blocks);
+    let dots = q["dots"].as_array().unwrap();
+    assert!(dots.len() >= 10);
+    for e in dots {
+        let t = fx.tensor(e["tensor"].as_str().unwrap());
+        let kind = QuantKind::from_ggml_type(t.ggml_type).unwrap();
+        let r = e["row"].as_u64().unwrap() as usize;
+        let row_bytes = kind.row_bytes(x.len()).unwrap();
+        let row = &fx.file[t.offset + r * row_bytes..t.offset + (r + 1) * row_bytes];
+        let want = f32::from_bits(e["value_bits"].as_u64().unwrap() as u32) as f64;
+        let blocks = (x.len() / QK_K) as f64;
+        let bound = 2.0 * (blocks + 9.0) * EPS * e["magnitude"].as_f64().unwrap();
+        for path in DotPath::supported() {
+            let got = dot_with(path, kind, row, &act).unwrap() as f64;
+            assert!((got - want).abs() <= bound, "{} row {r} on {path}: {got} vs ggml {want} (bound {bound:e})", t.name);
+        }
+    }
+}
+
 /// Every path on real rows: equal to the scalar reference, and close to the
 /// f64 product of the decoded weights with the quantized activations.
 #[test]
