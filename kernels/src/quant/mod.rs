@@ -19,7 +19,7 @@
 //! Every path computes each block's integer sums exactly (they are the sums
 //! ggml's reference forms, regrouped; no intermediate can overflow, see the
 //! bounds at each kernel) and then folds the blocks into the f32 result with
-//! the same scalar expression, in block order ([`fold_k`], [`fold_32`]). So
+//! the same scalar expression, in block order (`fold_k`, `fold_32`). So
 //! the SIMD paths return the scalar reference's bits exactly, and the tests
 //! say so. Against llama.cpp the integers are identical and only the f32
 //! folding order differs (its generic code keeps eight f32 partial sums per
