@@ -181,7 +181,7 @@ fn gguf_blocks_decode_as_the_gguf_package_does() {
             }
         }
     }
-    for k in [QuantKind::Q4K, QuantKind::Q6K, QuantKind::F32] {
+    for k in [QuantKind::Q4K, QuantKind::Q6K, QuantKind::Q5_0, QuantKind::F32] {
         assert!(kinds_seen.contains(&k), "reference covers {k}");
     }
 }
@@ -237,7 +237,7 @@ fn q8_k_and_dots_match_ggml_reference_code() {
 #[test]
 fn real_rows_agree_on_every_path() {
     let fx = fixture();
-    for (name, rows) in [("blk.0.ffn_gate.weight", 8), ("output.weight", 8), ("blk.2.ffn_down_exps.weight", 8)] {
+    for (name, rows) in [("blk.0.ffn_gate.weight", 8), ("output.weight", 8), ("blk.2.ffn_down_exps.weight", 8), ("blk.1.attn_k_b.weight", 16)] {
         let t = fx.tensor(name);
         let kind = QuantKind::from_ggml_type(t.ggml_type).unwrap();
         let cols = t.dims[0] as usize;
@@ -323,7 +323,7 @@ fn activations(n: usize, block: usize) -> impl Strategy<Value = Vec<f32>> {
         })
 }
 
-const DOT_KINDS: [QuantKind; 5] = [QuantKind::Q4K, QuantKind::Q5K, QuantKind::Q6K, QuantKind::Q8_0, QuantKind::Q4_0];
+const DOT_KINDS: [QuantKind; 6] = [QuantKind::Q4K, QuantKind::Q5K, QuantKind::Q6K, QuantKind::Q8_0, QuantKind::Q4_0, QuantKind::Q5_0];
 
 /// (kind, row bytes, activations) with 1..=6 blocks (1..=9 for 32-wide kinds,
 /// so the AVX-512 kernels' odd tail is covered).
@@ -542,6 +542,7 @@ fn block_sizes_are_ggml_s() {
             (QuantKind::F16, 1, 2),
             (QuantKind::Bf16, 1, 2),
             (QuantKind::Q4_0, 32, 18),
+            (QuantKind::Q5_0, 32, 22),
             (QuantKind::Q8_0, 32, 34),
             (QuantKind::Q4K, 256, 144),
             (QuantKind::Q5K, 256, 176),
@@ -553,7 +554,7 @@ fn block_sizes_are_ggml_s() {
     for k in QuantKind::ALL {
         assert_eq!(QuantKind::from_ggml_type(k.ggml_type()), Some(k));
     }
-    assert_eq!(QuantKind::from_ggml_type(6), None, "Q5_0 is not read");
+    assert_eq!(QuantKind::from_ggml_type(7), None, "Q5_1 is not read");
 }
 
 #[test]
@@ -586,6 +587,18 @@ fn hand_built_blocks_decode() {
     for j in 0..16 {
         assert_eq!(y[j], (j as f32 - 8.0) * 0.5);
         assert_eq!(y[j + 16], (7.0 - j as f32) * 0.5);
+    }
+
+    // Q5_0: d = 0.25, qh = 0xA5A5_0F0F (element j's fifth bit is bit j),
+    // the nibbles as in Q4_0.
+    let mut b = half::f16::from_f32(0.25).to_bits().to_le_bytes().to_vec();
+    b.extend(0xA5A5_0F0Fu32.to_le_bytes());
+    b.extend((0..16u8).map(|j| j | ((15 - j) << 4)));
+    dequantize_row(QuantKind::Q5_0, &b, &mut y).unwrap();
+    for (j, v) in y.iter().enumerate() {
+        let nibble = if j < 16 { j as i32 } else { 31 - j as i32 };
+        let high = ((0xA5A5_0F0Fu32 >> j) & 1) as i32 * 16;
+        assert_eq!(*v, (nibble + high - 16) as f32 * 0.25, "Q5_0 element {j}");
     }
 
     // Q4_K: d = 1, dmin = 0.25; sub-block s has scale s + 1 and min 2s

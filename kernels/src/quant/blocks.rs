@@ -11,6 +11,7 @@
 //! | kind | elements | bytes | fields |
 //! | --- | --- | --- | --- |
 //! | Q4_0 | 32 | 18 | `d`, `qs[16]`: element j is `qs[j] & 15`, j+16 is `qs[j] >> 4`, minus 8 |
+//! | Q5_0 | 32 | 22 | `d`, `qh[4]` (bit j: element j's fifth bit), `qs[16]` as Q4_0; minus 16 |
 //! | Q8_0 | 32 | 34 | `d`, `qs[32]` (i8) |
 //! | Q4_K | 256 | 144 | `d`, `dmin`, `scales[12]` (8 six-bit scales and mins), `qs[128]` |
 //! | Q5_K | 256 | 176 | `d`, `dmin`, `scales[12]`, `qh[32]` (fifth bits), `qs[128]` |
@@ -33,6 +34,7 @@ pub enum QuantKind {
     F16,
     Bf16,
     Q4_0,
+    Q5_0,
     Q8_0,
     Q4K,
     Q5K,
@@ -41,11 +43,12 @@ pub enum QuantKind {
 
 impl QuantKind {
     /// Every kind, for tests and tables.
-    pub const ALL: [QuantKind; 8] = [
+    pub const ALL: [QuantKind; 9] = [
         QuantKind::F32,
         QuantKind::F16,
         QuantKind::Bf16,
         QuantKind::Q4_0,
+        QuantKind::Q5_0,
         QuantKind::Q8_0,
         QuantKind::Q4K,
         QuantKind::Q5K,
@@ -56,7 +59,7 @@ impl QuantKind {
     pub const fn block_elems(self) -> usize {
         match self {
             QuantKind::F32 | QuantKind::F16 | QuantKind::Bf16 => 1,
-            QuantKind::Q4_0 | QuantKind::Q8_0 => QK8_0,
+            QuantKind::Q4_0 | QuantKind::Q5_0 | QuantKind::Q8_0 => QK8_0,
             QuantKind::Q4K | QuantKind::Q5K | QuantKind::Q6K => QK_K,
         }
     }
@@ -67,6 +70,7 @@ impl QuantKind {
             QuantKind::F32 => 4,
             QuantKind::F16 | QuantKind::Bf16 => 2,
             QuantKind::Q4_0 => 2 + QK8_0 / 2,
+            QuantKind::Q5_0 => 2 + 4 + QK8_0 / 2,
             QuantKind::Q8_0 => 2 + QK8_0,
             QuantKind::Q4K => 2 + 2 + 12 + QK_K / 2,
             QuantKind::Q5K => 2 + 2 + 12 + QK_K / 8 + QK_K / 2,
@@ -80,6 +84,7 @@ impl QuantKind {
             QuantKind::F32 => 0,
             QuantKind::F16 => 1,
             QuantKind::Q4_0 => 2,
+            QuantKind::Q5_0 => 6,
             QuantKind::Q8_0 => 8,
             QuantKind::Q4K => 12,
             QuantKind::Q5K => 13,
@@ -100,6 +105,7 @@ impl QuantKind {
             QuantKind::F16 => "F16",
             QuantKind::Bf16 => "BF16",
             QuantKind::Q4_0 => "Q4_0",
+            QuantKind::Q5_0 => "Q5_0",
             QuantKind::Q8_0 => "Q8_0",
             QuantKind::Q4K => "Q4_K",
             QuantKind::Q5K => "Q5_K",
@@ -198,6 +204,16 @@ pub(crate) fn q6k_quant(block: &[u8], e: usize) -> u8 {
     low | (high << 4)
 }
 
+/// Q5_0 quant `j` (0..32) as stored (0..32; the value is this minus 16):
+/// the Q4_0 nibble plus bit `j` of the little-endian u32 `qh` as 16.
+#[inline(always)]
+pub(crate) fn q5_0_quant(block: &[u8], j: usize) -> u8 {
+    let qh = u32::from_le_bytes([block[2], block[3], block[4], block[5]]);
+    let byte = block[6 + j % 16];
+    let nibble = if j < 16 { byte & 15 } else { byte >> 4 };
+    nibble | ((((qh >> j) & 1) as u8) << 4)
+}
+
 // ---------------------------------------------------------------------------
 // Dequantization
 
@@ -221,6 +237,12 @@ pub fn dequantize_row(kind: QuantKind, bytes: &[u8], out: &mut [f32]) -> Result<
             QuantKind::F16 => y[0] = half_at(block, 0),
             QuantKind::Bf16 => y[0] = bf16::from_bits(u16::from_le_bytes([block[0], block[1]])).to_f32(),
             QuantKind::Q4_0 => dequant_q4_0(block, y),
+            QuantKind::Q5_0 => {
+                let d = half_at(block, 0);
+                for (j, v) in y.iter_mut().enumerate() {
+                    *v = (q5_0_quant(block, j) as i32 - 16) as f32 * d;
+                }
+            }
             QuantKind::Q8_0 => dequant_q8_0(block, y),
             QuantKind::Q4K => dequant_q4k(block, y),
             QuantKind::Q5K => dequant_q5k(block, y),

@@ -6,7 +6,7 @@
 //!
 //! `vpmaddubsw` saturates its i16 pair sums, so every use is bounded below
 //! 32767: k-quant quants are at most 63 and activations at most 127 in
-//! magnitude (2 × 63 × 127 = 16002); for the signed Q8_0/Q4_0 weights the
+//! magnitude (2 × 63 × 127 = 16002); for the signed Q8_0/Q4_0/Q5_0 weights the
 //! weight's sign moves onto the activation (`vpsignb`), leaving |w| ≤ 128
 //! against |y| ≤ 127 (2 × 128 × 127 = 32512), which is why activations may
 //! never hold -128.
@@ -178,23 +178,53 @@ fn dot_s8(x: __m256i, y: __m256i) -> __m256i {
     _mm256_madd_epi16(p, _mm256_set1_epi16(1))
 }
 
-/// Q4_0's 32 quants of block `b`, minus 8, as signed bytes.
+/// Block `b`'s 32 quants as signed bytes, for `Q` = 8 (Q8_0: as stored),
+/// 4 (Q4_0: nibbles minus 8) or 5 (Q5_0: nibbles plus `qh` bit as 16,
+/// minus 16).
 #[inline]
 #[target_feature(enable = "avx2,f16c")]
-fn q4_0_quants(b: &[u8]) -> __m256i {
-    let qs = &b[2..18];
+pub(super) fn quants32<const Q: u8>(b: &[u8]) -> __m256i {
+    if Q == 8 {
+        return ld(&b[2..]);
+    }
+    let at = if Q == 5 { 6 } else { 2 };
+    let qs = &b[at..at + 16];
     // SAFETY: 16 readable bytes; unaligned load.
     let q = unsafe { _mm_loadu_si128(qs.as_ptr().cast()) };
     let m4 = _mm_set1_epi8(15);
     let lo = _mm_and_si128(q, m4);
     let hi = _mm_and_si128(_mm_srli_epi16::<4>(q), m4);
-    _mm256_sub_epi8(_mm256_set_m128i(hi, lo), _mm256_set1_epi8(8))
+    let nibbles = _mm256_set_m128i(hi, lo);
+    if Q == 4 {
+        return _mm256_sub_epi8(nibbles, _mm256_set1_epi8(8));
+    }
+    // Byte j takes bit j of qh: copy qh byte j / 8 to byte j (the shuffle
+    // works per 128-bit half, and each half holds all of qh), then test
+    // bit j % 8.
+    let qh = i32::from_le_bytes([b[2], b[3], b[4], b[5]]);
+    let spread = _mm256_shuffle_epi8(
+        _mm256_set1_epi32(qh),
+        _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3),
+    );
+    let bit = _mm256_set1_epi64x(0x8040_2010_0804_0201u64 as i64);
+    let set = _mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit);
+    let q5 = _mm256_or_si256(nibbles, _mm256_and_si256(set, _mm256_set1_epi8(16)));
+    _mm256_sub_epi8(q5, _mm256_set1_epi8(16))
 }
 
-/// Q8_0 (`FOUR = false`) or Q4_0 row against Q8_0.
+/// The block size of a 32-element kind by its `Q` number.
+pub(super) const fn bytes32(q: u8) -> usize {
+    match q {
+        4 => QuantKind::Q4_0.block_bytes(),
+        5 => QuantKind::Q5_0.block_bytes(),
+        _ => QuantKind::Q8_0.block_bytes(),
+    }
+}
+
+/// A Q8_0, Q4_0 or Q5_0 row (`Q` as in [`quants32`]) against Q8_0.
 #[target_feature(enable = "avx2,f16c")]
-fn dot_32<const FOUR: bool>(row: &[u8], y: &[BlockQ8_0]) -> f32 {
-    let bb = if FOUR { QuantKind::Q4_0 } else { QuantKind::Q8_0 }.block_bytes();
+fn dot_32<const Q: u8>(row: &[u8], y: &[BlockQ8_0]) -> f32 {
+    let bb = bytes32(Q);
     let mut acc = 0.0f32;
     // Four blocks at a time: sums reduced together and products formed in
     // one vector (the same f32 operations as `fold_32`, lane by lane), then
@@ -205,7 +235,7 @@ fn dot_32<const FOUR: bool>(row: &[u8], y: &[BlockQ8_0]) -> f32 {
         let (mut dx, mut dy) = ([0u16; 8], [0u16; 8]);
         for i in 0..4 {
             let bi = &b[i * bb..];
-            let x = if FOUR { q4_0_quants(bi) } else { ld(&bi[2..]) };
+            let x = quants32::<Q>(bi);
             v[i] = dot_s8(x, ld_i8(&yb[i].qs));
             dx[i] = u16::from_le_bytes([bi[0], bi[1]]);
             dy[i] = yb[i].d.to_bits();
@@ -225,7 +255,7 @@ fn dot_32<const FOUR: bool>(row: &[u8], y: &[BlockQ8_0]) -> f32 {
     }
     let (row, y) = (&row[fours * 4 * bb..], &y[fours * 4..]);
     for (b, yb) in row.chunks_exact(bb).zip(y) {
-        let x = if FOUR { q4_0_quants(b) } else { ld(&b[2..]) };
+        let x = quants32::<Q>(b);
         let s = dot_s8(x, ld_i8(&yb.qs));
         acc = fold_32(acc, halves_at(b, 0).0, half_bits(yb.d.to_bits()), hsum(s));
     }
@@ -235,11 +265,17 @@ fn dot_32<const FOUR: bool>(row: &[u8], y: &[BlockQ8_0]) -> f32 {
 /// Q8_0 row against Q8_0.
 #[target_feature(enable = "avx2,f16c")]
 pub(super) fn dot_q8_0(row: &[u8], y: &[BlockQ8_0]) -> f32 {
-    dot_32::<false>(row, y)
+    dot_32::<8>(row, y)
 }
 
 /// Q4_0 row against Q8_0.
 #[target_feature(enable = "avx2,f16c")]
 pub(super) fn dot_q4_0(row: &[u8], y: &[BlockQ8_0]) -> f32 {
-    dot_32::<true>(row, y)
+    dot_32::<4>(row, y)
+}
+
+/// Q5_0 row against Q8_0.
+#[target_feature(enable = "avx2,f16c")]
+pub(super) fn dot_q5_0(row: &[u8], y: &[BlockQ8_0]) -> f32 {
+    dot_32::<5>(row, y)
 }

@@ -10,7 +10,7 @@
 //! times a scale of at most 128, far inside i32.
 
 use super::blocks::{k_scales_mins, BlockQ8K, BlockQ8_0, QuantKind, K_SCALES, Q4K_QS, Q5K_QH, Q5K_QS, Q6K_D, Q6K_QH, Q6K_SCALES};
-use super::dot_avx2::{half_bits, halves_at, hsum2, min_lanes};
+use super::dot_avx2::{bytes32, half_bits, halves_at, hsum2, min_lanes, quants32};
 use super::{fold_32, fold_k};
 use std::arch::x86_64::*;
 
@@ -213,25 +213,11 @@ fn pair_i8(a: &[i8], b: &[i8]) -> __m512i {
     _mm512_inserti64x4::<1>(_mm512_castsi256_si512(ld32_i8(a)), ld32_i8(b))
 }
 
-/// Q4_0's 32 quants of block `b`, minus 8, as signed bytes.
-#[inline]
+/// A Q8_0, Q4_0 or Q5_0 row (`Q` as in `quants32`) against Q8_0, two
+/// blocks per vector.
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,f16c")]
-fn q4_0_quants(b: &[u8]) -> __m256i {
-    let qs = &b[2..18];
-    // SAFETY: 16 readable bytes; unaligned load.
-    let q = unsafe { _mm_loadu_si128(qs.as_ptr().cast()) };
-    let m4 = _mm_set1_epi8(15);
-    let lo = _mm_and_si128(q, m4);
-    let hi = _mm_and_si128(_mm_srli_epi16::<4>(q), m4);
-    _mm256_sub_epi8(_mm256_set_m128i(hi, lo), _mm256_set1_epi8(8))
-}
-
-/// Q8_0 (`FOUR = false`) or Q4_0 row against Q8_0, two blocks per vector.
-#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,f16c")]
-fn dot_32<const FOUR: bool>(row: &[u8], y: &[BlockQ8_0]) -> f32 {
-    let kind = if FOUR { QuantKind::Q4_0 } else { QuantKind::Q8_0 };
-    let bb = kind.block_bytes();
-    let quants = |b: &[u8]| if FOUR { q4_0_quants(b) } else { ld32(&b[2..]) };
+fn dot_32<const Q: u8>(row: &[u8], y: &[BlockQ8_0]) -> f32 {
+    let bb = bytes32(Q);
     let mut acc = 0.0f32;
     // Eight blocks at a time: their sums reduced together, their products
     // formed in one vector (the same f32 operations as `fold_32`, lane by
@@ -242,7 +228,7 @@ fn dot_32<const FOUR: bool>(row: &[u8], y: &[BlockQ8_0]) -> f32 {
         let (mut dx, mut dy) = ([0u16; 8], [0u16; 8]);
         for p in 0..4 {
             let (b0, b1) = (&b[2 * p * bb..], &b[(2 * p + 1) * bb..]);
-            let x = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(quants(b0)), quants(b1));
+            let x = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(quants32::<Q>(b0)), quants32::<Q>(b1));
             v[p] = dot_s8(x, pair_i8(&yb[2 * p].qs, &yb[2 * p + 1].qs));
             dx[2 * p] = u16::from_le_bytes([b0[0], b0[1]]);
             dx[2 * p + 1] = u16::from_le_bytes([b1[0], b1[1]]);
@@ -264,7 +250,7 @@ fn dot_32<const FOUR: bool>(row: &[u8], y: &[BlockQ8_0]) -> f32 {
     let pairs = row.chunks_exact(2 * bb).zip(y.chunks_exact(2));
     for (b, yb) in pairs {
         let (b0, b1) = b.split_at(bb);
-        let x = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(quants(b0)), quants(b1));
+        let x = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(quants32::<Q>(b0)), quants32::<Q>(b1));
         let (s0, s1) = hsum_halves(dot_s8(x, pair_i8(&yb[0].qs, &yb[1].qs)));
         acc = fold_32(acc, halves_at(b0, 0).0, half_bits(yb[0].d.to_bits()), s0);
         acc = fold_32(acc, halves_at(b1, 0).0, half_bits(yb[1].d.to_bits()), s1);
@@ -272,7 +258,7 @@ fn dot_32<const FOUR: bool>(row: &[u8], y: &[BlockQ8_0]) -> f32 {
     // An odd last block: its high half is zero and contributes nothing.
     if y.len() % 2 == 1 {
         let (b, yb) = (&row[(y.len() - 1) * bb..], &y[y.len() - 1]);
-        let x = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(quants(b)), _mm256_setzero_si256());
+        let x = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(quants32::<Q>(b)), _mm256_setzero_si256());
         let (s, _) = hsum_halves(dot_s8(x, pair_i8(&yb.qs, &[0; 32])));
         acc = fold_32(acc, halves_at(b, 0).0, half_bits(yb.d.to_bits()), s);
     }
@@ -282,11 +268,17 @@ fn dot_32<const FOUR: bool>(row: &[u8], y: &[BlockQ8_0]) -> f32 {
 /// Q8_0 row against Q8_0.
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,f16c")]
 pub(super) fn dot_q8_0(row: &[u8], y: &[BlockQ8_0]) -> f32 {
-    dot_32::<false>(row, y)
+    dot_32::<8>(row, y)
 }
 
 /// Q4_0 row against Q8_0.
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,f16c")]
 pub(super) fn dot_q4_0(row: &[u8], y: &[BlockQ8_0]) -> f32 {
-    dot_32::<true>(row, y)
+    dot_32::<4>(row, y)
+}
+
+/// Q5_0 row against Q8_0.
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,f16c")]
+pub(super) fn dot_q5_0(row: &[u8], y: &[BlockQ8_0]) -> f32 {
+    dot_32::<5>(row, y)
 }

@@ -6,7 +6,7 @@
 //! sub-block's activations) taken from Q8_K's `bsums`. No i32 overflows: the
 //! largest, Q6_K's, is at most 16 sub-blocks × 128 × 16 × 32 × 127 < 2²⁸.
 
-use super::blocks::{half_at, k_scales_mins, q4k_quant, q5k_quant, q6k_quant, BlockQ8K, BlockQ8_0, QuantKind, K_SCALES, Q4K_QS, Q5K_QH, Q5K_QS, Q6K_D, Q6K_SCALES};
+use super::blocks::{half_at, q5_0_quant, k_scales_mins, q4k_quant, q5k_quant, q6k_quant, BlockQ8K, BlockQ8_0, QuantKind, K_SCALES, Q4K_QS, Q5K_QH, Q5K_QS, Q6K_D, Q6K_SCALES};
 use super::{fold_32, fold_k};
 
 /// The minimum term of a Q4_K/Q5_K block: Σ over the eight 32-element
@@ -73,6 +73,16 @@ pub(super) fn dot_q4_0(row: &[u8], y: &[BlockQ8_0]) -> f32 {
                 ((q & 15) as i32 - 8) * yb.qs[j] as i32 + ((q >> 4) as i32 - 8) * yb.qs[j + 16] as i32
             })
             .sum();
+        acc = fold_32(acc, half_at(b, 0), yb.d.to_f32(), sumi);
+    }
+    acc
+}
+
+/// A Q5_0 row against Q8_0.
+pub(super) fn dot_q5_0(row: &[u8], y: &[BlockQ8_0]) -> f32 {
+    let mut acc = 0.0f32;
+    for (b, yb) in row.chunks_exact(QuantKind::Q5_0.block_bytes()).zip(y) {
+        let sumi: i32 = (0..32).map(|j| (q5_0_quant(b, j) as i32 - 16) * yb.qs[j] as i32).sum();
         acc = fold_32(acc, half_at(b, 0), yb.d.to_f32(), sumi);
     }
     acc

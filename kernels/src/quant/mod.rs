@@ -3,7 +3,7 @@
 //! A GGUF k-quant model (Q4_K_M and kin) stores each weight row as a run of
 //! fixed-size blocks in ggml's byte layout; llama.cpp multiplies such a row by
 //! an activation vector that it first quantizes to 8 bits (Q8_K for the
-//! k-quants, Q8_0 for Q4_0/Q8_0), so that the inner loop is an integer dot
+//! k-quants, Q8_0 for Q4_0/Q5_0/Q8_0), so that the inner loop is an integer dot
 //! product and the scales are applied once per block. This module does the
 //! same:
 //!
@@ -87,7 +87,7 @@ impl Activations {
     pub fn quantize_for(kind: QuantKind, x: &[f32]) -> Result<Activations, QuantError> {
         match kind {
             QuantKind::Q4K | QuantKind::Q5K | QuantKind::Q6K => Ok(Activations::Q8K(quantize_q8_k(x)?)),
-            QuantKind::Q4_0 | QuantKind::Q8_0 => Ok(Activations::Q8_0(quantize_q8_0(x)?)),
+            QuantKind::Q4_0 | QuantKind::Q5_0 | QuantKind::Q8_0 => Ok(Activations::Q8_0(quantize_q8_0(x)?)),
             QuantKind::F32 | QuantKind::F16 | QuantKind::Bf16 => Err(QuantError::NoDot { kind }),
         }
     }
@@ -199,6 +199,7 @@ enum Op<'a> {
     Q5K(&'a [BlockQ8K]),
     Q6K(&'a [BlockQ8K]),
     Q4_0(&'a [BlockQ8_0]),
+    Q5_0(&'a [BlockQ8_0]),
     Q8_0(&'a [BlockQ8_0]),
 }
 
@@ -209,12 +210,13 @@ fn pair(kind: QuantKind, act: &Activations) -> Result<Op<'_>, QuantError> {
         (QuantKind::Q5K, Activations::Q8K(y)) => Ok(Op::Q5K(y)),
         (QuantKind::Q6K, Activations::Q8K(y)) => Ok(Op::Q6K(y)),
         (QuantKind::Q4_0, Activations::Q8_0(y)) => Ok(Op::Q4_0(y)),
+        (QuantKind::Q5_0, Activations::Q8_0(y)) => Ok(Op::Q5_0(y)),
         (QuantKind::Q8_0, Activations::Q8_0(y)) => Ok(Op::Q8_0(y)),
         (QuantKind::F32 | QuantKind::F16 | QuantKind::Bf16, _) => Err(QuantError::NoDot { kind }),
         (QuantKind::Q4K | QuantKind::Q5K | QuantKind::Q6K, _) => {
             Err(QuantError::WrongActivations { kind, wanted: "Q8_K", got: act.name() })
         }
-        (QuantKind::Q4_0 | QuantKind::Q8_0, _) => Err(QuantError::WrongActivations { kind, wanted: "Q8_0", got: act.name() }),
+        (QuantKind::Q4_0 | QuantKind::Q5_0 | QuantKind::Q8_0, _) => Err(QuantError::WrongActivations { kind, wanted: "Q8_0", got: act.name() }),
     }
 }
 
@@ -241,6 +243,7 @@ fn dot_on(path: DotPath, row: &[u8], op: Op) -> f32 {
             Op::Q5K(y) => dot_scalar::dot_q45k::<true>(row, y),
             Op::Q6K(y) => dot_scalar::dot_q6k(row, y),
             Op::Q4_0(y) => dot_scalar::dot_q4_0(row, y),
+            Op::Q5_0(y) => dot_scalar::dot_q5_0(row, y),
             Op::Q8_0(y) => dot_scalar::dot_q8_0(row, y),
         },
         // SAFETY: `runnable` only lets through paths whose features this
@@ -252,6 +255,7 @@ fn dot_on(path: DotPath, row: &[u8], op: Op) -> f32 {
                 Op::Q5K(y) => dot_avx2::dot_q45k::<true>(row, y),
                 Op::Q6K(y) => dot_avx2::dot_q6k(row, y),
                 Op::Q4_0(y) => dot_avx2::dot_q4_0(row, y),
+                Op::Q5_0(y) => dot_avx2::dot_q5_0(row, y),
                 Op::Q8_0(y) => dot_avx2::dot_q8_0(row, y),
             }
         },
@@ -263,6 +267,7 @@ fn dot_on(path: DotPath, row: &[u8], op: Op) -> f32 {
                 Op::Q5K(y) => dot_avx512::dot_q45k::<true>(row, y),
                 Op::Q6K(y) => dot_avx512::dot_q6k(row, y),
                 Op::Q4_0(y) => dot_avx512::dot_q4_0(row, y),
+                Op::Q5_0(y) => dot_avx512::dot_q5_0(row, y),
                 Op::Q8_0(y) => dot_avx512::dot_q8_0(row, y),
             }
         },
