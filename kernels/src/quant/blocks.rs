@@ -24,7 +24,7 @@ use std::fmt;
 
 /// Elements in a k-quant super-block.
 pub const QK_K: usize = 256;
-/// Elements in a Q4_0 / Q8_0 block.
+/// Elements in a Q4_0 / Q5_0 / Q8_0 block.
 pub const QK8_0: usize = 32;
 
 /// A GGUF tensor's element format, of those this module reads.

@@ -69,7 +69,7 @@ pub enum QuantError {
 }
 
 /// Activations quantized for one family of weight formats, as ggml pairs
-/// them (its `vec_dot_type`): Q8_K for the k-quants, Q8_0 for Q4_0 and Q8_0.
+/// them (its `vec_dot_type`): Q8_K for the k-quants, Q8_0 for Q4_0, Q5_0 and Q8_0.
 ///
 /// Invariants every kernel relies on, kept by the constructors: every quant
 /// is in [-127, 127] (never -128, which would overflow AVX2's `vpmaddubsw`
