@@ -18,6 +18,7 @@ pub mod mla;
 pub mod moe;
 pub mod parallel_linear;
 pub mod pool;
+pub mod quant;
 pub mod router;
 pub mod shared;
 

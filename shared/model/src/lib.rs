@@ -15,6 +15,7 @@ pub mod config;
 pub mod cpu;
 pub mod device_experts;
 pub mod forward;
+pub mod gguf;
 pub mod generation;
 pub mod hybrid;
 pub mod kv_cache;

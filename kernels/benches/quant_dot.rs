@@ -1,0 +1,128 @@
+//! Single-thread k-quant GEMV throughput against a streaming read.
+//!
+//! `cargo bench -p duplex-kernels --bench quant_dot [-- [PATH...]]`
+//! (`PATH`: only these of scalar, avx2, avx512vnni).
+//!
+//! A 2048 × 2048 matrix in Q4_K and in Q8_0 (then Q6_K and Q5_K, the
+//! other formats of a Q4_K_M model), times one activation vector
+//! quantized for it (Q8_K / Q8_0; the quantization is not timed: a layer
+//! quantizes once for all its rows). Two settings per path:
+//! - DRAM: enough distinct matrices (~600 MB) that every row comes from
+//!   memory, next to `read_bytes` (the machine's best single-thread read)
+//!   over the same buffer, passes alternating so background load hits both;
+//! - cache: one matrix, again and again (2.4 MB in Q4_K, 4.5 MB in Q8_0:
+//!   L3 on this machine), which is the kernel's compute ceiling.
+//!
+//! Times are thread CPU time; median and best of the passes are shown.
+
+use duplex_kernels::cpu::{isa, read_bytes};
+use duplex_kernels::quant::{gemv_with, Activations, DotPath, QuantKind};
+mod common;
+
+use common::thread_seconds;
+use std::hint::black_box;
+
+const ROWS: usize = 2048;
+const COLS: usize = 2048;
+const TOTAL_BYTES: usize = 600_000_000;
+const PASSES: usize = 5;
+
+/// xorshift64*: deterministic, dependency-free.
+struct Rng(u64);
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
+    }
+}
+
+/// `len` bytes of random blocks of `kind` with small positive f16 scales
+/// (random quant and scale bytes, as the kernels do the same work whatever
+/// they hold; the scales are kept finite so the sums stay numbers).
+fn matrix_bytes(kind: QuantKind, len: usize, rng: &mut Rng) -> Vec<u8> {
+    let mut v = vec![0u8; len];
+    for chunk in v.chunks_mut(8) {
+        let r = rng.next().to_le_bytes();
+        chunk.copy_from_slice(&r[..chunk.len()]);
+    }
+    let scale = half::f16::from_f32(0.01).to_bits().to_le_bytes();
+    let at: &[usize] = match kind {
+        QuantKind::Q4K | QuantKind::Q5K => &[0, 2],
+        QuantKind::Q6K => &[208],
+        _ => &[0],
+    };
+    for block in v.chunks_exact_mut(kind.block_bytes()) {
+        for &a in at {
+            block[a..a + 2].copy_from_slice(&scale);
+        }
+    }
+    v
+}
+
+/// GB/s for `bytes` moved by `f`.
+fn rate(bytes: usize, f: impl FnOnce()) -> f64 {
+    let t = thread_seconds();
+    f();
+    bytes as f64 / (thread_seconds() - t) / 1e9
+}
+
+/// (median, best).
+fn summary(mut v: Vec<f64>) -> (f64, f64) {
+    v.sort_by(f64::total_cmp);
+    (v[v.len() / 2], v[v.len() - 1])
+}
+
+fn main() {
+    let args: Vec<String> = std::env::args().skip(1).filter(|a| !a.starts_with('-')).collect();
+    let paths: Vec<DotPath> = DotPath::supported().into_iter().filter(|p| args.is_empty() || args.iter().any(|a| a == p.name())).collect();
+    let read_isa = isa::detect();
+    println!("quant GEMV {ROWS} x {COLS}, one thread; paths {paths:?}; read_bytes at {read_isa}");
+    let mut rng = Rng(0x9e37_79b9_7f4a_7c15);
+    let x: Vec<f32> = (0..COLS).map(|i| ((i as f32) * 0.37).sin() * 1.5).collect();
+    for kind in [QuantKind::Q4K, QuantKind::Q8_0, QuantKind::Q6K, QuantKind::Q5K] {
+        let size = ROWS * kind.row_bytes(COLS).expect("whole blocks");
+        let matrices = TOTAL_BYTES / size;
+        let all = matrix_bytes(kind, size * matrices, &mut rng);
+        let act = Activations::quantize_for(kind, &x).expect("whole blocks");
+        let mut y = vec![0f32; ROWS];
+        println!(
+            "\n{kind}: {:.2} MB per matrix, {matrices} matrices = {:.0} MB ({:.3} bytes/weight)",
+            size as f64 / 1e6,
+            all.len() as f64 / 1e6,
+            size as f64 / (ROWS * COLS) as f64
+        );
+        for &path in &paths {
+            let passes = if path == DotPath::Scalar { 2 } else { PASSES };
+            let (mut read, mut dram, mut cache) = (vec![], vec![], vec![]);
+            for _ in 0..passes {
+                read.push(rate(all.len(), || {
+                    black_box(read_bytes(read_isa, &all));
+                }));
+                dram.push(rate(all.len(), || {
+                    for m in all.chunks_exact(size) {
+                        gemv_with(path, kind, m, ROWS, &act, &mut y).expect("valid shapes");
+                        black_box(&y);
+                    }
+                }));
+                let first = &all[..size];
+                let reps = (matrices / 4).max(8);
+                cache.push(rate(reps * size, || {
+                    for _ in 0..reps {
+                        gemv_with(path, kind, first, ROWS, &act, &mut y).expect("valid shapes");
+                        black_box(&y);
+                    }
+                }));
+            }
+            let ((dm, db), (rm, rb), (cm, cb)) = (summary(dram), summary(read), summary(cache));
+            println!(
+                "  {:<10} DRAM {dm:5.2} GB/s (best {db:5.2})  read_bytes {rm:5.2} (best {rb:5.2})  = {:3.0}% (best/best {:3.0}%)   cache {cm:5.2} GB/s (best {cb:5.2}) = {:4.1} Gweights/s",
+                path.name(),
+                100.0 * dm / rm,
+                100.0 * db / rb,
+                cm * 1e9 / (size as f64 / (ROWS * COLS) as f64) / 1e9
+            );
+        }
+    }
+}

@@ -1,0 +1,351 @@
+//! ggml's block-quantized weight formats (GGUF tensors) and their dot products.
+//!
+//! A GGUF k-quant model (Q4_K_M and kin) stores each weight row as a run of
+//! fixed-size blocks in ggml's byte layout; llama.cpp multiplies such a row by
+//! an activation vector that it first quantizes to 8 bits (Q8_K for the
+//! k-quants, Q8_0 for Q4_0/Q5_0/Q8_0), so that the inner loop is an integer dot
+//! product and the scales are applied once per block. This module does the
+//! same:
+//!
+//! - [`blocks`]: the layouts ([`QuantKind`], [`BlockQ8K`], [`BlockQ8_0`]),
+//!   scalar dequantization of every weight format to f32, and quantization
+//!   of f32 activations to Q8_K / Q8_0 as ggml's reference code does it.
+//! - [`dot`] / [`gemv`]: a weight row (raw GGUF bytes, no alignment needed)
+//!   against quantized activations, on the portable scalar reference, AVX2
+//!   (`vpmaddubsw`) or AVX-512 VNNI (`vpdpbusd`), chosen at run time from an
+//!   [`Isa`] level the same way as the other CPU kernels.
+//!
+//! # Exactness
+//! Every path computes each block's integer sums exactly (they are the sums
+//! ggml's reference forms, regrouped; no intermediate can overflow, see the
+//! bounds at each kernel) and then folds the blocks into the f32 result with
+//! the same scalar expression, in block order (`fold_k`, `fold_32`). So
+//! the SIMD paths return the scalar reference's bits exactly, and the tests
+//! say so. Against llama.cpp the integers are identical and only the f32
+//! folding order differs (its generic code keeps eight f32 partial sums per
+//! row, its SIMD code a vector of them), which is f32 rounding.
+
+pub mod blocks;
+mod dot_scalar;
+#[cfg(target_arch = "x86_64")]
+mod dot_avx2;
+#[cfg(target_arch = "x86_64")]
+mod dot_avx512;
+
+pub use blocks::{
+    dequantize_row, quantize_q8_0, quantize_q8_k, BlockQ8K, BlockQ8_0, QuantKind, QK_K, QK8_0,
+};
+
+use crate::cpu::isa::Isa;
+use std::fmt;
+
+/// What can be wrong with a quantized product's operands.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum QuantError {
+    /// A row of `kind` must be whole blocks.
+    #[error("{kind} row of {bytes} bytes is not a whole number of {block_bytes}-byte blocks")]
+    PartialBlock { kind: QuantKind, bytes: usize, block_bytes: usize },
+    /// An element count that does not fill whole blocks.
+    #[error("{kind} needs a multiple of {block} elements, got {elements}")]
+    PartialElements { kind: QuantKind, elements: usize, block: usize },
+    /// The weight row and the activations hold different element counts.
+    #[error("{kind} weight row has {row} elements but the activations have {activations}")]
+    LengthMismatch { kind: QuantKind, row: usize, activations: usize },
+    /// The activations were quantized for another family of weights.
+    #[error("{kind} weights need {wanted} activations, got {got}")]
+    WrongActivations { kind: QuantKind, wanted: &'static str, got: &'static str },
+    /// This format has no quantized dot product (it is dequantized instead).
+    #[error("{kind} has no quantized dot product; dequantize it")]
+    NoDot { kind: QuantKind },
+    /// Output buffer of the wrong size.
+    #[error("output has {got} elements, expected {expected}")]
+    OutputSize { got: usize, expected: usize },
+    /// A matrix that is not `rows` whole rows.
+    #[error("matrix of {bytes} bytes is not {rows} rows of {row_bytes} bytes")]
+    MatrixShape { bytes: usize, rows: usize, row_bytes: usize },
+    /// Activation bytes that break the invariants the kernels rely on.
+    #[error("bad {kind} activation block {block}: {why}")]
+    BadActivations { kind: &'static str, block: usize, why: &'static str },
+}
+
+/// Activations quantized for one family of weight formats, as ggml pairs
+/// them (its `vec_dot_type`): Q8_K for the k-quants, Q8_0 for Q4_0, Q5_0 and Q8_0.
+///
+/// Invariants every kernel relies on, kept by the constructors: every quant
+/// is in [-127, 127] (never -128, which would overflow AVX2's `vpmaddubsw`
+/// sign trick) and every Q8_K `bsums` entry is the sum of its 16 quants (the
+/// k-quant kernels take their minimum and offset terms from it).
+#[derive(Clone, Debug, PartialEq)]
+pub enum Activations {
+    Q8K(Vec<BlockQ8K>),
+    Q8_0(Vec<BlockQ8_0>),
+}
+
+impl Activations {
+    /// Quantize `x` for products with `kind` weights (ggml's reference
+    /// quantization; see [`quantize_q8_k`] and [`quantize_q8_0`]).
+    pub fn quantize_for(kind: QuantKind, x: &[f32]) -> Result<Activations, QuantError> {
+        match kind {
+            QuantKind::Q4K | QuantKind::Q5K | QuantKind::Q6K => Ok(Activations::Q8K(quantize_q8_k(x)?)),
+            QuantKind::Q4_0 | QuantKind::Q5_0 | QuantKind::Q8_0 => Ok(Activations::Q8_0(quantize_q8_0(x)?)),
+            QuantKind::F32 | QuantKind::F16 | QuantKind::Bf16 => Err(QuantError::NoDot { kind }),
+        }
+    }
+
+    /// How many elements these activations hold.
+    pub fn len(&self) -> usize {
+        match self {
+            Activations::Q8K(b) => b.len() * QK_K,
+            Activations::Q8_0(b) => b.len() * QK8_0,
+        }
+    }
+
+    /// Whether there are no elements.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    fn name(&self) -> &'static str {
+        match self {
+            Activations::Q8K(_) => "Q8_K",
+            Activations::Q8_0(_) => "Q8_0",
+        }
+    }
+}
+
+/// Which implementation a product runs on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum DotPath {
+    /// Plain Rust integer arithmetic: the reference.
+    Scalar,
+    /// AVX2 `vpmaddubsw`/`vpmaddwd`.
+    Avx2,
+    /// AVX-512 BW with VNNI `vpdpbusd`.
+    Avx512Vnni,
+}
+
+impl DotPath {
+    /// The best path for `isa` on this CPU. AVX-512 levels take VNNI only
+    /// where the CPU has it (it is not part of [`Isa`]'s ladder: every
+    /// AVX-512 BF16 CPU has it, but a plain AVX-512 one may not) and fall
+    /// back to AVX2 otherwise.
+    pub fn for_isa(isa: Isa) -> DotPath {
+        match isa.usable() {
+            Isa::Portable => DotPath::Scalar,
+            Isa::Avx2 => DotPath::Avx2,
+            _ if has_vnni() => DotPath::Avx512Vnni,
+            _ => DotPath::Avx2,
+        }
+    }
+
+    /// The lower-case name used in benchmarks.
+    pub fn name(self) -> &'static str {
+        match self {
+            DotPath::Scalar => "scalar",
+            DotPath::Avx2 => "avx2",
+            DotPath::Avx512Vnni => "avx512vnni",
+        }
+    }
+
+    /// Every path this CPU can run, scalar first.
+    pub fn supported() -> Vec<DotPath> {
+        let mut v = vec![DotPath::Scalar];
+        if Isa::Avx2.usable() >= Isa::Avx2 {
+            v.push(DotPath::Avx2);
+        }
+        if Isa::Avx512.usable() >= Isa::Avx512 && has_vnni() {
+            v.push(DotPath::Avx512Vnni);
+        }
+        v
+    }
+}
+
+impl fmt::Display for DotPath {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+fn has_vnni() -> bool {
+    std::arch::is_x86_feature_detected!("avx512vnni")
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+fn has_vnni() -> bool {
+    false
+}
+
+/// The f32 fold of one k-quant block: `d` and `dmin` are the weight block's
+/// scales times the activation block's, `sumi` the scaled integer dot
+/// product, `summ` the integer minimum term (zero for Q6_K). Every path uses
+/// this one expression, in block order, which is what makes them bit-equal.
+#[inline(always)]
+fn fold_k(acc: f32, d: f32, sumi: i32, dmin: f32, summ: i32) -> f32 {
+    acc + d * sumi as f32 - dmin * summ as f32
+}
+
+/// The f32 fold of one 32-element block (Q4_0, Q8_0): `sumi` × (weight scale
+/// × activation scale), as ggml's reference writes it for Q8_0.
+#[inline(always)]
+fn fold_32(acc: f32, dx: f32, dy: f32, sumi: i32) -> f32 {
+    acc + sumi as f32 * (dx * dy)
+}
+
+/// A checked pairing of weight format and activations: what a kernel runs.
+#[derive(Clone, Copy)]
+enum Op<'a> {
+    Q4K(&'a [BlockQ8K]),
+    Q5K(&'a [BlockQ8K]),
+    Q6K(&'a [BlockQ8K]),
+    Q4_0(&'a [BlockQ8_0]),
+    Q5_0(&'a [BlockQ8_0]),
+    Q8_0(&'a [BlockQ8_0]),
+}
+
+/// Check that `kind` weights multiply `act`'s kind of activations.
+fn pair(kind: QuantKind, act: &Activations) -> Result<Op<'_>, QuantError> {
+    match (kind, act) {
+        (QuantKind::Q4K, Activations::Q8K(y)) => Ok(Op::Q4K(y)),
+        (QuantKind::Q5K, Activations::Q8K(y)) => Ok(Op::Q5K(y)),
+        (QuantKind::Q6K, Activations::Q8K(y)) => Ok(Op::Q6K(y)),
+        (QuantKind::Q4_0, Activations::Q8_0(y)) => Ok(Op::Q4_0(y)),
+        (QuantKind::Q5_0, Activations::Q8_0(y)) => Ok(Op::Q5_0(y)),
+        (QuantKind::Q8_0, Activations::Q8_0(y)) => Ok(Op::Q8_0(y)),
+        (QuantKind::F32 | QuantKind::F16 | QuantKind::Bf16, _) => Err(QuantError::NoDot { kind }),
+        (QuantKind::Q4K | QuantKind::Q5K | QuantKind::Q6K, _) => {
+            Err(QuantError::WrongActivations { kind, wanted: "Q8_K", got: act.name() })
+        }
+        (QuantKind::Q4_0 | QuantKind::Q5_0 | QuantKind::Q8_0, _) => Err(QuantError::WrongActivations { kind, wanted: "Q8_0", got: act.name() }),
+    }
+}
+
+/// Check a weight row against the activations.
+fn check_row<'a>(kind: QuantKind, row: &[u8], act: &'a Activations) -> Result<Op<'a>, QuantError> {
+    let op = pair(kind, act)?;
+    let bb = kind.block_bytes();
+    if !row.len().is_multiple_of(bb) {
+        return Err(QuantError::PartialBlock { kind, bytes: row.len(), block_bytes: bb });
+    }
+    let elements = row.len() / bb * kind.block_elems();
+    if elements != act.len() {
+        return Err(QuantError::LengthMismatch { kind, row: elements, activations: act.len() });
+    }
+    Ok(op)
+}
+
+/// Run one checked row on `path`.
+#[inline]
+fn dot_on(path: DotPath, row: &[u8], op: Op) -> f32 {
+    match path {
+        DotPath::Scalar => match op {
+            Op::Q4K(y) => dot_scalar::dot_q45k::<false>(row, y),
+            Op::Q5K(y) => dot_scalar::dot_q45k::<true>(row, y),
+            Op::Q6K(y) => dot_scalar::dot_q6k(row, y),
+            Op::Q4_0(y) => dot_scalar::dot_q4_0(row, y),
+            Op::Q5_0(y) => dot_scalar::dot_q5_0(row, y),
+            Op::Q8_0(y) => dot_scalar::dot_q8_0(row, y),
+        },
+        // SAFETY: `runnable` only lets through paths whose features this
+        // CPU has; the row holds exactly `y.len()` blocks (checked).
+        #[cfg(target_arch = "x86_64")]
+        DotPath::Avx2 => unsafe {
+            match op {
+                Op::Q4K(y) => dot_avx2::dot_q45k::<false>(row, y),
+                Op::Q5K(y) => dot_avx2::dot_q45k::<true>(row, y),
+                Op::Q6K(y) => dot_avx2::dot_q6k(row, y),
+                Op::Q4_0(y) => dot_avx2::dot_q4_0(row, y),
+                Op::Q5_0(y) => dot_avx2::dot_q5_0(row, y),
+                Op::Q8_0(y) => dot_avx2::dot_q8_0(row, y),
+            }
+        },
+        // SAFETY: as above.
+        #[cfg(target_arch = "x86_64")]
+        DotPath::Avx512Vnni => unsafe {
+            match op {
+                Op::Q4K(y) => dot_avx512::dot_q45k::<false>(row, y),
+                Op::Q5K(y) => dot_avx512::dot_q45k::<true>(row, y),
+                Op::Q6K(y) => dot_avx512::dot_q6k(row, y),
+                Op::Q4_0(y) => dot_avx512::dot_q4_0(row, y),
+                Op::Q5_0(y) => dot_avx512::dot_q5_0(row, y),
+                Op::Q8_0(y) => dot_avx512::dot_q8_0(row, y),
+            }
+        },
+        #[cfg(not(target_arch = "x86_64"))]
+        _ => dot_on(DotPath::Scalar, row, op),
+    }
+}
+
+/// A path the caller named, lowered to one this CPU can run.
+fn runnable(path: DotPath) -> DotPath {
+    let best = DotPath::for_isa(Isa::Avx512Fp16);
+    if path <= best {
+        path
+    } else {
+        best
+    }
+}
+
+/// Dot product of one weight row (`kind`'s raw GGUF bytes) with quantized
+/// activations, on the best path for `isa` on this CPU.
+pub fn dot(kind: QuantKind, row: &[u8], act: &Activations, isa: Isa) -> Result<f32, QuantError> {
+    dot_with(DotPath::for_isa(isa), kind, row, act)
+}
+
+/// [`dot`] on a named path (lowered to what this CPU can run).
+pub fn dot_with(path: DotPath, kind: QuantKind, row: &[u8], act: &Activations) -> Result<f32, QuantError> {
+    let op = check_row(kind, row, act)?;
+    Ok(dot_on(runnable(path), row, op))
+}
+
+/// `y[r] = dot(row r of matrix, act)` for a row-major matrix of `rows`
+/// equal rows, on the best path for `isa`, one thread.
+pub fn gemv(kind: QuantKind, matrix: &[u8], rows: usize, act: &Activations, isa: Isa, y: &mut [f32]) -> Result<(), QuantError> {
+    gemv_with(DotPath::for_isa(isa), kind, matrix, rows, act, y)
+}
+
+/// [`gemv`] on a named path (lowered to what this CPU can run).
+///
+/// Rows run one at a time, each streamed start to end. Pairing rows so
+/// that they share the activations' loads made the AVX-512 Q4_K kernel
+/// faster from cache (39 against 30 GB/s of weights on the development
+/// machine) but halved its rate from DRAM (12 against 26 GB/s), where a
+/// GEMV over model weights runs.
+pub fn gemv_with(
+    path: DotPath,
+    kind: QuantKind,
+    matrix: &[u8],
+    rows: usize,
+    act: &Activations,
+    y: &mut [f32],
+) -> Result<(), QuantError> {
+    if y.len() != rows {
+        return Err(QuantError::OutputSize { got: y.len(), expected: rows });
+    }
+    if rows == 0 {
+        return if matrix.is_empty() {
+            Ok(())
+        } else {
+            Err(QuantError::MatrixShape { bytes: matrix.len(), rows, row_bytes: 0 })
+        };
+    }
+    pair(kind, act)?;
+    let row_bytes = act.len() / kind.block_elems() * kind.block_bytes();
+    if row_bytes == 0 {
+        // Empty activations: every row is empty and every product zero.
+        if !matrix.is_empty() {
+            return Err(QuantError::MatrixShape { bytes: matrix.len(), rows, row_bytes });
+        }
+        y.fill(0.0);
+        return Ok(());
+    }
+    if matrix.len() != rows * row_bytes {
+        return Err(QuantError::MatrixShape { bytes: matrix.len(), rows, row_bytes });
+    }
+    let op = check_row(kind, &matrix[..row_bytes], act)?;
+    let path = runnable(path);
+    for (out, row) in y.iter_mut().zip(matrix.chunks_exact(row_bytes)) {
+        *out = dot_on(path, row, op);
+    }
+    Ok(())
+}
