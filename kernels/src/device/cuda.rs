@@ -536,67 +536,50 @@ impl CudaDevice {
         self.run(stream, f, blocks(rows * cols, THREADS), THREADS as u32, 0, params)
     }
 
+    /// A GEMM kernel (`fs`: one per weight format, F32, BF16, F16, FP8) over
+    /// `w`, `x` and `y`, its parameters followed by `more`.
+    #[allow(clippy::too_many_arguments)]
+    fn gemm(&self, s: &CudaStream, fs: [&CudaFunction; 4], w: &DeviceWeight, x: &Matrix, y: &Matrix, precision: Precision, round: bool, more: Params) -> Result<(), DeviceError> {
+        let n = x.rows;
+        if n == 0 || w.rows == 0 {
+            return Ok(());
+        }
+        let (f, [b0, b1]) = match w.format {
+            WeightFormat::F32 => (fs[0], [1, 1]),
+            WeightFormat::Bf16 => (fs[1], [1, 1]),
+            WeightFormat::F16 => (fs[2], [1, 1]),
+            WeightFormat::Fp8E4m3 { block } => (fs[3], block),
+        };
+        let warps = w.rows * n.div_ceil(GEMM_TILE);
+        let mut params = Params::default()
+            .ptr(w.data.addr)
+            .ptr(w.scales.addr)
+            .u64(w.rows)
+            .u64(w.cols)
+            .u64(b0)
+            .u64(b1)
+            .matrix(x)
+            .matrix(y)
+            .u64(n)
+            .flag(precision == Precision::Bf16)
+            .flag(round);
+        params.0.extend(more.0);
+        self.run(s, f, blocks(warps, THREADS / 32), THREADS as u32, 0, params)
+    }
+
     fn launch_op(&self, s: &CudaStream, op: &Op) -> Result<(), DeviceError> {
         let k = &self.kernels;
         let bf16 = |p: &Precision| *p == Precision::Bf16;
         match op {
             Op::Gemm { w, x, y, precision, round } => {
-                let n = x.rows;
-                if n == 0 || w.rows == 0 {
-                    return Ok(());
-                }
-                let (f, [b0, b1]) = match w.format {
-                    WeightFormat::F32 => (&k.gemm_f32, [1, 1]),
-                    WeightFormat::Bf16 => (&k.gemm_bf16, [1, 1]),
-                    WeightFormat::F16 => (&k.gemm_f16, [1, 1]),
-                    WeightFormat::Fp8E4m3 { block } => (&k.gemm_fp8, block),
-                };
-                let warps = w.rows * n.div_ceil(GEMM_TILE);
-                let params = Params::default()
-                    .ptr(w.data.addr)
-                    .ptr(w.scales.addr)
-                    .u64(w.rows)
-                    .u64(w.cols)
-                    .u64(b0)
-                    .u64(b1)
-                    .matrix(x)
-                    .matrix(y)
-                    .u64(n)
-                    .flag(bf16(precision))
-                    .flag(*round);
-                self.run(s, f, blocks(warps, THREADS / 32), THREADS as u32, 0, params)
+                let fs = [&k.gemm_f32, &k.gemm_bf16, &k.gemm_f16, &k.gemm_fp8];
+                self.gemm(s, fs, w, x, y, *precision, *round, Params::default())
             }
             Op::GemmBatched { w, w_step, scales_step, x, x_rows, y, y_rows, count, precision, round } => {
-                let n = x.rows;
-                if n == 0 || w.rows == 0 {
-                    return Ok(());
-                }
-                let (f, [b0, b1]) = match w.format {
-                    WeightFormat::F32 => (&k.gemm_batched_f32, [1, 1]),
-                    WeightFormat::Bf16 => (&k.gemm_batched_bf16, [1, 1]),
-                    WeightFormat::F16 => (&k.gemm_batched_f16, [1, 1]),
-                    WeightFormat::Fp8E4m3 { block } => (&k.gemm_batched_fp8, block),
-                };
-                // The warps of one batch; the kernel runs the batches in turn.
-                let warps = w.rows * n.div_ceil(GEMM_TILE);
-                let params = Params::default()
-                    .ptr(w.data.addr)
-                    .ptr(w.scales.addr)
-                    .u64(w.rows)
-                    .u64(w.cols)
-                    .u64(b0)
-                    .u64(b1)
-                    .matrix(x)
-                    .matrix(y)
-                    .u64(n)
-                    .flag(bf16(precision))
-                    .flag(*round)
-                    .u64(*count)
-                    .u64(*w_step)
-                    .u64(*scales_step)
-                    .u64(x_rows * x.stride)
-                    .u64(y_rows * y.stride);
-                self.run(s, f, blocks(warps, THREADS / 32), THREADS as u32, 0, params)
+                // The grid is one batch's warps; the kernel runs the batches in turn.
+                let fs = [&k.gemm_batched_f32, &k.gemm_batched_bf16, &k.gemm_batched_f16, &k.gemm_batched_fp8];
+                let batches = Params::default().u64(*count).u64(*w_step).u64(*scales_step).u64(x_rows * x.stride).u64(y_rows * y.stride);
+                self.gemm(s, fs, w, x, y, *precision, *round, batches)
             }
             Op::RmsNorm { x, weight, out, eps, precision } => {
                 if x.rows == 0 || x.cols == 0 {
