@@ -15,24 +15,13 @@ use duplex_kernels::cpu::{isa, matmul_bf16, read_bytes, Isa};
 use duplex_kernels::{WeightFormat, WeightView};
 mod common;
 
-use common::thread_seconds;
+use common::{rate, summary, Rng};
 use std::hint::black_box;
 #[cfg(not(target_os = "linux"))]
 use std::time::Instant;
 
 const MATRICES: usize = 40;
 const PASSES: usize = 7;
-
-/// xorshift64*: deterministic, dependency-free.
-struct Rng(u64);
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
-    }
-}
 
 /// A 64-byte aligned buffer of FP8 codes (what a loader that repacks weights
 /// gives), distributed like a block-scaled checkpoint: almost every code has
@@ -52,19 +41,6 @@ fn weights(len: usize, rng: &mut Rng) -> (Vec<u8>, usize) {
         *b = c;
     }
     (v, off)
-}
-
-/// GB/s for `bytes` moved by `f`.
-fn rate(bytes: usize, f: impl FnOnce()) -> f64 {
-    let t = thread_seconds();
-    f();
-    bytes as f64 / (thread_seconds() - t) / 1e9
-}
-
-/// (median, best).
-fn summary(mut v: Vec<f64>) -> (f64, f64) {
-    v.sort_by(f64::total_cmp);
-    (v[v.len() / 2], v[v.len() - 1])
 }
 
 fn main() {

@@ -19,24 +19,13 @@ use duplex_kernels::cpu::{isa, read_bytes};
 use duplex_kernels::quant::{gemv_with, Activations, DotPath, QuantKind};
 mod common;
 
-use common::thread_seconds;
+use common::{rate, summary, Rng};
 use std::hint::black_box;
 
 const ROWS: usize = 2048;
 const COLS: usize = 2048;
 const TOTAL_BYTES: usize = 600_000_000;
 const PASSES: usize = 5;
-
-/// xorshift64*: deterministic, dependency-free.
-struct Rng(u64);
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
-    }
-}
 
 /// `len` bytes of random blocks of `kind` with small positive f16 scales
 /// (random quant and scale bytes, as the kernels do the same work whatever
@@ -59,19 +48,6 @@ fn matrix_bytes(kind: QuantKind, len: usize, rng: &mut Rng) -> Vec<u8> {
         }
     }
     v
-}
-
-/// GB/s for `bytes` moved by `f`.
-fn rate(bytes: usize, f: impl FnOnce()) -> f64 {
-    let t = thread_seconds();
-    f();
-    bytes as f64 / (thread_seconds() - t) / 1e9
-}
-
-/// (median, best).
-fn summary(mut v: Vec<f64>) -> (f64, f64) {
-    v.sort_by(f64::total_cmp);
-    (v[v.len() / 2], v[v.len() - 1])
 }
 
 fn main() {

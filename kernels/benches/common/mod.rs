@@ -1,5 +1,8 @@
 //! What the kernel benchmarks share.
 
+// Each bench compiles this module on its own and uses only some of it.
+#![allow(dead_code)]
+
 #[cfg(not(target_os = "linux"))]
 use std::time::Instant;
 
@@ -27,4 +30,29 @@ pub fn thread_seconds() -> f64 {
     use std::sync::OnceLock;
     static START: OnceLock<Instant> = OnceLock::new();
     START.get_or_init(Instant::now).elapsed().as_secs_f64()
+}
+
+/// xorshift64*: deterministic, dependency-free.
+pub struct Rng(pub u64);
+
+impl Rng {
+    pub fn next(&mut self) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
+    }
+}
+
+/// GB/s for `bytes` moved by `f`, by this thread's CPU time.
+pub fn rate(bytes: usize, f: impl FnOnce()) -> f64 {
+    let t = thread_seconds();
+    f();
+    bytes as f64 / (thread_seconds() - t) / 1e9
+}
+
+/// (median, best).
+pub fn summary(mut v: Vec<f64>) -> (f64, f64) {
+    v.sort_by(f64::total_cmp);
+    (v[v.len() / 2], v[v.len() - 1])
 }
