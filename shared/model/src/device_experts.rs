@@ -219,11 +219,6 @@ impl ExpertCache {
         &self.cost
     }
 
-    /// Experts cached now, over all layers.
-    pub fn cached(&self) -> usize {
-        self.layers.iter().flatten().map(|l| l.map.len()).sum()
-    }
-
     /// DALI's residual vectors, per MoE layer (set after calibration).
     pub(crate) fn set_residual(&mut self, layer: usize, r: Vec<f32>) {
         if let Some(Some(l)) = self.layers.get_mut(layer) {
