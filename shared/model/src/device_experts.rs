@@ -12,8 +12,10 @@
 //! - **transient slots**, a small ring for experts copied in for one layer
 //!   only: those an assignment sends over PCIe, and prefetched ones.
 //!
-//! A slot is overwritten only after the work that read it (its `last_use`
-//! event), and read only after its copy landed (its `ready` event).
+//! A slot is overwritten only after all the work that read it (its
+//! `last_use` events, one per stream: both micro-batches read the same
+//! slots, and either may finish first), and read only after its copy landed
+//! (its `ready` event).
 
 use crate::backend::{ExpertJob, Tokens};
 use crate::forward::ModuleKind;
@@ -95,8 +97,8 @@ struct Slot {
     holds: Option<((usize, usize), SlotWeights)>,
     /// Completed when the copy into it landed.
     ready: Option<Event>,
-    /// Completed when the last work reading it finished.
-    last_use: Option<Event>,
+    /// Per stream that read it, completed when its last reading work finished.
+    last_use: Vec<(StreamId, Event)>,
 }
 
 /// One MoE layer's share of the cache.
@@ -174,7 +176,7 @@ impl ExpertCache {
         if memory.bytes < n_slots * slot_bytes {
             return Err(ForwardError::Workspace(format!("{} bytes for {n_slots} expert slots of {slot_bytes}", memory.bytes)));
         }
-        let slots = (0..n_slots).map(|i| Ok(Slot { ptr: memory.slice(i * slot_bytes, slot_bytes)?, holds: None, ready: None, last_use: None })).collect::<Result<Vec<_>, ForwardError>>()?;
+        let slots = (0..n_slots).map(|i| Ok(Slot { ptr: memory.slice(i * slot_bytes, slot_bytes)?, holds: None, ready: None, last_use: vec![] })).collect::<Result<Vec<_>, ForwardError>>()?;
         let mut modules: Vec<Vec<StagedModule>> = (0..c.num_hidden_layers).map(|_| vec![]).collect();
         for m in model.staged_modules(usize::MAX) {
             if let ModuleKind::Expert { layer, .. } = m.kind {
@@ -236,8 +238,8 @@ impl ExpertCache {
     fn load(&mut self, dev: &dyn Device, copy: StreamId, s: usize, layer: usize, expert: usize) -> Result<(), ForwardError> {
         let module = self.modules.get(layer).and_then(|m| m.get(expert)).ok_or(ForwardError::Routing { expert, experts: self.modules.get(layer).map_or(0, Vec::len) })?;
         let slot = &mut self.slots[s];
-        if let Some(used) = &slot.last_use {
-            dev.wait_event(copy, used)?;
+        for (_, used) in slot.last_use.drain(..) {
+            dev.wait_event(copy, &used)?;
         }
         let weights = Self::upload_expert(dev, copy, module, slot.ptr)?;
         slot.holds = Some(((layer, expert), weights));
@@ -334,7 +336,9 @@ impl ExpertCache {
         if !planned.slots.is_empty() {
             let used = dev.record(stream)?;
             for &s in &planned.slots {
-                self.slots[s].last_use = Some(used.clone());
+                let readers = &mut self.slots[s].last_use;
+                readers.retain(|(reader, _)| *reader != stream);
+                readers.push((stream, used.clone()));
             }
         }
         self.pending.push(PendingMeasure { device, cpu });
