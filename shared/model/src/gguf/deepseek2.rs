@@ -13,7 +13,7 @@
 //! `key_length` / `value_length` and the per-head ones under
 //! `key_length_mla` / `value_length_mla`, and writes `head_count_kv` = 1.
 
-use super::{Gguf, GgufError, Metadata, TensorInfo};
+use duplex_gguf::{Gguf, GgufError, Metadata, TensorInfo};
 use crate::config::{Architecture, AttentionConfig, MlaConfig, ModelConfig, ScoringFunc, Yarn};
 use std::collections::{BTreeMap, BTreeSet};
 
