@@ -8,6 +8,7 @@
 //! which is exactly the order the fast kernels use.
 
 use crate::fp8::E4M3_TABLE;
+use crate::quant::{self, DotPath, QuantKind, QuantizedTokens};
 use std::ops::Range;
 
 /// How the bytes of a weight matrix encode its values.
@@ -18,14 +19,41 @@ pub enum WeightFormat {
     F16,
     /// FP8 E4M3FN with one F32 scale per `[block_rows, block_cols]` tile.
     Fp8E4m3 { block: [usize; 2] },
+    /// One of ggml's block formats (a GGUF k-quant or Q4_0/Q5_0/Q8_0): each
+    /// row is whole blocks that carry their own scales. Products quantize
+    /// the activations to 8 bits first, as llama.cpp does (see [`crate::quant`]).
+    /// Never F32/F16/BF16, which are the plain formats above.
+    Quant(QuantKind),
 }
 
 impl WeightFormat {
+    /// Bytes per element of a plain or FP8 format; block formats have none
+    /// (see [`Self::row_bytes`]).
     pub fn bytes_per_element(self) -> usize {
         match self {
             WeightFormat::F32 => 4,
             WeightFormat::Bf16 | WeightFormat::F16 => 2,
             WeightFormat::Fp8E4m3 { .. } => 1,
+            WeightFormat::Quant(kind) => panic!("{kind} is a block format: ask row_bytes"),
+        }
+    }
+
+    /// Bytes of one row of `cols` elements (for block formats, `cols` must
+    /// be whole blocks, which loading checks).
+    pub fn row_bytes(self, cols: usize) -> usize {
+        match self {
+            WeightFormat::Quant(kind) => cols / kind.block_elems() * kind.block_bytes(),
+            _ => cols * self.bytes_per_element(),
+        }
+    }
+
+    /// The format of a GGUF tensor of `kind`.
+    pub fn of_quant(kind: QuantKind) -> WeightFormat {
+        match kind {
+            QuantKind::F32 => WeightFormat::F32,
+            QuantKind::F16 => WeightFormat::F16,
+            QuantKind::Bf16 => WeightFormat::Bf16,
+            _ => WeightFormat::Quant(kind),
         }
     }
 }
@@ -64,10 +92,13 @@ impl<'a> WeightView<'a> {
 
     /// Decode row `r` without its scales into `out` (`cols` long).
     pub fn decode_row_unscaled(&self, r: usize, out: &mut [f32]) {
-        let n = self.cols;
-        let bpe = self.format.bytes_per_element();
-        let bytes = &self.data[r * n * bpe..(r + 1) * n * bpe];
+        let row_bytes = self.format.row_bytes(self.cols);
+        let bytes = &self.data[r * row_bytes..(r + 1) * row_bytes];
         match self.format {
+            WeightFormat::Quant(kind) => {
+                // Loading checked that rows are whole blocks.
+                quant::dequantize_row(kind, bytes, &mut out[..self.cols]).expect("a checked block-quantized row");
+            }
             WeightFormat::Fp8E4m3 { .. } => {
                 for (o, &b) in out.iter_mut().zip(bytes) {
                     *o = E4M3_TABLE[b as usize];
@@ -136,6 +167,9 @@ pub fn matmul_rows(w: &WeightView, rows: Range<usize>, x: &[f32], n: usize, out:
     assert!(rows.end <= w.rows, "matmul_rows: rows out of range");
     assert_eq!(x.len(), n * cols, "matmul: input is not [n, cols]");
     assert_eq!(out.len(), n * m, "matmul: output is not [n, rows]");
+    if let WeightFormat::Quant(kind) = w.format {
+        return matmul_quant(kind, w, rows, x, n, out, DotPath::Scalar);
+    }
     let cb = w.col_block();
     let mut row = vec![0.0f32; cols];
     for (j, r) in rows.enumerate() {
@@ -149,6 +183,19 @@ pub fn matmul_rows(w: &WeightView, rows: Range<usize>, x: &[f32], n: usize, out:
             out[i * m + j] = acc;
         }
     }
+}
+
+/// A band of rows of block-quantized weights against `n` tokens of `x`,
+/// as llama.cpp computes it: each token quantized to 8 bits (Q8_K or Q8_0,
+/// as the format pairs), then integer block dot products on `path`. Every
+/// path gives the scalar reference's bits (see [`crate::quant`]).
+pub fn matmul_quant(kind: QuantKind, w: &WeightView, rows: Range<usize>, x: &[f32], n: usize, out: &mut [f32], path: DotPath) {
+    let row_bytes = w.format.row_bytes(w.cols);
+    let mut acts = QuantizedTokens::default();
+    // Loading checked the shapes (whole blocks per row, the data's length),
+    // so what could fail here is a caller's bug.
+    acts.quantize(kind, x, n).expect("activations of whole blocks");
+    quant::matmul(path, kind, &w.data[rows.start * row_bytes..rows.end * row_bytes], rows.len(), &acts, out).expect("a checked block-quantized band");
 }
 
 /// Transposed product over a band of rows: `out[c] = Σ_{r ∈ rows} x[r - rows.start] · W[r, c]`.
@@ -193,7 +240,6 @@ impl OwnedWeight {
 pub fn transpose_rows(w: &WeightView, rows: Range<usize>) -> OwnedWeight {
     assert!(rows.end <= w.rows, "transpose_rows: rows out of range");
     let (m, n) = (rows.len(), w.cols);
-    let bpe = w.format.bytes_per_element();
     match w.format {
         WeightFormat::Fp8E4m3 { block: [b0, b1] } if rows.start.is_multiple_of(b0) => {
             let mut data = vec![0u8; m * n];
@@ -214,6 +260,7 @@ pub fn transpose_rows(w: &WeightView, rows: Range<usize>) -> OwnedWeight {
             OwnedWeight { rows: n, cols: m, format: WeightFormat::Fp8E4m3 { block: [b1, b0] }, data, scales }
         }
         WeightFormat::Bf16 | WeightFormat::F32 => {
+            let bpe = w.format.bytes_per_element();
             let mut data = vec![0u8; m * n * bpe];
             for (j, r) in rows.clone().enumerate() {
                 for c in 0..n {

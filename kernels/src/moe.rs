@@ -11,14 +11,24 @@
 //! threads have already claimed. Shared experts are simply experts that every
 //! token uses with weight 1, on the same pool.
 //!
+//! Block-quantized experts (GGUF k-quants) multiply 8-bit activations, as
+//! llama.cpp does, with the conversions fused so that a layer has two
+//! barriers (§3.5): the layer's tokens are quantized once, before any task
+//! (one per weight family, not per expert); each expert's hidden rows stay
+//! F32 until its last gate/up task, which quantizes them for the down
+//! projection before the expert's countdown reaches zero. So every weight
+//! byte is multiplied by activations quantized exactly once.
+//!
 //! NUMA: each expert is placed on a node and only that node's threads touch
 //! its weights; every node leaves per-expert partial outputs that one last
 //! parallel pass reduces into the result.
 
 use crate::cpu::{convert::f32_to_bf16, gemv::matmul_bf16, isa::Isa};
+use crate::parallel_linear::quantize_tokens;
 use crate::pool::ThreadPool;
+use crate::quant::{self, DotPath, QuantKind, QuantizedTokens};
 use crate::shared::SharedSlice;
-use crate::WeightView;
+use crate::{WeightFormat, WeightView};
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 /// The three projections of one expert.
@@ -52,6 +62,27 @@ pub struct MoeScratch {
     tasks: Vec<Vec<Task>>,
     /// Tasks per node.
     counts: Vec<usize>,
+    /// Block-quantized experts: the layer's tokens, quantized once for the
+    /// k-quants (Q8_K) and once for the 32-element formats (Q8_0), as needed.
+    xq_k: QuantizedTokens,
+    xq_0: QuantizedTokens,
+    /// Their hidden rows in F32, and quantized for the down projection.
+    hf: Vec<f32>,
+    hq: Vec<QuantizedTokens>,
+}
+
+/// The block formats of an expert's three projections, if it has them.
+/// An expert is quantized whole or not at all (loading checks).
+fn quant_kinds(w: &ExpertWeights) -> Option<[QuantKind; 3]> {
+    match (w.gate.format, w.up.format, w.down.format) {
+        (WeightFormat::Quant(g), WeightFormat::Quant(u), WeightFormat::Quant(d)) => Some([g, u, d]),
+        _ => None,
+    }
+}
+
+/// Whether `kind` multiplies Q8_K activations (else Q8_0).
+fn takes_q8k(kind: QuantKind) -> bool {
+    kind.block_elems() == quant::QK_K
 }
 
 #[derive(Clone, Copy, Default)]
@@ -86,7 +117,7 @@ const TASKS_PER_THREAD: usize = 8;
 fn tile_rows(w: &WeightView, task_bytes: usize) -> usize {
     match w.format {
         crate::WeightFormat::Fp8E4m3 { block } => block[0] * (task_bytes / (block[0] * w.cols).max(1)).max(1),
-        _ => 16 * (task_bytes / (16 * w.cols * w.format.bytes_per_element()).max(1)).max(1),
+        _ => 16 * (task_bytes / (16 * w.format.row_bytes(w.cols)).max(1)).max(1),
     }
 }
 
@@ -118,11 +149,19 @@ pub fn moe_forward(pool: &ThreadPool, isa: Isa, calls: &[ExpertCall], x: &[f32],
     // Lay out every expert's gathered input, hidden and output rows.
     s.layout.clear();
     let (mut xs_len, mut h_len, mut y_len) = (0, 0, 0);
+    let (mut need_q8k, mut need_q8_0) = (false, false);
     for c in calls {
         assert_eq!(c.weights.gate.cols, d, "expert gate width");
         assert_eq!(c.weights.down.rows, d, "expert down height");
         s.layout.push(Layout { xs: xs_len, h: h_len, y: y_len });
-        xs_len += c.tokens.len() * d;
+        if let Some([g, u, _]) = quant_kinds(&c.weights) {
+            // Its input is the layer's quantized tokens; its hidden rows
+            // live in `hf`, at the same offset `h` would give them.
+            need_q8k |= takes_q8k(g) || takes_q8k(u);
+            need_q8_0 |= !takes_q8k(g) || !takes_q8k(u);
+        } else {
+            xs_len += c.tokens.len() * d;
+        }
         h_len += c.tokens.len() * c.weights.gate.rows;
         y_len += c.tokens.len() * d;
     }
@@ -130,9 +169,23 @@ pub fn moe_forward(pool: &ThreadPool, isa: Isa, calls: &[ExpertCall], x: &[f32],
     s.h.resize(h_len, 0);
     s.y.resize(y_len, 0.0);
     for (c, l) in calls.iter().zip(&s.layout) {
+        if quant_kinds(&c.weights).is_some() {
+            continue;
+        }
         for (j, &(t, _)) in c.tokens.iter().enumerate() {
             f32_to_bf16(isa, &x[t * d..(t + 1) * d], &mut s.xs[l.xs + j * d..l.xs + (j + 1) * d]);
         }
+    }
+    // Barrier 1 of a quantized layer: every token quantized once.
+    if need_q8k {
+        quantize_tokens(pool, &mut s.xq_k, QuantKind::Q4K, x, n);
+    }
+    if need_q8_0 {
+        quantize_tokens(pool, &mut s.xq_0, QuantKind::Q8_0, x, n);
+    }
+    if need_q8k || need_q8_0 {
+        s.hf.resize(h_len, 0.0);
+        s.hq.resize_with(calls.len().max(s.hq.len()), QuantizedTokens::default);
     }
 
     // Task lists per node: all gate/up tiles first, then all down tiles.
@@ -145,7 +198,9 @@ pub fn moe_forward(pool: &ThreadPool, isa: Isa, calls: &[ExpertCall], x: &[f32],
         let node = c.node % nodes;
         let before = s.tasks[node].len();
         s.tasks[node].extend(tiles(c.weights.gate.rows, tile_rows(&c.weights.gate, task_bytes)).map(|rows| Task::GateUp { call: i, rows }));
-        s.pending[i].store(s.tasks[node].len() - before, Ordering::Relaxed);
+        // A quantized expert counts one more step: quantizing its hidden rows.
+        let extra = usize::from(quant_kinds(&c.weights).is_some());
+        s.pending[i].store(s.tasks[node].len() - before + extra, Ordering::Relaxed);
     }
     for (i, c) in calls.iter().enumerate() {
         s.tasks[c.node % nodes].extend(tiles(d, tile_rows(&c.weights.down, task_bytes)).map(|rows| Task::Down { call: i, rows }));
@@ -154,9 +209,13 @@ pub fn moe_forward(pool: &ThreadPool, isa: Isa, calls: &[ExpertCall], x: &[f32],
     let per_thread = max_tile_out(calls, task_bytes) * 2;
     s.tile_out.resize(per_thread * pool.threads(), 0.0);
     let h = SharedSlice::new(&mut s.h);
+    let hf = SharedSlice::new(&mut s.hf);
+    let hq = SharedSlice::new(&mut s.hq);
     let y = SharedSlice::new(&mut s.y);
     let tile_out = SharedSlice::new(&mut s.tile_out);
     let (tasks, pending, layout, xs) = (&s.tasks, &s.pending, &s.layout, &s.xs);
+    let (xq_k, xq_0, path) = (&s.xq_k, &s.xq_0, DotPath::for_isa(isa));
+    let tokens_for = |kind: QuantKind| if takes_q8k(kind) { xq_k } else { xq_0 };
     s.counts.clear();
     s.counts.extend(tasks.iter().map(|t| t.len()));
     pool.parallel_for_nodes(&s.counts, &|node, t| {
@@ -165,6 +224,53 @@ pub fn moe_forward(pool: &ThreadPool, isa: Isa, calls: &[ExpertCall], x: &[f32],
         let slot = crate::pool::thread_index();
         let buf = unsafe { tile_out.slice_mut(slot * per_thread, per_thread) };
         match tasks[node][t] {
+            Task::GateUp { call, rows: (r0, r1) } if quant_kinds(&calls[call].weights).is_some() => {
+                let c = &calls[call];
+                let [gk, uk, dk] = quant_kinds(&c.weights).expect("matched above");
+                let l = layout[call];
+                let (ne, inter, m) = (c.tokens.len(), c.weights.gate.rows, r1 - r0);
+                fn band<'w>(w: &WeightView<'w>, r0: usize, r1: usize) -> &'w [u8] {
+                    let rb = w.format.row_bytes(w.cols);
+                    &w.data[r0 * rb..r1 * rb]
+                }
+                let (g, u) = buf.split_at_mut(ne * m);
+                let u = &mut u[..ne * m];
+                quant::matmul_picked(path, gk, band(&c.weights.gate, r0, r1), m, tokens_for(gk), c.tokens, g).expect("loading checked the expert's shapes");
+                quant::matmul_picked(path, uk, band(&c.weights.up, r0, r1), m, tokens_for(uk), c.tokens, u).expect("loading checked the expert's shapes");
+                crate::cpu::elementwise::silu_mul(isa, g, u);
+                for j in 0..ne {
+                    // SAFETY: tile (r0..r1) of token row j of this expert is written by this task only.
+                    unsafe { hf.slice_mut(l.h + j * inter + r0, m) }.copy_from_slice(&g[j * m..(j + 1) * m]);
+                }
+                // The expert's last gate/up tile (the count falls to the one
+                // step left) quantizes its hidden rows: barrier 2, per expert.
+                if pending[call].fetch_sub(1, Ordering::AcqRel) == 2 {
+                    // SAFETY: every writer of this expert's hidden rows has
+                    // finished (AcqRel above), and its down tasks wait for
+                    // the count to reach zero before they read `hq[call]`.
+                    let (h_e, q) = unsafe { (hf.slice(l.h, ne * inter), &mut hq.slice_mut(call, 1)[0]) };
+                    q.quantize(dk, h_e, ne).expect("loading checked the expert's shapes");
+                    pending[call].fetch_sub(1, Ordering::Release);
+                }
+            }
+            Task::Down { call, rows: (r0, r1) } if quant_kinds(&calls[call].weights).is_some() => {
+                let c = &calls[call];
+                let [.., dk] = quant_kinds(&c.weights).expect("matched above");
+                let l = layout[call];
+                let (ne, m) = (c.tokens.len(), r1 - r0);
+                while pending[call].load(Ordering::Acquire) != 0 {
+                    std::hint::spin_loop();
+                }
+                let rb = c.weights.down.format.row_bytes(c.weights.down.cols);
+                let o = &mut buf[..ne * m];
+                // SAFETY: the expert's hidden rows were quantized before its count reached zero (Acquire above).
+                let q = unsafe { &hq.slice(call, 1)[0] };
+                quant::matmul(path, dk, &c.weights.down.data[r0 * rb..r1 * rb], m, q, o).expect("loading checked the expert's shapes");
+                for j in 0..ne {
+                    // SAFETY: tile (r0..r1) of token row j of this expert is written by this task only.
+                    unsafe { y.slice_mut(l.y + j * d + r0, m) }.copy_from_slice(&o[j * m..(j + 1) * m]);
+                }
+            }
             Task::GateUp { call, rows: (r0, r1) } => {
                 let c = &calls[call];
                 let l = layout[call];

@@ -1,6 +1,7 @@
 //! Linear layers split across the worker pool by output rows.
 
 use crate::cpu::{convert::f32_to_bf16, gemv::matmul_bf16, isa::Isa};
+use crate::quant::{self, DotPath, QuantizedTokens};
 use crate::pool::ThreadPool;
 use crate::shared::SharedSlice;
 use crate::{WeightFormat, WeightView};
@@ -16,10 +17,12 @@ fn tile_rows(w: &WeightView, threads: usize) -> usize {
     per_thread.div_ceil(align).max(1) * align
 }
 
-/// Reusable buffers: the BF16 copy of the input and per-task outputs.
+/// Reusable buffers: the BF16 (or, for block-quantized weights, 8-bit)
+/// copy of the input and per-task outputs.
 #[derive(Default)]
 pub struct LinearScratch {
     x: Vec<u16>,
+    q: QuantizedTokens,
     tiles: Vec<f32>,
 }
 
@@ -28,10 +31,32 @@ pub struct LinearScratch {
 pub fn par_matmul(pool: &ThreadPool, isa: Isa, w: &WeightView, x: &[f32], n: usize, out: &mut [f32], scratch: &mut LinearScratch) {
     assert_eq!(x.len(), n * w.cols, "par_matmul: input is not [n, cols]");
     assert_eq!(out.len(), n * w.rows, "par_matmul: output is not [n, rows]");
+    let tile = tile_rows(w, pool.threads());
+    if let WeightFormat::Quant(kind) = w.format {
+        // Quantized once for every tile, as llama.cpp quantizes a matmul's
+        // input once (from F32, not BF16: the same values it quantizes).
+        quantize_tokens(pool, &mut scratch.q, kind, x, n);
+        let (q, row_bytes, path) = (&scratch.q, w.format.row_bytes(w.cols), DotPath::for_isa(isa));
+        let n_tiles = w.rows.div_ceil(tile);
+        scratch.tiles.resize(n_tiles * tile * n, 0.0);
+        let tiles = SharedSlice::new(&mut scratch.tiles);
+        let out = SharedSlice::new(out);
+        pool.parallel_for(n_tiles, &|t| {
+            let (r0, r1) = (t * tile, ((t + 1) * tile).min(w.rows));
+            let m = r1 - r0;
+            // SAFETY: tile t's buffer is this task's alone.
+            let buf = unsafe { tiles.slice_mut(t * tile * n, m * n) };
+            quant::matmul(path, kind, &w.data[r0 * row_bytes..r1 * row_bytes], m, q, buf).expect("a checked block-quantized band");
+            for i in 0..n {
+                // SAFETY: rows r0..r1 of every token row are written by this task only.
+                unsafe { out.slice_mut(i * w.rows + r0, m) }.copy_from_slice(&buf[i * m..(i + 1) * m]);
+            }
+        });
+        return;
+    }
     scratch.x.resize(x.len(), 0);
     f32_to_bf16(isa, x, &mut scratch.x);
     let xb = &scratch.x;
-    let tile = tile_rows(w, pool.threads());
     if n == 1 {
         // One token: each tile's output is already contiguous in `out`.
         let out = SharedSlice::new(out);
@@ -57,6 +82,39 @@ pub fn par_matmul(pool: &ThreadPool, isa: Isa, w: &WeightView, x: &[f32], n: usi
         for i in 0..n {
             // SAFETY: rows r0..r1 of every token row are written by this task only.
             unsafe { out.slice_mut(i * w.rows + r0, m) }.copy_from_slice(&buf[i * m..(i + 1) * m]);
+        }
+    });
+}
+
+/// Quantize `n` tokens of `x` for `kind` weights into `q`, spread over the
+/// pool when there are enough of them to pay for it (a prefill's).
+///
+/// Panics if a token is not whole blocks: loading checks every block
+/// format's widths, so that would be a caller's bug.
+pub fn quantize_tokens(pool: &ThreadPool, q: &mut QuantizedTokens, kind: crate::quant::QuantKind, x: &[f32], n: usize) {
+    q.prepare(kind, x.len(), n).expect("activations of whole blocks (loading checks the widths)");
+    let cols = q.cols();
+    /// Tokens per task: below this, one thread does it faster than a fork.
+    const PER_TASK: usize = 16;
+    if n <= PER_TASK {
+        for t in 0..n {
+            q.quantize_token(t, &x[t * cols..(t + 1) * cols]).expect("checked by prepare");
+        }
+        return;
+    }
+    let per_token = q.token_range(0).len();
+    let (k, z) = q.blocks_mut();
+    let (k, z) = (SharedSlice::new(k), SharedSlice::new(z));
+    pool.parallel_for(n.div_ceil(PER_TASK), &|task| {
+        for t in task * PER_TASK..((task + 1) * PER_TASK).min(n) {
+            let xt = &x[t * cols..(t + 1) * cols];
+            // SAFETY: token t's blocks are written by this task only (in
+            // the buffer of `kind`'s family, the one `prepare` sized).
+            match kind.block_elems() {
+                crate::quant::QK_K => crate::quant::quantize_q8_k_into(xt, unsafe { k.slice_mut(t * per_token, per_token) }),
+                _ => crate::quant::quantize_q8_0_into(xt, unsafe { z.slice_mut(t * per_token, per_token) }),
+            }
+            .expect("checked by prepare");
         }
     });
 }

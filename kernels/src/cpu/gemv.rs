@@ -52,8 +52,7 @@ pub fn matmul_bf16(isa: Isa, w: &WeightView, rows: Range<usize>, x: &[u16], n: u
     assert!(rows.start <= rows.end && rows.end <= w.rows, "matmul_bf16: rows {rows:?} out of 0..{}", w.rows);
     assert_eq!(x.len(), n * cols, "matmul_bf16: input is not [n, cols]");
     assert_eq!(out.len(), n * m, "matmul_bf16: output is not [n, rows]");
-    let bpe = w.format.bytes_per_element();
-    assert!(w.data.len() >= w.rows * cols * bpe, "matmul_bf16: weight data too short");
+    assert!(w.data.len() >= w.rows * w.format.row_bytes(cols), "matmul_bf16: weight data too short");
     if let WeightFormat::Fp8E4m3 { block } = w.format {
         assert!(block[0] > 0 && block[1] > 0, "matmul_bf16: zero block size");
         let grid = w.rows.div_ceil(block[0]) * cols.div_ceil(block[1]);
@@ -63,7 +62,10 @@ pub fn matmul_bf16(isa: Isa, w: &WeightView, rows: Range<usize>, x: &[u16], n: u
         return;
     }
     match (isa.usable(), w.format) {
-        (Isa::Portable, _) | (_, WeightFormat::F16 | WeightFormat::F32) => portable(w, rows, x, n, out),
+        // Block-quantized weights take their own kernels (`quant`), which
+        // `par_matmul` and the MoE layer call with activations quantized
+        // once per layer; here they go the reference way.
+        (Isa::Portable, _) | (_, WeightFormat::F16 | WeightFormat::F32 | WeightFormat::Quant(_)) => portable(w, rows, x, n, out),
         #[cfg(target_arch = "x86_64")]
         (isa, _) => {
             let job = super::kernel::Job::new(w);

@@ -419,7 +419,8 @@ impl CudaDevice {
     }
 
     fn check_weight(&self, w: &DeviceWeight, what: &str) -> Result<(), DeviceError> {
-        self.check_ptr(&w.data, w.format.bytes_per_element(), what)?;
+        w.check(what)?;
+        self.check_ptr(&w.data, 1, what)?;
         if matches!(w.format, WeightFormat::Fp8E4m3 { .. }) {
             self.check_ptr(&w.scales, 4, what)?;
         }
@@ -549,6 +550,8 @@ impl CudaDevice {
             WeightFormat::Bf16 => (fs[1], [1, 1]),
             WeightFormat::F16 => (fs[2], [1, 1]),
             WeightFormat::Fp8E4m3 { block } => (fs[3], block),
+            // `check_op` refused it before anything was queued.
+            WeightFormat::Quant(kind) => return Err(DeviceError::Invalid(format!("{kind} weights have no device kernels"))),
         };
         let warps = w.rows * n.div_ceil(GEMM_TILE);
         let mut params = Params::default()
@@ -658,6 +661,7 @@ impl CudaDevice {
                     WeightFormat::Bf16 => (1, [1, 1]),
                     WeightFormat::F16 => (2, [1, 1]),
                     WeightFormat::Fp8E4m3 { block } => (3, block),
+                    WeightFormat::Quant(kind) => return Err(DeviceError::Invalid(format!("{kind} embedding tables have no device kernels"))),
                 };
                 let params = Params::default()
                     .ptr(table.data.addr)

@@ -145,7 +145,7 @@ impl DeviceWeight {
         if rows.start > rows.end || rows.end > self.rows {
             return Err(DeviceError::Invalid(format!("rows {rows:?} of a {}-row weight", self.rows)));
         }
-        let row_bytes = self.cols * self.format.bytes_per_element();
+        let row_bytes = self.format.row_bytes(self.cols);
         let data = self.data.slice(rows.start * row_bytes, rows.len() * row_bytes)?;
         let scales = match self.format {
             WeightFormat::Fp8E4m3 { block } => {
@@ -168,7 +168,12 @@ impl DeviceWeight {
         DeviceWeight { data, scales, ..*self }
     }
 
-    fn check(&self, what: &str) -> Result<(), DeviceError> {
+    pub(crate) fn check(&self, what: &str) -> Result<(), DeviceError> {
+        if let WeightFormat::Quant(kind) = self.format {
+            // No device kernel reads ggml's blocks: GGUF block-quantized
+            // models compute on the CPU placement.
+            return Err(DeviceError::Invalid(format!("{what}: {kind} weights have no device kernels; GGUF block-quantized models run on the CPU (device = \"cpu\")")));
+        }
         let bytes = self.rows.checked_mul(self.cols).and_then(|n| n.checked_mul(self.format.bytes_per_element()));
         if bytes != Some(self.data.bytes) {
             return Err(DeviceError::Invalid(format!("{what}: a {}×{} {:?} weight needs {:?} bytes, the buffer has {}", self.rows, self.cols, self.format, bytes, self.data.bytes)));

@@ -423,55 +423,72 @@ fn nearest_int(x: f32) -> i32 {
 /// (ggml clamps only the top), it only keeps non-finite input from
 /// breaking the kernels' invariants.
 pub fn quantize_q8_k(x: &[f32]) -> Result<Vec<BlockQ8K>, QuantError> {
+    let mut out = vec![BlockQ8K { d: 0.0, qs: [0; QK_K], bsums: [0; 16] }; x.len() / QK_K];
+    quantize_q8_k_into(x, &mut out)?;
+    Ok(out)
+}
+
+/// [`quantize_q8_k`] into blocks the caller owns (`x.len() / 256` of them),
+/// so that a hot path reuses its buffers.
+pub fn quantize_q8_k_into(x: &[f32], out: &mut [BlockQ8K]) -> Result<(), QuantError> {
     if !x.len().is_multiple_of(QK_K) {
         return Err(QuantError::PartialElements { kind: QuantKind::Q4K, elements: x.len(), block: QK_K });
     }
-    Ok(x.chunks_exact(QK_K)
-        .map(|xs| {
-            let mut b = BlockQ8K { d: 0.0, qs: [0; QK_K], bsums: [0; 16] };
-            let (mut amax, mut max) = (0.0f32, 0.0f32);
-            for &v in xs {
-                if v.abs() > amax {
-                    amax = v.abs();
-                    max = v;
-                }
+    if out.len() != x.len() / QK_K {
+        return Err(QuantError::OutputSize { got: out.len(), expected: x.len() / QK_K });
+    }
+    for (b, xs) in out.iter_mut().zip(x.chunks_exact(QK_K)) {
+        *b = BlockQ8K { d: 0.0, qs: [0; QK_K], bsums: [0; 16] };
+        let (mut amax, mut max) = (0.0f32, 0.0f32);
+        for &v in xs {
+            if v.abs() > amax {
+                amax = v.abs();
+                max = v;
             }
-            if amax == 0.0 {
-                return b;
-            }
-            let iscale = -127.0 / max;
-            for (q, &v) in b.qs.iter_mut().zip(xs) {
-                *q = nearest_int(iscale * v).clamp(-127, 127) as i8;
-            }
-            for (j, s) in b.bsums.iter_mut().enumerate() {
-                *s = b.qs[16 * j..16 * j + 16].iter().map(|&q| q as i16).sum();
-            }
-            b.d = 1.0 / iscale;
-            b
-        })
-        .collect())
+        }
+        if amax == 0.0 {
+            continue;
+        }
+        let iscale = -127.0 / max;
+        for (q, &v) in b.qs.iter_mut().zip(xs) {
+            *q = nearest_int(iscale * v).clamp(-127, 127) as i8;
+        }
+        for (j, s) in b.bsums.iter_mut().enumerate() {
+            *s = b.qs[16 * j..16 * j + 16].iter().map(|&q| q as i16).sum();
+        }
+        b.d = 1.0 / iscale;
+    }
+    Ok(())
 }
 
 /// Quantize f32 activations to Q8_0 as ggml's `quantize_row_q8_0_ref` does:
 /// `d = max|x| / 127` (stored in half precision), quants `round(x / d)`
 /// (half away from zero) computed with the f32 `1 / d`.
 pub fn quantize_q8_0(x: &[f32]) -> Result<Vec<BlockQ8_0>, QuantError> {
+    let mut out = vec![BlockQ8_0 { d: f16::ZERO, qs: [0; QK8_0] }; x.len() / QK8_0];
+    quantize_q8_0_into(x, &mut out)?;
+    Ok(out)
+}
+
+/// [`quantize_q8_0`] into blocks the caller owns (`x.len() / 32` of them).
+pub fn quantize_q8_0_into(x: &[f32], out: &mut [BlockQ8_0]) -> Result<(), QuantError> {
     if !x.len().is_multiple_of(QK8_0) {
         return Err(QuantError::PartialElements { kind: QuantKind::Q8_0, elements: x.len(), block: QK8_0 });
     }
-    Ok(x.chunks_exact(QK8_0)
-        .map(|xs| {
-            let amax = xs.iter().fold(0.0f32, |m, v| m.max(v.abs()));
-            let d = amax / 127.0;
-            let id = if d != 0.0 { 1.0 / d } else { 0.0 };
-            let mut b = BlockQ8_0 { d: f16::from_f32(d), qs: [0; QK8_0] };
-            for (q, &v) in b.qs.iter_mut().zip(xs) {
-                // The clamp only matters for non-finite input (see quantize_q8_k).
-                *q = (v * id).round().clamp(-127.0, 127.0) as i8;
-            }
-            b
-        })
-        .collect())
+    if out.len() != x.len() / QK8_0 {
+        return Err(QuantError::OutputSize { got: out.len(), expected: x.len() / QK8_0 });
+    }
+    for (b, xs) in out.iter_mut().zip(x.chunks_exact(QK8_0)) {
+        let amax = xs.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+        let d = amax / 127.0;
+        let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+        b.d = f16::from_f32(d);
+        for (q, &v) in b.qs.iter_mut().zip(xs) {
+            // The clamp only matters for non-finite input (see quantize_q8_k).
+            *q = (v * id).round().clamp(-127.0, 127.0) as i8;
+        }
+    }
+    Ok(())
 }
 
 /// Dequantize Q8_K activations (`d × q`), for tests and error bounds.

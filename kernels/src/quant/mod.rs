@@ -33,7 +33,7 @@ mod dot_avx2;
 mod dot_avx512;
 
 pub use blocks::{
-    dequantize_row, quantize_q8_0, quantize_q8_k, BlockQ8K, BlockQ8_0, QuantKind, QK_K, QK8_0,
+    dequantize_row, quantize_q8_0, quantize_q8_0_into, quantize_q8_k, quantize_q8_k_into, BlockQ8K, BlockQ8_0, QuantKind, QK_K, QK8_0,
 };
 
 use crate::cpu::isa::Isa;
@@ -346,6 +346,154 @@ pub fn gemv_with(
     let path = runnable(path);
     for (out, row) in y.iter_mut().zip(matrix.chunks_exact(row_bytes)) {
         *out = dot_on(path, row, op);
+    }
+    Ok(())
+}
+
+/// The activations of several tokens, quantized for one weight family and
+/// kept token-major in buffers that are reused from call to call (they grow
+/// to the largest batch seen and never shrink, so a warm hot path does not
+/// allocate). What a linear layer over quantized weights multiplies by.
+#[derive(Default)]
+pub struct QuantizedTokens {
+    q8k: Vec<BlockQ8K>,
+    q8_0: Vec<BlockQ8_0>,
+    /// Whether the tokens are in `q8k` (for the k-quants) or `q8_0`.
+    k_quants: bool,
+    tokens: usize,
+    cols: usize,
+}
+
+impl QuantizedTokens {
+    /// Quantize `n` rows of `x` (`[n, cols]`) for products with `kind`
+    /// weights, replacing what was held.
+    pub fn quantize(&mut self, kind: QuantKind, x: &[f32], n: usize) -> Result<(), QuantError> {
+        self.prepare(kind, x.len(), n)?;
+        let cols = self.cols;
+        for t in 0..n {
+            self.quantize_token(t, &x[t * cols..(t + 1) * cols])?;
+        }
+        Ok(())
+    }
+
+    /// Size the buffers for `n` tokens of `elements / n` columns for `kind`
+    /// weights, without quantizing anything yet: callers that quantize the
+    /// tokens in parallel then fill them with [`Self::quantize_token`].
+    pub fn prepare(&mut self, kind: QuantKind, elements: usize, n: usize) -> Result<(), QuantError> {
+        let cols = if n == 0 { 0 } else { elements / n };
+        if cols * n != elements {
+            return Err(QuantError::LengthMismatch { kind, row: cols, activations: elements });
+        }
+        let (k_quants, block) = match kind {
+            QuantKind::Q4K | QuantKind::Q5K | QuantKind::Q6K => (true, QK_K),
+            QuantKind::Q4_0 | QuantKind::Q5_0 | QuantKind::Q8_0 => (false, QK8_0),
+            QuantKind::F32 | QuantKind::F16 | QuantKind::Bf16 => return Err(QuantError::NoDot { kind }),
+        };
+        if !cols.is_multiple_of(block) {
+            return Err(QuantError::PartialElements { kind, elements: cols, block });
+        }
+        if k_quants {
+            self.q8k.resize(n * cols / QK_K, BlockQ8K { d: 0.0, qs: [0; QK_K], bsums: [0; QK_K / 16] });
+        } else {
+            self.q8_0.resize(n * cols / QK8_0, BlockQ8_0 { d: half::f16::ZERO, qs: [0; QK8_0] });
+        }
+        (self.k_quants, self.tokens, self.cols) = (k_quants, n, cols);
+        Ok(())
+    }
+
+    /// Quantize token `t` (`cols` values) into its place.
+    pub fn quantize_token(&mut self, t: usize, x: &[f32]) -> Result<(), QuantError> {
+        let cols = self.cols;
+        if self.k_quants {
+            quantize_q8_k_into(x, &mut self.q8k[t * cols / QK_K..(t + 1) * cols / QK_K])
+        } else {
+            quantize_q8_0_into(x, &mut self.q8_0[t * cols / QK8_0..(t + 1) * cols / QK8_0])
+        }
+    }
+
+    /// The blocks of token `t`, for splitting the work of quantizing many
+    /// tokens across threads: disjoint tokens are disjoint ranges.
+    pub fn token_range(&self, t: usize) -> std::ops::Range<usize> {
+        let per = self.cols / if self.k_quants { QK_K } else { QK8_0 };
+        t * per..(t + 1) * per
+    }
+
+    /// The Q8_K or Q8_0 blocks, by which [`Self::token_range`] indexes.
+    pub fn blocks_mut(&mut self) -> (&mut [BlockQ8K], &mut [BlockQ8_0]) {
+        (&mut self.q8k, &mut self.q8_0)
+    }
+
+    pub fn tokens(&self) -> usize {
+        self.tokens
+    }
+
+    pub fn cols(&self) -> usize {
+        self.cols
+    }
+
+    /// Token `t`'s activations paired with `kind` weights.
+    fn op(&self, kind: QuantKind, t: usize) -> Result<Op<'_>, QuantError> {
+        let r = self.token_range(t);
+        let got = if self.k_quants { "Q8_K" } else { "Q8_0" };
+        match (kind, self.k_quants) {
+            (QuantKind::Q4K, true) => Ok(Op::Q4K(&self.q8k[r])),
+            (QuantKind::Q5K, true) => Ok(Op::Q5K(&self.q8k[r])),
+            (QuantKind::Q6K, true) => Ok(Op::Q6K(&self.q8k[r])),
+            (QuantKind::Q4_0, false) => Ok(Op::Q4_0(&self.q8_0[r])),
+            (QuantKind::Q5_0, false) => Ok(Op::Q5_0(&self.q8_0[r])),
+            (QuantKind::Q8_0, false) => Ok(Op::Q8_0(&self.q8_0[r])),
+            (QuantKind::F32 | QuantKind::F16 | QuantKind::Bf16, _) => Err(QuantError::NoDot { kind }),
+            (QuantKind::Q4K | QuantKind::Q5K | QuantKind::Q6K, false) => Err(QuantError::WrongActivations { kind, wanted: "Q8_K", got }),
+            (_, true) => Err(QuantError::WrongActivations { kind, wanted: "Q8_0", got }),
+        }
+    }
+}
+
+/// `out[t · rows + r] = row r of `matrix` · token t` for every held token:
+/// a band of `rows` whole rows of `kind` weights (raw GGUF bytes) against
+/// quantized tokens, on `path`, one thread. `out` is `[tokens, rows]`.
+///
+/// Each row is read once per group of tokens and multiplied by all of them
+/// while it is in cache, so a prefill band costs few passes over its weights.
+pub fn matmul(path: DotPath, kind: QuantKind, matrix: &[u8], rows: usize, acts: &QuantizedTokens, out: &mut [f32]) -> Result<(), QuantError> {
+    matmul_where(path, kind, matrix, rows, acts, acts.tokens, |j| j, out)
+}
+
+/// [`matmul`] over the held tokens that `picked` names (`(token, _)` pairs,
+/// as a MoE layer lists an expert's tokens): `out` is `[picked.len(), rows]`.
+pub fn matmul_picked(path: DotPath, kind: QuantKind, matrix: &[u8], rows: usize, acts: &QuantizedTokens, picked: &[(usize, f32)], out: &mut [f32]) -> Result<(), QuantError> {
+    if let Some(&(t, _)) = picked.iter().find(|&&(t, _)| t >= acts.tokens) {
+        return Err(QuantError::OutputSize { got: t, expected: acts.tokens });
+    }
+    matmul_where(path, kind, matrix, rows, acts, picked.len(), |j| picked[j].0, out)
+}
+
+#[allow(clippy::too_many_arguments)]
+fn matmul_where(path: DotPath, kind: QuantKind, matrix: &[u8], rows: usize, acts: &QuantizedTokens, n: usize, token: impl Fn(usize) -> usize, out: &mut [f32]) -> Result<(), QuantError> {
+    if out.len() != n * rows {
+        return Err(QuantError::OutputSize { got: out.len(), expected: n * rows });
+    }
+    let row_bytes = kind.row_bytes(acts.cols)?;
+    if matrix.len() != rows * row_bytes {
+        return Err(QuantError::MatrixShape { bytes: matrix.len(), rows, row_bytes });
+    }
+    if n == 0 || rows == 0 {
+        return Ok(());
+    }
+    let path = runnable(path);
+    // Tokens go in groups of GROUP, each row multiplied by the whole group
+    // while it is in L1; the band (a task's rows) stays in L2 across groups.
+    const GROUP: usize = 8;
+    for j0 in (0..n).step_by(GROUP) {
+        let mut ops: [Option<Op>; GROUP] = [None; GROUP];
+        for (slot, j) in ops.iter_mut().zip(j0..n.min(j0 + GROUP)) {
+            *slot = Some(acts.op(kind, token(j))?);
+        }
+        for (r, row) in matrix.chunks_exact(row_bytes).enumerate() {
+            for (j, op) in (j0..).zip(ops.iter().map_while(|o| *o)) {
+                out[j * rows + r] = dot_on(path, row, op);
+            }
+        }
     }
     Ok(())
 }
