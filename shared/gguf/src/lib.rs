@@ -27,6 +27,7 @@ use memmap2::Mmap;
 use std::collections::{BTreeMap, HashMap};
 use std::fs::File;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 const MAGIC: &[u8; 4] = b"GGUF";
 /// `general.alignment` when the key is absent.
@@ -316,7 +317,8 @@ pub struct GgufPart {
 
 /// Where a part's bytes live.
 enum Backing {
-    Map(Mmap),
+    /// Shared, so that weights can stay views into it after the header is gone.
+    Map(Arc<Mmap>),
     /// Bytes in memory: files built or received whole, and tests.
     Owned(Vec<u8>),
 }
@@ -338,7 +340,28 @@ impl GgufPart {
         // SAFETY: the mapping is read-only; like every memory-mapped model
         // loader we rely on the file not being truncated while mapped.
         let map = unsafe { Mmap::map(&file) }.map_err(io)?;
-        Self::parse(path, Backing::Map(map))
+        Self::parse(path, Backing::Map(Arc::new(map)))
+    }
+
+    /// The part's bytes as a read-only mapping that outlives this part, for
+    /// views into its tensors: the file's own mapping, or for a part held in
+    /// memory an anonymous mapping that copies it.
+    pub fn mapping(&self) -> std::io::Result<Arc<Mmap>> {
+        match &self.bytes {
+            Backing::Map(m) => Ok(m.clone()),
+            Backing::Owned(v) => {
+                let mut anon = memmap2::MmapMut::map_anon(v.len().max(1))?;
+                anon[..v.len()].copy_from_slice(v);
+                Ok(Arc::new(anon.make_read_only()?))
+            }
+        }
+    }
+
+    /// The header's bytes (everything before the data section): what a
+    /// model's identity is fingerprinted from without reading its tensors.
+    pub fn header_bytes(&self) -> &[u8] {
+        let all = self.bytes.as_slice();
+        &all[..(self.data_start as usize).min(all.len())]
     }
 
     /// Parse a file already in memory; `path` names it in errors.

@@ -11,7 +11,7 @@
 //! | 80 | sha256 of config.json, 64 hex bytes |
 //! | 144 | directory offset, directory length (u64 each) |
 //! | 160 | data offset (page-aligned), total length (u64 each) |
-//! | 176 | directory: JSON `{name: TensorInfo}`, offsets relative to the data offset |
+//! | 176 | directory: JSON `{name: {dtype, shape, data_offsets}}` (safetensors' form; `dtype` may also name a GGUF block format, `Q4_K`), offsets relative to the data offset |
 //! | data offset | tensor data, every tensor 64-byte aligned |
 //!
 //! The fingerprint names the checkpoint the segment was built from; it is not
@@ -25,7 +25,8 @@ use duplex_model::checkpoint::{Checkpoint, CheckpointError};
 use duplex_model::config::{ConfigError, ModelConfig};
 use duplex_model::model::{CpuRuntime, Model};
 use memmap2::Mmap;
-use safetensors::tensor::TensorInfo;
+use duplex_model::checkpoint::{StoredTensor, StoredType};
+use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 use std::collections::BTreeMap;
 use std::fs::File;
@@ -47,6 +48,27 @@ const TENSOR_ALIGN: usize = 64;
 /// Largest safetensors header read while fingerprinting (safetensors' own limit).
 const MAX_SHARD_HEADER: u64 = 100_000_000;
 
+/// A tensor's entry in the segment's directory.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+struct DirEntry {
+    /// [`StoredType::name`].
+    dtype: String,
+    shape: Vec<usize>,
+    data_offsets: (usize, usize),
+}
+
+/// The directory as a checkpoint's tensor list; an unknown type name makes
+/// the segment unreadable (a newer build's), which rebuilding fixes.
+fn stored_tensors(directory: &BTreeMap<String, DirEntry>) -> Result<Vec<StoredTensor>, String> {
+    directory
+        .iter()
+        .map(|(name, e)| {
+            let ty = StoredType::from_name(&e.dtype).ok_or_else(|| format!("tensor {name} has unknown type {}", e.dtype))?;
+            Ok(StoredTensor { name: name.clone(), ty, shape: e.shape.clone(), range: e.data_offsets.0..e.data_offsets.1 })
+        })
+        .collect()
+}
+
 /// How [`WeightStore::open_or_build`] got its segment.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Provenance {
@@ -63,7 +85,7 @@ pub struct WeightStore {
     fingerprint: String,
     config_hash: String,
     data_offset: usize,
-    directory: BTreeMap<String, TensorInfo>,
+    directory: BTreeMap<String, DirEntry>,
     /// What this process's build placed; the default when it attached.
     placement: PlacementReport,
 }
@@ -196,9 +218,9 @@ impl WeightStore {
         for &(n, dtype, shape, bytes) in &tensors {
             let start = align_up(end, TENSOR_ALIGN);
             end = start + bytes.len();
-            directory.insert(n, TensorInfo { dtype, shape: shape.to_vec(), data_offsets: (start, end) });
+            directory.insert(n, DirEntry { dtype: dtype.name(), shape: shape.to_vec(), data_offsets: (start, end) });
         }
-        let dir_json = serde_json::to_vec(&directory).expect("a map of strings and TensorInfo always serialises");
+        let dir_json = serde_json::to_vec(&directory).expect("a map of strings and entries always serialises");
         let data_offset = align_up(HEADER_LEN + dir_json.len(), PAGE);
         let total = data_offset + end;
 
@@ -277,11 +299,11 @@ impl WeightStore {
                 return Err(IpcError::FingerprintMismatch { path, expected: expected.to_string(), found: fingerprint });
             }
         }
-        let directory: BTreeMap<String, TensorInfo> =
+        let directory: BTreeMap<String, DirEntry> =
             serde_json::from_slice(&map[dir_at..dir_at + dir_len]).map_err(|e| corrupt(format!("its tensor directory is not valid: {e}")))?;
         // Check every tensor's range now, so that a bad directory is a stale
         // segment here rather than an error when the model loads.
-        Checkpoint::from_mapping(path.clone(), map.clone(), data_offset, directory.clone(), None).map_err(|e| corrupt(e.to_string()))?;
+        Checkpoint::from_mapping(path.clone(), map.clone(), data_offset, stored_tensors(&directory).map_err(&corrupt)?, None).map_err(|e| corrupt(e.to_string()))?;
         Ok(WeightStore { path, map, fingerprint, config_hash, data_offset, directory, placement: PlacementReport::default() })
     }
 
@@ -311,7 +333,8 @@ impl WeightStore {
 
     /// The segment's tensors as a checkpoint; the weights stay views into it.
     pub fn checkpoint(&self, fp8_block: Option<[usize; 2]>) -> Result<Checkpoint, CheckpointError> {
-        Checkpoint::from_mapping(self.path.clone(), self.map.clone(), self.data_offset, self.directory.clone(), fp8_block)
+        let tensors = stored_tensors(&self.directory).map_err(|message| CheckpointError::BadShard { file: self.path.clone(), message })?;
+        Checkpoint::from_mapping(self.path.clone(), self.map.clone(), self.data_offset, tensors, fp8_block)
     }
 
     /// Remove segment `name`, its lock file and any temp file of an

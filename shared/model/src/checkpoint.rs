@@ -7,6 +7,7 @@
 //! copied out. Every problem is reported with the file and tensor it concerns.
 
 use duplex_kernels::device::HostBytes;
+use duplex_kernels::quant::QuantKind;
 use duplex_kernels::{WeightFormat, WeightView};
 use memmap2::Mmap;
 use safetensors::{Dtype, SafeTensors};
@@ -86,9 +87,9 @@ impl Linear {
     /// in place (keeping their mapping alive) and the scales of those rows'
     /// blocks. FP8 slices must start on a scale-block boundary.
     pub fn host_rows(&self, rows: Range<usize>) -> HostTensor {
-        let bpe = self.format.bytes_per_element();
+        let row_bytes = self.format.row_bytes(self.cols);
         let start = self.bytes.range.start;
-        let data = HostBytes::new(self.bytes.map.clone(), start + rows.start * self.cols * bpe..start + rows.end * self.cols * bpe).expect("rows lie within the tensor");
+        let data = HostBytes::new(self.bytes.map.clone(), start + rows.start * row_bytes..start + rows.end * row_bytes).expect("rows lie within the tensor");
         let scales = match self.format {
             WeightFormat::Fp8E4m3 { block } => {
                 assert_eq!(rows.start % block[0], 0, "FP8 row slices start on a scale block");
@@ -129,9 +130,65 @@ struct Shard {
     map: Arc<Mmap>,
 }
 
+/// How a stored tensor encodes its values: a safetensors dtype, or one of
+/// ggml's block formats (a GGUF k-quant or Q4_0/Q5_0/Q8_0).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum StoredType {
+    Float(Dtype),
+    Block(QuantKind),
+}
+
+impl StoredType {
+    /// Bytes of a tensor of `shape` (`None` on overflow, or for a block
+    /// format whose rows are not whole blocks).
+    pub fn bytes(self, shape: &[usize]) -> Option<usize> {
+        match self {
+            StoredType::Float(d) => shape.iter().try_fold(d.size(), |acc, &n| acc.checked_mul(n)),
+            StoredType::Block(kind) => {
+                let (&cols, outer) = shape.split_last()?;
+                let row = kind.row_bytes(cols).ok()?;
+                outer.iter().try_fold(row, |acc, &n| acc.checked_mul(n))
+            }
+        }
+    }
+
+    /// The name a weight segment's directory stores: safetensors' for its
+    /// dtypes (`BF16`, `F8_E4M3`, …), ggml's for the block formats (`Q4_K`).
+    pub fn name(self) -> String {
+        match self {
+            StoredType::Float(d) => serde_json::to_value(d).ok().and_then(|v| v.as_str().map(str::to_string)).unwrap_or_else(|| format!("{d:?}")),
+            StoredType::Block(kind) => kind.name().to_string(),
+        }
+    }
+
+    /// The type [`Self::name`] names.
+    pub fn from_name(name: &str) -> Option<StoredType> {
+        if let Some(kind) = QuantKind::ALL.into_iter().find(|k| k.name() == name && k.block_elems() > 1) {
+            return Some(StoredType::Block(kind));
+        }
+        serde_json::from_value(serde_json::Value::String(name.to_string())).ok().map(StoredType::Float)
+    }
+}
+
+impl std::fmt::Display for StoredType {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.name())
+    }
+}
+
+/// A tensor as a mapping holds it, for [`Checkpoint::from_mapping`] and
+/// [`Checkpoint::from_shards`]: its name, type, shape and byte range.
+#[derive(Clone, Debug)]
+pub struct StoredTensor {
+    pub name: String,
+    pub ty: StoredType,
+    pub shape: Vec<usize>,
+    pub range: Range<usize>,
+}
+
 struct TensorEntry {
     shard: usize,
-    dtype: Dtype,
+    dtype: StoredType,
     shape: Vec<usize>,
     range: Range<usize>,
 }
@@ -196,7 +253,7 @@ impl Checkpoint {
             let data_start = 8 + header_len;
             for (tensor, info) in metadata.tensors() {
                 let (s, e) = info.data_offsets;
-                let entry = TensorEntry { shard: i, dtype: info.dtype, shape: info.shape.clone(), range: data_start + s..data_start + e };
+                let entry = TensorEntry { shard: i, dtype: StoredType::Float(info.dtype), shape: info.shape.clone(), range: data_start + s..data_start + e };
                 if let Some(other) = tensors.insert(tensor.clone(), entry) {
                     return Err(CheckpointError::BadShard {
                         file: path,
@@ -218,35 +275,40 @@ impl Checkpoint {
     }
 
     /// A checkpoint whose tensors lie in one mapping that something else laid
-    /// out (a shared weight segment), at `data_start + offsets`. `source`
+    /// out (a shared weight segment), at `data_start + range`. `source`
     /// names the mapping in errors. Every range is checked against the
-    /// mapping and against its dtype and shape.
-    pub fn from_mapping(
-        source: PathBuf,
-        map: Arc<Mmap>,
-        data_start: usize,
-        tensors: impl IntoIterator<Item = (String, safetensors::tensor::TensorInfo)>,
-        fp8_block: Option<[usize; 2]>,
-    ) -> Result<Self, CheckpointError> {
+    /// mapping and against its type and shape.
+    pub fn from_mapping(source: PathBuf, map: Arc<Mmap>, data_start: usize, tensors: impl IntoIterator<Item = StoredTensor>, fp8_block: Option<[usize; 2]>) -> Result<Self, CheckpointError> {
+        let shifted = tensors.into_iter().map(|t| StoredTensor { range: data_start.saturating_add(t.range.start)..data_start.saturating_add(t.range.end), ..t });
+        Self::from_shards(vec![(source, map)], shifted.map(|t| (0, t)), fp8_block)
+    }
+
+    /// A checkpoint over mappings that something else read (a GGUF's
+    /// parts, tensors it derived): each tensor is `(shard index, tensor)`,
+    /// its range absolute within that shard. Every range is checked against
+    /// its mapping and against its type and shape, and names are unique.
+    pub fn from_shards(shards: Vec<(PathBuf, Arc<Mmap>)>, tensors: impl IntoIterator<Item = (usize, StoredTensor)>, fp8_block: Option<[usize; 2]>) -> Result<Self, CheckpointError> {
         let mut entries = HashMap::new();
-        for (name, info) in tensors {
-            let (s, e) = info.data_offsets;
-            let range = data_start.saturating_add(s)..data_start.saturating_add(e);
-            let elements = info.shape.iter().try_fold(1usize, |acc, &d| acc.checked_mul(d));
-            let expected = elements.and_then(|n| n.checked_mul(info.dtype.size()));
-            if s > e || range.end > map.len() || expected != Some(e - s) {
+        for (shard, t) in tensors {
+            let Some((path, map)) = shards.get(shard) else {
+                return Err(CheckpointError::MissingTensor { tensor: t.name, file: None });
+            };
+            let (s, e) = (t.range.start, t.range.end);
+            if s > e || e > map.len() || t.ty.bytes(&t.shape) != Some(e - s) {
                 return Err(CheckpointError::BadShard {
-                    file: source,
-                    message: format!("tensor {name} has data range {s}..{e}, which does not fit the mapping or its {:?} {:?}", info.dtype, info.shape),
+                    file: path.clone(),
+                    message: format!("tensor {} has data range {s}..{e}, which does not fit the mapping or its {} {:?}", t.name, t.ty, t.shape),
                 });
             }
-            entries.insert(name, TensorEntry { shard: 0, dtype: info.dtype, shape: info.shape, range });
+            if entries.insert(t.name.clone(), TensorEntry { shard, dtype: t.ty, shape: t.shape, range: t.range }).is_some() {
+                return Err(CheckpointError::BadShard { file: path.clone(), message: format!("tensor {} appears twice", t.name) });
+            }
         }
-        Ok(Checkpoint { shards: vec![Shard { path: source, map }], tensors: entries, fp8_block })
+        Ok(Checkpoint { shards: shards.into_iter().map(|(path, map)| Shard { path, map }).collect(), tensors: entries, fp8_block })
     }
 
     /// Every tensor as stored, for copying the checkpoint elsewhere.
-    pub fn raw_tensors(&self) -> impl Iterator<Item = (&str, Dtype, &[usize], &[u8])> {
+    pub fn raw_tensors(&self) -> impl Iterator<Item = (&str, StoredType, &[usize], &[u8])> {
         self.tensors.iter().map(|(name, t)| (name.as_str(), t.dtype, t.shape.as_slice(), &self.shards[t.shard].map[t.range.clone()]))
     }
 
@@ -301,10 +363,12 @@ impl Checkpoint {
         let t = self.entry(&name)?;
         self.check_shape(&name, t, &[rows, cols])?;
         let (format, scales) = match t.dtype {
-            Dtype::F32 => (WeightFormat::F32, vec![]),
-            Dtype::BF16 => (WeightFormat::Bf16, vec![]),
-            Dtype::F16 => (WeightFormat::F16, vec![]),
-            Dtype::F8_E4M3 => {
+            // Rows of whole blocks: `from_shards` checked the bytes against the shape.
+            StoredType::Block(kind) => (WeightFormat::Quant(kind), vec![]),
+            StoredType::Float(Dtype::F32) => (WeightFormat::F32, vec![]),
+            StoredType::Float(Dtype::BF16) => (WeightFormat::Bf16, vec![]),
+            StoredType::Float(Dtype::F16) => (WeightFormat::F16, vec![]),
+            StoredType::Float(Dtype::F8_E4M3) => {
                 let block = self.fp8_block.ok_or_else(|| CheckpointError::Unquantized { tensor: name.clone(), file: self.file_of(t) })?;
                 let scale_name = format!("{prefix}.weight_scale_inv");
                 let scales = self.vector(&scale_name, &[rows.div_ceil(block[0]), cols.div_ceil(block[1])])?;
@@ -314,8 +378,8 @@ impl Checkpoint {
                 return Err(CheckpointError::Dtype {
                     tensor: name,
                     file: self.file_of(t),
-                    dtype: format!("{other:?}"),
-                    expected: "F8_E4M3, BF16, F16 or F32",
+                    dtype: other.name(),
+                    expected: "F8_E4M3, BF16, F16, F32 or a GGUF block format",
                 })
             }
         };
@@ -328,14 +392,14 @@ impl Checkpoint {
         self.check_shape(name, t, shape)?;
         let bytes = &self.shards[t.shard].map[t.range.clone()];
         let out = match t.dtype {
-            Dtype::F32 => bytes.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect(),
-            Dtype::BF16 => bytes.chunks_exact(2).map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32()).collect(),
-            Dtype::F16 => bytes.chunks_exact(2).map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32()).collect(),
+            StoredType::Float(Dtype::F32) => bytes.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect(),
+            StoredType::Float(Dtype::BF16) => bytes.chunks_exact(2).map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32()).collect(),
+            StoredType::Float(Dtype::F16) => bytes.chunks_exact(2).map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32()).collect(),
             other => {
                 return Err(CheckpointError::Dtype {
                     tensor: name.to_string(),
                     file: self.file_of(t),
-                    dtype: format!("{other:?}"),
+                    dtype: other.name(),
                     expected: "F32, BF16 or F16",
                 })
             }

@@ -22,6 +22,7 @@ pub mod kv_cache;
 pub mod model;
 pub mod moe;
 pub mod rope;
+pub mod source;
 pub mod staged;
 pub mod weights;
 

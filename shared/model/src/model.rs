@@ -32,6 +32,8 @@ pub enum LoadError {
     Config(#[from] ConfigError),
     #[error(transparent)]
     Checkpoint(#[from] CheckpointError),
+    #[error(transparent)]
+    Gguf(#[from] duplex_gguf::GgufError),
 }
 
 #[derive(Debug, thiserror::Error, PartialEq)]
@@ -138,16 +140,16 @@ const HF_MLP: [&str; 3] = ["gate_proj", "up_proj", "down_proj"];
 const MIXTRAL_EXPERT: [&str; 3] = ["w1", "w3", "w2"];
 
 impl Model {
-    /// Load `dir` (config.json plus safetensors). `progress(done, total)` is
-    /// called as layers load.
+    /// Load the model at `dir` (config.json plus safetensors, or a GGUF: see
+    /// [`ModelSource`](crate::source::ModelSource)). `progress(done, total)`
+    /// is called as layers load.
     pub fn load(dir: &Path, progress: &mut dyn FnMut(usize, usize)) -> Result<Self, LoadError> {
         Self::load_with(dir, &PoolConfig::all_cores(), progress)
     }
 
     /// [`Model::load`] with an explicit worker pool shape.
     pub fn load_with(dir: &Path, pool: &PoolConfig, progress: &mut dyn FnMut(usize, usize)) -> Result<Self, LoadError> {
-        let cfg = ModelConfig::from_file(&dir.join("config.json"))?;
-        let ck = Checkpoint::open(dir, cfg.quantization.as_ref().map(|q| q.weight_block_size))?;
+        let (cfg, ck) = crate::source::ModelSource::locate(dir)?.open()?;
         Ok(Self::from_checkpoint(cfg, &ck, CpuRuntime::new(pool), progress)?)
     }
 

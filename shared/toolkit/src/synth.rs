@@ -1385,6 +1385,7 @@ mod tests {
             if name.ends_with(".weight_scale_inv") {
                 continue;
             }
+            let duplex_model::checkpoint::StoredType::Float(dtype) = dtype else { unreachable!("a safetensors checkpoint") };
             if dtype == safetensors::Dtype::F8_E4M3 {
                 let (rows, cols) = (shape[0], shape[1]);
                 let w = ck.linear(name.strip_suffix(".weight").unwrap(), rows, cols).unwrap();
