@@ -268,7 +268,7 @@ pub fn run(args: BenchDecodeArgs) -> Result<()> {
     }
     let dir = &args.model.model;
     duplex_model::check_model_dir(dir).map_err(anyhow::Error::msg)?;
-    let cfg = duplex_model::ModelConfig::from_file(&dir.join("config.json")).with_context(|| format!("reading {}", dir.join("config.json").display()))?;
+    let (cfg, _) = duplex_model::source::ModelSource::locate(dir)?.config()?;
     let positions = args.context + args.steps;
     if positions > cfg.max_position_embeddings {
         bail!("--context {} and --steps {} need {positions} positions but the model allows {}", args.context, args.steps, cfg.max_position_embeddings);

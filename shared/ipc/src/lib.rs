@@ -90,7 +90,7 @@ pub enum IpcError {
     Corrupt { path: PathBuf, reason: String },
     #[error("{path} holds the weights of another checkpoint (fingerprint {found}, expected {expected})")]
     FingerprintMismatch { path: PathBuf, expected: String, found: String },
-    #[error("{config} is not the config.json the weight segment {segment} was built from; point at the same model directory or rebuild the segment")]
+    #[error("{config} is not the config.json (or GGUF) the weight segment {segment} was built from; point at the same model or rebuild the segment")]
     ConfigMismatch { config: PathBuf, segment: PathBuf },
     #[error("{name:?} is not a valid segment name: {reason}")]
     BadName { name: String, reason: String },
@@ -102,6 +102,8 @@ pub enum IpcError {
     Checkpoint(#[from] CheckpointError),
     #[error(transparent)]
     Config(#[from] ConfigError),
+    #[error(transparent)]
+    Load(#[from] duplex_model::model::LoadError),
     #[error(transparent)]
     Kv(#[from] KvError),
 }

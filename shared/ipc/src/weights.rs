@@ -22,8 +22,8 @@ use crate::segment::{self, align_up, io_err, u32_at, u64_at, PAGE};
 use crate::IpcError;
 use duplex_kernels::pool::PoolConfig;
 use duplex_model::checkpoint::{Checkpoint, CheckpointError};
-use duplex_model::config::{ConfigError, ModelConfig};
 use duplex_model::model::{CpuRuntime, Model};
+use duplex_model::source::ModelSource;
 use memmap2::Mmap;
 use duplex_model::checkpoint::{StoredTensor, StoredType};
 use serde::{Deserialize, Serialize};
@@ -104,16 +104,26 @@ fn hex(bytes: &[u8]) -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
 
-/// Fingerprint of the checkpoint in `model_dir`, without reading its tensor
+/// Fingerprint of the model at `model_dir`, without reading its tensor
 /// data: sha256 over the sha256 of config.json, the index file (if any), and
-/// for each shard (by file name) its name, length and safetensors header.
-/// Hex. Any edit that changes a tensor's name, dtype, shape or place changes
-/// it; rewriting tensor data in place with identical layout does not.
+/// for each shard (by file name) its name, length and safetensors header;
+/// for a GGUF, over each part's name, length and header (metadata and
+/// tensor table). Hex. Any edit that changes a tensor's name, dtype, shape
+/// or place changes it; rewriting tensor data in place with identical
+/// layout does not.
 pub fn checkpoint_fingerprint(model_dir: &Path) -> Result<String, IpcError> {
-    let config = model_dir.join("config.json");
-    let config_bytes = std::fs::read(&config).map_err(io_err(&config))?;
-    // Opening maps the shards and parses their headers; it reads no tensor data.
-    fingerprint_with(model_dir, &Checkpoint::open(model_dir, None)?, &sha256_hex(&config_bytes))
+    let source = ModelSource::locate(model_dir)?;
+    let (_, identity) = source.config()?;
+    fingerprint_of(&source, &identity)
+}
+
+fn fingerprint_of(source: &ModelSource, identity: &[u8]) -> Result<String, IpcError> {
+    match source {
+        // Opening maps the shards and parses their headers; it reads no tensor data.
+        ModelSource::HuggingFace(dir) => fingerprint_with(dir, &Checkpoint::open(dir, None)?, &sha256_hex(identity)),
+        // The identity already holds every part's header.
+        ModelSource::Gguf(_) => Ok(sha256_hex(identity)),
+    }
 }
 
 fn fingerprint_with(model_dir: &Path, ck: &Checkpoint, config_hash: &str) -> Result<String, IpcError> {
@@ -192,17 +202,16 @@ impl WeightStore {
     }
 
     fn open_or_build_locked(shm_dir: &Path, name: &str, model_dir: &Path, numa_nodes: usize, progress: &mut dyn FnMut(u64, u64)) -> Result<(WeightStore, Provenance), IpcError> {
-        let config_path = model_dir.join("config.json");
-        let config_bytes = std::fs::read(&config_path).map_err(io_err(&config_path))?;
-        let config_hash = sha256_hex(&config_bytes);
-        let ck = Checkpoint::open(model_dir, None)?;
-        let fingerprint = fingerprint_with(model_dir, &ck, &config_hash)?;
+        let source = ModelSource::locate(model_dir)?;
+        let (cfg, identity) = source.config()?;
+        let config_hash = sha256_hex(&identity);
+        let fingerprint = fingerprint_of(&source, &identity)?;
         // Whatever is wrong with the existing segment, rebuilding fixes it.
         if let Ok(store) = Self::attach(shm_dir, name, Some(&fingerprint)) {
             return Ok((store, Provenance::Attached));
         }
         segment::remove_stale_temps(shm_dir, name);
-        let cfg = parse_config(&config_bytes, &config_path)?;
+        let (_, ck) = source.open()?;
         let placement = Self::build(shm_dir, name, &ck, cfg.num_hidden_layers, &fingerprint, &config_hash, numa_nodes, progress)?;
         let mut store = Self::attach(shm_dir, name, Some(&fingerprint))?;
         store.placement = placement;
@@ -346,22 +355,20 @@ impl WeightStore {
     }
 }
 
-/// Parse config.json from the bytes that were hashed, not a second read.
-fn parse_config(bytes: &[u8], path: &Path) -> Result<ModelConfig, ConfigError> {
-    let origin = path.display().to_string();
-    let text = std::str::from_utf8(bytes).map_err(|e| ConfigError::Parse { path: origin.clone(), message: e.to_string() })?;
-    ModelConfig::from_json(text, &origin)
-}
 
-/// Load the model from the store with the config.json in `model_dir`, which
-/// must be the one the segment was built from.
+/// Load the model from the store with the configuration of the model at
+/// `model_dir` (its config.json, or its GGUF's metadata), which must be the
+/// one the segment was built from.
 pub fn load_model(store: &WeightStore, model_dir: &Path, pool: &PoolConfig) -> Result<Model, IpcError> {
-    let config_path = model_dir.join("config.json");
-    let bytes = std::fs::read(&config_path).map_err(io_err(&config_path))?;
-    if sha256_hex(&bytes) != store.config_hash {
-        return Err(IpcError::ConfigMismatch { config: config_path, segment: store.path.clone() });
+    let source = ModelSource::locate(model_dir)?;
+    let (cfg, identity) = source.config()?;
+    if sha256_hex(&identity) != store.config_hash {
+        let config = match &source {
+            ModelSource::HuggingFace(dir) => dir.join("config.json"),
+            ModelSource::Gguf(file) => file.clone(),
+        };
+        return Err(IpcError::ConfigMismatch { config, segment: store.path.clone() });
     }
-    let cfg = parse_config(&bytes, &config_path)?;
     let ck = store.checkpoint(cfg.quantization.as_ref().map(|q| q.weight_block_size))?;
     Ok(Model::from_checkpoint(cfg, &ck, CpuRuntime::new(pool), &mut |_, _| {})?)
 }
@@ -370,6 +377,7 @@ pub fn load_model(store: &WeightStore, model_dir: &Path, pool: &PoolConfig) -> R
 mod tests {
     use super::*;
     use crate::residency::mapping_residency;
+    use duplex_model::config::ModelConfig;
     use duplex_model::{BlockTable, Logits, Precision};
     use std::time::Instant;
 
@@ -424,6 +432,32 @@ mod tests {
         assert!(from_disk.skipped_mtp_tensors > 0);
         assert_eq!(from_store.skipped_mtp_tensors, 0);
         assert_eq!(logits(&from_store), logits(&from_disk));
+    }
+
+    #[test]
+    fn a_gguf_segment_holds_its_block_formats_and_computes_as_the_file_does() {
+        let gguf = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/tiny-dsv3-q4km/model-Q4_K_M.gguf");
+        let shm = tempfile::tempdir().unwrap();
+        let (store, how) = WeightStore::open_or_build(shm.path(), "g", &gguf).unwrap();
+        assert_eq!(how, Provenance::Built);
+        assert!(store.directory.values().any(|e| e.dtype == "Q4_K") && store.directory.values().any(|e| e.dtype == "Q6_K"), "k-quants are stored as they are");
+        assert_eq!(store.fingerprint(), checkpoint_fingerprint(&gguf).unwrap());
+        // The directory holding it names the same model, so it attaches.
+        let (_, how) = WeightStore::open_or_build(shm.path(), "g", gguf.parent().unwrap()).unwrap();
+        assert_eq!(how, Provenance::Attached);
+        let pool = PoolConfig::single_node(1);
+        let tokens = [0, 17, 300, 5, 42];
+        let logits = |model: &Model, p: Precision| {
+            let mut kv = model.new_kv_pool(8, 16);
+            model.forward(&mut kv, &mut BlockTable::default(), &tokens, p, Logits::All).unwrap()
+        };
+        let from_store = load_model(&store, &gguf, &pool).unwrap();
+        let from_disk = Model::load_with(&gguf, &pool, &mut |_, _| {}).unwrap();
+        for p in [Precision::F32, Precision::Bf16] {
+            assert_eq!(logits(&from_store, p), logits(&from_disk, p), "{p:?}");
+        }
+        // Another model's configuration is refused.
+        assert!(matches!(load_model(&store, fixture(), &pool), Err(IpcError::ConfigMismatch { .. })));
     }
 
     #[test]
