@@ -45,6 +45,9 @@ fn quant_matrix(rng: &mut Rng, kind: QuantKind, rows: usize, cols: usize) -> Vec
     bytes
 }
 
+/// One projection: its format, bytes and shape.
+type Projection = (QuantKind, Vec<u8>, usize, usize);
+
 fn view(kind: QuantKind, rows: usize, cols: usize, data: &[u8]) -> WeightView<'_> {
     WeightView { rows, cols, format: WeightFormat::Quant(kind), data, scales: &[] }
 }
@@ -94,7 +97,7 @@ fn quantized_moe_layers_equal_the_per_token_reference() {
     // Experts as llama.cpp's Q4_K_M lays them out (Q4_K gate/up, Q6_K or
     // Q4_K down), and one of the 32-element formats.
     let kinds = [[QuantKind::Q4K, QuantKind::Q4K, QuantKind::Q6K], [QuantKind::Q4K, QuantKind::Q4K, QuantKind::Q4K], [QuantKind::Q5K, QuantKind::Q5K, QuantKind::Q6K], [QuantKind::Q8_0, QuantKind::Q5_0, QuantKind::Q4_0]];
-    let experts: Vec<[(QuantKind, Vec<u8>, usize, usize); 3]> = kinds
+    let experts: Vec<[Projection; 3]> = kinds
         .iter()
         .map(|&[g, u, dn]| [(g, quant_matrix(&mut rng, g, inter, d), inter, d), (u, quant_matrix(&mut rng, u, inter, d), inter, d), (dn, quant_matrix(&mut rng, dn, d, inter), d, inter)])
         .collect();

@@ -380,7 +380,7 @@ impl QuantizedTokens {
     /// weights, without quantizing anything yet: callers that quantize the
     /// tokens in parallel then fill them with [`Self::quantize_token`].
     pub fn prepare(&mut self, kind: QuantKind, elements: usize, n: usize) -> Result<(), QuantError> {
-        let cols = if n == 0 { 0 } else { elements / n };
+        let cols = elements.checked_div(n).unwrap_or(0);
         if cols * n != elements {
             return Err(QuantError::LengthMismatch { kind, row: cols, activations: elements });
         }

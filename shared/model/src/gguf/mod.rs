@@ -4,6 +4,7 @@
 //! serves both. The container itself is `duplex-gguf`'s.
 //!
 //! - [`deepseek2`]: DeepSeek-V2/V3/R1 and Kimi-K2 (`deepseek2`).
+//! - [`gqa`]: Qwen3-MoE (`qwen3moe`) and Mixtral (`llama` with experts).
 //!
 //! Weights stay views into the file's mapping, in their stored formats
 //! (k-quants and all), with one exception: newer converters split MLA's
@@ -14,6 +15,7 @@
 //! weight segment, held once like every other weight.
 
 pub mod deepseek2;
+pub mod gqa;
 
 pub use duplex_gguf::{split_file_name, types, vocab, GgmlType, Gguf, GgufError, GgufPart, Metadata, TensorInfo, Value, ValueType};
 
@@ -41,8 +43,20 @@ pub fn model_config(g: &Gguf) -> Result<ModelConfig, GgufError> {
     let arch_key = "general.architecture";
     match g.metadata().str(arch_key)? {
         Some(deepseek2::ARCH) => deepseek2::model_config(g),
-        Some(other) => Err(g.metadata().error(arch_key, format!("is {other:?}; Duplex serves GGUF models of architecture \"{}\"", deepseek2::ARCH))),
+        Some(arch @ (gqa::QWEN3MOE | gqa::LLAMA)) => gqa::model_config(g, arch),
+        Some(other) => Err(g.metadata().error(arch_key, format!("is {other:?}; Duplex serves GGUF models of the architectures {ARCHITECTURES}"))),
         None => Err(g.metadata().error(arch_key, "missing".into())),
+    }
+}
+
+/// The `general.architecture` values Duplex maps.
+pub const ARCHITECTURES: &str = "deepseek2 (DeepSeek-V2/V3/R1, Kimi-K2), qwen3moe (Qwen3-MoE) and llama (Mixtral)";
+
+/// The Hugging Face tensor a GGUF tensor name holds, for `arch`.
+fn hf_name(arch: &str, gguf_name: &str) -> Option<deepseek2::HfTensor> {
+    match arch {
+        deepseek2::ARCH => deepseek2::hf_name(gguf_name),
+        _ => gqa::hf_name(arch, gguf_name),
     }
 }
 
@@ -50,8 +64,11 @@ pub fn model_config(g: &Gguf) -> Result<ModelConfig, GgufError> {
 pub fn open(path: &Path) -> Result<GgufModel, GgufError> {
     let g = Gguf::open(path)?;
     let cfg = model_config(&g)?;
-    let cov = deepseek2::coverage(&cfg, &g);
+    let arch = g.metadata().str("general.architecture")?.unwrap_or_default().to_string();
     let model_err = |message: String| GgufError::Model { path: g.path().to_path_buf(), message };
+    // The DeepSeek layout is checked whole here; the others when the model
+    // loads, by the Hugging Face names it asks for.
+    let cov = if arch == deepseek2::ARCH { deepseek2::coverage(&cfg, &g) } else { deepseek2::Coverage::default() };
     if !cov.missing.is_empty() || !cov.wrong_shape.is_empty() {
         let shapes: Vec<String> = cov.wrong_shape.iter().map(|(n, want, got)| format!("{n} is {got:?}, needs {want:?}")).collect();
         return Err(model_err(format!("does not hold the model its metadata describes: missing {:?}; misshapen: {}", cov.missing, shapes.join("; "))));
@@ -67,7 +84,7 @@ pub fn open(path: &Path) -> Result<GgufModel, GgufError> {
     for t in g.tensors() {
         // Names the table does not know are not read (coverage said the
         // ones the model needs are all there).
-        let Some(hf) = deepseek2::hf_name(&t.name) else { continue };
+        let Some(hf) = hf_name(&arch, &t.name) else { continue };
         let ty = stored_type(&g, t)?;
         let (start, shape) = (t.start as usize, t.hf_shape());
         match hf.slice {
