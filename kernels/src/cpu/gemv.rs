@@ -62,10 +62,13 @@ pub fn matmul_bf16(isa: Isa, w: &WeightView, rows: Range<usize>, x: &[u16], n: u
         return;
     }
     match (isa.usable(), w.format) {
-        // Block-quantized weights take their own kernels (`quant`), which
-        // `par_matmul` and the MoE layer call with activations quantized
-        // once per layer; here they go the reference way.
-        (Isa::Portable, _) | (_, WeightFormat::F16 | WeightFormat::F32 | WeightFormat::Quant(_)) => portable(w, rows, x, n, out),
+        (Isa::Portable, _) | (_, WeightFormat::F16 | WeightFormat::F32) => portable(w, rows, x, n, out),
+        // Block-quantized weights quantize the activations for this call
+        // (`par_matmul` and the MoE layer do it once for all their tasks).
+        (isa, WeightFormat::Quant(kind)) => {
+            let xf: Vec<f32> = x.iter().map(|&b| bf16_to_f32(b)).collect();
+            crate::linear::matmul_quant(kind, w, rows, &xf, n, out, crate::quant::DotPath::for_isa(isa));
+        }
         #[cfg(target_arch = "x86_64")]
         (isa, _) => {
             let job = super::kernel::Job::new(w);

@@ -233,10 +233,15 @@ impl CpuBackend<'_> {
                 let mut ctx_bf16 = vec![0u16; heads * dc];
                 f32_to_bf16(isa, &ctx_latent, &mut ctx_bf16);
                 let o = SharedSlice::new(out);
+                // A GGUF's own value half (`attn_v_b`), else kv_b_proj's value rows.
+                let (values, stride, offset) = match w.find("v_b_proj") {
+                    Some(v) => (matrix(v)?, dv, 0),
+                    None => (kv_b, dkv, dn),
+                };
                 rt.pool.parallel_for(heads, &|h| {
                     // SAFETY: head h writes only its own output columns.
                     let dst = unsafe { o.slice_mut(h * dv, dv) };
-                    matmul_bf16(isa, &kv_b, h * dkv + dn..h * dkv + dkv, &ctx_bf16[h * dc..(h + 1) * dc], 1, dst);
+                    matmul_bf16(isa, &values, h * stride + offset..h * stride + offset + dv, &ctx_bf16[h * dc..(h + 1) * dc], 1, dst);
                     duplex_kernels::round_bf16_slice(dst);
                 });
             }

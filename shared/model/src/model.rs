@@ -17,7 +17,7 @@ use crate::moe::{router_params, RouterParams};
 use crate::rope::RopeTable;
 use crate::weights::{HostWeight, Weights};
 use duplex_kernels::device::DeviceError;
-use duplex_kernels::linear::transpose_rows;
+use duplex_kernels::linear::{transpose_rows, OwnedWeight};
 use duplex_kernels::pool::PoolConfig;
 use std::path::Path;
 use std::time::Duration;
@@ -223,7 +223,19 @@ impl Model {
                 let kv_b = ld.ck.linear(&format!("{a}.kv_b_proj"), h * dkv, m.kv_lora_rank)?;
                 // Per head, the transpose of its key band (`[kv_lora, nope]`):
                 // the absorbed query `W_k^T q_nope` is then an ordinary GEMV.
-                let key_t = (0..h).map(|head| transpose_rows(&kv_b.view(), head * dkv..head * dkv + m.qk_nope_head_dim)).collect();
+                let k_b = format!("{a}.k_b_proj");
+                let key_t = if ld.ck.contains(&format!("{k_b}.weight")) {
+                    // A GGUF stores these transposes itself (`attn_k_b`), in
+                    // its own format: decode reads them as stored, and the
+                    // values from `attn_v_b`, as llama.cpp does.
+                    let k_b = ld.ck.linear(&k_b, h * m.kv_lora_rank, m.qk_nope_head_dim)?;
+                    let (view, rows) = (k_b.view(), m.kv_lora_rank);
+                    let per_head = view.format.row_bytes(view.cols) * rows;
+                    w.push("v_b_proj", ld.matrix(&format!("{a}.v_b_proj"), h * m.v_head_dim, m.kv_lora_rank)?);
+                    (0..h).map(|head| OwnedWeight { rows, cols: view.cols, format: view.format, data: view.data[head * per_head..(head + 1) * per_head].to_vec(), scales: vec![] }).collect()
+                } else {
+                    (0..h).map(|head| transpose_rows(&kv_b.view(), head * dkv..head * dkv + m.qk_nope_head_dim)).collect()
+                };
                 w.push("kv_b_proj", HostWeight::Matrix(kv_b));
                 w.push("kv_b_proj.key_t", HostWeight::PerHead(key_t));
                 w.push("o_proj", ld.matrix(&format!("{a}.o_proj"), d, h * m.v_head_dim)?);

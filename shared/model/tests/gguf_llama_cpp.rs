@@ -5,13 +5,12 @@
 //! How close is close: this random-weight model amplifies rounding (its
 //! routers sit near ties), so much that Duplex's own F32 and BF16 passes
 //! differ from each other by as much as either differs from llama.cpp
-//! (median ~0.04, with spikes past 1 where a router flips). The remaining
-//! differences from llama.cpp are in attention: llama.cpp keeps the latent
-//! KV cache and its flash attention in F16 and multiplies the absorbed
-//! `attn_k_b`/`attn_v_b` with 8-bit activations, where Duplex uses the
-//! exact (dequantized) `kv_b_proj`. Every weight product of the layers is
-//! llama.cpp's own: the same 8-bit activation quantization and integer
-//! block sums. So the test holds the typical (median) difference to 0.05
+//! (median ~0.04, with spikes past 1 where a router flips). Every weight
+//! product is llama.cpp's own (the same 8-bit activation quantization and
+//! integer block sums; decoding multiplies the absorbed `attn_k_b` and
+//! `attn_v_b` as stored); what differs is attention's arithmetic: llama.cpp
+//! keeps the latent KV cache and its flash attention in F16, Duplex in F32
+//! or BF16, and prefill uses the exact (dequantized) `kv_b_proj`. So the test holds the typical (median) difference to 0.05
 //! and three greedy tokens in four equal; a wrong layout or scale misses
 //! both by far, and even leaving routing groups off doubles the mean
 //! difference.
@@ -37,7 +36,25 @@ struct Agreement {
     steps: usize,
 }
 
-fn compare(model: &Model, precision: Precision) -> Agreement {
+/// The logits of every position from `input.len() - 1` on: one prefill of
+/// everything, or (`decode`) the prompt then one token at a time, as a
+/// server generates (the absorbed-attention path).
+fn logits_from_prompt_end(model: &Model, tokens: &[u32], prompt: usize, precision: Precision, decode: bool) -> Vec<f32> {
+    let vocab = model.cfg.vocab_size;
+    let mut kv = model.new_kv_pool(tokens.len().div_ceil(16) + 1, 16);
+    let mut table = BlockTable::default();
+    if !decode {
+        let all = model.forward(&mut kv, &mut table, tokens, precision, Logits::All).unwrap();
+        return all[(prompt - 1) * vocab..].to_vec();
+    }
+    let mut out = model.forward(&mut kv, &mut table, &tokens[..prompt], precision, Logits::Last).unwrap();
+    for &t in &tokens[prompt..] {
+        out.extend(model.forward(&mut kv, &mut table, &[t], precision, Logits::Last).unwrap());
+    }
+    out
+}
+
+fn compare(model: &Model, precision: Precision, decode: bool) -> Agreement {
     let reference: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(fixture().join("reference.json")).unwrap()).unwrap();
     let ids = |v: &serde_json::Value| v.as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect::<Vec<u32>>();
     let mut a = Agreement { diffs: vec![], greedy_equal: 0, steps: 0 };
@@ -45,12 +62,10 @@ fn compare(model: &Model, precision: Precision) -> Agreement {
         let input = ids(&prompt["input_ids"]);
         let greedy = ids(&prompt["greedy_continuation"]);
         let tokens: Vec<u32> = input.iter().chain(&greedy).copied().collect();
-        let mut kv = model.new_kv_pool(tokens.len().div_ceil(16) + 1, 16);
-        let logits = model.forward(&mut kv, &mut BlockTable::default(), &tokens, precision, Logits::All).unwrap();
+        let logits = logits_from_prompt_end(model, &tokens, input.len(), precision, decode);
         let vocab = model.cfg.vocab_size;
         for (step, top) in prompt["top_logprobs"].as_array().unwrap().iter().enumerate() {
-            let at = input.len() - 1 + step;
-            let row = &logits[at * vocab..(at + 1) * vocab];
+            let row = &logits[step * vocab..(step + 1) * vocab];
             let lp = log_softmax(row);
             let best = (0..vocab).max_by(|&x, &y| row[x].total_cmp(&row[y])).unwrap() as u32;
             a.steps += 1;
@@ -68,11 +83,12 @@ fn compare(model: &Model, precision: Precision) -> Agreement {
 #[test]
 fn q4_k_m_gguf_computes_what_llama_cpp_computes() {
     let model = Model::load_with(&fixture().join("model-Q4_K_M.gguf"), &PoolConfig::single_node(2), &mut |_, _| {}).unwrap();
-    for precision in [Precision::F32, Precision::Bf16] {
-        let a = compare(&model, precision);
+    for (precision, decode) in [(Precision::F32, false), (Precision::Bf16, false), (Precision::Bf16, true)] {
+        let a = compare(&model, precision, decode);
         let q = |f: f64| a.diffs[((a.diffs.len() - 1) as f64 * f) as usize];
         eprintln!(
-            "{precision:?}: top-10 log-probabilities vs llama.cpp: median {:.3}, 90th percentile {:.3}, max {:.3}; greedy tokens equal at {}/{} steps",
+            "{precision:?}{}: top-10 log-probabilities vs llama.cpp: median {:.3}, 90th percentile {:.3}, max {:.3}; greedy tokens equal at {}/{} steps",
+            if decode { ", decoding" } else { ", prefill" },
             q(0.5),
             q(0.9),
             q(1.0),

@@ -12,7 +12,10 @@
 //! no single view can present as one matrix. That matrix is rebuilt in F32
 //! (dequantized exactly) in an anonymous mapping beside the file's: small
 //! (for DeepSeek-V3, 64 MiB per layer, 1% of a Q4_K_M file) and, in a shared
-//! weight segment, held once like every other weight.
+//! weight segment, held once like every other weight. Prefill reads it; the
+//! absorbed decode reads the halves themselves, as stored and as llama.cpp
+//! does, under the names `self_attn.k_b_proj` (`[heads · kv_lora, nope]`)
+//! and `self_attn.v_b_proj` (`[heads · v, kv_lora]`).
 
 pub mod deepseek2;
 pub mod gqa;
@@ -111,6 +114,12 @@ pub fn open(path: &Path) -> Result<GgufModel, GgufError> {
                 return Err(model_err(format!("{name} has only one of its attn_k_b / attn_v_b halves")));
             };
             let (rows, cols, data) = rebuild_kv_b(&g, k, v)?;
+            let attn = name.strip_suffix(".kv_b_proj.weight").unwrap_or(name);
+            for (t, half) in [(k, "k_b_proj"), (v, "v_b_proj")] {
+                let s = t.hf_shape();
+                let (start, end) = (t.start as usize, (t.start + t.n_bytes) as usize);
+                tensors.push((t.part, StoredTensor { name: format!("{attn}.{half}.weight"), ty: stored_type(&g, t)?, shape: vec![s[0] * s[1], s[2]], range: start..end }));
+            }
             let at = derived.len();
             derived.extend(data.iter().flat_map(|x| x.to_le_bytes()));
             placed.push(StoredTensor { name: name.clone(), ty: StoredType::Float(Dtype::F32), shape: vec![rows, cols], range: at..derived.len() });
