@@ -684,3 +684,23 @@ proptest! {
         }
     }
 }
+
+#[test]
+fn a_model_with_a_tensor_of_an_unsupported_type_is_a_clear_error() {
+    let dir = tempfile::tempdir().unwrap();
+    // I32 has F32's size, so only the type changes.
+    let g = rewrite_fixture(dir.path(), "i32.gguf", |_| {}, |ts| ts.iter_mut().filter(|t| t.0 == "output_norm.weight").for_each(|t| t.2 = GgmlType::I32.id()));
+    let e = duplex_model::gguf::open(g.path()).err().expect("an I32 norm is refused").to_string();
+    assert!(e.contains("output_norm.weight") && e.contains("I32") && e.contains("i32.gguf"), "{e}");
+    // And through the loader every process uses.
+    let e = duplex_model::Model::load_with(g.path(), &duplex_kernels::pool::PoolConfig::single_node(1), &mut |_, _| {}).err().expect("refused").to_string();
+    assert!(e.contains("output_norm.weight") && e.contains("I32"), "{e}");
+}
+
+#[test]
+fn another_architecture_is_a_clear_error_naming_the_supported_ones() {
+    let dir = tempfile::tempdir().unwrap();
+    let g = rewrite_fixture(dir.path(), "gemma.gguf", |kvs| set(kvs, "general.architecture", Some(s("gemma3"))), |_| {});
+    let e = duplex_model::gguf::open(g.path()).err().expect("refused").to_string();
+    assert!(e.contains("gemma3") && e.contains("deepseek2") && e.contains("qwen3moe") && e.contains("llama"), "{e}");
+}
