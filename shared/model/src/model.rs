@@ -290,7 +290,20 @@ impl Model {
     /// MoE layer (FP8 scales included). Divided into the measured read
     /// bandwidth, it gives the decode roofline.
     pub fn activated_bytes_per_token(&self) -> usize {
-        let bytes = |m: &Module| m.weights.iter().map(|(_, w)| w.stored_bytes()).sum::<usize>();
+        let bytes = |m: &Module| {
+            // A GGUF's MLA decode reads its own key and value halves
+            // (`kv_b_proj.key_t` as stored, `v_b_proj`), not kv_b_proj,
+            // which only prefill reads.
+            let gguf_halves = m.weights.find("v_b_proj").is_some();
+            m.weights
+                .iter()
+                .map(|(name, w)| match w {
+                    HostWeight::PerHead(heads) if gguf_halves => heads.iter().map(|h| h.data.len()).sum(),
+                    _ if gguf_halves && name == "kv_b_proj" => 0,
+                    _ => w.stored_bytes(),
+                })
+                .sum::<usize>()
+        };
         self.modules
             .iter()
             .map(|m| match m.kind {
