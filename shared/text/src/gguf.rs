@@ -19,8 +19,20 @@
 //! llama.cpp's `parse_special` switch and `transformers`' `special` flag
 //! both mean.
 //!
-//! `tokenizer.ggml.model = "llama"` (SentencePiece, e.g. Mixtral) is not
-//! built yet: it is refused with an error saying so.
+//! `tokenizer.ggml.model = "llama"` is a SentencePiece BPE vocabulary
+//! (Llama 2, Mistral, Mixtral): tokens with scores, and no merges. llama.cpp
+//! encodes it by repeatedly merging the adjacent pair whose concatenation is
+//! the highest-scoring token, and spells characters no token covers as
+//! `<0xXX>` byte tokens. [`sentencepiece_bpe`] makes that a `tokenizers` BPE
+//! as `transformers` converts a SentencePiece model (Mixtral's published
+//! `tokenizer.json` is one): every split of every token into two tokens is a
+//! merge, ranked by the score of the token it makes, with byte fallback, `▁`
+//! for spaces, and a `▁` prefixed to the text and to the text after each
+//! added token (what llama.cpp's `add_space_prefix` does; `transformers`'
+//! legacy Llama tokenizers do the same). The one difference from llama.cpp:
+//! when two overlapping pairs in one word would make tokens of equal score
+//! (the same token by two splits), llama.cpp merges the left pair and the
+//! merge list the split it ranks first.
 
 use std::path::{Path, PathBuf};
 
@@ -155,12 +167,9 @@ pub(crate) fn sources(gguf: &Gguf) -> Result<Sources, TokenizerError> {
             })?;
             (byte_level_bpe(&vocab, &pre).map_err(err)?, pre.add_bos)
         }
-        "llama" => {
-            return Err(err(
-                "tokenizer.ggml.model is \"llama\" (SentencePiece), which Duplex cannot build from GGUF metadata yet; put the model's tokenizer.json beside the GGUF file".into(),
-            ))
-        }
-        other => return Err(err(format!("tokenizer.ggml.model is {other:?}, which Duplex does not support (supported: gpt2)"))),
+        // llama.cpp adds BOS to SentencePiece vocabularies unless told not to.
+        "llama" => (sentencepiece_bpe(&vocab, md)?.map_err(err)?, true),
+        other => return Err(err(format!("tokenizer.ggml.model is {other:?}, which Duplex does not support (supported: gpt2, llama)"))),
     };
     let mut eos_ids: Vec<u32> = vocab.eos_token_id.into_iter().collect();
     eos_ids.extend(end_of_turn_ids(md, vocab.tokens.len())?);
@@ -196,16 +205,112 @@ pub(crate) fn end_of_turn_ids(md: &Metadata, n_tokens: usize) -> Result<Vec<u32>
     Ok(ids)
 }
 
-/// The byte-level BPE of a `gpt2` vocabulary with `pre`'s regexes.
-fn byte_level_bpe(vocab: &GgufVocab, pre: &PreTokenizer) -> Result<tokenizers::Tokenizer, String> {
+/// The `tokenizers` pipeline of a `llama` (SentencePiece BPE) vocabulary;
+/// the outer error is the metadata's (a wrong type), the inner one the
+/// vocabulary's.
+fn sentencepiece_bpe(vocab: &GgufVocab, md: &Metadata) -> Result<Result<tokenizers::Tokenizer, String>, GgufError> {
+    let scores_key = "tokenizer.ggml.scores";
+    let scores: Vec<f64> = match md.array(scores_key)? {
+        None => return Ok(Err(format!("{scores_key} is missing: a SentencePiece vocabulary is ranked by its scores"))),
+        Some(items) => items
+            .iter()
+            .enumerate()
+            .map(|(i, v)| v.as_f64().ok_or_else(|| md.error(scores_key, format!("element {i} is {:?}, expected a number", v.value_type()))))
+            .collect::<Result<_, _>>()?,
+    };
+    if scores.len() != vocab.tokens.len() {
+        return Ok(Err(format!("{scores_key} has {} entries for {} tokens", scores.len(), vocab.tokens.len())));
+    }
+    let add_space_prefix = md.bool("tokenizer.ggml.add_space_prefix")?.unwrap_or(true);
+    let unk = match md.usize("tokenizer.ggml.unknown_token_id")? {
+        Some(id) => vocab.tokens.get(id).cloned(),
+        None => vocab.tokens.iter().zip(&vocab.token_types).find(|(_, &ty)| ty == token_type::UNKNOWN).map(|(t, _)| t.clone()),
+    };
+    Ok(build_sentencepiece(vocab, &scores, add_space_prefix, unk))
+}
+
+fn build_sentencepiece(vocab: &GgufVocab, scores: &[f64], add_space_prefix: bool, unk: Option<String>) -> Result<tokenizers::Tokenizer, String> {
+    use tokenizers::decoders::{byte_fallback::ByteFallback, fuse::Fuse, sequence::Sequence as Decoders, strip::Strip};
+    use tokenizers::normalizers::{prepend::Prepend, replace::Replace, utils::Sequence as Normalizers};
+
+    let ids = vocab_ids(vocab)?;
+    // Every split of every token into two tokens, ranked by the score of
+    // the token it makes (then its id, then the parts', for a stable order):
+    // the pair llama.cpp merges first is then the lowest-ranked merge.
+    let mut ranked: Vec<(f64, u32, u32, u32, usize)> = vec![];
+    for (id, token) in vocab.tokens.iter().enumerate() {
+        for (at, _) in token.char_indices().skip(1) {
+            if let (Some(&l), Some(&r)) = (ids.get(&token[..at]), ids.get(&token[at..])) {
+                ranked.push((scores[id], id as u32, l, r, at));
+            }
+        }
+    }
+    ranked.sort_by(|a, b| b.0.total_cmp(&a.0).then((a.1, a.2, a.3).cmp(&(b.1, b.2, b.3))));
+    let merges: Merges = ranked
+        .iter()
+        .map(|&(_, id, _, _, at)| {
+            let token = &vocab.tokens[id as usize];
+            (token[..at].to_string(), token[at..].to_string())
+        })
+        .collect();
+    let mut builder = BPE::builder().vocab_and_merges(ids, merges).byte_fallback(true).fuse_unk(true);
+    if let Some(unk) = unk {
+        builder = builder.unk_token(unk);
+    }
+    let model = builder.build().map_err(|e| format!("tokenizer.ggml.tokens and tokenizer.ggml.scores do not make a BPE model: {e}"))?;
+
+    let replace = |from: &str, to: &str| Replace::new(from, to).map_err(|e| format!("cannot build the {from:?} replacement: {e}"));
+    let mut normalizers = vec![];
+    let mut decoders = vec![replace("\u{2581}", " ")?.into(), ByteFallback::new().into(), Fuse::new().into()];
+    if add_space_prefix {
+        normalizers.push(Prepend::new("\u{2581}".into()).into());
+        // The prefixed space is no part of the text.
+        decoders.push(Strip::new(' ', 1, 0).into());
+    }
+    normalizers.push(replace(" ", "\u{2581}")?.into());
+
+    let mut tokenizer = tokenizers::Tokenizer::new(model);
+    tokenizer
+        .with_normalizer(Some(Normalizers::new(normalizers)))
+        .map_err(|e| format!("cannot set the normalizer: {e}"))?;
+    tokenizer.with_decoder(Some(Decoders::new(decoders)));
+    add_control_and_user_defined(&mut tokenizer, vocab)?;
+    Ok(tokenizer)
+}
+
+/// Token strings to ids. Two ids for one string would leave one of them
+/// undecodable and the other unreachable; converters never write that.
+fn vocab_ids(vocab: &GgufVocab) -> Result<Vocab, String> {
     let mut ids = Vocab::default();
     for (id, token) in vocab.tokens.iter().enumerate() {
-        // Two ids for one string would leave one of them undecodable and
-        // the other unreachable; converters never write that.
         if let Some(first) = ids.insert(token.clone(), id as u32) {
             return Err(format!("tokenizer.ggml.tokens: token {token:?} is both id {first} and id {id}"));
         }
     }
+    Ok(ids)
+}
+
+/// Control tokens as special added tokens, user-defined ones as plain
+/// added tokens. Every one is in the vocabulary already, so each keeps its
+/// id.
+fn add_control_and_user_defined(tokenizer: &mut tokenizers::Tokenizer, vocab: &GgufVocab) -> Result<(), String> {
+    let added: Vec<AddedToken> = vocab
+        .tokens
+        .iter()
+        .zip(&vocab.token_types)
+        .filter_map(|(token, &ty)| match ty {
+            token_type::CONTROL => Some(AddedToken::from(token.clone(), true)),
+            token_type::USER_DEFINED => Some(AddedToken::from(token.clone(), false)),
+            _ => None,
+        })
+        .collect();
+    tokenizer.add_tokens(added).map_err(|e| format!("cannot add the control and user-defined tokens: {e}"))?;
+    Ok(())
+}
+
+/// The byte-level BPE of a `gpt2` vocabulary with `pre`'s regexes.
+fn byte_level_bpe(vocab: &GgufVocab, pre: &PreTokenizer) -> Result<tokenizers::Tokenizer, String> {
+    let ids = vocab_ids(vocab)?;
     let merges: Merges = vocab
         .merges
         .iter()
@@ -247,18 +352,6 @@ fn byte_level_bpe(vocab: &GgufVocab, pre: &PreTokenizer) -> Result<tokenizers::T
     }
     tokenizer.with_pre_tokenizer(Some(Sequence::new(steps)));
     tokenizer.with_decoder(Some(byte_level));
-
-    let added: Vec<AddedToken> = vocab
-        .tokens
-        .iter()
-        .zip(&vocab.token_types)
-        .filter_map(|(token, &ty)| match ty {
-            token_type::CONTROL => Some(AddedToken::from(token.clone(), true)),
-            token_type::USER_DEFINED => Some(AddedToken::from(token.clone(), false)),
-            _ => None,
-        })
-        .collect();
-    // Every one is in the vocabulary already, so each keeps its id.
-    tokenizer.add_tokens(added).map_err(|e| format!("cannot add the control and user-defined tokens: {e}"))?;
+    add_control_and_user_defined(&mut tokenizer, vocab)?;
     Ok(tokenizer)
 }

@@ -231,8 +231,9 @@ fn an_unknown_pre_tokenizer_is_an_error_naming_it() {
 
 #[test]
 fn unsupported_tokenizer_models_are_errors_naming_them() {
+    // The fixture's vocabulary has no scores, which a SentencePiece one needs.
     let e = gguf_error(&edited(&[("tokenizer.ggml.model", s("llama"))]));
-    assert!(e.contains("/written/edited.gguf") && e.contains("SentencePiece") && e.contains("tokenizer.json"), "{e}");
+    assert!(e.contains("/written/edited.gguf") && e.contains("tokenizer.ggml.scores") && e.contains("missing"), "{e}");
     let e = gguf_error(&edited(&[("tokenizer.ggml.model", s("bert"))]));
     assert!(e.contains("tokenizer.ggml.model") && e.contains("\"bert\""), "{e}");
     let e = gguf_error(&edited(&[("tokenizer.ggml.model", None)]));
@@ -413,6 +414,19 @@ fn sampling_defaults_of_a_gguf_read_generation_config_beside_it() {
 /// id, special added tokens as control and the other added tokens as
 /// user-defined, the merges as `"left right"`.
 fn gguf_from_tokenizer_json(dir: &Path, pre: &str, eos: u32) -> Gguf {
+    let kvs = metadata_from_tokenizer_json(dir, "gpt2", eos);
+    let mut kvs = kvs;
+    kvs.push(("tokenizer.ggml.pre".into(), Value::String(pre.into())));
+    kvs.push(("tokenizer.ggml.add_bos_token".into(), Value::Bool(false)));
+    let part = GgufPart::from_bytes(&dir.join("written.gguf"), gguf_bytes(&kvs)).unwrap();
+    Gguf::from_parts(vec![part]).unwrap()
+}
+
+/// The metadata llama.cpp's converter writes for the tokenizer in `dir`
+/// (model `gpt2` or `llama`): for `llama`, `<0xXX>` tokens are byte tokens,
+/// `<unk>` the unknown token, and the scores rank tokens by id, as
+/// SentencePiece BPE models rank their pieces.
+fn metadata_from_tokenizer_json(dir: &Path, model: &str, eos: u32) -> Vec<(String, Value)> {
     let read = |name: &str| -> serde_json::Value { serde_json::from_str(&std::fs::read_to_string(dir.join(name)).unwrap()).unwrap() };
     let json = read("tokenizer.json");
     let config = read("tokenizer_config.json");
@@ -424,12 +438,19 @@ fn gguf_from_tokenizer_json(dir: &Path, pre: &str, eos: u32) -> Gguf {
         }
         tokens[id] = Some((text.to_string(), ty));
     };
+    let spm = model == "llama";
     for (text, id) in json["model"]["vocab"].as_object().unwrap() {
-        put(id.as_u64().unwrap(), text, 1);
+        let byte = spm && text.len() == 6 && text.starts_with("<0x") && text.ends_with('>');
+        put(id.as_u64().unwrap(), text, if byte { 6 } else { 1 });
     }
     for added in json["added_tokens"].as_array().unwrap() {
-        let ty = if added["special"].as_bool().unwrap() { 3 } else { 4 };
-        put(added["id"].as_u64().unwrap(), added["content"].as_str().unwrap(), ty);
+        let content = added["content"].as_str().unwrap();
+        let ty = match (added["special"].as_bool().unwrap(), content) {
+            (true, "<unk>") if spm => 2,
+            (true, _) => 3,
+            (false, _) => 4,
+        };
+        put(added["id"].as_u64().unwrap(), content, ty);
     }
     let tokens: Vec<(String, i32)> = tokens.into_iter().map(|t| t.expect("ids are dense")).collect();
     let merges: Vec<Value> = json["model"]["merges"]
@@ -442,20 +463,44 @@ fn gguf_from_tokenizer_json(dir: &Path, pre: &str, eos: u32) -> Gguf {
         })
         .collect();
     use duplex_gguf::ValueType;
-    let kvs: Vec<(String, Value)> = vec![
-        ("general.architecture".into(), Value::String("qwen3moe".into())),
-        ("qwen3moe.context_length".into(), Value::U32(4096)),
-        ("tokenizer.ggml.model".into(), Value::String("gpt2".into())),
-        ("tokenizer.ggml.pre".into(), Value::String(pre.into())),
+    let mut kvs: Vec<(String, Value)> = vec![
+        ("general.architecture".into(), Value::String("test".into())),
+        ("test.context_length".into(), Value::U32(4096)),
+        ("tokenizer.ggml.model".into(), Value::String(model.into())),
         ("tokenizer.ggml.tokens".into(), Value::Array(ValueType::String, tokens.iter().map(|(t, _)| Value::String(t.clone())).collect())),
         ("tokenizer.ggml.token_type".into(), Value::Array(ValueType::I32, tokens.iter().map(|&(_, ty)| Value::I32(ty)).collect())),
-        ("tokenizer.ggml.merges".into(), Value::Array(ValueType::String, merges)),
         ("tokenizer.ggml.eos_token_id".into(), Value::U32(eos)),
-        ("tokenizer.ggml.add_bos_token".into(), Value::Bool(false)),
         ("tokenizer.chat_template".into(), Value::String(config["chat_template"].as_str().unwrap().into())),
     ];
+    if spm {
+        let scores = (0..tokens.len()).map(|id| Value::F32(-(id as f32))).collect();
+        kvs.push(("tokenizer.ggml.scores".into(), Value::Array(ValueType::F32, scores)));
+    } else {
+        kvs.push(("tokenizer.ggml.merges".into(), Value::Array(ValueType::String, merges)));
+    }
+    kvs
+}
+
+#[test]
+fn sentencepiece_vocabulary_encodes_as_mixtrals_tokenizer_json() {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/tiny-mixtral");
+    let mut kvs = metadata_from_tokenizer_json(&dir, "llama", 2);
+    kvs.push(("tokenizer.ggml.bos_token_id".into(), Value::U32(1)));
     let part = GgufPart::from_bytes(&dir.join("written.gguf"), gguf_bytes(&kvs)).unwrap();
-    Gguf::from_parts(vec![part]).unwrap()
+    let g = Tokenizer::from_gguf(&Gguf::from_parts(vec![part]).unwrap()).unwrap_or_else(|e| panic!("{e}"));
+    let j = Tokenizer::from_dir(&dir).unwrap();
+    let mut texts = corpus();
+    texts.push("<s>[INST] hi [/INST] ok</s> <s>again".into());
+    for text in &texts {
+        assert_eq!(g.encode(text).unwrap(), j.encode(text).unwrap(), "encode {text:?}");
+        assert_eq!(g.encode_text(text).unwrap(), j.encode_text(text).unwrap(), "encode_text {text:?}");
+        let ids = j.encode(text).unwrap();
+        assert_eq!(g.decode(&ids), j.decode(&ids), "decode {text:?}");
+    }
+    assert_eq!((g.bos_token_id(), g.encode("hi").unwrap()[0]), (Some(1), 1), "BOS by default");
+    let chat = [msg("user", "2+2?"), msg("assistant", "4"), msg("user", "why?")];
+    assert_eq!(g.apply_chat_template(&chat, true).unwrap(), j.apply_chat_template(&chat, true).unwrap());
+    assert_eq!(g.encode_chat(&chat, true).unwrap(), j.encode_chat(&chat, true).unwrap());
 }
 
 #[test]
