@@ -525,3 +525,41 @@ fn qwen2_pre_tokenizer_encodes_as_qwen3s_tokenizer_json() {
         assert_eq!(g.encode_chat(&chat, gen).unwrap(), j.encode_chat(&chat, gen).unwrap());
     }
 }
+
+/// GGUF metadata, in order.
+type Kvs = Vec<(String, Value)>;
+
+#[test]
+fn sentencepiece_switches_and_malformed_scores() {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/tiny-mixtral");
+    let build = |edit: &dyn Fn(&mut Kvs)| {
+        let mut kvs = metadata_from_tokenizer_json(&dir, "llama", 2);
+        edit(&mut kvs);
+        let part = GgufPart::from_bytes(&dir.join("written.gguf"), gguf_bytes(&kvs)).unwrap();
+        Tokenizer::from_gguf(&Gguf::from_parts(vec![part]).unwrap())
+    };
+    let with_prefix = build(&|_| {}).unwrap();
+    let without = build(&|kvs| kvs.push(("tokenizer.ggml.add_space_prefix".into(), Value::Bool(false)))).unwrap();
+    let text = "Hello world";
+    let (a, b) = (with_prefix.encode_raw(text).unwrap(), without.encode_raw(text).unwrap());
+    assert_ne!(a, b, "the prefixed space changes the first token");
+    assert_eq!((with_prefix.decode(&a), without.decode(&b)), (text.to_string(), text.to_string()));
+    // No BOS id: nothing to add, whatever the default says.
+    assert_eq!(with_prefix.bos_token_id(), None);
+    assert_eq!(with_prefix.encode(text).unwrap(), a);
+
+    let e = build(&|kvs| {
+        kvs.retain(|(k, _)| k != "tokenizer.ggml.scores");
+        kvs.push(("tokenizer.ggml.scores".into(), Value::Array(duplex_gguf::ValueType::F32, vec![Value::F32(0.0); 3])));
+    })
+    .unwrap_err()
+    .to_string();
+    assert!(e.contains("tokenizer.ggml.scores") && e.contains("3 entries"), "{e}");
+    let e = build(&|kvs| {
+        kvs.retain(|(k, _)| k != "tokenizer.ggml.scores");
+        kvs.push(("tokenizer.ggml.scores".into(), Value::String("high".into())));
+    })
+    .unwrap_err()
+    .to_string();
+    assert!(e.contains("tokenizer.ggml.scores") && e.contains("expected an array"), "{e}");
+}
