@@ -20,7 +20,10 @@
 //! * `config.json` (optional): last-resort BOS/EOS ids.
 //!
 //! [`Tokenizer::from_dir`] merges them once at load time, so the rest of
-//! the server asks one object and never re-reads the files.
+//! the server asks one object and never re-reads the files. A GGUF model
+//! carries the same state in its metadata: [`Tokenizer::from_gguf`] builds
+//! the pipeline from that (`gguf.rs`), and [`Tokenizer::from_model_path`]
+//! picks between the two by what a `--model` path names.
 
 use std::borrow::Cow;
 use std::collections::HashMap;
