@@ -160,9 +160,10 @@ const NORMALIZATION_MARGIN: usize = 4;
 
 impl ServedModel {
     pub fn load(config: &RouterConfig) -> Result<Self, LoadError> {
-        let dir = &config.model;
-        let tokenizer = Tokenizer::from_dir(dir)?;
-        let model = ServedConfig::from_file(&dir.join("config.json"))?;
+        // A Hugging Face directory or a GGUF model (duplex_gguf::locate).
+        let path = &config.model;
+        let tokenizer = Tokenizer::from_model_path(path)?;
+        let model = ServedConfig::from_model_path(path)?;
         let mut eos_token_ids = tokenizer.eos_token_ids().to_vec();
         for id in &model.eos_token_ids {
             if !eos_token_ids.contains(id) {
@@ -177,7 +178,7 @@ impl ServedModel {
             max_prompt_bytes,
             tokenize_slots: Arc::new(Semaphore::new(cores)),
             name: config.served_model_name(),
-            defaults: sampling_defaults(dir),
+            defaults: sampling_defaults(path),
             vocab_size: model.vocab_size,
             context_length: model.max_position_embeddings,
             eos_token_ids,

@@ -7,6 +7,7 @@
 
 pub mod sampling;
 pub mod stop;
+mod gguf;
 mod tiktoken;
 pub mod tokenizer;
 
@@ -35,9 +36,15 @@ impl FinishReason {
 /// The model's recommended sampling defaults from `generation_config.json`
 /// (as vLLM applies them): `do_sample: false` means greedy; `temperature`,
 /// `top_p`, `top_k` and `repetition_penalty` are taken when present. A missing
-/// or unreadable file gives plain defaults.
-pub fn sampling_defaults(dir: &Path) -> SamplingParams {
+/// or unreadable file gives plain defaults. `path` is a model path (see
+/// [`duplex_gguf::locate`]): for a GGUF model the file is looked for beside
+/// the GGUF file.
+pub fn sampling_defaults(path: &Path) -> SamplingParams {
     let mut p = SamplingParams::default();
+    let dir = match duplex_gguf::locate(path) {
+        Ok(Some(file)) => gguf::parent_dir(&file),
+        _ => path.to_path_buf(),
+    };
     let Ok(text) = std::fs::read_to_string(dir.join("generation_config.json")) else {
         return p;
     };
@@ -89,6 +96,9 @@ pub enum ServedConfigError {
     Io { path: String, source: std::io::Error },
     #[error("{path}: {message}")]
     Invalid { path: String, message: String },
+    /// A GGUF model's file or metadata (the error names both).
+    #[error(transparent)]
+    Gguf(#[from] duplex_gguf::GgufError),
 }
 
 impl ServedConfig {
@@ -105,6 +115,42 @@ impl ServedConfig {
             Some(v) => parse_token_ids(v).ok_or_else(|| invalid("eos_token_id must be an integer or a list of integers".into()))?,
         };
         Ok(ServedConfig { vocab_size: count("vocab_size")?, max_position_embeddings: count("max_position_embeddings")?, eos_token_ids })
+    }
+
+    /// The facts of whatever a `--model` path names (see
+    /// [`duplex_gguf::locate`]): a Hugging Face directory's `config.json`,
+    /// or a GGUF model's metadata.
+    pub fn from_model_path(path: &Path) -> Result<Self, ServedConfigError> {
+        match duplex_gguf::locate(path)? {
+            None => Self::from_file(&path.join("config.json")),
+            Some(file) => Self::from_gguf(&duplex_gguf::Gguf::open(&file)?),
+        }
+    }
+
+    /// A GGUF model's facts: the context is `{arch}.context_length` (the
+    /// trained one, as `max_position_embeddings` is), the vocabulary
+    /// `{arch}.vocab_size` or else the number of tokens, and the EOS ids
+    /// `tokenizer.ggml.eos_token_id`, `eot_token_id` and `eom_token_id`.
+    pub fn from_gguf(gguf: &duplex_gguf::Gguf) -> Result<Self, ServedConfigError> {
+        let md = gguf.metadata();
+        let arch_key = "general.architecture";
+        let arch = md.require(arch_key, md.str(arch_key)?)?;
+        let positive = |key: &str, v: Option<usize>| match v {
+            Some(0) => Err(md.error(key, "must be positive".into())),
+            v => md.require(key, v),
+        };
+        let context_key = format!("{arch}.context_length");
+        let max_position_embeddings = positive(&context_key, md.usize(&context_key)?)?;
+        let vocab = duplex_gguf::vocab::GgufVocab::from_metadata(md)?;
+        let vocab_key = format!("{arch}.vocab_size");
+        let vocab_size = positive(&vocab_key, md.usize(&vocab_key)?.or(Some(vocab.tokens.len())))?;
+        let mut eos_token_ids: Vec<u32> = vocab.eos_token_id.into_iter().collect();
+        for id in gguf::end_of_turn_ids(md, vocab.tokens.len())? {
+            if !eos_token_ids.contains(&id) {
+                eos_token_ids.push(id);
+            }
+        }
+        Ok(ServedConfig { vocab_size, max_position_embeddings, eos_token_ids })
     }
 }
 
@@ -162,13 +208,23 @@ pub fn bundled_model() -> std::path::PathBuf {
     bundled_model_candidates().into_iter().find(|p| p.join("config.json").is_file()).unwrap_or_else(|| std::path::PathBuf::from(BUNDLED_MODEL))
 }
 
-/// A clear error when `dir` holds no `config.json`, saying where the
-/// bundled model was looked for when `dir` is that default.
+/// A clear error when `dir` is not a model path: neither a Hugging Face
+/// directory (with a `config.json`) nor a GGUF model (a `.gguf` file, or a
+/// directory holding one GGUF model; see [`duplex_gguf::locate`]). When
+/// `dir` is the bundled default, the error says where that was looked for.
 pub fn check_model_dir(dir: &std::path::Path) -> Result<(), String> {
     if dir.join("config.json").is_file() {
         return Ok(());
     }
-    let mut msg = format!("{} is not a model directory (it has no config.json)", dir.display());
+    match duplex_gguf::locate(dir) {
+        Ok(Some(_)) => return Ok(()),
+        Ok(None) => {}
+        Err(e) => return Err(e.to_string()),
+    }
+    let mut msg = format!(
+        "{} is not a model directory (it has no config.json) nor a GGUF model (a .gguf file, or a directory holding one GGUF model)",
+        dir.display()
+    );
     if dir == std::path::Path::new(BUNDLED_MODEL) {
         let looked: Vec<String> = bundled_model_candidates().iter().map(|p| p.display().to_string()).collect();
         msg.push_str(&format!("; the bundled tiny model was looked for in: {}. Pass --model DIR", looked.join(", ")));

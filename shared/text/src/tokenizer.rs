@@ -20,7 +20,10 @@
 //! * `config.json` (optional): last-resort BOS/EOS ids.
 //!
 //! [`Tokenizer::from_dir`] merges them once at load time, so the rest of
-//! the server asks one object and never re-reads the files.
+//! the server asks one object and never re-reads the files. A GGUF model
+//! carries the same state in its metadata: [`Tokenizer::from_gguf`] builds
+//! the pipeline from that (`gguf.rs`), and [`Tokenizer::from_model_path`]
+//! picks between the two by what a `--model` path names.
 
 use std::borrow::Cow;
 use std::collections::HashMap;
@@ -84,6 +87,14 @@ pub enum TokenizerError {
     /// clashes with a ranked one, ...).
     #[error("cannot load tiktoken tokenizer from {}: {message}", path.display())]
     Tiktoken { path: PathBuf, message: String },
+    /// A GGUF file could not be read, or its metadata has a wrong type.
+    #[error(transparent)]
+    Gguf(#[from] duplex_gguf::GgufError),
+    /// A GGUF's tokenizer metadata cannot become a tokenizer: an
+    /// unsupported `tokenizer.ggml.model` or `tokenizer.ggml.pre`, a merge
+    /// of tokens not in the vocabulary, a token given twice, ...
+    #[error("{}: cannot build the tokenizer from its metadata: {message}", path.display())]
+    GgufTokenizer { path: PathBuf, message: String },
     /// A field has the wrong type or names a token that does not exist.
     #[error("{}: field `{field}` {message}", path.display())]
     Field {
@@ -95,11 +106,8 @@ pub enum TokenizerError {
     #[error("invalid chat template in {}: {message}", path.display())]
     TemplateSyntax { path: PathBuf, message: String },
     /// The model ships no chat template, so chat requests cannot be served.
-    #[error(
-        "no chat template: neither {} has `chat_template` nor does chat_template.jinja exist",
-        path.display()
-    )]
-    NoChatTemplate { path: PathBuf },
+    #[error("no chat template: {looked}")]
+    NoChatTemplate { path: PathBuf, looked: String },
     /// Rendering failed, including templates that call `raise_exception`
     /// (the usual way templates reject e.g. a non-alternating conversation);
     /// `reason` is then the template's own message.
@@ -188,6 +196,30 @@ pub struct Tokenizer {
     template_path: PathBuf,
     /// The template's source, so that placeholders never collide with it.
     template_source: String,
+    /// Where a template was looked for, for the error when there is none.
+    no_template: String,
+}
+
+/// What one source of a tokenizer (a model directory, a GGUF file)
+/// resolves, for [`Tokenizer::assemble`] to finish.
+pub(crate) struct Sources {
+    pub inner: tokenizers::Tokenizer,
+    /// The file the pipeline came from, for error messages.
+    pub tokenizer_path: PathBuf,
+    pub bos_id: Option<u32>,
+    /// In order of preference; repeats are dropped.
+    pub eos_ids: Vec<u32>,
+    /// Wanted; honoured only where the id exists.
+    pub add_bos: bool,
+    pub add_eos: bool,
+    /// The strings handed to the chat template; `None` means the text of
+    /// `bos_id` / the first EOS id.
+    pub bos_token: Option<String>,
+    pub eos_token: Option<String>,
+    pub template_path: PathBuf,
+    pub template_source: Option<String>,
+    /// Where a template was looked for, said when there is none.
+    pub no_template: String,
 }
 
 /// One step of a decoder pipeline that [`Tokenizer::decode`] runs itself.
@@ -315,33 +347,89 @@ impl Tokenizer {
         let mut eos_ids = token_ids(gen.as_ref(), &gen_path, "eos_token_id")?;
         eos_ids.extend(token_ids(cfg.as_ref(), &cfg_path, "eos_token_id")?);
         eos_ids.extend(tc_eos.as_ref().map(|(_, id)| *id));
-        let mut seen = std::collections::HashSet::new();
-        eos_ids.retain(|id| seen.insert(*id));
 
         // Without `add_bos_token`, BOS is added when tokenizer.json's
         // post-processor adds it, as transformers' fast tokenizer does with
         // tokenizer.json alone: DeepSeek's and Mixtral's do, Qwen's
         // (ByteLevel) does not, although Qwen's configs name a
-        // `bos_token_id`. Without a BOS the switch is moot, so not an error.
+        // `bos_token_id`.
         let post_processor_adds = |bos: u32| {
             inner.encode("a", true).is_ok_and(|enc| enc.get_ids().first() == Some(&bos))
         };
         let add_bos = match optional_bool(tc.as_ref(), &tc_path, "add_bos_token")? {
-            Some(add) => add && bos_id.is_some(),
+            Some(add) => add,
             None => bos_id.is_some_and(post_processor_adds),
         };
-        let add_eos = optional_bool(tc.as_ref(), &tc_path, "add_eos_token")?.unwrap_or(false)
-            && !eos_ids.is_empty();
+        let add_eos = optional_bool(tc.as_ref(), &tc_path, "add_eos_token")?.unwrap_or(false);
+
+        let (template_path, template_source) = load_template_source(dir, tc.as_ref(), &tc_path)?;
+        let no_template = format!(
+            "neither {} has `chat_template` nor does {} exist",
+            tc_path.display(),
+            dir.join("chat_template.jinja").display()
+        );
+        Self::assemble(Sources {
+            inner,
+            tokenizer_path,
+            bos_id,
+            eos_ids,
+            add_bos,
+            add_eos,
+            bos_token: tc_bos.map(|(s, _)| s),
+            eos_token: tc_eos.map(|(s, _)| s),
+            template_path,
+            template_source,
+            no_template,
+        })
+    }
+
+    /// The tokenizer of a GGUF model, from its metadata alone: see
+    /// `gguf.rs` for how `tokenizer.ggml.*` becomes a `tokenizers`
+    /// pipeline. BOS and EOS are the metadata's ids; EOS ids are
+    /// `eos_token_id`, then `eot_token_id` and `eom_token_id` where given
+    /// (llama.cpp ends generation on each). The chat template is
+    /// `tokenizer.chat_template`, compiled here as [`Tokenizer::from_dir`]
+    /// compiles its own.
+    pub fn from_gguf(gguf: &duplex_gguf::Gguf) -> Result<Self, TokenizerError> {
+        Self::assemble(crate::gguf::sources(gguf)?)
+    }
+
+    /// The tokenizer of whatever a `--model` path names (the convention of
+    /// [`duplex_gguf::locate`]): a Hugging Face directory is read by
+    /// [`Tokenizer::from_dir`]. For a GGUF model, a `tokenizer.json` (or
+    /// `tiktoken.model`) in the GGUF file's directory wins, since it is the
+    /// tokenizer as published and carries what GGUF metadata cannot (e.g.
+    /// normalizers); without one, the GGUF metadata is the tokenizer
+    /// ([`Tokenizer::from_gguf`]).
+    pub fn from_model_path(path: &Path) -> Result<Self, TokenizerError> {
+        let Some(file) = duplex_gguf::locate(path)? else {
+            return Self::from_dir(path);
+        };
+        let dir = crate::gguf::parent_dir(&file);
+        if dir.join("tokenizer.json").is_file() || dir.join("tiktoken.model").is_file() {
+            return Self::from_dir(&dir);
+        }
+        Self::from_gguf(&duplex_gguf::Gguf::open(&file)?)
+    }
+
+    /// The part every source shares: token strings for the template,
+    /// the BOS/EOS switches made consistent, the template compiled (so a
+    /// broken one fails at startup rather than on the first chat request),
+    /// and the special-token matcher.
+    fn assemble(src: Sources) -> Result<Self, TokenizerError> {
+        let Sources { inner, tokenizer_path, bos_id, mut eos_ids, add_bos, add_eos, bos_token, eos_token, template_path, template_source, no_template } = src;
+        let mut seen = std::collections::HashSet::new();
+        eos_ids.retain(|id| seen.insert(*id));
+        // Without a BOS (or an EOS) the switch is moot, so not an error.
+        let add_bos = add_bos && bos_id.is_some();
+        let add_eos = add_eos && !eos_ids.is_empty();
 
         let text_of = |id: Option<u32>| id.and_then(|id| inner.id_to_token(id)).unwrap_or_default();
-        let bos_token = tc_bos.map(|(s, _)| s).unwrap_or_else(|| text_of(bos_id));
-        let eos_token = tc_eos
-            .map(|(s, _)| s)
-            .unwrap_or_else(|| text_of(eos_ids.first().copied()));
+        let bos_token = bos_token.unwrap_or_else(|| text_of(bos_id));
+        let eos_token = eos_token.unwrap_or_else(|| text_of(eos_ids.first().copied()));
 
-        let (template_path, source) = load_template_source(dir, tc.as_ref(), &tc_path)?;
-        let template_source = source.clone().unwrap_or_default();
-        let chat_env = source
+        let chat_env = template_source
+            .clone()
             .map(|src| {
                 build_env(src).map_err(|e| TokenizerError::TemplateSyntax {
                     path: template_path.clone(),
@@ -349,6 +437,7 @@ impl Tokenizer {
                 })
             })
             .transpose()?;
+        let template_source = template_source.unwrap_or_default();
 
         let mut plain = inner.clone();
         plain.set_encode_special_tokens(true);
@@ -397,6 +486,7 @@ impl Tokenizer {
             chat_env,
             template_path,
             template_source,
+            no_template,
         })
     }
 
@@ -490,6 +580,7 @@ impl Tokenizer {
             .as_ref()
             .ok_or_else(|| TokenizerError::NoChatTemplate {
                 path: self.template_path.clone(),
+                looked: self.no_template.clone(),
             })?;
         let render_err = |e: JinjaError| TokenizerError::TemplateRender {
             path: self.template_path.clone(),
