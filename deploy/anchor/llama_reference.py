@@ -30,7 +30,7 @@ def log_softmax(x):
     return x - m - np.log(np.exp(x - m).sum())
 
 
-def run(model, prompts, n_predict, threads, top_k, n_ctx):
+def run(model, prompts, n_predict, threads, top_k, n_ctx, flash_attn=True):
     from llama_cpp import Llama
 
     llm = Llama(
@@ -41,9 +41,13 @@ def run(model, prompts, n_predict, threads, top_k, n_ctx):
         n_threads=threads,
         n_threads_batch=threads,
         n_gpu_layers=0,
+        # llama.cpp's own default is 'auto', which is on for the CPU; llama-cpp-python's
+        # default is off. Off, the DeepSeek-V3 (MLA) fixture's logprobs move by up to 0.1.
+        flash_attn=flash_attn,
         logits_all=False,
         verbose=False,
     )
+    n_vocab = llm.n_vocab()
     out = []
     for p in prompts:
         ids = [int(t) for t in p["input_ids"]]
@@ -52,7 +56,9 @@ def run(model, prompts, n_predict, threads, top_k, n_ctx):
         llm.eval(ids)
         greedy, tops = [], []
         for _ in range(n_predict):
-            logits = np.array(llm.scores[llm.n_tokens - 1], dtype=np.float32)
+            # logits_all=False: the batch asks for the last position's logits only, so
+            # llama_get_logits holds exactly one row (Llama.scores is not filled then).
+            logits = np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(n_vocab,)).astype(np.float32)
             lp = log_softmax(logits)
             order = np.argsort(-lp, kind="stable")[:top_k]
             tops.append([[int(t), float(lp[t])] for t in order])
@@ -95,10 +101,11 @@ def main():
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--top-k", type=int, default=10)
     ap.add_argument("--n-ctx", type=int, default=1024)
+    ap.add_argument("--no-flash-attn", action="store_true", help="flash attention off (default on, as llama.cpp's CLI tools)")
     a = ap.parse_args()
 
     prompts = json.load(open(a.prompts))["prompts"]
-    res = run(a.model, prompts, a.n_predict, a.threads, a.top_k, a.n_ctx)
+    res = run(a.model, prompts, a.n_predict, a.threads, a.top_k, a.n_ctx, not a.no_flash_attn)
     import llama_cpp
     import os
     doc = {
@@ -106,7 +113,8 @@ def main():
         "note": (f"llama.cpp (vendored in llama-cpp-python {llama_cpp.__version__}, CPU, AMX compiled out) greedy "
                  f"decoding with -t {a.threads}; per step the top-{a.top_k} token logprobs "
                  f"(log-softmax of the last position's logits), computed on llama.cpp's own greedy prefix; "
-                 f"prompt evaluated in one batch, then one token per step; n_ctx {a.n_ctx}; made by "
+                 f"prompt evaluated in one batch, then one token per step; flash attention "
+                 f"{'off' if a.no_flash_attn else 'on'}, n_ctx {a.n_ctx}, KV cache F16; made by "
                  f"deploy/anchor/llama_reference.py"),
         "prompts": res,
     }
