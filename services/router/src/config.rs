@@ -179,7 +179,10 @@ impl RouterConfig {
     /// The model name clients must use (or may leave out).
     pub fn served_model_name(&self) -> String {
         self.served_model_name.clone().unwrap_or_else(|| {
+            // A GGUF file is named for its model: `DeepSeek-R1-Q4_K_M.gguf`
+            // serves as `DeepSeek-R1-Q4_K_M`.
             let name = self.model.file_name().map(|n| n.to_string_lossy().into_owned());
+            let name = name.map(|n| n.strip_suffix(".gguf").map(str::to_string).unwrap_or(n));
             name.unwrap_or_else(|| self.model.display().to_string())
         })
     }
@@ -246,6 +249,8 @@ mod tests {
         let c = RouterConfig::default();
         assert_eq!(c.served_model_name(), "tiny-dsv3");
         assert!(c.model.join("tokenizer.json").exists(), "{}", c.model.display());
+        let gguf = RouterConfig { model: "/models/DeepSeek-R1-Q4_K_M.gguf".into(), ..RouterConfig::default() };
+        assert_eq!(gguf.served_model_name(), "DeepSeek-R1-Q4_K_M");
         assert_eq!((c.http_port, c.grpc_port, c.prefill_threshold_tokens), (8000, 50051, 2048));
         c.validate().unwrap();
     }

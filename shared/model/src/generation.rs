@@ -123,7 +123,7 @@ impl Engine {
     /// tokens (capped at the model's `max_position_embeddings`).
     pub fn load(dir: &Path, precision: Precision, context: usize, progress: &mut dyn FnMut(usize, usize)) -> Result<Self, EngineError> {
         let model = Model::load(dir, progress)?;
-        let tokenizer = Tokenizer::from_dir(dir)?;
+        let tokenizer = Tokenizer::from_model_path(dir)?;
         if tokenizer.vocab_size() > model.cfg.vocab_size {
             return Err(EngineError::VocabTooSmall { tokenizer: tokenizer.vocab_size(), model: model.cfg.vocab_size });
         }
