@@ -59,7 +59,16 @@ fn start_engine(cfg: &PrefillConfig) -> anyhow::Result<(Engine, Arc<StatsCell>)>
     metrics::gauge!(duplex_telemetry::WEIGHT_SEGMENT_BYTES).set(store.size_bytes() as f64);
     let kv = KvSource::new(cfg.shm_dir.clone(), duplex_ipc::kv_segment_name(&cfg.instance));
     let stats = Arc::new(StatsCell::new(model.cfg.max_position_embeddings, store.fingerprint().to_string()));
-    let slp = match open_device(cfg)? {
+    // "auto" finds no device for a model no device can run; a device asked
+    // for by name is refused (by SlpEngine::new) with the reason.
+    let device = match open_device(cfg)? {
+        Some(_) if cfg.device_kind()? == DeviceKind::Auto && model.device_refusal().is_some() => {
+            tracing::info!("device auto: {}", model.device_refusal().unwrap_or_default());
+            None
+        }
+        device => device,
+    };
+    let slp = match device {
         Some(device) => {
             let ring_slots = (cfg.ring_slots != 0).then_some(cfg.ring_slots);
             let config = SlpConfig { ring_slots, turning_point_tokens: cfg.ring_turning_point_tokens, dense_budget_bytes: cfg.dense_budget_mib << 20, ..SlpConfig::default() };

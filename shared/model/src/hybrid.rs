@@ -256,6 +256,9 @@ impl HybridEngine {
     /// device KV pool of `cfg.kv_blocks` blocks. Refuses, naming the parts,
     /// when they do not fit the device's memory.
     pub fn new(model: Model, dev: Arc<dyn Device>, cfg: HybridConfig, block_size: usize) -> Result<Self, ForwardError> {
+        if let Some(why) = model.device_refusal() {
+            return Err(ForwardError::Device(DeviceError::Invalid(why)));
+        }
         let c = &model.cfg;
         let entry = c.kv_entry_dim();
         let modules = model.staged_modules(usize::MAX);

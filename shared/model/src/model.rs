@@ -284,6 +284,20 @@ impl Model {
         Ok(())
     }
 
+    /// Why no device can run this model, if one cannot: the first weight in
+    /// a GGUF block format (no device kernel reads ggml's blocks), named.
+    pub fn device_refusal(&self) -> Option<String> {
+        self.modules.iter().find_map(|m| {
+            m.weights.iter().find_map(|(name, w)| match w.matrix().map(|l| l.format) {
+                Some(duplex_kernels::WeightFormat::Quant(kind)) => Some(format!(
+                    "{name} of {:?} is {kind}: GGUF block-quantized weights have no device kernels yet, so this model runs on the CPU (device = \"cpu\")",
+                    m.kind
+                )),
+                _ => None,
+            })
+        })
+    }
+
     /// Bytes of weights one decode step reads for one token: every non-expert
     /// weight (attention, dense MLPs, norms, router, shared experts), one
     /// embedding row, the LM head and `num_experts_per_tok` routed experts per

@@ -99,3 +99,16 @@ fn q4_k_m_gguf_computes_what_llama_cpp_computes() {
         assert!(a.greedy_equal * 4 >= a.steps * 3, "{precision:?}: greedy tokens equal at only {}/{} steps", a.greedy_equal, a.steps);
     }
 }
+
+#[test]
+fn a_device_placement_refuses_gguf_weights_with_the_reason() {
+    use duplex_kernels::device::emulated::{EmulatedConfig, EmulatedDevice};
+    use duplex_model::hybrid::{HybridConfig, HybridEngine, Submit};
+    let model = Model::load_with(&fixture().join("model-Q4_K_M.gguf"), &PoolConfig::single_node(1), &mut |_, _| {}).unwrap();
+    let why = model.device_refusal().expect("a Q4_K_M model has block-quantized weights");
+    assert!(why.contains("Q4_K") && why.contains("cpu"), "{why}");
+    let dev = EmulatedDevice::new(EmulatedConfig { memory_bytes: 64 << 20, compute_threads: 1, ..Default::default() }).unwrap();
+    let config = HybridConfig { kv_blocks: 8, micro_batches: false, defer_experts: 0, cpu_jitter: None, submit: Submit::Stream, expert_cache: None };
+    let e = HybridEngine::new(model, dev, config, 16).err().expect("refused at start-up").to_string();
+    assert!(e.contains("no device kernels") && e.contains("Q4_K"), "{e}");
+}

@@ -145,6 +145,9 @@ impl SlpEngine {
         if config.ring_slots.is_some_and(|s| s < 2) {
             return Err(SlpError::Config("ring_slots must be at least 2 (ping-pong)".into()));
         }
+        if let Some(why) = model.device_refusal() {
+            return Err(SlpError::Config(why));
+        }
         // Embedding and LM-head chunks of a quarter of the budget, so that
         // the loader can run ahead of the model thread through them.
         let modules = model.staged_modules(config.dense_budget_bytes / 4);
