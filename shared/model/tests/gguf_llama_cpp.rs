@@ -1,6 +1,7 @@
-//! A llama.cpp Q4_K_M GGUF (`tests/fixtures/tiny-dsv3-q4km`) computes what
+//! llama.cpp Q4_K_M GGUFs of the three architectures
+//! (`tests/fixtures/tiny-{dsv3,qwen3moe,mixtral}-q4km`) compute what
 //! llama.cpp computes, teacher-forced on llama.cpp's own greedy
-//! continuations (its `reference.json`), up to the two engines' rounding.
+//! continuations (each `reference.json`), up to the two engines' rounding.
 //!
 //! How close is close: this random-weight model amplifies rounding (its
 //! routers sit near ties), so much that Duplex's own F32 and BF16 passes
@@ -19,8 +20,12 @@ use duplex_kernels::pool::PoolConfig;
 use duplex_model::{BlockTable, Logits, Model, Precision};
 use std::path::{Path, PathBuf};
 
+fn fixture_of(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures").join(name)
+}
+
 fn fixture() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/tiny-dsv3-q4km")
+    fixture_of("tiny-dsv3-q4km")
 }
 
 fn log_softmax(row: &[f32]) -> Vec<f64> {
@@ -54,8 +59,8 @@ fn logits_from_prompt_end(model: &Model, tokens: &[u32], prompt: usize, precisio
     out
 }
 
-fn compare(model: &Model, precision: Precision, decode: bool) -> Agreement {
-    let reference: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(fixture().join("reference.json")).unwrap()).unwrap();
+fn compare(dir: &Path, model: &Model, precision: Precision, decode: bool) -> Agreement {
+    let reference: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(dir.join("reference.json")).unwrap()).unwrap();
     let ids = |v: &serde_json::Value| v.as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect::<Vec<u32>>();
     let mut a = Agreement { diffs: vec![], greedy_equal: 0, steps: 0 };
     for prompt in reference["prompts"].as_array().unwrap() {
@@ -80,14 +85,15 @@ fn compare(model: &Model, precision: Precision, decode: bool) -> Agreement {
     a
 }
 
-#[test]
-fn q4_k_m_gguf_computes_what_llama_cpp_computes() {
-    let model = Model::load_with(&fixture().join("model-Q4_K_M.gguf"), &PoolConfig::single_node(2), &mut |_, _| {}).unwrap();
+/// Every comparison of one fixture, with its numbers printed.
+fn check(name: &str) {
+    let dir = fixture_of(name);
+    let model = Model::load_with(&dir.join("model-Q4_K_M.gguf"), &PoolConfig::single_node(2), &mut |_, _| {}).unwrap();
     for (precision, decode) in [(Precision::F32, false), (Precision::Bf16, false), (Precision::Bf16, true)] {
-        let a = compare(&model, precision, decode);
+        let a = compare(&dir, &model, precision, decode);
         let q = |f: f64| a.diffs[((a.diffs.len() - 1) as f64 * f) as usize];
         eprintln!(
-            "{precision:?}{}: top-10 log-probabilities vs llama.cpp: median {:.3}, 90th percentile {:.3}, max {:.3}; greedy tokens equal at {}/{} steps",
+            "{name} {precision:?}{}: top-10 log-probabilities vs llama.cpp: median {:.3}, 90th percentile {:.3}, max {:.3}; greedy tokens equal at {}/{} steps",
             if decode { ", decoding" } else { ", prefill" },
             q(0.5),
             q(0.9),
@@ -95,9 +101,24 @@ fn q4_k_m_gguf_computes_what_llama_cpp_computes() {
             a.greedy_equal,
             a.steps
         );
-        assert!(q(0.5) <= 0.05, "{precision:?}: median difference {:.3} from llama.cpp", q(0.5));
-        assert!(a.greedy_equal * 4 >= a.steps * 3, "{precision:?}: greedy tokens equal at only {}/{} steps", a.greedy_equal, a.steps);
+        assert!(q(0.5) <= 0.05, "{name} {precision:?}: median difference {:.3} from llama.cpp", q(0.5));
+        assert!(a.greedy_equal * 4 >= a.steps * 3, "{name} {precision:?}: greedy tokens equal at only {}/{} steps", a.greedy_equal, a.steps);
     }
+}
+
+#[test]
+fn deepseek_v3_q4_k_m_computes_what_llama_cpp_computes() {
+    check("tiny-dsv3-q4km");
+}
+
+#[test]
+fn qwen3_moe_q4_k_m_computes_what_llama_cpp_computes() {
+    check("tiny-qwen3moe-q4km");
+}
+
+#[test]
+fn mixtral_q4_k_m_computes_what_llama_cpp_computes() {
+    check("tiny-mixtral-q4km");
 }
 
 #[test]
