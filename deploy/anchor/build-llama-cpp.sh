@@ -97,7 +97,7 @@ step_pydeps() {
     ensure_sources
     if ! "$VENV/bin/python" -c 'import torch' 2>/dev/null; then
         log "installing torch (CPU) from download.pytorch.org"
-        if ! "$VENV/bin/pip" install -q --no-cache-dir torch --index-url https://download.pytorch.org/whl/cpu; then
+        if ! "$VENV/bin/pip" install -q --no-cache-dir --retries 1 --timeout 20 torch --index-url https://download.pytorch.org/whl/cpu; then
             # The PyPI wheel is the CUDA build: it needs the nvidia-* wheels (~3 GB) to import,
             # even on CPU. --no-cache-dir: no second copy of them in ~/.cache/pip.
             log "the PyTorch CPU index failed; installing the PyPI torch wheel (CUDA build, ~4.5 GB) instead"
@@ -129,7 +129,7 @@ step_pyllama() {
     fi
     log "building llama-cpp-python $VERSION from $SRC (same patched sources; ~10 min on 2 cores)"
     # No build isolation: the venv already has cmake/ninja; scikit-build-core is added here.
-    "$VENV/bin/pip" install -q "scikit-build-core[pyproject]>=0.9.2" typing-extensions "numpy<2.3" diskcache jinja2
+    "$VENV/bin/pip" install -q "scikit-build-core>=0.9.2" typing-extensions "numpy<2.3" diskcache jinja2
     CMAKE_ARGS="-DGGML_NATIVE=ON -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAVA_BUILD=OFF -DLLAMA_BUILD_TESTS=OFF" \
     CMAKE_BUILD_PARALLEL_LEVEL="$JOBS" \
         "$VENV/bin/pip" install --no-build-isolation --no-deps -v "$SRC" > "$WORK/pyllama-build.log" 2>&1 \
