@@ -117,7 +117,7 @@ struct BenchArgs {
 
 #[derive(Args)]
 struct ModelArgs {
-    /// Checkpoint directory (Hugging Face layout). Defaults to the bundled tiny model.
+    /// The model: a Hugging Face directory (config.json, safetensors), a GGUF file (any part of a split set) or a directory holding one GGUF model. Defaults to the bundled tiny model.
     #[arg(long, default_value_os_t = duplex_model::bundled_model())]
     model: PathBuf,
     /// Numeric path: f32 (reference) or bf16.

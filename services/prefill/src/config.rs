@@ -7,7 +7,7 @@ use std::path::PathBuf;
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct PrefillConfig {
-    /// Checkpoint directory (config.json, safetensors, tokenizer).
+    /// The model: a Hugging Face directory (config.json, safetensors, tokenizer) or a GGUF model (file, or a directory holding one).
     pub model: PathBuf,
     pub host: String,
     /// Internal gRPC port the router calls.

@@ -89,7 +89,7 @@ pub struct RouterArgs {
     /// TOML config file; its `[router]` section applies here.
     #[arg(long)]
     pub config: Option<PathBuf>,
-    /// Checkpoint directory (tokenizer and configs) [default: the bundled tiny model].
+    /// The model: a Hugging Face directory or a GGUF model (file, or a directory holding one) [default: the bundled tiny model].
     #[arg(long)]
     pub model: Option<PathBuf>,
     /// Model name clients use [default: the model directory's name].
