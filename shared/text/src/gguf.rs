@@ -124,7 +124,7 @@ struct PreTokenizer {
 
 /// The names Duplex knows, as llama.cpp spells them (several names share
 /// one set of regexes there; only the common ones are listed).
-const KNOWN_PRE: &[&str] = &["default", "gpt-2", "phi-2", "llama3", "llama-v3", "llama-bpe", "qwen2", "deepseek-r1-qwen", "deepseek-llm", "deepseek-v3"];
+const KNOWN_PRE: &[&str] = &["default", "gpt-2", "phi-2", "llama3", "llama-v3", "llama-bpe", "qwen2", "deepseek-r1-qwen", "deepseek-llm", "deepseek-v3", "kimi-k2"];
 
 fn pre_tokenizer(name: &str) -> Option<PreTokenizer> {
     const fn plain(regexes: &'static [&'static str]) -> PreTokenizer {
@@ -137,6 +137,8 @@ fn pre_tokenizer(name: &str) -> Option<PreTokenizer> {
         "qwen2" | "deepseek-r1-qwen" => PreTokenizer { nfc: true, ..plain(&[QWEN2]) },
         "deepseek-llm" => plain(&DEEPSEEK_LLM),
         "deepseek-v3" => plain(&DEEPSEEK_V3),
+        // Kimi-K2's own split (its tiktoken pattern), one regex as llama.cpp's.
+        "kimi-k2" => plain(&[crate::tiktoken::KIMI_PATTERN]),
         _ => return None,
     })
 }

@@ -268,15 +268,15 @@ fn pieces(pre: &str, text: &str) -> Vec<String> {
 #[test]
 fn each_known_pre_tokenizer_splits_as_its_regexes_say() {
     let text = "Hello world 1234567 中文テキスト\n\n  end's";
-    for pre in ["default", "gpt-2", "llama3", "llama-bpe", "qwen2", "deepseek-llm", "deepseek-v3"] {
+    for pre in ["default", "gpt-2", "llama3", "llama-bpe", "qwen2", "deepseek-llm", "deepseek-v3", "kimi-k2"] {
         pieces(pre, text);
     }
     let digits = |pre: &str| -> Vec<usize> { pieces(pre, "1234567").iter().map(|p| p.len()).collect() };
     // Qwen2: one digit per piece, so one per token.
     assert_eq!(digits("qwen2"), vec![1; 7]);
-    // Llama 3 and DeepSeek-V3: runs of at most three digits, so no token
-    // spans the 3|4 and 6|7 boundaries.
-    for pre in ["llama3", "deepseek-v3"] {
+    // Llama 3, DeepSeek-V3 and Kimi-K2: runs of at most three digits, so no
+    // token spans the 3|4 and 6|7 boundaries.
+    for pre in ["llama3", "deepseek-v3", "kimi-k2"] {
         let mut at = 0;
         let mut cuts = vec![];
         for len in digits(pre) {
@@ -285,13 +285,15 @@ fn each_known_pre_tokenizer_splits_as_its_regexes_say() {
         }
         assert!(cuts.contains(&3) && cuts.contains(&6), "{pre}: {cuts:?}");
     }
-    // DeepSeek-V3 keeps a CJK run apart from the Latin word before it.
-    let p = pieces("deepseek-v3", "abc中文");
-    let mut at = 0;
-    assert!(p.iter().any(|t| {
-        at += t.len();
-        at == 3
-    }), "{p:?}");
+    // DeepSeek-V3 and Kimi-K2 keep a CJK run apart from the Latin word before it.
+    for pre in ["deepseek-v3", "kimi-k2"] {
+        let p = pieces(pre, "abc中文");
+        let mut at = 0;
+        assert!(p.iter().any(|t| {
+            at += t.len();
+            at == 3
+        }), "{pre}: {p:?}");
+    }
 }
 
 #[test]
