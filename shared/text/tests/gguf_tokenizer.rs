@@ -285,6 +285,15 @@ fn each_known_pre_tokenizer_splits_as_its_regexes_say() {
         }
         assert!(cuts.contains(&3) && cuts.contains(&6), "{pre}: {cuts:?}");
     }
+    // The vocabulary has "0000" and "ypeError" as single tokens: GPT-2's
+    // pieces keep them whole, while the three-digit rule splits the first
+    // and Kimi-K2's letter-case classes split the second.
+    assert_eq!(pieces("gpt-2", "0000").len(), 1);
+    for pre in ["llama3", "deepseek-v3", "kimi-k2"] {
+        assert!(pieces(pre, "0000").len() > 1, "{pre}");
+    }
+    assert_eq!(pieces("gpt-2", "ypeError").len(), 1);
+    assert!(pieces("kimi-k2", "ypeError").len() > 1);
     // DeepSeek-V3 and Kimi-K2 keep a CJK run apart from the Latin word before it.
     for pre in ["deepseek-v3", "kimi-k2"] {
         let p = pieces(pre, "abc中文");
