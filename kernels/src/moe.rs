@@ -71,8 +71,10 @@ pub struct MoeScratch {
     hq: Vec<QuantizedTokens>,
 }
 
-/// The block formats of an expert's three projections, if it has them.
-/// An expert is quantized whole or not at all (loading checks).
+/// The block formats of an expert's three projections, if all three are
+/// block formats. An expert that mixes formats (a GGUF may keep one
+/// projection in F16) takes the general path, whose `matmul_bf16` reads
+/// every format, block formats quantizing their input per call.
 fn quant_kinds(w: &ExpertWeights) -> Option<[QuantKind; 3]> {
     match (w.gate.format, w.up.format, w.down.format) {
         (WeightFormat::Quant(g), WeightFormat::Quant(u), WeightFormat::Quant(d)) => Some([g, u, d]),

@@ -32,8 +32,9 @@ impl ModelSource {
             ModelSource::HuggingFace(dir) => {
                 let path = dir.join("config.json");
                 let bytes = std::fs::read(&path).map_err(|source| crate::config::ConfigError::Io { path: path.display().to_string(), source })?;
-                let text = String::from_utf8_lossy(&bytes);
-                Ok((ModelConfig::from_json(&text, &path.display().to_string())?, bytes))
+                let origin = path.display().to_string();
+                let text = std::str::from_utf8(&bytes).map_err(|e| crate::config::ConfigError::Parse { path: origin.clone(), message: e.to_string() })?;
+                Ok((ModelConfig::from_json(text, &origin)?, bytes))
             }
             ModelSource::Gguf(file) => {
                 let g = duplex_gguf::Gguf::open(file)?;
