@@ -27,49 +27,44 @@ pub struct LinearScratch {
 }
 
 /// `out[i, r] = Σ_c W[r, c] · bf16(x[i, c])` for `n` rows of `x` (`[n, cols]`),
-/// with F32 accumulation; `out` is `[n, rows]`.
+/// with F32 accumulation; `out` is `[n, rows]`. Block-quantized weights
+/// take 8-bit activations instead, quantized once for every tile as
+/// llama.cpp quantizes a matmul's input once (from F32, not BF16: the same
+/// values it quantizes).
 pub fn par_matmul(pool: &ThreadPool, isa: Isa, w: &WeightView, x: &[f32], n: usize, out: &mut [f32], scratch: &mut LinearScratch) {
     assert_eq!(x.len(), n * w.cols, "par_matmul: input is not [n, cols]");
     assert_eq!(out.len(), n * w.rows, "par_matmul: output is not [n, rows]");
+    let quant = match w.format {
+        WeightFormat::Quant(kind) => {
+            quantize_tokens(pool, &mut scratch.q, kind, x, n);
+            Some((kind, w.format.row_bytes(w.cols), DotPath::for_isa(isa)))
+        }
+        _ => {
+            scratch.x.resize(x.len(), 0);
+            f32_to_bf16(isa, x, &mut scratch.x);
+            None
+        }
+    };
+    let (xb, xq) = (&scratch.x, &scratch.q);
+    // Rows r0..r1 for every token into `buf` (`[n, r1 - r0]`).
+    let band = |r0: usize, r1: usize, buf: &mut [f32]| match quant {
+        Some((kind, row_bytes, path)) => quant::matmul(path, kind, &w.data[r0 * row_bytes..r1 * row_bytes], r1 - r0, xq, buf).expect("a checked block-quantized band"),
+        None => matmul_bf16(isa, w, r0..r1, xb, n, buf),
+    };
     let tile = tile_rows(w, pool.threads());
-    if let WeightFormat::Quant(kind) = w.format {
-        // Quantized once for every tile, as llama.cpp quantizes a matmul's
-        // input once (from F32, not BF16: the same values it quantizes).
-        quantize_tokens(pool, &mut scratch.q, kind, x, n);
-        let (q, row_bytes, path) = (&scratch.q, w.format.row_bytes(w.cols), DotPath::for_isa(isa));
-        let n_tiles = w.rows.div_ceil(tile);
-        scratch.tiles.resize(n_tiles * tile * n, 0.0);
-        let tiles = SharedSlice::new(&mut scratch.tiles);
-        let out = SharedSlice::new(out);
-        pool.parallel_for(n_tiles, &|t| {
-            let (r0, r1) = (t * tile, ((t + 1) * tile).min(w.rows));
-            let m = r1 - r0;
-            // SAFETY: tile t's buffer is this task's alone.
-            let buf = unsafe { tiles.slice_mut(t * tile * n, m * n) };
-            quant::matmul(path, kind, &w.data[r0 * row_bytes..r1 * row_bytes], m, q, buf).expect("a checked block-quantized band");
-            for i in 0..n {
-                // SAFETY: rows r0..r1 of every token row are written by this task only.
-                unsafe { out.slice_mut(i * w.rows + r0, m) }.copy_from_slice(&buf[i * m..(i + 1) * m]);
-            }
-        });
-        return;
-    }
-    scratch.x.resize(x.len(), 0);
-    f32_to_bf16(isa, x, &mut scratch.x);
-    let xb = &scratch.x;
+    let n_tiles = w.rows.div_ceil(tile);
     if n == 1 {
         // One token: each tile's output is already contiguous in `out`.
         let out = SharedSlice::new(out);
-        pool.parallel_for(w.rows.div_ceil(tile), &|t| {
+        pool.parallel_for(n_tiles, &|t| {
             let (r0, r1) = (t * tile, ((t + 1) * tile).min(w.rows));
             // SAFETY: rows r0..r1 are written by this task only.
-            matmul_bf16(isa, w, r0..r1, xb, 1, unsafe { out.slice_mut(r0, r1 - r0) });
+            band(r0, r1, unsafe { out.slice_mut(r0, r1 - r0) });
         });
         return;
     }
     // Several tokens: tiles are computed into their own buffers, then
     // scattered into the token-major output.
-    let n_tiles = w.rows.div_ceil(tile);
     scratch.tiles.resize(n_tiles * tile * n, 0.0);
     let tiles = SharedSlice::new(&mut scratch.tiles);
     let out = SharedSlice::new(out);
@@ -78,7 +73,7 @@ pub fn par_matmul(pool: &ThreadPool, isa: Isa, w: &WeightView, x: &[f32], n: usi
         let m = r1 - r0;
         // SAFETY: tile t's buffer is this task's alone.
         let buf = unsafe { tiles.slice_mut(t * tile * n, m * n) };
-        matmul_bf16(isa, w, r0..r1, xb, n, buf);
+        band(r0, r1, buf);
         for i in 0..n {
             // SAFETY: rows r0..r1 of every token row are written by this task only.
             unsafe { out.slice_mut(i * w.rows + r0, m) }.copy_from_slice(&buf[i * m..(i + 1) * m]);

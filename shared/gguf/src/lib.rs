@@ -20,6 +20,7 @@
 
 pub mod types;
 pub mod vocab;
+pub mod writer;
 
 pub use types::{GgmlType, DUPLEX_SUPPORTED};
 

@@ -22,95 +22,7 @@ fn fixture() -> Gguf {
     Gguf::open(&fixture_path()).expect("the fixture opens")
 }
 
-// ---------------------------------------------------------------- writer
-
-/// A GGUF writer for tests: metadata in the order given, tensors packed at
-/// `alignment` in the order given, each with an explicit ggml type id (so
-/// that unknown ids can be written too).
-struct Writer {
-    version: u32,
-    alignment: u64,
-    kvs: Vec<(String, Value)>,
-    tensors: Vec<(String, Vec<u64>, u32, Vec<u8>)>,
-}
-
-impl Writer {
-    fn new() -> Self {
-        Writer { version: 3, alignment: 32, kvs: vec![], tensors: vec![] }
-    }
-
-    fn kv(mut self, k: &str, v: Value) -> Self {
-        self.kvs.push((k.into(), v));
-        self
-    }
-
-    fn tensor(mut self, name: &str, dims: &[u64], ty: u32, bytes: Vec<u8>) -> Self {
-        self.tensors.push((name.into(), dims.to_vec(), ty, bytes));
-        self
-    }
-
-    /// The file's bytes, and each tensor's offset field as written.
-    fn bytes(&self) -> (Vec<u8>, Vec<u64>) {
-        let mut out = b"GGUF".to_vec();
-        out.extend(self.version.to_le_bytes());
-        out.extend((self.tensors.len() as u64).to_le_bytes());
-        out.extend((self.kvs.len() as u64).to_le_bytes());
-        for (k, v) in &self.kvs {
-            put_str(&mut out, k);
-            out.extend(v.value_type().id().to_le_bytes());
-            put_value(&mut out, v);
-        }
-        let mut offsets = vec![];
-        let mut at = 0u64;
-        for (name, dims, ty, bytes) in &self.tensors {
-            put_str(&mut out, name);
-            out.extend((dims.len() as u32).to_le_bytes());
-            for d in dims {
-                out.extend(d.to_le_bytes());
-            }
-            out.extend(ty.to_le_bytes());
-            out.extend(at.to_le_bytes());
-            offsets.push(at);
-            at = (at + bytes.len() as u64).div_ceil(self.alignment) * self.alignment;
-        }
-        let pad = |out: &mut Vec<u8>, a: u64| out.resize((out.len() as u64).div_ceil(a) as usize * a as usize, 0);
-        pad(&mut out, self.alignment);
-        for (_, _, _, bytes) in &self.tensors {
-            out.extend(bytes);
-            pad(&mut out, self.alignment);
-        }
-        (out, offsets)
-    }
-}
-
-fn put_str(out: &mut Vec<u8>, s: &str) {
-    out.extend((s.len() as u64).to_le_bytes());
-    out.extend(s.as_bytes());
-}
-
-fn put_value(out: &mut Vec<u8>, v: &Value) {
-    match v {
-        Value::U8(x) => out.push(*x),
-        Value::I8(x) => out.push(*x as u8),
-        Value::U16(x) => out.extend(x.to_le_bytes()),
-        Value::I16(x) => out.extend(x.to_le_bytes()),
-        Value::U32(x) => out.extend(x.to_le_bytes()),
-        Value::I32(x) => out.extend(x.to_le_bytes()),
-        Value::F32(x) => out.extend(x.to_le_bytes()),
-        Value::Bool(x) => out.push(*x as u8),
-        Value::String(s) => put_str(out, s),
-        Value::Array(t, items) => {
-            out.extend(t.id().to_le_bytes());
-            out.extend((items.len() as u64).to_le_bytes());
-            for i in items {
-                put_value(out, i);
-            }
-        }
-        Value::U64(x) => out.extend(x.to_le_bytes()),
-        Value::I64(x) => out.extend(x.to_le_bytes()),
-        Value::F64(x) => out.extend(x.to_le_bytes()),
-    }
-}
+use duplex_gguf::writer::Writer;
 
 fn s(x: &str) -> Value {
     Value::String(x.into())
@@ -151,7 +63,7 @@ fn every_value_type() -> Vec<(&'static str, Value)> {
 }
 
 fn small_writer() -> Writer {
-    let mut w = Writer::new().kv("general.architecture", s("test"));
+    let mut w = Writer::default().kv("general.architecture", s("test"));
     for (k, v) in every_value_type() {
         w = w.kv(k, v);
     }
@@ -373,7 +285,7 @@ fn write_split(dir: &Path, parts: usize) -> Vec<PathBuf> {
     let per = n.div_ceil(parts);
     let mut paths = vec![];
     for i in 0..parts {
-        let mut w = Writer::new();
+        let mut w = Writer::default();
         if i == 0 {
             for k in g.metadata().keys() {
                 w = w.kv(k, g.metadata().get(k).unwrap().clone());
@@ -429,7 +341,7 @@ fn inconsistent_split_keys_are_errors() {
     let e = Gguf::from_parts(vec![first()]).err().unwrap().to_string();
     assert!(e.contains("split.count is 2 but 1 part(s)"), "{e}");
     // A wrong tensor total.
-    let (bytes, _) = Writer::new()
+    let (bytes, _) = Writer::default()
         .kv("split.no", Value::U16(0))
         .kv("split.count", Value::U16(2))
         .kv("split.tensors.count", Value::I32(5))
@@ -444,7 +356,7 @@ fn inconsistent_split_keys_are_errors() {
     let e = Gguf::open(&odd).err().unwrap().to_string();
     assert!(e.contains("model.gguf") && e.contains("split.count is 2"), "{e}");
     // The same tensor in two parts.
-    let dup = |no: u16| Writer::new().kv("split.no", Value::U16(no)).kv("split.count", Value::U16(2)).tensor("x", &[4], 0, vec![0; 16]).bytes().0;
+    let dup = |no: u16| Writer::default().kv("split.no", Value::U16(no)).kv("split.count", Value::U16(2)).tensor("x", &[4], 0, vec![0; 16]).bytes().0;
     std::fs::write(&paths[0], dup(0)).unwrap();
     std::fs::write(&paths[1], dup(1)).unwrap();
     let e = Gguf::open(&paths[0]).err().unwrap().to_string();
@@ -568,7 +480,7 @@ fn corrupt_headers_are_clear_errors() {
     huge[16..24].copy_from_slice(&u64::MAX.to_le_bytes());
     assert!(err_of(huge).contains("metadata"), "a huge key count fails, it does not allocate");
 
-    let w = |f: fn(Writer) -> Writer| err_of(f(Writer::new()).bytes().0);
+    let w = |f: fn(Writer) -> Writer| err_of(f(Writer::default()).bytes().0);
     let e = w(|w| w.tensor("weird", &[32], 99, vec![0; 64]));
     assert!(e.contains("weird") && e.contains("unknown ggml type id 99"), "{e}");
     let e = w(|w| w.tensor("ragged", &[100, 2], GgmlType::Q4K.id(), vec![0; 288]));
@@ -587,9 +499,9 @@ fn corrupt_headers_are_clear_errors() {
     for _ in 0..12 {
         nest = Value::Array(ValueType::Array, vec![nest]);
     }
-    let (deep, _) = Writer::new().kv("deep", nest).bytes();
+    let (deep, _) = Writer::default().kv("deep", nest).bytes();
     assert!(err_of(deep).contains("nested deeper"));
-    let (mut bad_bool, _) = Writer::new().kv("flag", Value::Bool(true)).bytes();
+    let (mut bad_bool, _) = Writer::default().kv("flag", Value::Bool(true)).bytes();
     let last = bad_bool.iter().rposition(|&b| b == 1).unwrap();
     bad_bool[last] = 7;
     assert!(err_of(bad_bool).contains("bool byte 7"));
@@ -641,7 +553,7 @@ fn a_config_from_other_metadata_is_a_clear_error() {
     let e = deepseek2::model_config(&Gguf::open(&path).unwrap()).err().unwrap().to_string();
     assert!(e.contains("general.architecture") && e.contains("\"test\""), "{e}");
     // deepseek2 without its block count.
-    let (bytes, _) = Writer::new().kv("general.architecture", s("deepseek2")).kv("tokenizer.ggml.model", s("gpt2")).kv("tokenizer.ggml.tokens", Value::Array(ValueType::String, vec![s("a")])).bytes();
+    let (bytes, _) = Writer::default().kv("general.architecture", s("deepseek2")).kv("tokenizer.ggml.model", s("gpt2")).kv("tokenizer.ggml.tokens", Value::Array(ValueType::String, vec![s("a")])).bytes();
     std::fs::write(&path, bytes).unwrap();
     let e = deepseek2::model_config(&Gguf::open(&path).unwrap()).err().unwrap().to_string();
     assert!(e.contains("deepseek2.block_count") && e.contains("missing"), "{e}");

@@ -150,49 +150,9 @@ fn the_chat_template_renders_as_from_tokenizer_config() {
 
 // ---------------------------------------------------------------- written files
 
-/// A GGUF writer for tests (metadata only: no tensor is needed for a
-/// tokenizer), as `shared/model/tests/gguf.rs` writes them.
+/// A GGUF of metadata only (no tensor is needed for a tokenizer).
 fn gguf_bytes(kvs: &[(String, Value)]) -> Vec<u8> {
-    let mut out = b"GGUF".to_vec();
-    out.extend(3u32.to_le_bytes());
-    out.extend(0u64.to_le_bytes());
-    out.extend((kvs.len() as u64).to_le_bytes());
-    for (k, v) in kvs {
-        put_str(&mut out, k);
-        out.extend(v.value_type().id().to_le_bytes());
-        put_value(&mut out, v);
-    }
-    out.resize(out.len().div_ceil(32) * 32, 0);
-    out
-}
-
-fn put_str(out: &mut Vec<u8>, s: &str) {
-    out.extend((s.len() as u64).to_le_bytes());
-    out.extend(s.as_bytes());
-}
-
-fn put_value(out: &mut Vec<u8>, v: &Value) {
-    match v {
-        Value::U8(x) => out.push(*x),
-        Value::I8(x) => out.push(*x as u8),
-        Value::U16(x) => out.extend(x.to_le_bytes()),
-        Value::I16(x) => out.extend(x.to_le_bytes()),
-        Value::U32(x) => out.extend(x.to_le_bytes()),
-        Value::I32(x) => out.extend(x.to_le_bytes()),
-        Value::F32(x) => out.extend(x.to_le_bytes()),
-        Value::Bool(x) => out.push(*x as u8),
-        Value::String(s) => put_str(out, s),
-        Value::Array(t, items) => {
-            out.extend(t.id().to_le_bytes());
-            out.extend((items.len() as u64).to_le_bytes());
-            for i in items {
-                put_value(out, i);
-            }
-        }
-        Value::U64(x) => out.extend(x.to_le_bytes()),
-        Value::I64(x) => out.extend(x.to_le_bytes()),
-        Value::F64(x) => out.extend(x.to_le_bytes()),
-    }
+    duplex_gguf::writer::Writer { kvs: kvs.to_vec(), ..Default::default() }.bytes().0
 }
 
 /// The fixture's metadata with `key` set to `value` (removed for `None`),
