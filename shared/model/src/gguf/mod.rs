@@ -9,13 +9,16 @@
 //! Weights stay views into the file's mapping, in their stored formats
 //! (k-quants and all), with one exception: newer converters split MLA's
 //! `kv_b_proj` per head into `attn_k_b` (transposed) and `attn_v_b`, which
-//! no single view can present as one matrix. That matrix is rebuilt in F32
-//! (dequantized exactly) in an anonymous mapping beside the file's: small
-//! (for DeepSeek-V3, 64 MiB per layer, 1% of a Q4_K_M file) and, in a shared
-//! weight segment, held once like every other weight. Prefill reads it; the
-//! absorbed decode reads the halves themselves, as stored and as llama.cpp
-//! does, under the names `self_attn.k_b_proj` (`[heads · kv_lora, nope]`)
-//! and `self_attn.v_b_proj` (`[heads · v, kv_lora]`).
+//! no single view can present as one matrix. That matrix is rebuilt in BF16
+//! in an anonymous mapping beside the file's: small (for DeepSeek-V3, 32 MiB
+//! per layer, under 1% of a Q4_K_M file) and, in a shared weight segment,
+//! held once like every other weight. Prefill reads it (BF16, not F32: F32
+//! weights take the scalar reference path, which made a quarter of a
+//! 512-token prefill of the `bench` model; the rounding, 2⁻⁹ of each
+//! weight, is that of the BF16 activations it meets). The absorbed decode
+//! reads the halves themselves, as stored and as llama.cpp does, under the
+//! names `self_attn.k_b_proj` (`[heads · kv_lora, nope]`) and
+//! `self_attn.v_b_proj` (`[heads · v, kv_lora]`).
 
 pub mod deepseek2;
 pub mod gqa;
@@ -121,8 +124,8 @@ pub fn open(path: &Path) -> Result<GgufModel, GgufError> {
                 tensors.push((t.part, StoredTensor { name: format!("{attn}.{half}.weight"), ty: stored_type(&g, t)?, shape: vec![s[0] * s[1], s[2]], range: start..end }));
             }
             let at = derived.len();
-            derived.extend(data.iter().flat_map(|x| x.to_le_bytes()));
-            placed.push(StoredTensor { name: name.clone(), ty: StoredType::Float(Dtype::F32), shape: vec![rows, cols], range: at..derived.len() });
+            derived.extend(data.iter().flat_map(|&x| half::bf16::from_f32(x).to_le_bytes()));
+            placed.push(StoredTensor { name: name.clone(), ty: StoredType::Float(Dtype::BF16), shape: vec![rows, cols], range: at..derived.len() });
         }
         let io = |source| GgufError::Io { path: g.path().to_path_buf(), source };
         let mut anon = memmap2::MmapMut::map_anon(derived.len().max(1)).map_err(io)?;
@@ -150,7 +153,7 @@ fn stored_type(g: &Gguf, t: &TensorInfo) -> Result<StoredType, GgufError> {
     })
 }
 
-/// `kv_b_proj` (`[heads · (nope + v), kv_lora]`, F32) from its per-head
+/// `kv_b_proj` (`[heads · (nope + v), kv_lora]`, dequantized to F32) from its per-head
 /// halves: `attn_k_b` (`[heads, kv_lora, nope]`, each head's key rows
 /// transposed) and `attn_v_b` (`[heads, v, kv_lora]`).
 fn rebuild_kv_b(g: &Gguf, k: &TensorInfo, v: &TensorInfo) -> Result<(usize, usize, Vec<f32>), GgufError> {
