@@ -212,14 +212,17 @@ impl WeightStore {
         }
         segment::remove_stale_temps(shm_dir, name);
         let (_, ck) = source.open()?;
-        let placement = Self::build(shm_dir, name, &ck, cfg.num_hidden_layers, &fingerprint, &config_hash, numa_nodes, progress)?;
+        let layout = segment::Backing::of(shm_dir)?;
+        let placement = Self::build(shm_dir, name, &ck, cfg.num_hidden_layers, &fingerprint, &config_hash, numa_nodes, layout, progress)?;
         let mut store = Self::attach(shm_dir, name, Some(&fingerprint))?;
         store.placement = placement;
         Ok((store, Provenance::Built))
     }
 
+    /// Build the segment laid out and filled for `layout`: [`segment::Backing::of`]
+    /// the directory, except in a test that lays out a hugetlbfs segment on a tmpfs.
     #[allow(clippy::too_many_arguments)]
-    fn build(shm_dir: &Path, name: &str, ck: &Checkpoint, n_layers: usize, fingerprint: &str, config_hash: &str, numa_nodes: usize, progress: &mut dyn FnMut(u64, u64)) -> Result<PlacementReport, IpcError> {
+    fn build(shm_dir: &Path, name: &str, ck: &Checkpoint, n_layers: usize, fingerprint: &str, config_hash: &str, numa_nodes: usize, layout: segment::Backing, progress: &mut dyn FnMut(u64, u64)) -> Result<PlacementReport, IpcError> {
         let mut tensors: Vec<_> = ck.raw_tensors().filter(|(n, ..)| !is_mtp(n, n_layers)).collect();
         tensors.sort_by_key(|t| t.0);
         let mut directory = BTreeMap::new();
@@ -233,11 +236,10 @@ impl WeightStore {
         let data_offset = align_up(HEADER_LEN + dir_json.len(), PAGE);
         // On a hugetlbfs the file is whole huge pages; the header's total is
         // the file's length, padding included, which is what `attach` checks.
-        let backing = segment::Backing::of(shm_dir)?;
-        let total = backing.segment_len(data_offset + end);
+        let total = layout.segment_len(data_offset + end);
 
         // A policy covers whole pages of the file, huge ones on a hugetlbfs.
-        let page = numa::page_size().max(backing.page());
+        let page = numa::page_size().max(layout.page());
         let plan = numa::plan(directory.iter().map(|(n, t)| (*n, data_offset + t.data_offsets.0, t.data_offsets.1 - t.data_offsets.0)), numa_nodes, page);
         let mut placement = PlacementReport { nodes: numa_nodes, ..Default::default() };
         let temp = segment::create_reserved_placed(shm_dir, name, total as u64, |file| {
@@ -245,8 +247,8 @@ impl WeightStore {
                 placement = numa::apply(file, &plan, numa_nodes, numa::memory_nodes());
             }
         })?;
-        let mut map = segment::map_for_filling(temp.as_file(), temp.path(), total)?;
-        let mut write = |bytes: &[u8], at: usize| map[at..at + bytes.len()].copy_from_slice(bytes);
+        let mut filler = segment::Filler::new(temp.as_file(), temp.path(), total, layout)?;
+        let mut write = |bytes: &[u8], at: usize| filler.write(bytes, at);
         let mut header = Vec::with_capacity(HEADER_LEN);
         header.extend_from_slice(MAGIC);
         header.extend_from_slice(&VERSION.to_le_bytes());
@@ -257,18 +259,18 @@ impl WeightStore {
             header.extend_from_slice(&(v as u64).to_le_bytes());
         }
         debug_assert_eq!(header.len(), HEADER_LEN);
-        write(&header, 0);
-        write(&dir_json, HEADER_LEN);
+        write(&header, 0)?;
+        write(&dir_json, HEADER_LEN)?;
         let mut written = 0u64;
         for &(n, _, _, bytes) in &tensors {
-            write(bytes, data_offset + directory[n].data_offsets.0);
+            write(bytes, data_offset + directory[n].data_offsets.0)?;
             written += bytes.len() as u64;
             progress(written, end as u64);
         }
-        write(&1u32.to_le_bytes(), COMPLETE_AT);
-        // A shared mapping of a tmpfs or hugetlbfs writes the file's own
-        // pages: there is nothing to flush before the rename.
-        drop(map);
+        write(&1u32.to_le_bytes(), COMPLETE_AT)?;
+        // A shared mapping of a hugetlbfs writes the file's own pages:
+        // there is nothing to flush before the rename.
+        drop(filler);
         let path = shm_dir.join(name);
         temp.persist(&path).map_err(|e| IpcError::Io { path, source: e.error })?;
         Ok(placement)
@@ -600,8 +602,7 @@ mod tests {
 
     #[test]
     fn a_plain_tmpfs_segment_builds_and_reports_its_pages() {
-        // The segment was filled through a mapping (as every segment is);
-        // it reads back as the checkpoint's bytes.
+        // It reads back as the checkpoint's bytes.
         let shm = tempfile::tempdir_in("/dev/shm").unwrap();
         let (store, _) = WeightStore::open_or_build(shm.path(), "w", fixture()).unwrap();
         let ck = Checkpoint::open(fixture(), None).unwrap();
@@ -620,6 +621,37 @@ mod tests {
             assert_eq!(m.huge, 0, "{m:?}");
             assert!(line.contains(", 0% in 2 MiB pages (") && line.contains("shmem_enabled="), "{line}");
         }
+    }
+
+    #[test]
+    fn a_segment_laid_out_for_hugetlbfs_is_whole_pages_filled_through_a_mapping() {
+        // What a hugetlbfs shm_dir gets (the file in whole 2 MiB pages, the
+        // header's total counting the padding, every byte stored through a
+        // mapping), made on a plain tmpfs, where it must attach and compute
+        // as the segment written with write(2) does.
+        let shm = tempfile::tempdir_in("/dev/shm").unwrap();
+        let (plain, _) = WeightStore::open_or_build(shm.path(), "plain", fixture()).unwrap();
+        let source = ModelSource::locate(fixture()).unwrap();
+        let (cfg, _) = source.config().unwrap();
+        let (_, ck) = source.open().unwrap();
+        let page = 2 << 20;
+        WeightStore::build(shm.path(), "huge", &ck, cfg.num_hidden_layers, plain.fingerprint(), &plain.config_hash, 1, segment::Backing::HugeTlb { page }, &mut |_, _| {}).unwrap();
+        let huge = WeightStore::attach(shm.path(), "huge", Some(plain.fingerprint())).unwrap();
+        assert_eq!(huge.size_bytes() % page as u64, 0);
+        assert!(huge.size_bytes() > plain.size_bytes(), "the fixture is no whole number of huge pages");
+        let (p, h) = (std::fs::read(plain.path()).unwrap(), std::fs::read(huge.path()).unwrap());
+        assert_eq!(u64_at(&h, DATA_AT + 8), Some(h.len() as u64), "the header's total is the file's length");
+        assert_eq!(p[..DATA_AT + 8], h[..DATA_AT + 8]);
+        assert_eq!(p[DATA_AT + 16..], h[DATA_AT + 16..p.len()], "the same bytes");
+        assert!(h[p.len()..].iter().all(|&b| b == 0), "the padding is zeros");
+        let pool = PoolConfig::single_node(1);
+        let tokens = [1, 17, 300, 5, 42];
+        let logits = |store: &WeightStore| {
+            let model = load_model(store, fixture(), &pool).unwrap();
+            let mut kv = model.new_kv_pool(8, 16);
+            model.forward(&mut kv, &mut BlockTable::default(), &tokens, Precision::F32, Logits::All).unwrap()
+        };
+        assert_eq!(logits(&huge), logits(&plain));
     }
 
     #[test]
