@@ -405,7 +405,9 @@ pub fn describe_pages(what: &str, path: &Path, size: u64, m: &HugePageMapping) -
     // mapping says its own page size.
     let page = if m.kernel_page > PAGE as u64 { m.kernel_page } else { 2 << 20 };
     let mut line = format!("{what}: {}, {percent:.0}% in {} pages", segment::human(size), segment::human(page).replace(".0 ", " "));
-    if m.huge < size {
+    // A tmpfs file's last partial 2 MiB is never a huge page: the hint is
+    // for a segment visibly short of 100%.
+    if percent < 99.5 {
         line.push_str(&format!(" ({}; README \"Huge pages for the weight segment\" says how to get them)", segment::thp_hint(path.parent().unwrap_or(Path::new("/")))));
     }
     line
@@ -652,6 +654,19 @@ mod tests {
             model.forward(&mut kv, &mut BlockTable::default(), &tokens, Precision::F32, Logits::All).unwrap()
         };
         assert_eq!(logits(&huge), logits(&plain));
+    }
+
+    #[test]
+    fn the_page_line_says_what_is_huge_and_hints_only_when_short() {
+        let path = Path::new("/dev/shm/w");
+        let size = 5u64 << 30;
+        let thp = |huge| HugePageMapping { mapped: size, huge, kernel_page: 4096 };
+        // A tmpfs segment whose last partial 2 MiB is in small pages is all huge.
+        assert_eq!(describe_pages("weights", path, size, &thp(size - (1 << 20))), "weights: 5.0 GiB, 100% in 2 MiB pages");
+        let half = describe_pages("weights", path, size, &thp(size / 2));
+        assert!(half.starts_with("weights: 5.0 GiB, 50% in 2 MiB pages (/dev/shm mount huge="), "{half}");
+        let hugetlb = HugePageMapping { mapped: size, huge: size, kernel_page: 1 << 30 };
+        assert_eq!(describe_pages("weights", Path::new("/mnt/huge/w"), size, &hugetlb), "weights: 5.0 GiB, 100% in 1 GiB pages");
     }
 
     #[test]
