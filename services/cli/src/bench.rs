@@ -32,6 +32,17 @@ pub fn kernels(args: BenchKernelsArgs) -> Result<()> {
     // from other tenants of the machine hits the limit and the kernels alike;
     // each figure is its best pass.
     let buf = random_fp8(&pool, args.buffer_mib << 20, 1);
+    // The kernels' weights: the same bytes, in a segment-like file when asked.
+    let scratch = match &args.buffer_dir {
+        Some(dir) => {
+            let scratch = duplex_ipc::ScratchSegment::create(dir, buf.len(), |m| m[..buf.len()].copy_from_slice(&buf))?;
+            let m = duplex_ipc::touch_and_measure(&scratch, scratch.path())?;
+            println!("{}\n", duplex_ipc::describe_pages("kernel weights", scratch.path(), scratch.len() as u64, &m));
+            Some(scratch)
+        }
+        None => None,
+    };
+    let weights: &[u8] = scratch.as_deref().map_or(&buf, |s| &s[..buf.len()]);
     // One thread on a 1 MiB matrix that stays in its cache: what the kernel
     // computes when memory is not in the way, next to one thread's DRAM read.
     let one = ThreadPool::new(&PoolConfig::single_node(1));
@@ -41,9 +52,9 @@ pub fn kernels(args: BenchKernelsArgs) -> Result<()> {
         let pass = [
             read_bandwidth(&pool, isa, &buf, 1, 1),
             read_bandwidth(&pool, isa, &buf, pool.threads(), 1),
-            gemv_bandwidth(&pool, isa, &buf, 2048, 7168, 1),
-            gemv_bandwidth(&pool, isa, &buf, 7168, 2048, 1),
-            moe_layer_bandwidth(&pool, isa, &buf, 7168, 2048, 8, 1, 1),
+            gemv_bandwidth(&pool, isa, weights, 2048, 7168, 1),
+            gemv_bandwidth(&pool, isa, weights, 7168, 2048, 1),
+            moe_layer_bandwidth(&pool, isa, weights, 7168, 2048, 8, 1, 1),
             // Each call is short (tens of µs): the best of many.
             (0..64).map(|_| gemv_bandwidth(&one, isa, cached, 512, 2048, 1)).fold(0.0, f64::max),
         ];
@@ -73,9 +84,27 @@ pub fn end_to_end(args: BenchArgs) -> Result<()> {
     }
     let dir = &args.model.model;
     let precision = args.model.dtype;
-    let (bar, mut progress) = load_progress(dir);
-    let model = Model::load_with(dir, &args.pool.config()?, &mut progress)?;
-    bar.finish_and_clear();
+    let pool_config = args.pool.config()?;
+    // Keeps the segment mapped for as long as the model's weights are views into it.
+    let mut _store = None;
+    let model = match &args.weights_dir {
+        Some(weights_dir) => {
+            let name = duplex_ipc::weight_segment_name("bench");
+            let t0 = Instant::now();
+            let (store, how) = duplex_ipc::WeightStore::open_or_build(weights_dir, &name, dir)?;
+            println!("weight segment {} {how:?} in {:.1} s", store.path().display(), t0.elapsed().as_secs_f64());
+            let model = duplex_ipc::load_model(&store, dir, &pool_config)?;
+            println!("{}", store.describe_pages(&store.huge_pages()?));
+            _store = Some(store);
+            model
+        }
+        None => {
+            let (bar, mut progress) = load_progress(dir);
+            let model = Model::load_with(dir, &pool_config, &mut progress)?;
+            bar.finish_and_clear();
+            model
+        }
+    };
     let cfg = &model.cfg;
     let max = args.contexts.iter().map(|c| c + args.decode_tokens).chain(args.prefill.iter().copied()).max().unwrap_or(0);
     if max > cfg.max_position_embeddings {

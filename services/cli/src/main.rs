@@ -89,6 +89,12 @@ struct BenchKernelsArgs {
     /// Best of this many passes.
     #[arg(long, default_value_t = 5)]
     passes: usize,
+    /// Stream the GEMV and MoE-layer weights from a file in this directory,
+    /// made as the weight segment is (a tmpfs such as /dev/shm, or a
+    /// hugetlbfs mount for huge pages), instead of process memory. The DRAM
+    /// read limit is measured on process memory either way.
+    #[arg(long)]
+    buffer_dir: Option<PathBuf>,
 }
 
 #[derive(Args)]
@@ -113,6 +119,12 @@ struct BenchArgs {
     /// Buffer for the bandwidth measurement, in MiB.
     #[arg(long, default_value_t = 1536)]
     buffer_mib: usize,
+    /// Load the model from its weight segment in this directory (built there
+    /// if missing or stale, and left there for the next run) rather than
+    /// from the checkpoint files: the segment the workers map, in /dev/shm
+    /// or in a hugetlbfs or huge-page tmpfs mount.
+    #[arg(long)]
+    weights_dir: Option<PathBuf>,
 }
 
 #[derive(Args)]

@@ -13,7 +13,6 @@ use duplex_model::kv_cache::{KvMemory, KvPool};
 use memmap2::MmapMut;
 use serde::{Deserialize, Serialize};
 use std::fs::File;
-use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 
 const MAGIC: &[u8; 8] = b"DUPLEXK1";
@@ -143,7 +142,7 @@ impl KvSegment {
         // was unlinked within about a second (see `KvSegment::is_unlinked`).
         let deadline = std::time::Instant::now() + RECLAIM_WAIT;
         let temp = loop {
-            match segment::create_reserved(shm_dir, name, (DATA_OFFSET + data) as u64) {
+            match segment::create_reserved(shm_dir, name, segment::Backing::of(shm_dir)?.segment_len(DATA_OFFSET + data) as u64) {
                 Err(IpcError::NoSpace { .. }) if reclaimed && std::time::Instant::now() < deadline => {
                     std::thread::sleep(std::time::Duration::from_millis(100));
                 }
@@ -159,9 +158,10 @@ impl KvSegment {
             header.extend_from_slice(&v.to_le_bytes());
         }
         debug_assert_eq!(header.len(), HEADER_LEN);
-        temp.as_file().write_all_at(&header, 0).map_err(io_err(temp.path()))?;
+        // Written through the mapping: a hugetlbfs file takes no write(2).
         // The mapping follows the inode, so it stays valid across the rename.
-        let map = map_mut(temp.as_file(), temp.path())?;
+        let mut map = map_mut(temp.as_file(), temp.path())?;
+        map[..HEADER_LEN].copy_from_slice(&header);
         let path = shm_dir.join(name);
         let file = temp.persist(&path).map_err(|e| IpcError::Io { path: path.clone(), source: e.error })?;
         Ok(KvSegment { path, map, epoch, geometry, file, owner: Some(owner) })
@@ -185,7 +185,8 @@ impl KvSegment {
         let epoch = u64_at(h, 16).unwrap_or(0);
         let geometry = KvGeometry { n_blocks: field(1), block_size: field(2), n_layers: field(3), entry_dim: field(4) };
         let data = geometry.data_bytes().map_err(|reason| corrupt(format!("geometry {geometry:?}: {reason}")))?;
-        if field(5) != DATA_OFFSET || map.len() != DATA_OFFSET + data {
+        let expected_len = segment::Backing::of(shm_dir)?.segment_len(DATA_OFFSET + data);
+        if field(5) != DATA_OFFSET || map.len() != expected_len {
             return Err(corrupt(format!("data at {} and {} bytes do not match geometry {geometry:?}", field(5), map.len())));
         }
         Ok(KvSegment { path, map, epoch, geometry, file, owner: None })

@@ -30,9 +30,9 @@ mod segment;
 mod weights;
 
 pub use kv::{KvGeometry, KvSegment, LinkWatch};
-pub use residency::{mapping_residency, Residency};
-pub use segment::check_fits;
-pub use weights::{checkpoint_fingerprint, load_model, Provenance, WeightStore};
+pub use residency::{huge_page_mapping, mapping_residency, HugePageMapping, Residency};
+pub use segment::{check_fits, thp_hint, Backing, ScratchSegment};
+pub use weights::{checkpoint_fingerprint, describe_pages, load_model, touch_and_measure, Provenance, WeightStore};
 
 use duplex_model::checkpoint::CheckpointError;
 use duplex_model::config::ConfigError;
@@ -86,6 +86,10 @@ pub enum IpcError {
         dir.display(), human(*available), human(*needed)
     )]
     NoSpace { dir: PathBuf, needed: u64, available: u64 },
+    /// A hugetlbfs shm_dir without enough free huge pages (the message
+    /// says how many are needed, free, and how to reserve them).
+    #[error("{message}")]
+    NoHugePages { message: String },
     #[error("{path} is not a usable Duplex segment: {reason}")]
     Corrupt { path: PathBuf, reason: String },
     #[error("{path} holds the weights of another checkpoint (fingerprint {found}, expected {expected})")]

@@ -19,6 +19,7 @@
 
 use crate::numa::{self, PlacementReport};
 use crate::segment::{self, align_up, io_err, u32_at, u64_at, PAGE};
+use crate::residency::{huge_page_mapping, HugePageMapping};
 use crate::IpcError;
 use duplex_kernels::pool::PoolConfig;
 use duplex_model::checkpoint::{Checkpoint, CheckpointError};
@@ -31,7 +32,6 @@ use sha2::{Digest, Sha256};
 use std::collections::BTreeMap;
 use std::fs::File;
 use std::io::Read;
-use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
@@ -212,14 +212,17 @@ impl WeightStore {
         }
         segment::remove_stale_temps(shm_dir, name);
         let (_, ck) = source.open()?;
-        let placement = Self::build(shm_dir, name, &ck, cfg.num_hidden_layers, &fingerprint, &config_hash, numa_nodes, progress)?;
+        let layout = segment::Backing::of(shm_dir)?;
+        let placement = Self::build(shm_dir, name, &ck, cfg.num_hidden_layers, &fingerprint, &config_hash, numa_nodes, layout, progress)?;
         let mut store = Self::attach(shm_dir, name, Some(&fingerprint))?;
         store.placement = placement;
         Ok((store, Provenance::Built))
     }
 
+    /// Build the segment laid out and filled for `layout`: [`segment::Backing::of`]
+    /// the directory, except in a test that lays out a hugetlbfs segment on a tmpfs.
     #[allow(clippy::too_many_arguments)]
-    fn build(shm_dir: &Path, name: &str, ck: &Checkpoint, n_layers: usize, fingerprint: &str, config_hash: &str, numa_nodes: usize, progress: &mut dyn FnMut(u64, u64)) -> Result<PlacementReport, IpcError> {
+    fn build(shm_dir: &Path, name: &str, ck: &Checkpoint, n_layers: usize, fingerprint: &str, config_hash: &str, numa_nodes: usize, layout: segment::Backing, progress: &mut dyn FnMut(u64, u64)) -> Result<PlacementReport, IpcError> {
         let mut tensors: Vec<_> = ck.raw_tensors().filter(|(n, ..)| !is_mtp(n, n_layers)).collect();
         tensors.sort_by_key(|t| t.0);
         let mut directory = BTreeMap::new();
@@ -231,17 +234,21 @@ impl WeightStore {
         }
         let dir_json = serde_json::to_vec(&directory).expect("a map of strings and entries always serialises");
         let data_offset = align_up(HEADER_LEN + dir_json.len(), PAGE);
-        let total = data_offset + end;
+        // On a hugetlbfs the file is whole huge pages; the header's total is
+        // the file's length, padding included, which is what `attach` checks.
+        let total = layout.segment_len(data_offset + end);
 
-        let plan = numa::plan(directory.iter().map(|(n, t)| (*n, data_offset + t.data_offsets.0, t.data_offsets.1 - t.data_offsets.0)), numa_nodes, numa::page_size());
+        // A policy covers whole pages of the file, huge ones on a hugetlbfs.
+        let page = numa::page_size().max(layout.page());
+        let plan = numa::plan(directory.iter().map(|(n, t)| (*n, data_offset + t.data_offsets.0, t.data_offsets.1 - t.data_offsets.0)), numa_nodes, page);
         let mut placement = PlacementReport { nodes: numa_nodes, ..Default::default() };
         let temp = segment::create_reserved_placed(shm_dir, name, total as u64, |file| {
             if !plan.is_empty() {
                 placement = numa::apply(file, &plan, numa_nodes, numa::memory_nodes());
             }
         })?;
-        let file = temp.as_file();
-        let write = |bytes: &[u8], at: usize| file.write_all_at(bytes, at as u64).map_err(io_err(temp.path()));
+        let mut filler = segment::Filler::new(temp.as_file(), temp.path(), total, layout)?;
+        let mut write = |bytes: &[u8], at: usize| filler.write(bytes, at);
         let mut header = Vec::with_capacity(HEADER_LEN);
         header.extend_from_slice(MAGIC);
         header.extend_from_slice(&VERSION.to_le_bytes());
@@ -261,6 +268,9 @@ impl WeightStore {
             progress(written, end as u64);
         }
         write(&1u32.to_le_bytes(), COMPLETE_AT)?;
+        // A shared mapping of a hugetlbfs writes the file's own pages:
+        // there is nothing to flush before the rename.
+        drop(filler);
         let path = shm_dir.join(name);
         temp.persist(&path).map_err(|e| IpcError::Io { path, source: e.error })?;
         Ok(placement)
@@ -274,7 +284,12 @@ impl WeightStore {
         // SAFETY: a weight segment is never written after it is renamed into
         // place; a rebuild writes a new file and renames it over this name,
         // leaving this inode as it is.
-        let map = Arc::new(unsafe { Mmap::map(&file) }.map_err(io_err(&path))?);
+        let map = unsafe { Mmap::map(&file) }.map_err(io_err(&path))?;
+        // Where a tmpfs allocated the segment in 2 MiB transparent huge pages
+        // (see `segment::create_reserved_placed` for the settings that make
+        // it), map them whole.
+        segment::advise_huge(&map, shm_dir);
+        let map = Arc::new(map);
         let corrupt = |reason: String| IpcError::Corrupt { path: path.clone(), reason };
         let h = map.get(..HEADER_LEN).ok_or_else(|| corrupt(format!("{} bytes is too short for the header", map.len())))?;
         if &h[..8] != MAGIC {
@@ -335,6 +350,21 @@ impl WeightStore {
         &self.path
     }
 
+    /// Map every 2 MiB of the segment (one read each, so that a huge page
+    /// is mapped whole and a base page maps only its neighbourhood) and
+    /// report from `/proc/self/smaps` how many of the segment's bytes this
+    /// process maps with huge pages. About 350,000 page faults for a
+    /// 700 GB segment in huge pages.
+    pub fn huge_pages(&self) -> std::io::Result<HugePageMapping> {
+        touch_and_measure(&self.map, &self.path)
+    }
+
+    /// The line a worker logs at attach: "weights: 4.8 GiB, 100% in 2 MiB
+    /// pages", and where they are not all huge, the settings that decide it.
+    pub fn describe_pages(&self, m: &HugePageMapping) -> String {
+        describe_pages("weights", &self.path, self.map.len() as u64, m)
+    }
+
     /// Names of the tensors in the segment.
     pub fn tensor_names(&self) -> impl Iterator<Item = &str> {
         self.directory.keys().map(|s| s.as_str())
@@ -355,6 +385,33 @@ impl WeightStore {
     }
 }
 
+/// Read one byte of every 2 MiB of `map` (a mapping of `path`), so that a
+/// huge page is mapped whole and a base page only its neighbourhood, then
+/// report from `/proc/self/smaps` how `path` is mapped.
+pub fn touch_and_measure(map: &[u8], path: &Path) -> std::io::Result<HugePageMapping> {
+    for at in (0..map.len()).step_by(2 << 20) {
+        // SAFETY: `at` is inside the slice.
+        std::hint::black_box(unsafe { std::ptr::read_volatile(map.as_ptr().add(at)) });
+    }
+    huge_page_mapping(std::process::id(), path)
+}
+
+/// "weights: 4.8 GiB, 100% in 2 MiB pages" (`what` = "weights") for `size`
+/// bytes of `path` mapped as `m` says; where not all are huge, the settings
+/// that decide it.
+pub fn describe_pages(what: &str, path: &Path, size: u64, m: &HugePageMapping) -> String {
+    let percent = if size == 0 { 0.0 } else { 100.0 * m.huge.min(size) as f64 / size as f64 };
+    // Transparent huge pages are PMD-sized: 2 MiB on x86-64. A hugetlbfs
+    // mapping says its own page size.
+    let page = if m.kernel_page > PAGE as u64 { m.kernel_page } else { 2 << 20 };
+    let mut line = format!("{what}: {}, {percent:.0}% in {} pages", segment::human(size), segment::human(page).replace(".0 ", " "));
+    // A tmpfs file's last partial 2 MiB is never a huge page: the hint is
+    // for a segment visibly short of 100%.
+    if percent < 99.5 {
+        line.push_str(&format!(" ({}; README \"Huge pages for the weight segment\" says how to get them)", segment::thp_hint(path.parent().unwrap_or(Path::new("/")))));
+    }
+    line
+}
 
 /// Load the model from the store with the configuration of the model at
 /// `model_dir` (its config.json, or its GGUF's metadata), which must be the
@@ -537,6 +594,88 @@ mod tests {
         eprintln!("size {} rss {} pss {}", store.size_bytes(), r.rss, r.pss);
         assert!(r.rss as f64 >= 0.9 * store.size_bytes() as f64, "{r:?}");
         assert!(r.pss <= r.rss);
+    }
+
+    /// Whether a tmpfs at `dir` allocates transparent huge pages at fallocate.
+    fn thp_allocates(dir: &Path) -> bool {
+        let hint = crate::segment::thp_hint(dir);
+        ["huge=always", "huge=within_size", "shmem_enabled=always", "shmem_enabled=within_size", "shmem_enabled=force"].iter().any(|s| hint.contains(s))
+    }
+
+    #[test]
+    fn a_plain_tmpfs_segment_builds_and_reports_its_pages() {
+        // It reads back as the checkpoint's bytes.
+        let shm = tempfile::tempdir_in("/dev/shm").unwrap();
+        let (store, _) = WeightStore::open_or_build(shm.path(), "w", fixture()).unwrap();
+        let ck = Checkpoint::open(fixture(), None).unwrap();
+        let seg = store.checkpoint(None).unwrap();
+        for (name, _, _, bytes) in ck.raw_tensors().filter(|(n, ..)| store.directory.contains_key(*n)) {
+            let (_, _, _, in_seg) = seg.raw_tensors().find(|(n, ..)| *n == name).unwrap();
+            assert_eq!(in_seg, bytes, "{name}");
+        }
+        let m = store.huge_pages().unwrap();
+        let line = store.describe_pages(&m);
+        eprintln!("{line} {m:?}");
+        assert!(m.mapped >= store.size_bytes() / 2, "every 2 MiB was touched: {m:?}");
+        assert!(m.huge <= m.mapped, "{m:?}");
+        if !thp_allocates(shm.path()) {
+            // 4 KiB pages: none is huge, and the line says why.
+            assert_eq!(m.huge, 0, "{m:?}");
+            assert!(line.contains(", 0% in 2 MiB pages (") && line.contains("shmem_enabled="), "{line}");
+        }
+    }
+
+    #[test]
+    fn a_segment_laid_out_for_hugetlbfs_is_whole_pages_filled_through_a_mapping() {
+        // What a hugetlbfs shm_dir gets (the file in whole 2 MiB pages, the
+        // header's total counting the padding, every byte stored through a
+        // mapping), made on a plain tmpfs, where it must attach and compute
+        // as the segment written with write(2) does.
+        let shm = tempfile::tempdir_in("/dev/shm").unwrap();
+        let (plain, _) = WeightStore::open_or_build(shm.path(), "plain", fixture()).unwrap();
+        let source = ModelSource::locate(fixture()).unwrap();
+        let (cfg, _) = source.config().unwrap();
+        let (_, ck) = source.open().unwrap();
+        let page = 2 << 20;
+        WeightStore::build(shm.path(), "huge", &ck, cfg.num_hidden_layers, plain.fingerprint(), &plain.config_hash, 1, segment::Backing::HugeTlb { page }, &mut |_, _| {}).unwrap();
+        let huge = WeightStore::attach(shm.path(), "huge", Some(plain.fingerprint())).unwrap();
+        assert_eq!(huge.size_bytes() % page as u64, 0);
+        assert!(huge.size_bytes() > plain.size_bytes(), "the fixture is no whole number of huge pages");
+        let (p, h) = (std::fs::read(plain.path()).unwrap(), std::fs::read(huge.path()).unwrap());
+        assert_eq!(u64_at(&h, DATA_AT + 8), Some(h.len() as u64), "the header's total is the file's length");
+        assert_eq!(p[..DATA_AT + 8], h[..DATA_AT + 8]);
+        assert_eq!(p[DATA_AT + 16..], h[DATA_AT + 16..p.len()], "the same bytes");
+        assert!(h[p.len()..].iter().all(|&b| b == 0), "the padding is zeros");
+        let pool = PoolConfig::single_node(1);
+        let tokens = [1, 17, 300, 5, 42];
+        let logits = |store: &WeightStore| {
+            let model = load_model(store, fixture(), &pool).unwrap();
+            let mut kv = model.new_kv_pool(8, 16);
+            model.forward(&mut kv, &mut BlockTable::default(), &tokens, Precision::F32, Logits::All).unwrap()
+        };
+        assert_eq!(logits(&huge), logits(&plain));
+    }
+
+    #[test]
+    fn the_page_line_says_what_is_huge_and_hints_only_when_short() {
+        let path = Path::new("/dev/shm/w");
+        let size = 5u64 << 30;
+        let thp = |huge| HugePageMapping { mapped: size, huge, kernel_page: 4096 };
+        // A tmpfs segment whose last partial 2 MiB is in small pages is all huge.
+        assert_eq!(describe_pages("weights", path, size, &thp(size - (1 << 20))), "weights: 5.0 GiB, 100% in 2 MiB pages");
+        let half = describe_pages("weights", path, size, &thp(size / 2));
+        assert!(half.starts_with("weights: 5.0 GiB, 50% in 2 MiB pages (/dev/shm mount huge="), "{half}");
+        let hugetlb = HugePageMapping { mapped: size, huge: size, kernel_page: 1 << 30 };
+        assert_eq!(describe_pages("weights", Path::new("/mnt/huge/w"), size, &hugetlb), "weights: 5.0 GiB, 100% in 1 GiB pages");
+    }
+
+    #[test]
+    fn a_segment_in_a_plain_directory_reports_without_failing() {
+        let dir = tempfile::tempdir().unwrap();
+        let (store, _) = WeightStore::open_or_build(dir.path(), "w", fixture()).unwrap();
+        let m = store.huge_pages().unwrap();
+        assert!(m.mapped > 0 && m.huge <= m.mapped, "{m:?}");
+        assert!(store.describe_pages(&m).starts_with("weights: "));
     }
 
     #[test]

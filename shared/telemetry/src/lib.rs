@@ -133,6 +133,8 @@ metrics_table! {
         "max(Σ transfer, Σ compute) ÷ Σ measured time over the layers of the last stream-loading prefill (1 = the shorter fully hidden).";
     WEIGHT_SEGMENT_BYTES = "duplex_weight_segment_bytes", Gauge, Prefill, NONE,
         "Size of the shared weight segment this worker maps.";
+    WEIGHT_SEGMENT_HUGE_PAGE_BYTES = "duplex_weight_segment_huge_page_bytes", Gauge, Prefill, NONE,
+        "Bytes of the shared weight segment this worker maps with huge pages (hugetlbfs, or transparent huge pages of a tmpfs), measured at start.";
 }
 
 #[derive(Debug, thiserror::Error)]
