@@ -66,7 +66,7 @@ fn start_engine(cfg: &DecodeConfig) -> anyhow::Result<(Batcher, Arc<StatsCell>, 
         tracing::info!("{}", store.placement());
     }
     metrics::gauge!(duplex_telemetry::WEIGHT_SEGMENT_BYTES).set(store.size_bytes() as f64);
-    report_huge_pages(&store);
+    duplex_telemetry::report_weight_pages(store.huge_pages().map(|m| (store.describe_pages(&m), m.huge)).map_err(|e| e.to_string()));
     let max_context = model.cfg.max_position_embeddings;
     let context_length = if cfg.context_length == 0 { max_context } else { cfg.context_length.min(max_context) };
     let block_size = duplex_model::generation::KV_BLOCK_SIZE;
@@ -100,16 +100,4 @@ fn open_device(cfg: &DecodeConfig) -> anyhow::Result<Option<Arc<dyn Device>>> {
         }
         DeviceKind::Cuda => Some(duplex_kernels::device::open_cuda(cfg.cuda_device, cfg.device_memory_mib)?),
     })
-}
-
-/// Log how much of the weight segment is mapped with huge pages, and export
-/// it (a TLB miss every 4 KiB of an expert read is what huge pages save).
-fn report_huge_pages(store: &duplex_ipc::WeightStore) {
-    match store.huge_pages() {
-        Ok(m) => {
-            tracing::info!("{}", store.describe_pages(&m));
-            metrics::gauge!(duplex_telemetry::WEIGHT_SEGMENT_HUGE_PAGE_BYTES).set(m.huge as f64);
-        }
-        Err(e) => tracing::warn!("cannot tell how the weight segment is mapped (/proc/self/smaps): {e}"),
-    }
 }

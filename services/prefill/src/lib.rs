@@ -57,7 +57,7 @@ fn start_engine(cfg: &PrefillConfig) -> anyhow::Result<(Engine, Arc<StatsCell>)>
         tracing::info!("{}", store.placement());
     }
     metrics::gauge!(duplex_telemetry::WEIGHT_SEGMENT_BYTES).set(store.size_bytes() as f64);
-    report_huge_pages(&store);
+    duplex_telemetry::report_weight_pages(store.huge_pages().map(|m| (store.describe_pages(&m), m.huge)).map_err(|e| e.to_string()));
     let kv = KvSource::new(cfg.shm_dir.clone(), duplex_ipc::kv_segment_name(&cfg.instance));
     let stats = Arc::new(StatsCell::new(model.cfg.max_position_embeddings, store.fingerprint().to_string()));
     // "auto" finds no device for a model no device can run; a device asked
@@ -108,16 +108,4 @@ fn open_device(cfg: &PrefillConfig) -> anyhow::Result<Option<Arc<dyn Device>>> {
 
 fn open_cuda(cfg: &PrefillConfig) -> anyhow::Result<Arc<dyn Device>> {
     Ok(duplex_kernels::device::open_cuda(cfg.cuda_device, cfg.device_memory_mib)?)
-}
-
-/// Log how much of the weight segment is mapped with huge pages, and export
-/// it (a TLB miss every 4 KiB of an expert read is what huge pages save).
-fn report_huge_pages(store: &duplex_ipc::WeightStore) {
-    match store.huge_pages() {
-        Ok(m) => {
-            tracing::info!("{}", store.describe_pages(&m));
-            metrics::gauge!(duplex_telemetry::WEIGHT_SEGMENT_HUGE_PAGE_BYTES).set(m.huge as f64);
-        }
-        Err(e) => tracing::warn!("cannot tell how the weight segment is mapped (/proc/self/smaps): {e}"),
-    }
 }

@@ -197,6 +197,20 @@ pub fn init_logging() {
     let _ = tracing_subscriber::fmt().with_env_filter(filter).with_ansi(ansi).with_writer(std::io::stderr).try_init();
 }
 
+/// Log how much of the weight segment a worker maps with huge pages (the
+/// line `WeightStore::describe_pages` makes), and export the bytes as
+/// [`WEIGHT_SEGMENT_HUGE_PAGE_BYTES`]: a TLB miss every 4 KiB of an expert
+/// read is what huge pages save. `Err` is why it could not be told.
+pub fn report_weight_pages(report: Result<(String, u64), String>) {
+    match report {
+        Ok((line, huge_bytes)) => {
+            tracing::info!("{line}");
+            metrics::gauge!(WEIGHT_SEGMENT_HUGE_PAGE_BYTES).set(huge_bytes as f64);
+        }
+        Err(e) => tracing::warn!("cannot tell how the weight segment is mapped (/proc/self/smaps): {e}"),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
