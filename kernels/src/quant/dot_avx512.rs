@@ -113,6 +113,62 @@ pub(super) fn dot_q45k<const FIVE: bool>(row: &[u8], y: &[BlockQ8K]) -> f32 {
     acc
 }
 
+/// [`dot_q45k`] of one row against `T` tokens at once: each block's weights
+/// are unpacked (nibbles, `qh` bits, scales) once for all of them, which is
+/// what a prefill saves. Per token the integer sums and the f32 fold are
+/// [`dot_q45k`]'s, so every result equals its bits.
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,f16c")]
+pub(super) fn dot_q45k_multi<const FIVE: bool, const T: usize>(row: &[u8], ys: [&[BlockQ8K]; T]) -> [f32; T] {
+    let bb = if FIVE { QuantKind::Q5K } else { QuantKind::Q4K }.block_bytes();
+    let qs_at = if FIVE { Q5K_QS } else { Q4K_QS };
+    let m4 = _mm512_set1_epi8(15);
+    let sixteen = _mm512_set1_epi8(16);
+    let zero = _mm512_setzero_si512();
+    let idx_lo = [halves_i32(0, 2), halves_i32(4, 6)];
+    let idx_hi = [halves_i32(1, 3), halves_i32(5, 7)];
+    let bit_lo = [halves_i8(1 << 0, 1 << 2), halves_i8(1 << 4, 1 << 6)];
+    let bit_hi = [halves_i8(1 << 1, 1 << 3), halves_i8(1 << 5, 1 << 7)];
+    let mut acc = [0.0f32; T];
+    for (i, b) in row.chunks_exact(bb).enumerate() {
+        let (sc, mn) = k_scales_mins(&b[K_SCALES..K_SCALES + 12]);
+        let scv = _mm512_castsi256_si512(_mm256_cvtepu8_epi32(_mm_set_epi64x(0, i64::from_le_bytes(sc))));
+        let qh = if FIVE { _mm512_broadcast_i64x4(ld32(&b[Q5K_QH..])) } else { zero };
+        // The block's quants and scale lanes, for every token.
+        let mut lo = [zero; 2];
+        let mut hi = [zero; 2];
+        let mut s_lo = [zero; 2];
+        let mut s_hi = [zero; 2];
+        for h in 0..2 {
+            let q = ld64(&b[qs_at + 64 * h..]);
+            lo[h] = _mm512_and_si512(q, m4);
+            hi[h] = _mm512_and_si512(_mm512_srli_epi16::<4>(q), m4);
+            if FIVE {
+                lo[h] = _mm512_mask_add_epi8(lo[h], _mm512_test_epi8_mask(qh, bit_lo[h]), lo[h], sixteen);
+                hi[h] = _mm512_mask_add_epi8(hi[h], _mm512_test_epi8_mask(qh, bit_hi[h]), hi[h], sixteen);
+            }
+            s_lo[h] = _mm512_permutexvar_epi32(idx_lo[h], scv);
+            s_hi[h] = _mm512_permutexvar_epi32(idx_hi[h], scv);
+        }
+        let (d, dmin) = halves_at(b, 0);
+        for (t, y) in ys.iter().enumerate() {
+            let yb = &y[i];
+            let mut sum = zero;
+            for h in 0..2 {
+                let a = ld64_i8(&yb.qs[128 * h..]);
+                let c = ld64_i8(&yb.qs[128 * h + 64..]);
+                let y_lo = _mm512_shuffle_i64x2::<0b01_00_01_00>(a, c);
+                let y_hi = _mm512_shuffle_i64x2::<0b11_10_11_10>(a, c);
+                sum = _mm512_add_epi32(sum, _mm512_mullo_epi32(_mm512_dpbusd_epi32(zero, lo[h], y_lo), s_lo[h]));
+                sum = _mm512_add_epi32(sum, _mm512_mullo_epi32(_mm512_dpbusd_epi32(zero, hi[h], y_hi), s_hi[h]));
+            }
+            let sum = _mm256_add_epi32(_mm512_castsi512_si256(sum), _mm512_extracti64x4_epi64::<1>(sum));
+            let (sumi, summ) = hsum2(sum, min_lanes(mn, &yb.bsums));
+            acc[t] = fold_k(acc[t], d * yb.d, sumi, dmin * yb.d, summ);
+        }
+    }
+    acc
+}
+
 /// Q6_K row against Q8_K; unsigned quants, the `- 32` taken back through
 /// `bsums` as in the AVX2 kernel.
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,f16c")]

@@ -468,6 +468,43 @@ pub fn matmul_picked(path: DotPath, kind: QuantKind, matrix: &[u8], rows: usize,
     matmul_where(path, kind, matrix, rows, acts, picked.len(), |j| picked[j].0, out)
 }
 
+/// A full group of Q4_K or Q5_K tokens on AVX-512 VNNI: one row against all
+/// of them with each block unpacked once (`dot_q45k_multi`, whose results
+/// are [`dot_on`]'s bits). `None` where that kernel does not apply.
+#[cfg(target_arch = "x86_64")]
+fn group_dot(path: DotPath, row: &[u8], ops: &[Option<Op>; GROUP]) -> Option<[f32; GROUP]> {
+    if path != DotPath::Avx512Vnni {
+        return None;
+    }
+    let five = matches!(ops[0]?, Op::Q5K(_));
+    let mut ys: [&[BlockQ8K]; GROUP] = [&[]; GROUP];
+    for (slot, op) in ys.iter_mut().zip(ops) {
+        *slot = match (op.as_ref()?, five) {
+            (Op::Q4K(y), false) | (Op::Q5K(y), true) => y,
+            _ => return None,
+        };
+    }
+    // SAFETY: `runnable` lets Avx512Vnni through only on a CPU that has it;
+    // every op was checked against the row's length (`acts.op` pairs whole
+    // rows of `kind` with the held tokens' blocks).
+    Some(unsafe {
+        if five {
+            dot_avx512::dot_q45k_multi::<true, GROUP>(row, ys)
+        } else {
+            dot_avx512::dot_q45k_multi::<false, GROUP>(row, ys)
+        }
+    })
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+fn group_dot(_: DotPath, _: &[u8], _: &[Option<Op>; GROUP]) -> Option<[f32; GROUP]> {
+    None
+}
+
+/// Tokens per group of [`matmul`]: each row is multiplied by a whole group
+/// while it is in L1; the band (a task's rows) stays in L2 across groups.
+const GROUP: usize = 8;
+
 #[allow(clippy::too_many_arguments)]
 fn matmul_where(path: DotPath, kind: QuantKind, matrix: &[u8], rows: usize, acts: &QuantizedTokens, n: usize, token: impl Fn(usize) -> usize, out: &mut [f32]) -> Result<(), QuantError> {
     if out.len() != n * rows {
@@ -481,15 +518,18 @@ fn matmul_where(path: DotPath, kind: QuantKind, matrix: &[u8], rows: usize, acts
         return Ok(());
     }
     let path = runnable(path);
-    // Tokens go in groups of GROUP, each row multiplied by the whole group
-    // while it is in L1; the band (a task's rows) stays in L2 across groups.
-    const GROUP: usize = 8;
     for j0 in (0..n).step_by(GROUP) {
         let mut ops: [Option<Op>; GROUP] = [None; GROUP];
         for (slot, j) in ops.iter_mut().zip(j0..n.min(j0 + GROUP)) {
             *slot = Some(acts.op(kind, token(j))?);
         }
         for (r, row) in matrix.chunks_exact(row_bytes).enumerate() {
+            if let Some(values) = group_dot(path, row, &ops) {
+                for (j, v) in (j0..).zip(values) {
+                    out[j * rows + r] = v;
+                }
+                continue;
+            }
             for (j, op) in (j0..).zip(ops.iter().map_while(|o| *o)) {
                 out[j * rows + r] = dot_on(path, row, op);
             }
