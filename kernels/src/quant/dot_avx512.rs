@@ -64,59 +64,25 @@ fn halves_i8(a: u8, b: u8) -> __m512i {
     _mm512_inserti64x4::<1>(_mm512_set1_epi8(a as i8), _mm256_set1_epi8(b as i8))
 }
 
-/// Q4_K (`FIVE = false`) or Q5_K row against Q8_K.
+/// Q4_K (`FIVE = false`) or Q5_K row against Q8_K: the multi-token
+/// kernel for one token.
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,f16c")]
 pub(super) fn dot_q45k<const FIVE: bool>(row: &[u8], y: &[BlockQ8K]) -> f32 {
-    let bb = if FIVE { QuantKind::Q5K } else { QuantKind::Q4K }.block_bytes();
-    let qs_at = if FIVE { Q5K_QS } else { Q4K_QS };
-    let m4 = _mm512_set1_epi8(15);
-    let sixteen = _mm512_set1_epi8(16);
-    let zero = _mm512_setzero_si512();
-    // One 64-byte load of qs (half h) holds chunks 2h and 2h + 1: its low
-    // nibbles are sub-blocks 4h (bytes 0..32) and 4h + 2 (bytes 32..64), its
-    // high nibbles 4h + 1 and 4h + 3. These pick each one's scale per lane,
-    // and (Q5_K) each one's qh bit per byte.
-    let idx_lo = [halves_i32(0, 2), halves_i32(4, 6)];
-    let idx_hi = [halves_i32(1, 3), halves_i32(5, 7)];
-    let bit_lo = [halves_i8(1 << 0, 1 << 2), halves_i8(1 << 4, 1 << 6)];
-    let bit_hi = [halves_i8(1 << 1, 1 << 3), halves_i8(1 << 5, 1 << 7)];
-    let mut acc = 0.0f32;
-    for (b, yb) in row.chunks_exact(bb).zip(y) {
-        let (sc, mn) = k_scales_mins(&b[K_SCALES..K_SCALES + 12]);
-        let scv = _mm512_castsi256_si512(_mm256_cvtepu8_epi32(_mm_set_epi64x(0, i64::from_le_bytes(sc))));
-        let qh = if FIVE { _mm512_broadcast_i64x4(ld32(&b[Q5K_QH..])) } else { zero };
-        let mut sum = zero;
-        for h in 0..2 {
-            let q = ld64(&b[qs_at + 64 * h..]);
-            let mut lo = _mm512_and_si512(q, m4);
-            let mut hi = _mm512_and_si512(_mm512_srli_epi16::<4>(q), m4);
-            if FIVE {
-                lo = _mm512_mask_add_epi8(lo, _mm512_test_epi8_mask(qh, bit_lo[h]), lo, sixteen);
-                hi = _mm512_mask_add_epi8(hi, _mm512_test_epi8_mask(qh, bit_hi[h]), hi, sixteen);
-            }
-            // Activations 128h.. in 16-byte quarters a0..a3, b0..b3: the low
-            // nibbles meet [a0 a1 b0 b1], the high ones [a2 a3 b2 b3].
-            let a = ld64_i8(&yb.qs[128 * h..]);
-            let c = ld64_i8(&yb.qs[128 * h + 64..]);
-            let y_lo = _mm512_shuffle_i64x2::<0b01_00_01_00>(a, c);
-            let y_hi = _mm512_shuffle_i64x2::<0b11_10_11_10>(a, c);
-            let d_lo = _mm512_dpbusd_epi32(zero, lo, y_lo);
-            let d_hi = _mm512_dpbusd_epi32(zero, hi, y_hi);
-            sum = _mm512_add_epi32(sum, _mm512_mullo_epi32(d_lo, _mm512_permutexvar_epi32(idx_lo[h], scv)));
-            sum = _mm512_add_epi32(sum, _mm512_mullo_epi32(d_hi, _mm512_permutexvar_epi32(idx_hi[h], scv)));
-        }
-        let sum = _mm256_add_epi32(_mm512_castsi512_si256(sum), _mm512_extracti64x4_epi64::<1>(sum));
-        let (sumi, summ) = hsum2(sum, min_lanes(mn, &yb.bsums));
-        let (d, dmin) = halves_at(b, 0);
-        acc = fold_k(acc, d * yb.d, sumi, dmin * yb.d, summ);
-    }
-    acc
+    dot_q45k_multi::<FIVE, 1>(row, [y])[0]
 }
 
-/// [`dot_q45k`] of one row against `T` tokens at once: each block's weights
-/// are unpacked (nibbles, `qh` bits, scales) once for all of them, which is
-/// what a prefill saves. Per token the integer sums and the f32 fold are
-/// [`dot_q45k`]'s, so every result equals its bits.
+/// Q4_K (`FIVE = false`) or Q5_K row against `T` tokens of Q8_K at once:
+/// each block's weights are unpacked (nibbles, `qh` bits, scales) once for
+/// all of them, which is what a prefill saves; each token's integer sums
+/// and f32 fold do not depend on `T`, so every result has the bits of the
+/// one-token product.
+///
+/// One 64-byte load of qs (half h) holds chunks 2h and 2h + 1: its low
+/// nibbles are sub-blocks 4h (bytes 0..32) and 4h + 2 (bytes 32..64), its
+/// high nibbles 4h + 1 and 4h + 3. `idx_*` pick each one's scale per lane,
+/// and (Q5_K) `bit_*` each one's qh bit per byte; activations 128h.. in
+/// 16-byte quarters a0..a3, b0..b3 meet the low nibbles as [a0 a1 b0 b1],
+/// the high ones as [a2 a3 b2 b3].
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,f16c")]
 pub(super) fn dot_q45k_multi<const FIVE: bool, const T: usize>(row: &[u8], ys: [&[BlockQ8K]; T]) -> [f32; T] {
     let bb = if FIVE { QuantKind::Q5K } else { QuantKind::Q4K }.block_bytes();

@@ -16,10 +16,14 @@ pub struct Residency {
 /// Sum `Rss` and `Pss` over every mapping of `path` in process `pid`. A
 /// replaced or removed file shows as "path (deleted)" and is not counted.
 pub fn mapping_residency(pid: u32, path: &Path) -> std::io::Result<Residency> {
-    // The kernel shows the resolved path; resolve ours the same way.
+    let (smaps, path) = read_smaps(pid, path)?;
+    Ok(parse_smaps(&smaps, &path))
+}
+
+/// Process `pid`'s smaps, and `path` as the kernel shows it there (resolved).
+fn read_smaps(pid: u32, path: &Path) -> std::io::Result<(String, String)> {
     let path = std::fs::canonicalize(path).unwrap_or_else(|_| path.to_path_buf());
-    let smaps = std::fs::read_to_string(format!("/proc/{pid}/smaps"))?;
-    Ok(parse_smaps(&smaps, &path.to_string_lossy()))
+    Ok((std::fs::read_to_string(format!("/proc/{pid}/smaps"))?, path.to_string_lossy().into_owned()))
 }
 
 /// How a process maps one file: bytes mapped, and of those, bytes mapped
@@ -43,9 +47,8 @@ pub struct HugePageMapping {
 /// `/proc/<pid>/smaps`. Only what has been touched is mapped: a mapping
 /// counts its pages once they have been faulted in.
 pub fn huge_page_mapping(pid: u32, path: &Path) -> std::io::Result<HugePageMapping> {
-    let path = std::fs::canonicalize(path).unwrap_or_else(|_| path.to_path_buf());
-    let smaps = std::fs::read_to_string(format!("/proc/{pid}/smaps"))?;
-    Ok(parse_huge(&smaps, &path.to_string_lossy()))
+    let (smaps, path) = read_smaps(pid, path)?;
+    Ok(parse_huge(&smaps, &path))
 }
 
 /// Call `f(field, bytes)` for every `Field: N kB` line of the mappings of `path`.
