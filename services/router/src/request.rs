@@ -195,6 +195,13 @@ impl ServedModel {
         }
     }
 
+    /// What `/v1/models` reports as `max_model_len`: the longest prompt plus
+    /// output one request can have, which the KV pool may bound below the
+    /// context.
+    pub fn max_model_len(&self, limits: &WorkerLimits) -> usize {
+        self.context_length(limits).min(usize::try_from(limits.kv_tokens).unwrap_or(usize::MAX))
+    }
+
     /// Refuses text that cannot fit the context whatever it tokenizes to:
     /// cheap, and done before tokenizing, which costs about a microsecond
     /// and a hundred bytes of memory per byte of text.

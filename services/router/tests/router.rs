@@ -323,7 +323,7 @@ async fn bad_http_requests_get_clear_errors() {
         ("/v1/completions", json!({"prompt": long}), 400, Some("prompt"), "context length"),
         ("/v1/completions", json!({"prompt": "hi", "temperature": -1}), 400, Some("temperature"), "temperature"),
         ("/v1/completions", json!({"prompt": "hi", "temperature": "hot"}), 400, Some("temperature"), "temperature"),
-        ("/v1/completions", json!({"prompt": "hi", "n": 2}), 400, Some("n"), "n must be 1"),
+        ("/v1/completions", json!({"prompt": "hi", "n": 200}), 400, Some("n"), "n must be between 1 and 128"),
         ("/v1/completions", json!({"prompt": "hi", "echo": true}), 400, Some("echo"), "echo"),
         ("/v1/completions", json!({"prompt": "hi", "best_of": 3}), 400, Some("best_of"), "best_of"),
         ("/v1/completions", json!({"prompt": "hi", "logprobs": 21}), 400, Some("logprobs"), "logprobs"),
@@ -614,4 +614,71 @@ async fn bad_chat_template_kwargs_and_template_rejections_name_their_field() {
     let message = reply["error"]["message"].as_str().unwrap();
     assert!(message.starts_with("the chat template rejected the messages: ") && message.contains("alternate"), "{message}");
     assert!(!message.contains("tokenizer_config.json") && !message.contains("fixtures"), "a server path leaked: {message}");
+}
+
+#[tokio::test]
+async fn several_choices_each_with_its_own_seed() {
+    let router = start(MockConfig::default(), |_| {}).await;
+    let body = json!({"prompt": "Hello world", "max_tokens": 4, "seed": 5, "n": 3, "ignore_eos": true});
+    let (status, full) = json_of(router.post("/v1/completions", body.clone()).await).await;
+    assert_eq!(status, 200, "{full}");
+    let choices = full["choices"].as_array().unwrap();
+    assert_eq!(choices.iter().map(|c| c["index"].as_u64().unwrap()).collect::<Vec<_>>(), [0, 1, 2]);
+    assert!(choices.iter().all(|c| c["finish_reason"] == "length" && !c["text"].as_str().unwrap().is_empty()));
+    assert_eq!(full["usage"]["completion_tokens"], 12, "three choices of 4 tokens");
+    let prompt_tokens = full["usage"]["prompt_tokens"].as_u64().unwrap();
+    assert_eq!(full["usage"]["total_tokens"], prompt_tokens + 12, "the prompt counts once");
+    let seeds: Vec<u64> = router.mock.record().decodes.iter().map(|d| d.sampling.as_ref().unwrap().seed).collect();
+    assert_eq!(seeds.len(), 3);
+    // The first choice is the n = 1 request's, and starts first (the
+    // others then find its prompt in the KV cache); all differ.
+    assert_eq!(seeds[0], 5);
+    assert!(seeds[1] != seeds[2] && !seeds[1..].contains(&5) && !seeds[1..].contains(&6), "{seeds:?}");
+
+    let mut chat = json!({"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3, "n": 2, "stream": true, "stream_options": {"include_usage": true}, "ignore_eos": true});
+    let data = sse_data(&router.post("/v1/chat/completions", chat.clone()).await.text().await.unwrap());
+    assert_eq!(data.last().unwrap(), "[DONE]");
+    let chunks: Vec<Value> = data[..data.len() - 1].iter().map(|d| serde_json::from_str(d).unwrap()).collect();
+    for index in 0..2 {
+        let of_choice: Vec<&Value> = chunks.iter().filter_map(|c| c["choices"].get(0)).filter(|c| c["index"] == index).collect();
+        assert_eq!(of_choice[0]["delta"]["role"], "assistant", "each choice starts with its role");
+        assert_eq!(of_choice.last().unwrap()["finish_reason"], "length");
+        assert_eq!(of_choice.iter().filter(|c| !c["finish_reason"].is_null()).count(), 1);
+    }
+    assert_eq!(chunks.last().unwrap()["usage"]["completion_tokens"], 6);
+    assert_eq!(chunks.last().unwrap()["choices"], json!([]));
+    chat["n"] = json!(0);
+    let (status, v) = json_of(router.post("/v1/chat/completions", chat).await).await;
+    assert_eq!((status, v["error"]["param"].as_str()), (400, Some("n")), "{v}");
+}
+
+#[tokio::test]
+async fn text_offsets_index_the_returned_text() {
+    // 'comm', a lone continuation byte (decodes to U+FFFD, released with
+    // the next token), 'pect'.
+    let mock = MockConfig { script: vec![1064, 98, 990], ..MockConfig::default() };
+    let router = start(mock, |_| {}).await;
+    let body = json!({"prompt": [5, 6, 7], "max_tokens": 3, "logprobs": 1, "ignore_eos": true});
+    let (status, v) = json_of(router.post("/v1/completions", body.clone()).await).await;
+    assert_eq!(status, 200, "{v}");
+    let text = v["choices"][0]["text"].as_str().unwrap();
+    assert_eq!(text, "comm\u{FFFD}pect");
+    let lp = &v["choices"][0]["logprobs"];
+    assert_eq!(lp["text_offset"], json!([0, 4, 5]));
+    let chars: Vec<char> = text.chars().collect();
+    for (token, offset) in lp["tokens"].as_array().unwrap().iter().zip(lp["text_offset"].as_array().unwrap()) {
+        let rest: String = chars[offset.as_u64().unwrap() as usize..].iter().collect();
+        assert!(rest.starts_with(token.as_str().unwrap()), "{token} at {offset} in {text:?}");
+    }
+    // Streamed: the same offsets, across chunks.
+    let mut streamed = body;
+    streamed["stream"] = json!(true);
+    let data = sse_data(&router.post("/v1/completions", streamed).await.text().await.unwrap());
+    let offsets: Vec<Value> = data[..data.len() - 1]
+        .iter()
+        .map(|d| serde_json::from_str::<Value>(d).unwrap())
+        .filter_map(|c| c["choices"].get(0).and_then(|ch| ch["logprobs"]["text_offset"].as_array().cloned()))
+        .flatten()
+        .collect();
+    assert_eq!(offsets, [json!(0), json!(4), json!(5)]);
 }

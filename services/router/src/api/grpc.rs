@@ -1,6 +1,8 @@
 //! The public gRPC API, `duplex.v1.Generation`: proto messages in, one
 //! `GenerationRequest` through the router, proto events out.
 
+use super::access_log::AccessLog;
+use super::openai_response::Usage;
 use crate::error::Error;
 use crate::generate::{count_refused, Event, Router};
 use crate::request::{Prompt, RequestOptions};
@@ -41,10 +43,36 @@ impl Generation for GrpcApi {
                 return Err(e.into());
             }
         };
-        let prompt = super::tokenized(&self.router, prompt).await.inspect_err(count_refused)?;
-        let (req, permit) = self.router.admit(&prompt, options(r.model, r.sampling.unwrap_or_default(), r.stopping.unwrap_or_default()))?;
-        let events = self.router.generate(req, permit).map(|event| event.map(response).map_err(Status::from));
-        Ok(Response::new(Box::pin(events)))
+        let mut log = AccessLog::new("grpc Generate");
+        let admitted = async {
+            let prompt = super::tokenized(&self.router, prompt).await.inspect_err(count_refused)?;
+            self.router.admit(&prompt, options(r.model, r.sampling.unwrap_or_default(), r.stopping.unwrap_or_default()))
+        };
+        let (req, permit) = admitted.await.map_err(|e| {
+            let status = Status::from(e);
+            log.finish(status.code(), None);
+            status
+        })?;
+        log.id(&req.public_id);
+        let mut events = self.router.generate(req, permit);
+        let responses = async_stream::stream! {
+            while let Some(event) = events.next().await {
+                match event {
+                    Ok(Event::Finished(f)) => {
+                        let usage = Usage::of([&f]);
+                        log.finish(tonic::Code::Ok, Some((usage, &Some(f.clone()))));
+                        yield Ok(response(Event::Finished(f)));
+                    }
+                    Ok(event) => yield Ok(response(event)),
+                    Err(e) => {
+                        let status = Status::from(e);
+                        log.finish(status.code(), None);
+                        yield Err(status);
+                    }
+                }
+            }
+        };
+        Ok(Response::new(Box::pin(responses)))
     }
 
     async fn tokenize(&self, request: Request<TokenizeRequest>) -> Result<Response<TokenizeResponse>, Status> {
@@ -72,7 +100,7 @@ impl Generation for GrpcApi {
         let model = &self.router.model;
         let readiness = self.router.workers.readiness();
         let context_length = match readiness.limits() {
-            Ok(limits) => model.context_length(&limits),
+            Ok(limits) => model.max_model_len(&limits),
             Err(_) => model.context_length,
         };
         Ok(Response::new(ModelInfoResponse {

@@ -2,9 +2,11 @@
 //! `GenerationRequest` and stream the router's events back in their own shape.
 //! What they share: tokenizing off the async threads, and the API key.
 
+pub mod access_log;
 pub mod grpc;
 pub mod listener;
 pub mod openai;
+pub mod openai_response;
 
 use crate::error::Error;
 use crate::generate::Router;

@@ -8,6 +8,11 @@
 
 use super::ApiKey;
 use crate::error::Error;
+use super::access_log::AccessLog;
+use super::openai_response::{
+    ApiFinishReason, ChatChoice, ChatChunkChoice, ChatDelta, ChatLogprobs, ChatMessageOut, CompletionChoice, CompletionLogprobs, Envelope, ModelCard,
+    ModelList, TextOffsets, Usage, UsageField,
+};
 use crate::generate::{count_refused, Event, Finished, Router, Token};
 use crate::request::{Prompt, RequestOptions};
 use axum::body::Bytes;
@@ -19,13 +24,13 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::Json;
 use duplex_text::sampling::MAX_LOGPROBS;
-use duplex_text::tokenizer::{ChatMessage, Tokenizer};
+use duplex_text::tokenizer::ChatMessage;
 use duplex_telemetry as names;
 use metrics::counter;
 use futures::StreamExt;
 use metrics_exporter_prometheus::PrometheusHandle;
 use serde::de::DeserializeOwned;
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 use std::convert::Infallible;
 use std::sync::Arc;
@@ -135,9 +140,15 @@ impl<S: Send + Sync, T: DeserializeOwned> FromRequest<S> for JsonBody<T> {
     type Rejection = ApiError;
 
     async fn from_request(req: Request, state: &S) -> Result<Self, ApiError> {
+        let mut log = AccessLog::new(req.uri().path());
         let parsed = Self::parse(req, state).await;
-        if parsed.is_err() {
-            counter!(names::REQUESTS, "outcome" => "invalid").increment(1);
+        match &parsed {
+            Err(e) => {
+                counter!(names::REQUESTS, "outcome" => "invalid").increment(1);
+                log.finish(e.status.as_u16(), None);
+            }
+            // The handler logs the request from here.
+            Ok(_) => log.forget(),
         }
         parsed
     }
@@ -234,6 +245,9 @@ struct ApiMessage {
     content: Option<Value>,
 }
 
+/// The most choices one request may ask for (OpenAI's own limit).
+const MAX_CHOICES: u32 = 128;
+
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Kind {
     Completion,
@@ -243,8 +257,8 @@ enum Kind {
 impl ApiRequest {
     /// The options common to both endpoints; `logprobs` as resolved by the caller.
     fn options(&self, logprobs: bool, top_logprobs: Option<u32>) -> Result<RequestOptions, Error> {
-        if self.n.is_some_and(|n| n != 1) {
-            return Err(Error::invalid("n", "n must be 1: this server returns one choice per request"));
+        if let Some(n) = self.n.filter(|n| !(1..=MAX_CHOICES).contains(n)) {
+            return Err(Error::invalid("n", format!("n must be between 1 and {MAX_CHOICES}, got {n}")));
         }
         let top_k = match self.top_k {
             None => None,
@@ -313,14 +327,27 @@ impl ApiRequest {
     }
 }
 
-async fn completions(State(app): State<App>, JsonBody(body): JsonBody<ApiRequest>) -> Result<Response, ApiError> {
-    let (prompt, opts) = completion_request(&body).inspect_err(count_refused)?;
-    app.respond(Kind::Completion, prompt, opts, &body).await
+async fn completions(State(app): State<App>, JsonBody(body): JsonBody<ApiRequest>) -> Response {
+    let mut log = AccessLog::new("/v1/completions");
+    match completion_request(&body).inspect_err(count_refused) {
+        Ok((prompt, opts)) => app.respond(Kind::Completion, prompt, opts, &body, log).await,
+        Err(e) => refused(e, &mut log),
+    }
 }
 
-async fn chat_completions(State(app): State<App>, JsonBody(body): JsonBody<ApiRequest>) -> Result<Response, ApiError> {
-    let (prompt, opts) = chat_request(&body).inspect_err(count_refused)?;
-    app.respond(Kind::Chat, prompt, opts, &body).await
+async fn chat_completions(State(app): State<App>, JsonBody(body): JsonBody<ApiRequest>) -> Response {
+    let mut log = AccessLog::new("/v1/chat/completions");
+    match chat_request(&body).inspect_err(count_refused) {
+        Ok((prompt, opts)) => app.respond(Kind::Chat, prompt, opts, &body, log).await,
+        Err(e) => refused(e, &mut log),
+    }
+}
+
+/// The response to a request refused before it was admitted.
+fn refused(e: Error, log: &mut AccessLog) -> Response {
+    let e = ApiError::from(e);
+    log.finish(e.status.as_u16(), None);
+    e.into_response()
 }
 
 fn completion_request(body: &ApiRequest) -> Result<(Prompt, RequestOptions), Error> {
@@ -421,165 +448,196 @@ fn chat_messages(messages: Option<&[ApiMessage]>) -> Result<Vec<ChatMessage>, Er
 
 // ---------------------------------------------------------------- responses
 
-/// The fixed parts of one response, and its JSON shapes.
+/// The fixed parts of one response.
 struct Reply {
     kind: Kind,
     id: String,
     created: u64,
     model: String,
     include_usage: bool,
+    /// How many choices it has (`n`).
+    choices: usize,
 }
 
 impl Reply {
-    fn envelope(&self, object: &str, choices: Value) -> Value {
-        let mut v = json!({"id": self.id, "object": object, "created": self.created, "model": self.model, "choices": choices});
-        if self.include_usage {
-            // OpenAI: with include_usage, every chunk has `usage`, null but the last.
-            v["usage"] = Value::Null;
-        }
-        v
+    fn envelope<C>(&self, object: &'static str, choices: Vec<C>, usage: UsageField) -> Envelope<C> {
+        Envelope { id: self.id.clone(), object, created: self.created, model: self.model.clone(), choices, usage }
     }
 
-    /// One streamed chunk: text, logprobs of its tokens, maybe the finish reason.
-    fn chunk(&self, text: Option<&str>, logprobs: Value, finish_reason: Option<&str>) -> Value {
-        match self.kind {
-            Kind::Completion => {
-                let choice = json!({"index": 0, "text": text.unwrap_or(""), "logprobs": logprobs, "finish_reason": finish_reason});
-                self.envelope("text_completion", json!([choice]))
-            }
-            Kind::Chat => {
-                let delta = match text {
-                    Some(t) => json!({"content": t}),
-                    None => json!({}),
-                };
-                let choice = json!({"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason});
-                self.envelope("chat.completion.chunk", json!([choice]))
-            }
-        }
-    }
-
-    fn role_chunk(&self) -> Value {
-        let choice = json!({"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": null, "finish_reason": null});
-        self.envelope("chat.completion.chunk", json!([choice]))
-    }
-
-    fn usage_chunk(&self, f: &Finished) -> Value {
+    /// A streamed chunk: OpenAI sends `usage: null` in every chunk but the
+    /// last when the client asked for usage, and no `usage` otherwise.
+    fn chunk<C: Serialize>(&self, choice: C) -> Value {
+        let usage = if self.include_usage { UsageField::Null(()) } else { UsageField::Absent };
         let object = if self.kind == Kind::Chat { "chat.completion.chunk" } else { "text_completion" };
-        json!({"id": self.id, "object": object, "created": self.created, "model": self.model, "choices": [], "usage": usage(f)})
+        json_value(&self.envelope(object, vec![choice], usage))
     }
 
-    fn full(&self, text: String, logprobs: Value, f: &Finished) -> Value {
-        let reason = f.reason.as_str();
-        let (object, choice) = match self.kind {
-            Kind::Completion => ("text_completion", json!({"index": 0, "text": text, "logprobs": logprobs, "finish_reason": reason})),
-            Kind::Chat => {
-                let message = json!({"role": "assistant", "content": text});
-                ("chat.completion", json!({"index": 0, "message": message, "logprobs": logprobs, "finish_reason": reason}))
-            }
-        };
-        json!({"id": self.id, "object": object, "created": self.created, "model": self.model, "choices": [choice], "usage": usage(f)})
-    }
-
-    /// Logprobs of `tokens` in this endpoint's shape, or null when the
-    /// request did not ask for them. `offset`: characters of completion text
-    /// before the first of them (the completions API reports text offsets).
-    fn logprobs(&self, tok: &Tokenizer, tokens: &[Token], mut offset: usize) -> Value {
-        if tokens.first().is_none_or(|t| t.logprob.is_none()) {
-            return Value::Null;
-        }
-        let lp = |t: &Token| t.logprob.unwrap_or(f32::NAN);
-        match self.kind {
-            Kind::Completion => {
-                let mut offsets = vec![];
-                for t in tokens {
-                    offsets.push(offset);
-                    offset += t.text.chars().count();
-                }
-                let top: Vec<Value> =
-                    tokens.iter().map(|t| Value::Object(t.top_logprobs.iter().map(|p| (p.text.clone(), json!(p.logprob))).collect())).collect();
-                json!({
-                    "tokens": tokens.iter().map(|t| tok.decode(&[t.id])).collect::<Vec<_>>(),
-                    "token_logprobs": tokens.iter().map(lp).collect::<Vec<_>>(),
-                    "top_logprobs": top,
-                    "text_offset": offsets,
-                })
-            }
-            Kind::Chat => {
-                let entry = |text: String, logprob: f32| json!({"token": text, "logprob": logprob, "bytes": text.as_bytes()});
-                let content: Vec<Value> = tokens
-                    .iter()
-                    .map(|t| {
-                        let mut e = entry(tok.decode(&[t.id]), lp(t));
-                        e["top_logprobs"] = t.top_logprobs.iter().map(|p| entry(p.text.clone(), p.logprob)).collect();
-                        e
-                    })
-                    .collect();
-                json!({"content": content})
-            }
-        }
+    fn usage_chunk(&self, usage: Usage) -> Value {
+        let object = if self.kind == Kind::Chat { "chat.completion.chunk" } else { "text_completion" };
+        json_value(&self.envelope::<Value>(object, vec![], UsageField::Present(usage)))
     }
 }
 
-fn usage(f: &Finished) -> Value {
-    json!({"prompt_tokens": f.prompt_tokens, "completion_tokens": f.completion_tokens, "total_tokens": f.prompt_tokens + f.completion_tokens})
+fn json_value(v: &impl Serialize) -> Value {
+    serde_json::to_value(v).expect("response types serialize to JSON")
 }
+
+/// One choice's output as it streams: text offsets for the completions
+/// API's logprobs, and what a whole response needs at the end.
+struct Choice {
+    index: u32,
+    offsets: TextOffsets,
+    text: String,
+    /// Tokens with logprobs, for a whole response.
+    tokens: Vec<Token>,
+    finished: Option<Finished>,
+}
+
+impl Choice {
+    fn new(index: usize) -> Self {
+        Choice { index: index as u32, offsets: TextOffsets::default(), text: String::new(), tokens: vec![], finished: None }
+    }
+}
+
+/// The seed of choice `index` of a request seeded with `seed`: the first
+/// choice samples what the same request with `n = 1` would, the others
+/// streams of their own (splitmix64, so that seeds s and s + 1 do not share
+/// choices).
+fn choice_seed(seed: u64, index: usize) -> u64 {
+    if index == 0 {
+        return seed;
+    }
+    let mut z = seed ^ (index as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
+type ChoiceEvents = std::pin::Pin<Box<dyn futures::Stream<Item = (usize, Result<Event, Error>)> + Send>>;
 
 impl App {
-    async fn respond(&self, kind: Kind, prompt: Prompt, opts: RequestOptions, body: &ApiRequest) -> Result<Response, ApiError> {
+    async fn respond(&self, kind: Kind, prompt: Prompt, opts: RequestOptions, body: &ApiRequest, mut log: AccessLog) -> Response {
+        match self.start(kind, prompt, opts, body, &mut log).await {
+            Ok((reply, events)) if body.stream == Some(true) => self.stream(reply, events, log),
+            Ok((reply, events)) => self.collect(reply, events, log).await,
+            Err(e) => {
+                let e = ApiError::from(e);
+                log.finish(e.status.as_u16(), None);
+                e.into_response()
+            }
+        }
+    }
+
+    /// Admits the request's `n` choices and waits for each one's first
+    /// event, so that a request the workers refuse outright gets its own
+    /// status rather than a 200 stream that carries an error.
+    ///
+    /// The first choice starts alone: once it has its first token its
+    /// prompt is in the KV cache, and the other choices, started then,
+    /// reuse its cached blocks (prefix caching) instead of each prefilling
+    /// the prompt again.
+    async fn start(&self, kind: Kind, prompt: Prompt, opts: RequestOptions, body: &ApiRequest, log: &mut AccessLog) -> Result<(Reply, ChoiceEvents), Error> {
+        let n = body.n.unwrap_or(1) as usize;
         let prompt = super::tokenized(&self.router, prompt).await.inspect_err(count_refused)?;
-        let (req, permit) = self.router.admit(&prompt, opts)?;
+        // All admitted or none: a permit dropped here is given back.
+        let mut admitted = Vec::with_capacity(n);
+        for i in 0..n {
+            let opts = RequestOptions { seed: opts.seed.map(|s| choice_seed(s, i)), ..opts.clone() };
+            admitted.push(self.router.admit(&prompt, opts)?);
+        }
+        let first = &admitted[0].0;
         let prefix = if kind == Kind::Chat { "chatcmpl" } else { "cmpl" };
         // The public id, never the one the workers know (see GenerationRequest);
         // the log pairs them for whoever follows a client's report.
-        tracing::debug!(public_id = %req.public_id, request_id = %req.id, "request admitted");
-        let reply = Reply { kind, id: format!("{prefix}-{}", req.public_id), created: unix_now(), model: self.router.model.name.clone(), include_usage: body.include_usage() };
-        let mut events = self.router.generate(req, permit);
-        // Wait for the first event before answering, so that a request the
-        // workers refuse outright gets its own status rather than a 200
-        // stream that carries an error.
-        let first = match events.next().await {
-            Some(Ok(event)) => event,
-            Some(Err(e)) => return Err(e.into()),
-            None => return Err(Error::Internal("the request ended without an event".into()).into()),
+        tracing::debug!(public_id = %first.public_id, request_id = %first.id, choices = n, "request admitted");
+        log.id(&first.public_id);
+        let reply = Reply {
+            kind,
+            id: format!("{prefix}-{}", first.public_id),
+            created: unix_now(),
+            model: self.router.model.name.clone(),
+            include_usage: body.include_usage(),
+            choices: n,
         };
-        let events = futures::stream::iter([Ok(first)]).chain(events);
-        if body.stream == Some(true) {
-            Ok(self.stream(reply, events))
-        } else {
-            self.collect(reply, events).await
-        }
+        let mut streams: Vec<ChoiceEvents> = Vec::with_capacity(n);
+        let mut admitted = admitted.into_iter();
+        let (req, permit) = admitted.next().expect("n >= 1");
+        streams.push(self.started(0, req, permit).await?);
+        let rest = admitted.enumerate().map(|(i, (req, permit))| self.started(i + 1, req, permit));
+        streams.extend(futures::future::try_join_all(rest).await?);
+        Ok((reply, Box::pin(futures::stream::select_all(streams))))
     }
 
-    fn stream(&self, reply: Reply, mut events: impl futures::Stream<Item = Result<Event, Error>> + Send + Unpin + 'static) -> Response {
+    /// Starts choice `index` and waits for its first event.
+    async fn started(&self, index: usize, req: crate::request::GenerationRequest, permit: crate::admission::Permit) -> Result<ChoiceEvents, Error> {
+        let mut events = self.router.generate(req, permit);
+        let first = match events.next().await {
+            Some(Ok(event)) => event,
+            Some(Err(e)) => return Err(e),
+            None => return Err(Error::Internal("the request ended without an event".into())),
+        };
+        Ok(Box::pin(futures::stream::iter([Ok(first)]).chain(events).map(move |e| (index, e))))
+    }
+
+    fn stream(&self, reply: Reply, mut events: ChoiceEvents, mut log: AccessLog) -> Response {
         let router = self.router.clone();
         let sse = |v: Value| Ok::<_, Infallible>(axum::response::sse::Event::default().data(v.to_string()));
         let body = async_stream::stream! {
+            let tok = &router.model.tokenizer;
+            let mut choices: Vec<Choice> = (0..reply.choices).map(Choice::new).collect();
             if reply.kind == Kind::Chat {
-                yield sse(reply.role_chunk());
+                for c in &choices {
+                    let delta = ChatDelta { role: Some("assistant"), content: Some(String::new()), ..Default::default() };
+                    yield sse(reply.chunk(ChatChunkChoice { index: c.index, delta, logprobs: None, finish_reason: None }));
+                }
             }
-            let mut offset = 0;
-            while let Some(event) = events.next().await {
+            let mut open = reply.choices;
+            while let Some((i, event)) = events.next().await {
+                let c = &mut choices[i];
                 match event {
                     Ok(Event::Token(t)) => {
                         // Tokens that complete no text (held back, special)
                         // are worth a chunk only for their logprobs.
                         if t.text.is_empty() && t.logprob.is_none() {
+                            c.offsets.next(tok, &t);
                             continue;
                         }
-                        let logprobs = reply.logprobs(&router.model.tokenizer, std::slice::from_ref(&t), offset);
-                        offset += t.text.chars().count();
-                        let text = (reply.kind == Kind::Completion || !t.text.is_empty()).then_some(t.text.as_str());
-                        yield sse(reply.chunk(text, logprobs, None));
+                        yield sse(match reply.kind {
+                            Kind::Completion => {
+                                let logprobs = CompletionLogprobs::of(tok, std::slice::from_ref(&t), &mut c.offsets);
+                                reply.chunk(CompletionChoice { index: c.index, text: t.text, logprobs, finish_reason: None })
+                            }
+                            Kind::Chat => {
+                                let logprobs = ChatLogprobs::of(tok, std::slice::from_ref(&t));
+                                let delta = ChatDelta { content: (!t.text.is_empty()).then_some(t.text), ..Default::default() };
+                                reply.chunk(ChatChunkChoice { index: c.index, delta, logprobs, finish_reason: None })
+                            }
+                        });
                     }
                     Ok(Event::Finished(f)) => {
-                        let text = (reply.kind == Kind::Completion || !f.text.is_empty()).then_some(f.text.as_str());
-                        yield sse(reply.chunk(text, Value::Null, Some(f.reason.as_str())));
-                        if reply.include_usage {
-                            yield sse(reply.usage_chunk(&f));
+                        let reason = Some(ApiFinishReason::from(f.reason));
+                        yield sse(match reply.kind {
+                            Kind::Completion => reply.chunk(CompletionChoice { index: c.index, text: f.text.clone(), logprobs: None, finish_reason: reason }),
+                            Kind::Chat => {
+                                let delta = ChatDelta { content: (!f.text.is_empty()).then(|| f.text.clone()), ..Default::default() };
+                                reply.chunk(ChatChunkChoice { index: c.index, delta, logprobs: None, finish_reason: reason })
+                            }
+                        });
+                        c.finished = Some(f);
+                        open -= 1;
+                        if open == 0 {
+                            let usage = Usage::of(choices.iter().filter_map(|c| c.finished.as_ref()));
+                            if reply.include_usage {
+                                yield sse(reply.usage_chunk(usage));
+                            }
+                            log.finish(200, Some((usage, &choices[0].finished)));
+                            break;
                         }
                     }
                     Err(e) => {
-                        yield sse(ApiError::from(e).body());
+                        let e = ApiError::from(e);
+                        log.finish(e.status.as_u16(), None);
+                        yield sse(e.body());
                         break;
                     }
                 }
@@ -589,40 +647,82 @@ impl App {
         Sse::new(body).keep_alive(KeepAlive::default()).into_response()
     }
 
-    async fn collect(&self, reply: Reply, mut events: impl futures::Stream<Item = Result<Event, Error>> + Unpin) -> Result<Response, ApiError> {
-        let mut text = String::new();
-        let mut tokens = vec![];
-        while let Some(event) = events.next().await {
-            match event? {
-                Event::Token(t) => {
-                    text.push_str(&t.text);
+    async fn collect(&self, reply: Reply, mut events: ChoiceEvents, mut log: AccessLog) -> Response {
+        let mut choices: Vec<Choice> = (0..reply.choices).map(Choice::new).collect();
+        let mut open = reply.choices;
+        while open > 0 {
+            let Some((i, event)) = events.next().await else { break };
+            let c = &mut choices[i];
+            match event {
+                Ok(Event::Token(t)) => {
+                    c.text.push_str(&t.text);
                     if t.logprob.is_some() {
-                        tokens.push(t);
+                        c.tokens.push(t);
                     }
                 }
-                Event::Finished(f) => {
-                    let logprobs = reply.logprobs(&self.router.model.tokenizer, &tokens, 0);
-                    text.push_str(&f.text);
-                    return Ok(Json(reply.full(text, logprobs, &f)).into_response());
+                Ok(Event::Finished(f)) => {
+                    c.text.push_str(&f.text);
+                    c.finished = Some(f);
+                    open -= 1;
+                }
+                Err(e) => {
+                    let e = ApiError::from(e);
+                    log.finish(e.status.as_u16(), None);
+                    return e.into_response();
                 }
             }
         }
-        Err(Error::Internal("the request ended without finishing".into()).into())
+        if open > 0 {
+            let e = ApiError::from(Error::Internal("the request ended without finishing".into()));
+            log.finish(e.status.as_u16(), None);
+            return e.into_response();
+        }
+        let usage = Usage::of(choices.iter().filter_map(|c| c.finished.as_ref()));
+        log.finish(200, Some((usage, &choices[0].finished)));
+        let tok = &self.router.model.tokenizer;
+        let reason = |c: &Choice| c.finished.as_ref().map_or(ApiFinishReason::Stop, |f| f.reason.into());
+        let body = match reply.kind {
+            Kind::Completion => json_value(&reply.envelope(
+                "text_completion",
+                choices
+                    .iter_mut()
+                    .map(|c| CompletionChoice {
+                        index: c.index,
+                        logprobs: CompletionLogprobs::of(tok, &c.tokens, &mut c.offsets),
+                        finish_reason: Some(reason(c)),
+                        text: std::mem::take(&mut c.text),
+                    })
+                    .collect(),
+                UsageField::Present(usage),
+            )),
+            Kind::Chat => json_value(&reply.envelope(
+                "chat.completion",
+                choices
+                    .iter_mut()
+                    .map(|c| ChatChoice {
+                        index: c.index,
+                        logprobs: ChatLogprobs::of(tok, &c.tokens),
+                        finish_reason: reason(c),
+                        message: ChatMessageOut { role: "assistant", content: Some(std::mem::take(&mut c.text)), tool_calls: vec![] },
+                    })
+                    .collect(),
+                UsageField::Present(usage),
+            )),
+        };
+        Json(body).into_response()
     }
 }
 
 // ---------------------------------------------------------------- the rest
 
-async fn models(State(app): State<App>) -> Json<Value> {
+async fn models(State(app): State<App>) -> Json<ModelList> {
     let router = &app.router;
-    let context = match router.workers.readiness().limits() {
-        Ok(limits) => router.model.context_length(&limits),
+    let max_model_len = match router.workers.readiness().limits() {
+        Ok(limits) => router.model.max_model_len(&limits),
         Err(_) => router.model.context_length,
     };
-    Json(json!({
-        "object": "list",
-        "data": [{"id": router.model.name, "object": "model", "created": app.started, "owned_by": "duplex", "max_model_len": context}],
-    }))
+    let card = ModelCard { id: router.model.name.clone(), object: "model", created: app.started, owned_by: "duplex", max_model_len };
+    Json(ModelList { object: "list", data: vec![card] })
 }
 
 /// 200 while both workers answer their Stats, 503 otherwise.
@@ -701,8 +801,11 @@ mod tests {
         let req = |v: Value| serde_json::from_value::<ApiRequest>(v).unwrap();
         let opts = req(json!({"stop": "x", "top_k": -1, "max_tokens": 5, "max_completion_tokens": 7, "user": "ignored"})).options(false, None).unwrap();
         assert_eq!((opts.stop, opts.top_k, opts.max_tokens), (vec!["x".to_string()], Some(0), Some(7)));
-        let e = req(json!({"n": 2})).options(false, None).unwrap_err();
-        assert!(matches!(e, Error::Invalid { param: Some("n"), .. }), "{e:?}");
+        assert!(req(json!({"n": 2})).options(false, None).is_ok());
+        for n in [0, MAX_CHOICES + 1] {
+            let e = req(json!({"n": n})).options(false, None).unwrap_err();
+            assert!(matches!(e, Error::Invalid { param: Some("n"), .. }), "{e:?}");
+        }
         assert!(req(json!({"stop": [1]})).options(false, None).is_err());
         assert!(req(json!({"top_k": -2})).options(false, None).is_err());
     }
