@@ -15,6 +15,14 @@
 //! logits, before penalties and temperature, as vLLM reports them by default:
 //! they describe the model, not the sampling policy.
 //!
+//! A structured-output constraint ([`TokenMask`], filled by
+//! `duplex-grammar`) is applied first, before every step above and in every
+//! mode: a token it forbids gets logit `-inf`. The logprobs are then those of
+//! the masked row (the model's distribution renormalised over the allowed
+//! tokens), as vLLM reports them: it applies the grammar bitmask to the
+//! logits before its sampler sees them. A forbidden token never appears in
+//! `top_logprobs`.
+//!
 //! Malformed rows never panic: NaN is treated as `-inf` (a token the model
 //! cannot produce) and `+inf` as `f32::MAX`, so one bad lane cannot poison the
 //! softmax of the whole row.
@@ -139,6 +147,82 @@ impl SamplingParams {
     }
 }
 
+/// Which ids of a logits row a constraint allows at one step: a bitset, bit
+/// `id % 32` of word `id / 32` (the layout of llguidance's masks, so that
+/// filling one is a copy). Ids at or past [`TokenMask::len`] are forbidden.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct TokenMask {
+    words: Vec<u32>,
+    len: usize,
+}
+
+impl TokenMask {
+    /// A mask over `len` ids that allows none of them.
+    pub fn new(len: usize) -> Self {
+        Self { words: vec![0; len.div_ceil(32)], len }
+    }
+
+    /// How many ids the mask covers (the logits row's width).
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    pub fn allows(&self, id: u32) -> bool {
+        let i = id as usize;
+        i < self.len && self.words[i / 32] >> (i % 32) & 1 == 1
+    }
+
+    /// Allows `id`; ids past the mask's width are ignored.
+    pub fn allow(&mut self, id: u32) {
+        let i = id as usize;
+        if i < self.len {
+            self.words[i / 32] |= 1 << (i % 32);
+        }
+    }
+
+    pub fn forbid(&mut self, id: u32) {
+        let i = id as usize;
+        if i < self.len {
+            self.words[i / 32] &= !(1 << (i % 32));
+        }
+    }
+
+    /// Forbids every id.
+    pub fn clear(&mut self) {
+        self.words.fill(0);
+    }
+
+    /// The bits, for filling the mask wholesale. Bits past `len` in the last
+    /// word are ignored by [`TokenMask::allows`] but counted by nothing, so a
+    /// writer need not clear them.
+    pub fn words_mut(&mut self) -> &mut [u32] {
+        &mut self.words
+    }
+
+    pub fn words(&self) -> &[u32] {
+        &self.words
+    }
+
+    /// How many ids are allowed.
+    pub fn count_allowed(&self) -> usize {
+        (0..self.len as u32).filter(|&id| self.allows(id)).count()
+    }
+}
+
+/// A [`TokenMask`] that leaves no token to sample: the constraint and the
+/// stop tokens disagree (e.g. a grammar that is complete, for a request that
+/// ignores its stop tokens). The sequence must end with this error; there is
+/// no token that would keep the output valid.
+#[derive(Debug, thiserror::Error, PartialEq)]
+#[error("the output constraint allows none of the {width} tokens at this step")]
+pub struct NothingAllowed {
+    pub width: usize,
+}
+
 /// One sampled token.
 #[derive(Clone, Debug, PartialEq)]
 pub struct SampledToken {
@@ -173,6 +257,8 @@ pub struct Sampler {
     /// Scratch `(id, logit-then-weight)` row, reused across calls so that
     /// decoding does not allocate a vocab-sized buffer per token.
     candidates: Vec<(u32, f32)>,
+    /// Scratch copy of a row with a [`TokenMask`] applied, reused likewise.
+    masked: Vec<f32>,
 }
 
 impl Sampler {
@@ -187,6 +273,7 @@ impl Sampler {
             prompt: prompt.iter().copied().collect(),
             counts: HashMap::new(),
             candidates: Vec::new(),
+            masked: Vec::new(),
         })
     }
 
@@ -254,6 +341,42 @@ impl Sampler {
             logprob: logprob_of(logits[id as usize]),
             top_logprobs,
         }
+    }
+
+    /// [`Sampler::sample`] of `logits` with every id that `mask` forbids
+    /// set to `-inf` first (no mask: exactly `sample`). The token and its
+    /// logprobs come from the masked row (see the module comment). If the
+    /// model gives no allowed token a finite logit, the allowed tokens are
+    /// taken as equally likely, so the choice still obeys the mask.
+    ///
+    /// # Errors
+    ///
+    /// [`NothingAllowed`] if the mask allows no id of the row; nothing is
+    /// recorded then.
+    ///
+    /// # Panics
+    ///
+    /// If `logits` is empty, as `sample`.
+    pub fn sample_with_mask(&mut self, logits: &[f32], mask: Option<&TokenMask>) -> Result<SampledToken, NothingAllowed> {
+        let Some(mask) = mask else {
+            return Ok(self.sample(logits));
+        };
+        let mut masked = std::mem::take(&mut self.masked);
+        masked.clear();
+        masked.extend(logits.iter().enumerate().map(|(i, &x)| if mask.allows(i as u32) { x } else { f32::NEG_INFINITY }));
+        let allowed = || (0..logits.len() as u32).filter(|&id| mask.allows(id));
+        if masked.iter().all(|&x| sanitize(x) == f32::NEG_INFINITY) {
+            if allowed().next().is_none() {
+                self.masked = masked;
+                return Err(NothingAllowed { width: logits.len() });
+            }
+            for id in allowed() {
+                masked[id as usize] = 0.0;
+            }
+        }
+        let token = self.sample(&masked);
+        self.masked = masked;
+        Ok(token)
     }
 
     /// The sampling pipeline proper; returns the chosen id.
@@ -1077,6 +1200,70 @@ mod tests {
         seeded(SamplingParams::default(), 0).sample(&[]);
     }
 
+    fn mask_of(len: usize, ids: &[u32]) -> TokenMask {
+        let mut m = TokenMask::new(len);
+        for &id in ids {
+            m.allow(id);
+        }
+        m
+    }
+
+    #[test]
+    fn token_mask_bits() {
+        let mut m = mask_of(70, &[0, 31, 32, 69, 70, 1000]);
+        assert_eq!(m.words().len(), 3);
+        assert!(m.allows(0) && m.allows(31) && m.allows(32) && m.allows(69));
+        assert!(!m.allows(1) && !m.allows(70) && !m.allows(1000));
+        assert_eq!(m.count_allowed(), 4);
+        m.forbid(31);
+        assert!(!m.allows(31));
+        // Bits past the width in the last word do not count.
+        m.words_mut()[2] = u32::MAX;
+        assert!(!m.allows(96));
+        assert_eq!(m.count_allowed(), 3 + 5);
+        m.clear();
+        assert_eq!(m.count_allowed(), 0);
+    }
+
+    #[test]
+    fn greedy_obeys_the_mask_and_logprobs_are_of_the_masked_row() {
+        let row = [5.0f32, 1.0, 0.0, 3.0];
+        let mut s = seeded(SamplingParams { logprobs: Some(4), ..SamplingParams::greedy() }, 0);
+        let t = s.sample_with_mask(&row, Some(&mask_of(4, &[1, 3]))).unwrap();
+        assert_eq!(t.id, 3);
+        let z = (1.0f64.exp() + 3.0f64.exp()).ln();
+        assert!((t.logprob - (3.0 - z) as f32).abs() < 1e-6);
+        let ids: Vec<u32> = t.top_logprobs.iter().map(|&(id, _)| id).collect();
+        assert_eq!(&ids[..2], &[3, 1]);
+        assert!(t.top_logprobs[2..].iter().all(|&(_, l)| l == f32::NEG_INFINITY), "forbidden tokens have no probability: {:?}", t.top_logprobs);
+        // No mask is plain sampling.
+        assert_eq!(s.sample_with_mask(&row, None).unwrap().id, 0);
+    }
+
+    #[test]
+    fn a_mask_that_allows_nothing_is_an_error() {
+        let mut s = seeded(SamplingParams::default(), 0);
+        assert_eq!(s.sample_with_mask(&[1.0, 2.0], Some(&mask_of(2, &[]))), Err(NothingAllowed { width: 2 }));
+        // Ids beyond a narrower mask are forbidden too.
+        assert_eq!(s.sample_with_mask(&[1.0, 2.0, 3.0], Some(&mask_of(2, &[]))), Err(NothingAllowed { width: 3 }));
+        assert_eq!(s.sample_with_mask(&[1.0, 2.0, 3.0], Some(&mask_of(3, &[2]))).unwrap().id, 2);
+    }
+
+    #[test]
+    fn allowed_tokens_without_a_finite_logit_are_equally_likely() {
+        let row = [9.0, f32::NEG_INFINITY, f32::NAN, f32::NEG_INFINITY];
+        let mask = mask_of(4, &[1, 2, 3]);
+        let mut greedy = seeded(SamplingParams::greedy(), 0);
+        assert_eq!(greedy.sample_with_mask(&row, Some(&mask)).unwrap().id, 1);
+        let mut s = seeded(SamplingParams::default(), 3);
+        let mut h = [0usize; 4];
+        for _ in 0..3000 {
+            h[s.sample_with_mask(&row, Some(&mask)).unwrap().id as usize] += 1;
+        }
+        assert_eq!(h[0], 0);
+        assert!(h[1..].iter().all(|&c| c > 800), "{h:?}");
+    }
+
     // ----- properties -----
 
     /// Logits on a coarse grid, so that shifting and scaling cannot merge
@@ -1192,6 +1379,27 @@ mod tests {
                 if want == row.len() {
                     let mass: f64 = t.top_logprobs.iter().map(|&(_, l)| f64::from(l).exp()).sum();
                     prop_assert!((mass - 1.0).abs() < 1e-4, "mass {}", mass);
+                }
+            }
+        }
+
+        #[test]
+        fn masked_sampling_never_picks_a_forbidden_token(
+            p in params(),
+            rows in prop::collection::vec(prop::collection::vec(logit(), 1..48), 1..6),
+            allowed in prop::collection::vec(any::<bool>(), 48),
+        ) {
+            let mut s = Sampler::new(p, &[1, 2]).unwrap();
+            for row in &rows {
+                let ids: Vec<u32> = (0..row.len() as u32).filter(|&i| allowed[i as usize]).collect();
+                let mask = mask_of(row.len(), &ids);
+                match s.sample_with_mask(row, Some(&mask)) {
+                    Ok(t) => {
+                        prop_assert!(mask.allows(t.id), "chose forbidden {}", t.id);
+                        prop_assert!(!t.logprob.is_nan() && t.logprob > f32::NEG_INFINITY);
+                        prop_assert!(t.top_logprobs.iter().all(|&(id, l)| mask.allows(id) || l == f32::NEG_INFINITY));
+                    }
+                    Err(e) => prop_assert!(ids.is_empty(), "{e}"),
                 }
             }
         }

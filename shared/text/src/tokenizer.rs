@@ -863,6 +863,57 @@ impl Tokenizer {
     pub fn token_text(&self, id: u32) -> Option<String> {
         self.inner.id_to_token(id)
     }
+
+    /// The bytes token `id` stands for in generated text, and whether it is
+    /// a special token (a control marker such as `<|im_end|>`, whose string
+    /// is never text). `None` for ids outside the vocabulary. A grammar
+    /// engine needs this to know which tokens can spell what.
+    ///
+    /// Added tokens are their content as written. Otherwise: a byte-level
+    /// vocabulary (GPT-2's byte alphabet, as DeepSeek, Qwen, Kimi and GGUF
+    /// `gpt2` models use) maps each character back to its byte; a
+    /// SentencePiece vocabulary reads `<0xNN>` as byte NN and `▁` as a space.
+    /// A decoder that strips the first space of the text (SentencePiece's
+    /// `Strip`) is not applied: that space belongs to the prompt's first
+    /// token, not to a generated one.
+    pub fn token_bytes(&self, id: u32) -> Option<(Vec<u8>, bool)> {
+        use tokenizers::DecoderWrapper as D;
+        if let Some(added) = self.inner.get_added_vocabulary().get_added_tokens_decoder().get(&id) {
+            return Some((added.content.as_bytes().to_vec(), added.special));
+        }
+        let token = self.inner.id_to_token(id)?;
+        let is = |want: fn(&D) -> bool| match self.inner.get_decoder() {
+            Some(D::Sequence(seq)) => seq.get_decoders().iter().any(want),
+            Some(d) => want(d),
+            None => false,
+        };
+        if is(|d| matches!(d, D::ByteLevel(_))) {
+            // GPT-2's alphabet: printable Latin-1 bytes stand for
+            // themselves, the other 68 bytes are U+0100.. in byte order.
+            let printable = |b: u32| (0x21..=0x7E).contains(&b) || (0xA1..=0xAC).contains(&b) || (0xAE..=0xFF).contains(&b);
+            let shifted: Vec<u8> = (0..=255u8).filter(|&b| !printable(u32::from(b))).collect();
+            let bytes = token
+                .chars()
+                .map(|c| match u32::from(c) {
+                    b if printable(b) => u8::try_from(b).ok(),
+                    b => b.checked_sub(0x100).and_then(|i| shifted.get(i as usize).copied()),
+                })
+                .collect::<Option<Vec<u8>>>();
+            // A token outside the alphabet (possible only in a hand-made
+            // vocabulary) is taken as its own text.
+            return Some((bytes.unwrap_or_else(|| token.into_bytes()), false));
+        }
+        if self.byte_fallback_steps.is_some() {
+            let byte = (token.len() == 6 && token.starts_with("<0x") && token.ends_with('>')).then(|| u8::from_str_radix(&token[3..5], 16).ok()).flatten();
+            if let Some(b) = byte {
+                return Some((vec![b], false));
+            }
+        }
+        if is(|d| matches!(d, D::Metaspace(_) | D::Replace(_))) {
+            return Some((token.replace('\u{2581}', " ").into_bytes(), false));
+        }
+        Some((token.into_bytes(), false))
+    }
 }
 
 /// Streaming detokenizer using the prefix/read-offset algorithm of TGI and
