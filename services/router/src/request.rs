@@ -4,6 +4,7 @@
 
 use crate::config::RouterConfig;
 use crate::error::Error;
+use duplex_grammar::{ConstraintSpec, GrammarCompiler, GrammarError};
 use duplex_text::sampling_defaults;
 use duplex_text::sampling::{SamplingError, SamplingParams, MAX_LOGPROBS};
 use duplex_text::tokenizer::{ChatMessage, ChatTemplateKwargs, Tokenizer, TokenizerError};
@@ -76,6 +77,8 @@ pub struct RequestOptions {
     pub logprobs: bool,
     /// Also return this many most likely tokens per position.
     pub top_logprobs: Option<u32>,
+    /// What the output must be (structured output, tool calls).
+    pub constraint: Option<ConstraintSpec>,
 }
 
 /// A validated request, ready for the workers.
@@ -99,6 +102,8 @@ pub struct GenerationRequest {
     pub stop_token_ids: Vec<u32>,
     pub logprobs: bool,
     pub top_logprobs: u32,
+    /// Checked: it compiles for this model's vocabulary.
+    pub constraint: Option<ConstraintSpec>,
     pub arrival: Instant,
 }
 
@@ -132,6 +137,8 @@ pub enum LoadError {
     Tokenizer(#[from] TokenizerError),
     #[error(transparent)]
     Config(#[from] duplex_text::ServedConfigError),
+    #[error(transparent)]
+    Grammar(#[from] GrammarError),
 }
 
 /// The served model, as far as the router needs it: tokenizer, defaults and
@@ -152,6 +159,8 @@ pub struct ServedModel {
     pub max_prompt_bytes: usize,
     /// Tokenizations running at once, on the blocking pool.
     pub tokenize_slots: Arc<Semaphore>,
+    /// Checks output constraints against this vocabulary.
+    pub grammar: GrammarCompiler,
 }
 
 /// Margin of the prompt-size bound over the longest token: a normaliser
@@ -174,7 +183,9 @@ impl ServedModel {
         // One tokenization per core: more would only take turns, and the
         // async threads must stay free for I/O and /health.
         let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+        let grammar = GrammarCompiler::new(&tokenizer, model.vocab_size)?;
         Ok(ServedModel {
+            grammar,
             max_prompt_bytes,
             tokenize_slots: Arc::new(Semaphore::new(cores)),
             name: config.served_model_name(),
@@ -290,6 +301,11 @@ impl ServedModel {
         sampling.logprobs = (top_logprobs > 0).then_some(top_logprobs as usize);
         sampling.validate().map_err(sampling_error)?;
 
+        if let Some(spec) = &opts.constraint {
+            // Compiling is cheap (llguidance builds masks lazily, per step,
+            // on the worker); what it catches is a schema it cannot take.
+            self.grammar.compile(spec).map_err(|e| Error::invalid("response_format", e.to_string()))?;
+        }
         let prompt = self.tokenize(prompt)?;
         let context = self.context_length(limits);
         if prompt.len() >= context {
@@ -325,6 +341,7 @@ impl ServedModel {
             stop_token_ids,
             logprobs: opts.logprobs || top_logprobs > 0,
             top_logprobs,
+            constraint: opts.constraint,
             arrival,
         })
     }

@@ -6,10 +6,11 @@ use super::openai_response::Usage;
 use crate::error::Error;
 use crate::generate::{count_refused, Event, Router};
 use crate::request::{Prompt, RequestOptions};
+use duplex_grammar::ConstraintSpec;
 use duplex_text::tokenizer::ChatMessage;
 use duplex_proto::v1::generation_server::Generation;
 use duplex_proto::v1::{
-    self, generate_request, generate_response, tokenize_request, GenerateRequest, GenerateResponse, ModelInfoRequest, ModelInfoResponse,
+    self, generate_request, generate_response, response_format, tokenize_request, GenerateRequest, GenerateResponse, ModelInfoRequest, ModelInfoResponse,
     TokenizeRequest, TokenizeResponse,
 };
 use futures::{Stream, StreamExt};
@@ -45,8 +46,10 @@ impl Generation for GrpcApi {
         };
         let mut log = AccessLog::new("grpc Generate");
         let admitted = async {
+            let mut opts = options(r.model, r.sampling.unwrap_or_default(), r.stopping.unwrap_or_default());
+            opts.constraint = r.response_format.map(constraint).transpose().inspect_err(count_refused)?.flatten();
             let prompt = super::tokenized(&self.router, prompt).await.inspect_err(count_refused)?;
-            self.router.admit(&prompt, options(r.model, r.sampling.unwrap_or_default(), r.stopping.unwrap_or_default()))
+            self.router.admit(&prompt, opts)
         };
         let (req, permit) = admitted.await.map_err(|e| {
             let status = Status::from(e);
@@ -123,6 +126,18 @@ fn chat(c: v1::ChatMessages) -> Result<Prompt, Error> {
     Ok(Prompt::Chat { messages, template_kwargs })
 }
 
+fn constraint(format: v1::ResponseFormat) -> Result<Option<ConstraintSpec>, Error> {
+    Ok(match format.format {
+        None => None,
+        Some(response_format::Format::JsonObject(_)) => Some(ConstraintSpec::JsonObject),
+        Some(response_format::Format::JsonSchema(text)) => {
+            let schema = serde_json::from_str(&text).map_err(|e| Error::invalid("response_format", format!("response_format.json_schema is not valid JSON: {e}")))?;
+            Some(ConstraintSpec::JsonSchema(schema))
+        }
+        Some(response_format::Format::Lark(grammar)) => Some(ConstraintSpec::Lark(grammar)),
+    })
+}
+
 fn options(model: String, s: v1::SamplingParameters, stopping: v1::StoppingCriteria) -> RequestOptions {
     RequestOptions {
         model: Some(model),
@@ -141,6 +156,7 @@ fn options(model: String, s: v1::SamplingParameters, stopping: v1::StoppingCrite
         ignore_eos: stopping.ignore_eos,
         logprobs: s.logprobs,
         top_logprobs: s.top_logprobs,
+        constraint: None,
     }
 }
 

@@ -23,6 +23,7 @@ use axum::response::sse::{KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::Json;
+use duplex_grammar::ConstraintSpec;
 use duplex_text::sampling::MAX_LOGPROBS;
 use duplex_text::tokenizer::ChatMessage;
 use duplex_telemetry as names;
@@ -229,7 +230,39 @@ struct ApiRequest {
     tool_choice: Option<Value>,
     functions: Option<Value>,
     function_call: Option<Value>,
-    response_format: Option<Value>,
+    /// Structured output: `text` (the default), `json_object`, or
+    /// `json_schema` with its schema.
+    response_format: Option<ResponseFormat>,
+}
+
+/// OpenAI's `response_format`.
+#[derive(Debug, Deserialize)]
+#[serde(tag = "type", rename_all = "snake_case")]
+enum ResponseFormat {
+    Text,
+    JsonObject,
+    JsonSchema { json_schema: JsonSchemaFormat },
+}
+
+#[derive(Debug, Deserialize)]
+struct JsonSchemaFormat {
+    /// OpenAI requires a name; it names the schema for the model and
+    /// changes nothing here.
+    #[serde(default)]
+    #[allow(dead_code)]
+    name: Option<String>,
+    schema: Option<Value>,
+}
+
+impl ResponseFormat {
+    fn constraint(&self) -> Result<Option<ConstraintSpec>, Error> {
+        match self {
+            ResponseFormat::Text => Ok(None),
+            ResponseFormat::JsonObject => Ok(Some(ConstraintSpec::JsonObject)),
+            ResponseFormat::JsonSchema { json_schema: JsonSchemaFormat { schema: Some(schema), .. } } => Ok(Some(ConstraintSpec::JsonSchema(schema.clone()))),
+            ResponseFormat::JsonSchema { .. } => Err(Error::invalid("response_format", "response_format.json_schema.schema is required for type `json_schema`")),
+        }
+    }
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -292,6 +325,7 @@ impl ApiRequest {
             ignore_eos: self.ignore_eos.unwrap_or(false),
             logprobs,
             top_logprobs,
+            constraint: self.response_format.as_ref().map(ResponseFormat::constraint).transpose()?.flatten(),
         })
     }
 
@@ -310,13 +344,6 @@ impl ApiRequest {
         for (param, value) in [("tool_choice", &self.tool_choice), ("function_call", &self.function_call)] {
             if set(value) && !matches!(value.as_ref().and_then(Value::as_str), Some("none" | "auto")) {
                 return Err(Error::invalid(param, format!("`{param}` is not supported: this server does not implement tool calls")));
-            }
-        }
-        if set(&self.response_format) {
-            let kind = self.response_format.as_ref().and_then(|f| f.get("type")).and_then(Value::as_str);
-            if kind != Some("text") {
-                let kind = kind.unwrap_or("unknown");
-                return Err(Error::invalid("response_format", format!("response_format of type `{kind}` is not supported: this server generates plain text only")));
             }
         }
         Ok(())
@@ -787,13 +814,26 @@ mod tests {
             (json!({"tool_choice": {"type": "function", "function": {"name": "f"}}}), "tool_choice"),
             (json!({"functions": [{"name": "f"}]}), "functions"),
             (json!({"function_call": {"name": "f"}}), "function_call"),
-            (json!({"response_format": {"type": "json_object"}}), "response_format"),
-            (json!({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}}), "response_format"),
         ];
         for (body, field) in refused {
             let e = req(body.clone()).unsupported().unwrap_err();
             assert!(matches!(&e, Error::Invalid { param: Some(p), .. } if *p == field), "{body}: {e:?}");
         }
+    }
+
+    #[test]
+    fn response_formats_become_constraints() {
+        let req = |v: Value| serde_json::from_value::<ApiRequest>(v).unwrap();
+        let constraint = |v: Value| req(v).options(false, None).map(|o| o.constraint);
+        assert_eq!(constraint(json!({})).unwrap(), None);
+        assert_eq!(constraint(json!({"response_format": {"type": "text"}})).unwrap(), None);
+        assert_eq!(constraint(json!({"response_format": {"type": "json_object"}})).unwrap(), Some(ConstraintSpec::JsonObject));
+        let schema = json!({"type": "object", "properties": {"a": {"type": "integer"}}});
+        let format = json!({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema, "strict": true}}});
+        assert_eq!(constraint(format).unwrap(), Some(ConstraintSpec::JsonSchema(schema)));
+        let e = constraint(json!({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}})).unwrap_err();
+        assert!(matches!(&e, Error::Invalid { param: Some("response_format"), .. }) && e.to_string().contains("schema"), "{e:?}");
+        assert!(serde_json::from_value::<ApiRequest>(json!({"response_format": {"type": "yaml"}})).is_err());
     }
 
     #[test]
