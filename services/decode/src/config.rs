@@ -203,7 +203,7 @@ impl Default for DecodeConfig {
 /// are the top layer of the settings.
 #[derive(Clone, Debug, Default, clap::Args, Serialize)]
 pub struct DecodeArgs {
-    /// TOML config file; its `[decode]` section applies here.
+    /// TOML config file; its `[decode]` section applies here. Environment variables DUPLEX_DECODE_<KEY> (DUPLEX_DECODE_THREADS) override it, flags override both.
     #[arg(long)]
     #[serde(skip)]
     pub config: Option<PathBuf>,

@@ -133,7 +133,7 @@ impl Default for PrefillConfig {
 /// are the top layer of the settings.
 #[derive(Clone, Debug, Default, clap::Args, Serialize)]
 pub struct PrefillArgs {
-    /// TOML config file; its `[prefill]` section applies here.
+    /// TOML config file; its `[prefill]` section applies here. Environment variables DUPLEX_PREFILL_<KEY> (DUPLEX_PREFILL_THREADS) override it, flags override both.
     #[arg(long)]
     #[serde(skip)]
     pub config: Option<PathBuf>,

@@ -103,7 +103,7 @@ impl ConfigError {
 /// are the top layer of the settings.
 #[derive(Clone, Debug, Default, clap::Args, Serialize)]
 pub struct RouterArgs {
-    /// TOML config file; its `[router]` section applies here.
+    /// TOML config file; its `[router]` section applies here. Environment variables DUPLEX_ROUTER_<KEY> (DUPLEX_ROUTER_HTTP_PORT) override it, flags override both.
     #[arg(long)]
     #[serde(skip)]
     pub config: Option<PathBuf>,
