@@ -64,8 +64,9 @@ pub struct ServeArgs {
     #[arg(long, default_value_t = 5)]
     max_restarts: u32,
     /// Key the public HTTP and gRPC APIs require (`Authorization: Bearer`);
-    /// `/health` and `/metrics` stay open [default: $DUPLEX_API_KEY, else
-    /// none]. Given to the router in its environment, not its command line.
+    /// `/health` and `/metrics` stay open [default: the router's `api_key`
+    /// setting: $DUPLEX_ROUTER_API_KEY, $DUPLEX_API_KEY or the config file,
+    /// else none]. Given to the router in its environment, not its command line.
     #[arg(long)]
     api_key: Option<String>,
 }
@@ -450,7 +451,9 @@ async fn supervise(a: ServeArgs) -> Result<()> {
     for (name, args) in [("decode worker", decode_args), ("prefill worker", prefill_args), ("router", router_args)] {
         let mut env = vec![(duplex_proto::auth::TOKEN_ENV, token.clone())];
         if let (Some(key), "router") = (&a.api_key, name) {
-            env.push(("DUPLEX_API_KEY", key.clone()));
+            // The router's own variable, which wins over the environment
+            // it inherits (and only a flag would win over it).
+            env.push(("DUPLEX_ROUTER_API_KEY", key.clone()));
         }
         match Supervised::start(name, args, env) {
             Ok(c) => children.push(c),

@@ -1,6 +1,8 @@
 //! The decode worker's settings: defaults, the `[decode]` section of the
-//! TOML config file, then command-line flags.
+//! TOML config file, `DUPLEX_DECODE_*` environment variables, then
+//! command-line flags (`duplex_telemetry::config`).
 
+use duplex_telemetry::config::Layers;
 use serde::{Deserialize, Serialize};
 use duplex_model::device_experts::ExpertCacheConfig;
 use duplex_model::hybrid::Submit;
@@ -196,12 +198,14 @@ impl Default for DecodeConfig {
     }
 }
 
-/// Command-line flags: each overrides the config file, which overrides the
-/// defaults.
-#[derive(Clone, Debug, Default, clap::Args)]
+/// Command-line flags: each overrides the environment, which overrides the
+/// config file, which overrides the defaults. Serialized, the flags given
+/// are the top layer of the settings.
+#[derive(Clone, Debug, Default, clap::Args, Serialize)]
 pub struct DecodeArgs {
-    /// TOML config file; its `[decode]` section applies here.
+    /// TOML config file; its `[decode]` section applies here. Environment variables DUPLEX_DECODE_<KEY> (DUPLEX_DECODE_THREADS) override it, flags override both.
     #[arg(long)]
+    #[serde(skip)]
     pub config: Option<PathBuf>,
     /// Checkpoint directory [default: the bundled tiny model].
     #[arg(long)]
@@ -296,28 +300,30 @@ pub struct DecodeArgs {
 }
 
 impl DecodeArgs {
+    /// The settings from every source (see `duplex_telemetry::config`), checked.
     pub fn resolve(self) -> anyhow::Result<DecodeConfig> {
-        let mut c: DecodeConfig = match &self.config {
-            Some(path) => duplex_telemetry::process::load_section(path, "decode")?,
-            None => DecodeConfig::default(),
-        };
-        macro_rules! take {
-            ($($field:ident),*) => { $(if let Some(v) = self.$field { c.$field = v; })* };
+        let layers = Layers::new::<DecodeConfig>("decode").file(self.config.as_deref())?.env(&[])?;
+        self.resolve_with(layers)
+    }
+
+    /// `resolve` with the file and environment layers given.
+    fn resolve_with(self, layers: Layers) -> anyhow::Result<DecodeConfig> {
+        let layers = layers.flags(&self);
+        let c: DecodeConfig = layers.extract()?;
+        // Each check's error names its key; where the value came from follows.
+        let check = |key: &str, result: anyhow::Result<()>| result.map_err(|e| anyhow::anyhow!("{e} (from {})", layers.source_of(key)));
+        for (key, value) in [("max_batch_size", c.max_batch_size), ("prefill_chunk_tokens", c.prefill_chunk_tokens)] {
+            if value == 0 {
+                return Err(layers.invalid(key, "must be at least 1").into());
+            }
         }
-        if let Some(path) = self.unix_socket {
-            c.unix_socket = Some(path);
-        }
-        take!(model, host, port, metrics_port, shm_dir, instance, context_length, kv_blocks, max_batch_size, prefill_chunk_tokens, lease_timeout_seconds, max_waiting_requests, dtype, threads, numa_nodes, cores, device, device_memory_mib, cuda_device, device_threads, device_kv_blocks, micro_batches, defer_experts, expert_submit, expert_cache_experts, expert_cache_bytes, expert_assignment, expert_prefetch, expert_cache_policy);
-        if c.max_batch_size == 0 || c.prefill_chunk_tokens == 0 {
-            anyhow::bail!("max_batch_size and prefill_chunk_tokens must be at least 1");
-        }
-        c.precision()?;
-        c.device_kind()?;
-        c.submit()?;
-        c.expert_assignment.parse::<duplex_expert_cache::assign::AssignmentKind>().map_err(|e| anyhow::anyhow!("expert_assignment: {e}"))?;
-        c.expert_prefetch.parse::<duplex_expert_cache::prefetch::PrefetchKind>().map_err(|e| anyhow::anyhow!("expert_prefetch: {e}"))?;
-        c.expert_cache_policy.parse::<duplex_expert_cache::policy::PolicyKind>().map_err(|e| anyhow::anyhow!("expert_cache_policy: {e}"))?;
-        c.core_list()?;
+        check("dtype", c.precision().map(drop))?;
+        check("device", c.device_kind().map(drop))?;
+        check("expert_submit", c.submit().map(drop))?;
+        check("expert_assignment", c.expert_assignment.parse::<duplex_expert_cache::assign::AssignmentKind>().map(drop).map_err(|e| anyhow::anyhow!("expert_assignment: {e}")))?;
+        check("expert_prefetch", c.expert_prefetch.parse::<duplex_expert_cache::prefetch::PrefetchKind>().map(drop).map_err(|e| anyhow::anyhow!("expert_prefetch: {e}")))?;
+        check("expert_cache_policy", c.expert_cache_policy.parse::<duplex_expert_cache::policy::PolicyKind>().map(drop).map_err(|e| anyhow::anyhow!("expert_cache_policy: {e}")))?;
+        check("cores", c.core_list().map(drop))?;
         Ok(c)
     }
 }
@@ -353,6 +359,51 @@ mod tests {
         assert!(err.contains("threads = 2") && err.contains("1 cores"), "{err}");
         let c = DecodeConfig { cores: "0".into(), ..Default::default() };
         assert_eq!(c.pool().unwrap().cores, Some(vec![0]));
+    }
+
+    /// `DecodeArgs` parsed from a command line, with `toml` as the config
+    /// file and `vars` as the environment (not the test runner's).
+    fn resolve_env(toml: &str, vars: &[(&str, &str)], flags: &[&str]) -> Result<DecodeConfig, String> {
+        use clap::Parser;
+        #[derive(clap::Parser)]
+        struct Cli {
+            #[command(flatten)]
+            args: DecodeArgs,
+        }
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("duplex.toml");
+        std::fs::write(&path, toml).unwrap();
+        let args = Cli::parse_from(["duplex-decode"].into_iter().chain(flags.iter().copied())).args;
+        let vars = vars.iter().map(|(k, v)| (k.to_string(), v.to_string()));
+        let layers = Layers::new::<DecodeConfig>("decode").file(Some(&path)).map_err(|e| e.to_string())?.env_from(vars, &[]);
+        args.resolve_with(layers).map_err(|e| format!("{e:#}"))
+    }
+
+    #[test]
+    fn defaults_then_file_then_environment_then_flags() {
+        assert_eq!(resolve_env("", &[], &[]).unwrap(), DecodeConfig::default());
+        let file = "[decode]\nmax_batch_size = 8\nmicro_batches = false\nthreads = 2\n[router]\nhttp_port = 1\n";
+        let c = resolve_env(file, &[], &[]).unwrap();
+        assert_eq!((c.max_batch_size, c.micro_batches, c.threads), (8, false, 2));
+        let env = [("DUPLEX_DECODE_MAX_BATCH_SIZE", "12"), ("DUPLEX_DECODE_MICRO_BATCHES", "true"), ("DUPLEX_DECODE_CORES", "0"), ("DUPLEX_PREFILL_THREADS", "9")];
+        let c = resolve_env(file, &env, &[]).unwrap();
+        assert_eq!((c.max_batch_size, c.micro_batches, c.threads, c.cores.as_str()), (12, true, 2, "0"));
+        let c = resolve_env(file, &env, &["--max-batch-size", "16", "--threads", "1"]).unwrap();
+        assert_eq!((c.max_batch_size, c.micro_batches, c.threads), (16, true, 1));
+    }
+
+    #[test]
+    fn errors_name_the_key_and_where_its_value_came_from() {
+        let err = resolve_env("[decode]\nmax_batch_size = \"x\"\n", &[], &[]).unwrap_err();
+        assert!(err.contains("`decode.max_batch_size` from config file") && err.contains("duplex.toml") && err.contains("invalid type"), "{err}");
+        let err = resolve_env("[decode]\nmax_bach_size = 4\n", &[], &[]).unwrap_err();
+        assert!(err.contains("max_bach_size") && err.contains("unknown field"), "{err}");
+        let err = resolve_env("", &[("DUPLEX_DECODE_MAX_BATCH_SIZE", "0")], &[]).unwrap_err();
+        assert_eq!(err, "invalid decode setting `max_batch_size` (from environment variable DUPLEX_DECODE_MAX_BATCH_SIZE): must be at least 1");
+        let err = resolve_env("[decode]\ndevice = \"tpu\"\n", &[], &[]).unwrap_err();
+        assert!(err.starts_with("device: ") && err.contains("\"tpu\"") && err.contains("(from config file ") && err.ends_with("duplex.toml)"), "{err}");
+        let err = resolve_env("", &[], &["--dtype", "f16"]).unwrap_err();
+        assert!(err.starts_with("dtype: ") && err.ends_with("(from flag --dtype)"), "{err}");
     }
 
     #[test]

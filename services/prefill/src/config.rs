@@ -1,6 +1,8 @@
 //! The prefill worker's settings: defaults, the `[prefill]` section of the
-//! TOML config file, then command-line flags.
+//! TOML config file, `DUPLEX_PREFILL_*` environment variables, then
+//! command-line flags (`duplex_telemetry::config`).
 
+use duplex_telemetry::config::Layers;
 use serde::{Deserialize, Serialize};
 use std::path::PathBuf;
 
@@ -126,12 +128,14 @@ impl Default for PrefillConfig {
     }
 }
 
-/// Command-line flags: each overrides the config file, which overrides the
-/// defaults.
-#[derive(Clone, Debug, Default, clap::Args)]
+/// Command-line flags: each overrides the environment, which overrides the
+/// config file, which overrides the defaults. Serialized, the flags given
+/// are the top layer of the settings.
+#[derive(Clone, Debug, Default, clap::Args, Serialize)]
 pub struct PrefillArgs {
-    /// TOML config file; its `[prefill]` section applies here.
+    /// TOML config file; its `[prefill]` section applies here. Environment variables DUPLEX_PREFILL_<KEY> (DUPLEX_PREFILL_THREADS) override it, flags override both.
     #[arg(long)]
+    #[serde(skip)]
     pub config: Option<PathBuf>,
     /// Checkpoint directory [default: the bundled tiny model].
     #[arg(long)]
@@ -196,33 +200,31 @@ pub struct PrefillArgs {
 }
 
 impl PrefillArgs {
+    /// The settings from every source (see `duplex_telemetry::config`), checked.
     pub fn resolve(self) -> anyhow::Result<PrefillConfig> {
-        let mut c: PrefillConfig = match &self.config {
-            Some(path) => duplex_telemetry::process::load_section(path, "prefill")?,
-            None => PrefillConfig::default(),
-        };
-        macro_rules! take {
-            ($($field:ident),*) => { $(if let Some(v) = self.$field { c.$field = v; })* };
+        let layers = Layers::new::<PrefillConfig>("prefill").file(self.config.as_deref())?.env(&[])?;
+        self.resolve_with(layers)
+    }
+
+    /// `resolve` with the file and environment layers given.
+    fn resolve_with(self, layers: Layers) -> anyhow::Result<PrefillConfig> {
+        let layers = layers.flags(&self);
+        let c: PrefillConfig = layers.extract()?;
+        // Each check's error names its key; where the value came from follows.
+        let check = |key: &str, result: anyhow::Result<()>| result.map_err(|e| anyhow::anyhow!("{e} (from {})", layers.source_of(key)));
+        for (key, value) in [("chunk_tokens", c.chunk_tokens), ("dense_budget_mib", c.dense_budget_mib), ("slp_threshold_tokens", c.slp_threshold_tokens)] {
+            if value == 0 {
+                return Err(layers.invalid(key, "must be at least 1").into());
+            }
         }
-        if let Some(path) = self.unix_socket {
-            c.unix_socket = Some(path);
-        }
-        take!(model, host, port, metrics_port, shm_dir, instance, chunk_tokens, dtype, threads, numa_nodes, cores);
-        take!(device, slp_threshold_tokens, device_memory_mib, cuda_device, emulated_h2d_gb_per_s, ring_slots, ring_turning_point_tokens, dense_budget_mib);
-        if c.chunk_tokens == 0 {
-            anyhow::bail!("chunk_tokens must be at least 1");
-        }
-        c.precision()?;
-        c.device_kind()?;
-        c.core_list()?;
+        check("dtype", c.precision().map(drop))?;
+        check("device", c.device_kind().map(drop))?;
+        check("cores", c.core_list().map(drop))?;
         if c.ring_slots == 1 {
-            anyhow::bail!("ring_slots must be 0 (adaptive) or at least 2");
+            return Err(layers.invalid("ring_slots", "must be 0 (adaptive) or at least 2").into());
         }
         if !(c.emulated_h2d_gb_per_s.is_finite() && c.emulated_h2d_gb_per_s >= 0.0) {
-            anyhow::bail!("emulated_h2d_gb_per_s must be a non-negative number, got {}", c.emulated_h2d_gb_per_s);
-        }
-        if c.dense_budget_mib == 0 || c.slp_threshold_tokens == 0 {
-            anyhow::bail!("dense_budget_mib and slp_threshold_tokens must be at least 1");
+            return Err(layers.invalid("emulated_h2d_gb_per_s", format!("must be a non-negative number, got {}", c.emulated_h2d_gb_per_s)).into());
         }
         Ok(c)
     }
@@ -239,6 +241,49 @@ mod tests {
         for key in keys.keys() {
             assert!(readme.contains(&format!("`{key}`")), "README.md does not document `{key}`");
         }
+    }
+
+    /// `PrefillArgs` parsed from a command line, with `toml` as the config
+    /// file and `vars` as the environment (not the test runner's).
+    fn resolve_env(toml: &str, vars: &[(&str, &str)], flags: &[&str]) -> Result<PrefillConfig, String> {
+        use clap::Parser;
+        #[derive(clap::Parser)]
+        struct Cli {
+            #[command(flatten)]
+            args: PrefillArgs,
+        }
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("duplex.toml");
+        std::fs::write(&path, toml).unwrap();
+        let args = Cli::parse_from(["duplex-prefill"].into_iter().chain(flags.iter().copied())).args;
+        let vars = vars.iter().map(|(k, v)| (k.to_string(), v.to_string()));
+        let layers = Layers::new::<PrefillConfig>("prefill").file(Some(&path)).map_err(|e| e.to_string())?.env_from(vars, &[]);
+        args.resolve_with(layers).map_err(|e| format!("{e:#}"))
+    }
+
+    #[test]
+    fn defaults_then_file_then_environment_then_flags() {
+        assert_eq!(resolve_env("", &[], &[]).unwrap(), PrefillConfig::default());
+        let file = "[prefill]\nchunk_tokens = 128\ndevice = \"cpu\"\nemulated_h2d_gb_per_s = 12.5\n[decode]\nthreads = 1\n";
+        let c = resolve_env(file, &[], &[]).unwrap();
+        assert_eq!((c.chunk_tokens, c.device.as_str(), c.emulated_h2d_gb_per_s), (128, "cpu", 12.5));
+        let env = [("DUPLEX_PREFILL_CHUNK_TOKENS", "64"), ("DUPLEX_PREFILL_EMULATED_H2D_GB_PER_S", "0"), ("DUPLEX_DECODE_CHUNK_TOKENS", "x")];
+        let c = resolve_env(file, &env, &[]).unwrap();
+        assert_eq!((c.chunk_tokens, c.device.as_str(), c.emulated_h2d_gb_per_s), (64, "cpu", 0.0));
+        let c = resolve_env(file, &env, &["--chunk-tokens", "32", "--device", "emulated"]).unwrap();
+        assert_eq!((c.chunk_tokens, c.device.as_str(), c.emulated_h2d_gb_per_s), (32, "emulated", 0.0));
+    }
+
+    #[test]
+    fn errors_name_the_key_and_where_its_value_came_from() {
+        let err = resolve_env("[prefill]\nring_slots = -1\n", &[], &[]).unwrap_err();
+        assert!(err.contains("`prefill.ring_slots` from config file") && err.contains("duplex.toml"), "{err}");
+        let err = resolve_env("", &[("DUPLEX_PREFILL_RING_SLOTS", "1")], &[]).unwrap_err();
+        assert_eq!(err, "invalid prefill setting `ring_slots` (from environment variable DUPLEX_PREFILL_RING_SLOTS): must be 0 (adaptive) or at least 2");
+        let err = resolve_env("", &[], &["--chunk-tokens", "0"]).unwrap_err();
+        assert_eq!(err, "invalid prefill setting `chunk_tokens` (from flag --chunk-tokens): must be at least 1");
+        let err = resolve_env("", &[("DUPLEX_PREFILL_SLP_THRESHOLD", "4")], &[]).unwrap_err();
+        assert!(err.contains("DUPLEX_PREFILL_SLP_THRESHOLD") && err.contains("unknown field"), "{err}");
     }
 
     #[test]

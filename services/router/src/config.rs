@@ -1,6 +1,8 @@
 //! The router's settings: defaults, the `[router]` section of the TOML
-//! config file, then command-line flags.
+//! config file, `DUPLEX_ROUTER_*` environment variables, then command-line
+//! flags (`duplex_telemetry::config`).
 
+use duplex_telemetry::config::Layers;
 use serde::{Deserialize, Serialize};
 use std::path::PathBuf;
 use std::time::Duration;
@@ -50,6 +52,10 @@ pub struct RouterConfig {
     /// Health reports NOT_SERVING when the decode worker has work but has
     /// made no progress (no step, no blocks granted) for this long.
     pub stall_timeout_seconds: f64,
+    /// Browser origins (`https://app.example.com`) allowed to call `/v1/*`
+    /// across origins (CORS); `["*"]`: any. Empty: no CORS headers, so
+    /// browsers allow same-origin calls only.
+    pub cors_allowed_origins: Vec<String>,
 }
 
 impl Default for RouterConfig {
@@ -73,21 +79,33 @@ impl Default for RouterConfig {
             idle_timeout_seconds: 30.0,
             kv_wait_timeout_seconds: 600.0,
             stall_timeout_seconds: 60.0,
+            cors_allowed_origins: Vec::new(),
         }
     }
 }
 
-/// A setting out of range.
+/// A setting out of range: which, and why.
 #[derive(Debug, thiserror::Error)]
-#[error("invalid router setting: {0}")]
-pub struct ConfigError(String);
+#[error("invalid router setting `{key}`: {message}")]
+pub struct ConfigError {
+    pub key: &'static str,
+    pub message: String,
+}
 
-/// Command-line flags: each overrides the config file, which overrides the
-/// defaults.
-#[derive(Clone, Debug, Default, clap::Args)]
+impl ConfigError {
+    fn new(key: &'static str, message: impl Into<String>) -> Self {
+        ConfigError { key, message: message.into() }
+    }
+}
+
+/// Command-line flags: each overrides the environment, which overrides the
+/// config file, which overrides the defaults. Serialized, the flags given
+/// are the top layer of the settings.
+#[derive(Clone, Debug, Default, clap::Args, Serialize)]
 pub struct RouterArgs {
-    /// TOML config file; its `[router]` section applies here.
+    /// TOML config file; its `[router]` section applies here. Environment variables DUPLEX_ROUTER_<KEY> (DUPLEX_ROUTER_HTTP_PORT) override it, flags override both.
     #[arg(long)]
+    #[serde(skip)]
     pub config: Option<PathBuf>,
     /// The model: a Hugging Face directory or a GGUF model (file, or a directory holding one) [default: the bundled tiny model].
     #[arg(long)]
@@ -126,7 +144,7 @@ pub struct RouterArgs {
     #[arg(long)]
     pub prefill_timeout_seconds: Option<f64>,
     /// Key clients must send (Authorization: Bearer <key>; gRPC `authorization` metadata)
-    /// [default: $DUPLEX_API_KEY, else none].
+    /// [default: $DUPLEX_ROUTER_API_KEY or $DUPLEX_API_KEY, else none].
     #[arg(long)]
     pub api_key: Option<String>,
     /// Largest request body / gRPC message, in bytes [default: 8388608].
@@ -144,36 +162,30 @@ pub struct RouterArgs {
     /// NOT_SERVING after this many seconds of work without progress [default: 60].
     #[arg(long)]
     pub stall_timeout_seconds: Option<f64>,
+    /// Browser origins allowed to call /v1/* (CORS), comma-separated; * for any [default: none].
+    #[arg(long, value_delimiter = ',')]
+    pub cors_allowed_origins: Option<Vec<String>>,
 }
 
 impl RouterArgs {
+    /// The settings from every source (see `duplex_telemetry::config`),
+    /// checked; `DUPLEX_API_KEY` is an older name of `DUPLEX_ROUTER_API_KEY`.
     pub fn resolve(self) -> anyhow::Result<RouterConfig> {
-        self.resolve_with(std::env::var("DUPLEX_API_KEY").ok())
+        let layers = Layers::new::<RouterConfig>("router").file(self.config.as_deref())?.env(API_KEY_ALIAS)?;
+        self.resolve_with(layers)
     }
 
-    /// `resolve`, with the value of `DUPLEX_API_KEY` given.
-    fn resolve_with(self, env_api_key: Option<String>) -> anyhow::Result<RouterConfig> {
-        let mut c: RouterConfig = match &self.config {
-            Some(path) => duplex_telemetry::process::load_section(path, "router")?,
-            None => RouterConfig::default(),
-        };
-        macro_rules! take {
-            ($($field:ident),*) => { $(if let Some(v) = self.$field { c.$field = v; })* };
-        }
-        take!(model, host, http_port, grpc_port, decode_worker, prefill_worker, prefill_threshold_tokens, max_pending_requests, default_max_tokens, worker_timeout_seconds, prefill_timeout_seconds, kv_wait_timeout_seconds, stall_timeout_seconds);
-        if self.served_model_name.is_some() {
-            c.served_model_name = self.served_model_name;
-        }
-        take!(max_request_body_bytes, max_connections, idle_timeout_seconds);
-        // The flag, else the environment (which keeps the key out of `ps`),
-        // else the config file.
-        if let Some(key) = self.api_key.or(env_api_key) {
-            c.api_key = Some(key);
-        }
-        c.validate()?;
-        Ok(c)
+    /// `resolve` with the file and environment layers given.
+    fn resolve_with(self, layers: Layers) -> anyhow::Result<RouterConfig> {
+        let layers = layers.flags(&self);
+        let config: RouterConfig = layers.extract()?;
+        config.validate().map_err(|e| layers.invalid(e.key, e.message))?;
+        Ok(config)
     }
 }
+
+/// The API key's variable from before there was one per key.
+const API_KEY_ALIAS: &[(&str, &str)] = &[("DUPLEX_API_KEY", "api_key")];
 
 impl RouterConfig {
     /// The model name clients must use (or may leave out).
@@ -189,11 +201,11 @@ impl RouterConfig {
 
     /// Rejects values that would make the router misbehave rather than fail.
     pub fn validate(&self) -> Result<(), ConfigError> {
-        let positive = |name: &str, v: f64| {
+        let positive = |key: &'static str, v: f64| {
             if v.is_finite() && v > 0.0 {
                 Ok(())
             } else {
-                Err(ConfigError(format!("{name} must be a positive number of seconds, got {v}")))
+                Err(ConfigError::new(key, format!("must be a positive number of seconds, got {v}")))
             }
         };
         positive("worker_timeout_seconds", self.worker_timeout_seconds)?;
@@ -202,20 +214,21 @@ impl RouterConfig {
         positive("stall_timeout_seconds", self.stall_timeout_seconds)?;
         positive("idle_timeout_seconds", self.idle_timeout_seconds)?;
         if self.api_key.as_deref().is_some_and(|k| k.trim().is_empty()) {
-            return Err(ConfigError("api_key must not be empty (leave it unset for no key)".into()));
+            return Err(ConfigError::new("api_key", "must not be empty (leave it unset for no key)"));
         }
         if self.max_request_body_bytes < 1024 {
-            return Err(ConfigError(format!("max_request_body_bytes must be at least 1024, got {}", self.max_request_body_bytes)));
+            return Err(ConfigError::new("max_request_body_bytes", format!("must be at least 1024, got {}", self.max_request_body_bytes)));
         }
         if self.max_connections == 0 {
-            return Err(ConfigError("max_connections must be at least 1".into()));
+            return Err(ConfigError::new("max_connections", "must be at least 1"));
         }
         if self.max_pending_requests == 0 {
-            return Err(ConfigError("max_pending_requests must be at least 1".into()));
+            return Err(ConfigError::new("max_pending_requests", "must be at least 1"));
         }
         if self.default_max_tokens == 0 {
-            return Err(ConfigError("default_max_tokens must be at least 1".into()));
+            return Err(ConfigError::new("default_max_tokens", "must be at least 1"));
         }
+        check_origins(&self.cors_allowed_origins).map_err(|m| ConfigError::new("cors_allowed_origins", m))?;
         Ok(())
     }
 
@@ -238,6 +251,27 @@ impl RouterConfig {
     pub fn stall_timeout(&self) -> Duration {
         Duration::from_secs_f64(self.stall_timeout_seconds)
     }
+}
+
+/// CORS origins are compared with the browser's `Origin` header byte for
+/// byte, so each must be written as browsers send it: `scheme://host[:port]`,
+/// no path, no trailing slash. `*` (any origin) stands alone.
+fn check_origins(origins: &[String]) -> Result<(), String> {
+    if origins.iter().any(|o| o == "*") {
+        return match origins.len() {
+            1 => Ok(()),
+            _ => Err("\"*\" allows every origin and must be the only entry".into()),
+        };
+    }
+    for origin in origins {
+        let Some((scheme, host)) = origin.split_once("://") else {
+            return Err(format!("{origin:?} is not an origin: expected scheme://host[:port], e.g. https://app.example.com"));
+        };
+        if scheme.is_empty() || host.is_empty() || host.contains('/') || !origin.is_ascii() || origin.chars().any(|c| c.is_ascii_whitespace() || c.is_ascii_control()) {
+            return Err(format!("{origin:?} is not an origin: expected scheme://host[:port] with no path or trailing slash, e.g. https://app.example.com"));
+        }
+    }
+    Ok(())
 }
 
 #[cfg(test)]
@@ -265,8 +299,9 @@ mod tests {
         }
     }
 
-    /// `RouterArgs` parsed from a command line, with `toml` as the config file.
-    fn resolve(toml: &str, flags: &[&str]) -> Result<RouterConfig, String> {
+    /// `RouterArgs` parsed from a command line, with `toml` as the config
+    /// file and `vars` as the environment (not the test runner's).
+    fn resolve_env(toml: &str, vars: &[(&str, &str)], flags: &[&str]) -> Result<RouterConfig, String> {
         use clap::Parser;
         #[derive(clap::Parser)]
         struct Cli {
@@ -277,8 +312,14 @@ mod tests {
         let path = dir.path().join("duplex.toml");
         std::fs::write(&path, toml).unwrap();
         let argv = ["duplex-router", "--config", path.to_str().unwrap()].into_iter().chain(flags.iter().copied());
-        // Independent of the test runner's environment.
-        Cli::parse_from(argv).args.resolve_with(None).map_err(|e| format!("{e:#}"))
+        let args = Cli::parse_from(argv).args;
+        let vars = vars.iter().map(|(k, v)| (k.to_string(), v.to_string()));
+        let layers = Layers::new::<RouterConfig>("router").file(Some(&path)).map_err(|e| e.to_string())?.env_from(vars, API_KEY_ALIAS);
+        args.resolve_with(layers).map_err(|e| format!("{e:#}"))
+    }
+
+    fn resolve(toml: &str, flags: &[&str]) -> Result<RouterConfig, String> {
+        resolve_env(toml, &[], flags)
     }
 
     #[test]
@@ -297,22 +338,56 @@ mod tests {
     }
 
     #[test]
+    fn environment_overrides_the_file_and_flags_the_environment() {
+        let file = "[router]\nhttp_port = 9000\nworker_timeout_seconds = 5\n";
+        let env = [("DUPLEX_ROUTER_HTTP_PORT", "9200"), ("DUPLEX_ROUTER_WORKER_TIMEOUT_SECONDS", "2.5"), ("DUPLEX_DECODE_PORT", "1")];
+        let c = resolve_env(file, &env, &[]).unwrap();
+        assert_eq!((c.http_port, c.worker_timeout()), (9200, Duration::from_millis(2500)));
+        let c = resolve_env(file, &env, &["--http-port", "9300"]).unwrap();
+        assert_eq!((c.http_port, c.worker_timeout()), (9300, Duration::from_millis(2500)));
+        let c = resolve_env("", &[("DUPLEX_ROUTER_SERVED_MODEL_NAME", "42")], &[]).unwrap();
+        assert_eq!(c.served_model_name(), "42");
+        // Out of range, the error says where the value came from.
+        let err = resolve_env(file, &[("DUPLEX_ROUTER_MAX_CONNECTIONS", "0")], &[]).unwrap_err();
+        assert!(err.contains("`max_connections`") && err.contains("environment variable DUPLEX_ROUTER_MAX_CONNECTIONS"), "{err}");
+        let err = resolve_env("[router]\nmax_connections = 0\n", &[], &[]).unwrap_err();
+        assert!(err.contains("`max_connections`") && err.contains("duplex.toml"), "{err}");
+        let err = resolve_env("", &[("DUPLEX_ROUTER_HTTP_PORT", "eighty")], &[]).unwrap_err();
+        assert!(err.contains("`router.http_port` from environment variable DUPLEX_ROUTER_HTTP_PORT") && err.contains("invalid type"), "{err}");
+        let err = resolve_env("", &[("DUPLEX_ROUTER_HTTP_PROT", "1")], &[]).unwrap_err();
+        assert!(err.contains("DUPLEX_ROUTER_HTTP_PROT") && err.contains("unknown field"), "{err}");
+    }
+
+    #[test]
     fn api_key_from_flag_then_environment_then_file() {
-        use clap::Parser;
-        #[derive(clap::Parser)]
-        struct Cli {
-            #[command(flatten)]
-            args: RouterArgs,
-        }
-        let parse = |flags: &[&str]| Cli::parse_from(["duplex-router"].into_iter().chain(flags.iter().copied())).args;
-        assert_eq!(parse(&[]).resolve_with(None).unwrap().api_key, None);
-        assert_eq!(parse(&[]).resolve_with(Some("env".into())).unwrap().api_key.as_deref(), Some("env"));
-        assert_eq!(parse(&["--api-key", "flag"]).resolve_with(Some("env".into())).unwrap().api_key.as_deref(), Some("flag"));
-        assert!(parse(&["--api-key", " "]).resolve_with(None).is_err());
+        assert_eq!(resolve_env("", &[], &[]).unwrap().api_key, None);
+        assert_eq!(resolve_env("", &[("DUPLEX_API_KEY", "env")], &[]).unwrap().api_key.as_deref(), Some("env"));
+        assert_eq!(resolve_env("", &[("DUPLEX_API_KEY", "env")], &["--api-key", "flag"]).unwrap().api_key.as_deref(), Some("flag"));
+        let both = [("DUPLEX_API_KEY", "old"), ("DUPLEX_ROUTER_API_KEY", "new")];
+        assert_eq!(resolve_env("", &both, &[]).unwrap().api_key.as_deref(), Some("new"));
+        assert_eq!(resolve_env("[router]\napi_key = \"file\"\n", &[("DUPLEX_API_KEY", "env")], &[]).unwrap().api_key.as_deref(), Some("env"));
+        let err = resolve_env("", &[], &["--api-key", " "]).unwrap_err();
+        assert!(err.contains("`api_key`") && err.contains("flag --api-key"), "{err}");
         let c = resolve("[router]\napi_key = \"file\"\nmax_connections = 3\n", &["--idle-timeout-seconds", "2"]).unwrap();
         assert_eq!((c.max_connections, c.idle_timeout()), (3, Duration::from_secs(2)));
         assert_eq!(c.api_key.as_deref(), Some("file"));
         assert!(resolve("", &["--max-connections", "0"]).unwrap_err().contains("max_connections"));
+    }
+
+    #[test]
+    fn cors_origins_from_every_source_and_checked() {
+        assert_eq!(resolve("", &[]).unwrap().cors_allowed_origins, Vec::<String>::new());
+        let c = resolve("[router]\ncors_allowed_origins = [\"https://a.example\", \"http://localhost:3000\"]\n", &[]).unwrap();
+        assert_eq!(c.cors_allowed_origins, ["https://a.example", "http://localhost:3000"]);
+        let c = resolve_env("", &[("DUPLEX_ROUTER_CORS_ALLOWED_ORIGINS", "https://a.example,https://b.example")], &[]).unwrap();
+        assert_eq!(c.cors_allowed_origins, ["https://a.example", "https://b.example"]);
+        let c = resolve("", &["--cors-allowed-origins", "https://c.example,https://d.example"]).unwrap();
+        assert_eq!(c.cors_allowed_origins, ["https://c.example", "https://d.example"]);
+        assert_eq!(resolve("", &["--cors-allowed-origins", "*"]).unwrap().cors_allowed_origins, ["*"]);
+        for bad in ["https://a.example/", "a.example", "https://a.example/app", "*,https://a.example", "https://a example"] {
+            let err = resolve("", &["--cors-allowed-origins", bad]).unwrap_err();
+            assert!(err.contains("`cors_allowed_origins`") && err.contains("flag --cors-allowed-origins"), "{bad}: {err}");
+        }
     }
 
     #[test]

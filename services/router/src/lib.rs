@@ -67,9 +67,10 @@ pub async fn serve(config: RouterConfig, http: TcpListener, grpc: TcpListener, s
     health.set_not_serving::<GenerationServer<GrpcApi>>().await;
     let _poller = AbortOnDrop(router.workers.clone().spawn_poller(health));
     let _upkeep = AbortOnDrop(tokio::spawn(upkeep(metrics.clone())));
-    let reflection = tonic_reflection::server::Builder::configure()
-        .register_file_descriptor_set(public_descriptors()?)
-        .build_v1()?;
+    // Both versions of reflection: grpcurl and grpcui speak v1, Python's
+    // grpcio-reflection and older clients only v1alpha.
+    let reflection = reflection_builder()?.build_v1()?;
+    let reflection_v1alpha = reflection_builder()?.build_v1alpha()?;
 
     let api_key = api::ApiKey::new(config.api_key.as_deref());
     let grpc_key = api_key.clone();
@@ -96,9 +97,11 @@ pub async fn serve(config: RouterConfig, http: TcpListener, grpc: TcpListener, s
         .layer(tower::util::MapResponseLayer::new(oversize_is_resource_exhausted))
         .add_service(health_service)
         .add_service(reflection)
+        .add_service(reflection_v1alpha)
         .add_service(tonic::service::interceptor::InterceptedService::new(generation, authorize))
         .serve_with_incoming_shutdown(listener::incoming(Acceptor::new(grpc, config.max_connections, 0, idle)), shutdown.clone());
-    let app = api::openai::routes(router, metrics, api_key, config.max_request_body_bytes);
+    let cors = api::cors(&config.cors_allowed_origins).map_err(anyhow::Error::msg)?;
+    let app = api::openai::routes(router, metrics, api_key, config.max_request_body_bytes, cors);
     let http_acceptor = Acceptor::new(http, config.max_connections, listener::RESERVE_CONNECTIONS, idle);
     let http_server = listener::serve_http(http_acceptor, app, idle, shutdown);
     tokio::try_join!(async { grpc_server.await.context("gRPC server failed") }, async {
@@ -106,6 +109,16 @@ pub async fn serve(config: RouterConfig, http: TcpListener, grpc: TcpListener, s
         Ok(())
     },)?;
     Ok(())
+}
+
+/// Reflection over the public API and both reflection services, whichever
+/// version a client asks.
+fn reflection_builder() -> anyhow::Result<tonic_reflection::server::Builder<'static>> {
+    Ok(tonic_reflection::server::Builder::configure()
+        .register_file_descriptor_set(public_descriptors()?)
+        .register_encoded_file_descriptor_set(tonic_reflection::pb::v1::FILE_DESCRIPTOR_SET)
+        .register_encoded_file_descriptor_set(tonic_reflection::pb::v1alpha::FILE_DESCRIPTOR_SET)
+        .include_reflection_service(false))
 }
 
 /// The descriptors that reflection shows: the public API only, not the

@@ -1,13 +1,14 @@
 //! duplex-telemetry: the metric names of every Duplex process, their help
 //! texts and histogram buckets, the Prometheus exporter, logging, and the
-//! rest of the set-up every process shares ([`process`]: config file
-//! sections, shutdown signals).
+//! rest of the set-up every process shares ([`config`]: where its settings
+//! come from; [`process`]: shutdown signals, listeners).
 //!
 //! Names follow vLLM where one exists (`time_to_first_token_seconds`,
 //! `time_per_output_token_seconds`, `num_requests_running`), so dashboards
 //! built for vLLM read naturally. Dashboards and tests import [`ALL`] rather
 //! than retyping names.
 
+pub mod config;
 pub mod process;
 pub mod progress;
 

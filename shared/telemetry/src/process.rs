@@ -1,34 +1,7 @@
-//! Set-up every Duplex process shares: its section of the TOML config file,
-//! and the signals that shut it down.
+//! Set-up every Duplex process shares: its listeners, and the signals that
+//! shut it down. (Its settings: [`crate::config`].)
 
-use serde::de::DeserializeOwned;
 use std::path::Path;
-
-#[derive(Debug, thiserror::Error)]
-pub enum ConfigFileError {
-    #[error("cannot read config file {path}: {source}")]
-    Io { path: String, source: std::io::Error },
-    #[error("config file {path}: {message}")]
-    Invalid { path: String, message: String },
-}
-
-/// Read section `[section]` of the TOML file at `path` into `T` (missing
-/// section: `T::default()`). Unknown keys are errors when `T` denies them,
-/// and every error names the file and the key.
-pub fn load_section<T: DeserializeOwned + Default>(path: &Path, section: &str) -> Result<T, ConfigFileError> {
-    let shown = path.display().to_string();
-    let text = std::fs::read_to_string(path).map_err(|source| ConfigFileError::Io { path: shown.clone(), source })?;
-    let invalid = |message: String| ConfigFileError::Invalid { path: shown.clone(), message };
-    let mut table: toml::Table = toml::from_str(&text).map_err(|e| invalid(e.to_string()))?;
-    let known = ["router", "prefill", "decode"];
-    if let Some(other) = table.keys().find(|k| !known.contains(&k.as_str())) {
-        return Err(invalid(format!("unknown section [{other}]; expected one of {known:?}")));
-    }
-    match table.remove(section) {
-        None => Ok(T::default()),
-        Some(value) => value.try_into().map_err(|e: toml::de::Error| invalid(format!("[{section}]: {e}"))),
-    }
-}
 
 #[derive(Debug, thiserror::Error)]
 pub enum StartError {
@@ -133,35 +106,4 @@ pub async fn shutdown_signal() {
     }
     #[cfg(not(unix))]
     let _ = ctrl_c.await;
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[derive(Debug, Default, PartialEq, serde::Deserialize)]
-    #[serde(default, deny_unknown_fields)]
-    struct Section {
-        port: u16,
-        name: String,
-    }
-
-    #[test]
-    fn sections_and_errors() {
-        let dir = std::env::temp_dir().join(format!("duplex-config-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        let file = dir.join("c.toml");
-        std::fs::write(&file, "[decode]\nport = 7\n[router]\nname = \"x\"\n").unwrap();
-        assert_eq!(load_section::<Section>(&file, "decode").unwrap(), Section { port: 7, name: String::new() });
-        assert_eq!(load_section::<Section>(&file, "prefill").unwrap(), Section::default());
-        std::fs::write(&file, "[decode]\nprot = 7\n").unwrap();
-        let e = load_section::<Section>(&file, "decode").unwrap_err().to_string();
-        assert!(e.contains("prot") && e.contains("c.toml"), "{e}");
-        std::fs::write(&file, "[decoder]\nport = 7\n").unwrap();
-        assert!(load_section::<Section>(&file, "decode").unwrap_err().to_string().contains("[decoder]"));
-        std::fs::write(&file, "[decode]\nport = \"x\"\n").unwrap();
-        assert!(load_section::<Section>(&file, "decode").unwrap_err().to_string().contains("port"));
-        assert!(load_section::<Section>(&dir.join("missing.toml"), "decode").is_err());
-        std::fs::remove_dir_all(&dir).unwrap();
-    }
 }

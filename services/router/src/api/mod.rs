@@ -1,6 +1,7 @@
 //! The two front doors. Both turn their requests into one
 //! `GenerationRequest` and stream the router's events back in their own shape.
-//! What they share: tokenizing off the async threads, and the API key.
+//! What they share: tokenizing off the async threads, the API key, and the
+//! HTTP API's CORS policy.
 
 pub mod access_log;
 pub mod grpc;
@@ -11,7 +12,9 @@ pub mod openai_response;
 use crate::error::Error;
 use crate::generate::Router;
 use crate::request::{Prompt, ServedModel};
+use axum::http::{HeaderValue, Method};
 use std::sync::Arc;
+use tower_http::cors::{AllowHeaders, AllowOrigin, CorsLayer};
 
 /// Above this much text, the allocator is asked to give memory back after
 /// tokenizing: the tokenizer's scratch memory is ~100x the text and would
@@ -82,6 +85,31 @@ impl ApiKey {
             Some(_) => Err(Error::Unauthenticated("the API key is not valid".into())),
         }
     }
+}
+
+/// The CORS policy of `/v1/*` for `origins` (`cors_allowed_origins`, as
+/// `RouterConfig::validate` checks them): none when empty, so responses carry
+/// no CORS headers. Preflights are answered before the API key is checked;
+/// the headers a preflight asks for are allowed (`Authorization`, and the
+/// `x-stainless-*` headers of OpenAI's JavaScript client), and browsers may
+/// cache the answer for an hour.
+pub fn cors(origins: &[String]) -> Result<Option<CorsLayer>, String> {
+    if origins.is_empty() {
+        return Ok(None);
+    }
+    let allow_origin = if origins.iter().any(|o| o == "*") {
+        AllowOrigin::any()
+    } else {
+        let values = origins.iter().map(|o| HeaderValue::from_str(o).map_err(|_| format!("cors_allowed_origins: {o:?} is not a valid header value")));
+        AllowOrigin::list(values.collect::<Result<Vec<_>, _>>()?)
+    };
+    Ok(Some(
+        CorsLayer::new()
+            .allow_origin(allow_origin)
+            .allow_methods([Method::GET, Method::POST])
+            .allow_headers(AllowHeaders::mirror_request())
+            .max_age(std::time::Duration::from_secs(3600)),
+    ))
 }
 
 /// Equality that takes as long wherever the first difference is.

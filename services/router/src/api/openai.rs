@@ -47,7 +47,7 @@ struct App {
 /// The HTTP API. `api_key`: what `/v1/*` requires (`/health` and
 /// `/metrics` stay open, for probes and scrapers). `max_body_bytes`: larger
 /// bodies get 413 without being read.
-pub fn routes(router: Arc<Router>, metrics: PrometheusHandle, api_key: ApiKey, max_body_bytes: usize) -> axum::Router {
+pub fn routes(router: Arc<Router>, metrics: PrometheusHandle, api_key: ApiKey, max_body_bytes: usize, cors: Option<tower_http::cors::CorsLayer>) -> axum::Router {
     let app = App { router, metrics, started: unix_now() };
     let api = axum::Router::new()
         .route("/v1/completions", post(completions))
@@ -55,6 +55,11 @@ pub fn routes(router: Arc<Router>, metrics: PrometheusHandle, api_key: ApiKey, m
         .route("/v1/models", get(models))
         .fallback(|| async { ApiError::new(StatusCode::NOT_FOUND, "invalid_request_error", "no such endpoint") })
         .layer(axum::middleware::from_fn_with_state(api_key, authorize));
+    // Outside the key check: a browser's preflight carries no key.
+    let api = match cors {
+        Some(cors) => api.layer(cors),
+        None => api,
+    };
     axum::Router::new()
         .route("/health", get(health))
         .route("/metrics", get(metrics_text))
