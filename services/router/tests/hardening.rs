@@ -105,26 +105,28 @@ async fn roles_developer_is_system_and_unknown_roles_are_named() {
 }
 
 #[tokio::test]
-async fn tools_and_response_format_are_refused_not_ignored() {
+async fn tools_are_refused_and_response_formats_checked() {
     let router = start(MockConfig::default(), |_| {}).await;
     let messages = json!([{"role": "user", "content": "weather?"}]);
     let tool = json!({"type": "function", "function": {"name": "weather", "parameters": {"type": "object"}}});
     let cases = [
-        (json!({"messages": messages, "tools": [tool]}), "tools"),
-        (json!({"messages": messages, "tool_choice": "required"}), "tool_choice"),
-        (json!({"messages": messages, "response_format": {"type": "json_schema", "json_schema": {"name": "w", "schema": {}}}}), "response_format"),
-        (json!({"messages": messages, "response_format": {"type": "json_object"}}), "response_format"),
+        (json!({"messages": messages, "tools": [tool]}), "tools", "not supported"),
+        (json!({"messages": messages, "tool_choice": "required"}), "tool_choice", "not supported"),
+        (json!({"messages": messages, "response_format": {"type": "json_schema", "json_schema": {"name": "w", "schema": {"type": "frobnicate"}}}}), "response_format", "frobnicate"),
+        (json!({"messages": messages, "response_format": {"type": "json_schema", "json_schema": {"name": "w"}}}), "response_format", "schema"),
+        (json!({"messages": messages, "response_format": {"type": "yaml"}}), "response_format.type", "yaml"),
     ];
-    for (body, param) in cases {
+    for (body, param, needle) in cases {
         let (status, err) = json_of(router.post("/v1/chat/completions", body).await).await;
         assert_eq!((status, err["error"]["param"].as_str()), (400, Some(param)), "{err}");
-        assert!(err["error"]["message"].as_str().unwrap().contains("not supported"), "{err}");
+        assert!(err["error"]["message"].as_str().unwrap().contains(needle), "{err}");
     }
-    let (status, err) = json_of(router.post("/v1/completions", json!({"prompt": "x", "response_format": {"type": "json_object"}})).await).await;
-    assert_eq!(status, 400, "{err}");
-    // The defaults clients send anyway are fine.
+    assert_eq!(router.mock.record().decodes.len(), 0, "refused requests reach no worker");
+    // The defaults clients send anyway are fine, and so are JSON formats.
     let fine = json!({"messages": messages, "max_tokens": 1, "tools": [], "tool_choice": "none", "response_format": {"type": "text"}});
     assert_eq!(router.post("/v1/chat/completions", fine).await.status(), 200);
+    let json_object = json!({"prompt": "x", "max_tokens": 1, "response_format": {"type": "json_object"}});
+    assert_eq!(router.post("/v1/completions", json_object).await.status(), 200);
 }
 
 #[tokio::test]
