@@ -38,7 +38,8 @@ use duplex_model::model::ForwardError;
 use duplex_model::sampling::{Sampler, SamplingParams};
 use duplex_model::{BlockTable, Precision, SeqInput};
 use duplex_proto::stats::StatsCell;
-use duplex_proto::worker::{decode_event, DecodeEvent, DecodeFinished, KvLease, SampledToken as WireToken};
+use duplex_proto::worker::{DecodeEvent, KvLease, SampledToken as WireToken};
+use duplex_text::{FinishReason, FinishRule};
 use duplex_telemetry as names;
 use std::collections::{HashSet, VecDeque};
 use std::sync::Arc;
@@ -98,8 +99,8 @@ struct Sequence {
     /// first runs until it leaves.
     device: Option<DeviceSeq>,
     sampler: Sampler,
-    max_tokens: usize,
-    stop_token_ids: HashSet<u32>,
+    /// When its latest token is its last.
+    finish: FinishRule,
     events: EventSender,
     arrived: Instant,
     /// When it first took part in a step.
@@ -174,15 +175,9 @@ impl Sequence {
     }
 
     /// Why the sequence is done after its latest token, if it is.
-    fn finish_reason(&self, context_length: usize) -> Option<&'static str> {
+    fn finish_reason(&self) -> Option<FinishReason> {
         let last = *self.generated.last()?;
-        if self.stop_token_ids.contains(&last) {
-            Some("stop")
-        } else if self.generated.len() >= self.max_tokens || self.table.len + 1 > context_length {
-            Some("length")
-        } else {
-            None
-        }
+        self.finish.check(self.prompt.len(), self.generated.len(), last)
     }
 }
 
@@ -284,8 +279,7 @@ impl Batcher {
             table: BlockTable::default(),
             device: None,
             sampler,
-            max_tokens: a.max_tokens,
-            stop_token_ids: a.stop_token_ids,
+            finish: FinishRule { stop_token_ids: a.stop_token_ids, max_tokens: a.max_tokens, context_length: self.limits.context_length },
             events: a.events,
             arrived: a.arrived,
             started: None,
@@ -303,8 +297,12 @@ impl Batcher {
             }
             seq.prefilled = seq.prompt.len();
             seq.generated.push(p.first_token.id);
-            if let Some(reason) = seq.finish_reason(self.limits.context_length) {
-                return self.finish(seq, reason);
+            if let Some(reason) = seq.finish_reason() {
+                // The prefill worker, which sampled that token, said it was
+                // not the last; by this worker's rule it is. Nothing to do.
+                release(&mut self.kv, &mut self.engine, &mut seq);
+                let why = format!("request {} already ends with its prefilled first token ({}): there is nothing to decode", seq.request_id, reason.as_str());
+                return reject(&seq.events, Status::invalid_argument(why));
             }
             self.ready.push_back(seq);
             return;
@@ -528,27 +526,20 @@ impl Batcher {
             }
             let token = seq.sampler.sample(&logits[row * vocab..(row + 1) * vocab]);
             seq.generated.push(token.id);
-            let event = DecodeEvent { event: Some(decode_event::Event::Token(WireToken::from(&token))) };
-            if seq.events.send(Ok(event)).is_err() {
-                finished.push((i, None)); // the client has gone
-            } else if let Some(reason) = seq.finish_reason(self.limits.context_length) {
-                finished.push((i, Some(reason)));
+            // The last token says why the request ends, so the sequence
+            // leaves with it and nothing follows.
+            let finish = seq.finish_reason();
+            let queue_seconds = if finish.is_some() { seq.queue_seconds() } else { 0.0 };
+            let event = DecodeEvent { token: Some(WireToken::sampled(&token, finish)), queue_seconds };
+            if seq.events.send(Ok(event)).is_err() || finish.is_some() {
+                finished.push(i); // finished, or the client has gone
             }
         }
         // Remove from the back so earlier indices stay valid.
-        for (i, reason) in finished.into_iter().rev() {
+        for i in finished.into_iter().rev() {
             let mut seq = self.running.remove(i);
-            match reason {
-                Some(reason) => self.finish(seq, reason),
-                None => release(&mut self.kv, &mut self.engine, &mut seq),
-            }
+            release(&mut self.kv, &mut self.engine, &mut seq);
         }
-    }
-
-    fn finish(&mut self, mut seq: Sequence, reason: &str) {
-        let event = DecodeFinished { finish_reason: reason.to_string(), queue_seconds: seq.queue_seconds() };
-        let _ = seq.events.send(Ok(DecodeEvent { event: Some(decode_event::Event::Finished(event)) }));
-        release(&mut self.kv, &mut self.engine, &mut seq);
     }
 
     /// A forward pass failed (it should not: inputs are checked on entry).
@@ -624,7 +615,7 @@ fn record_step(t: &StepTimings, elapsed: Duration) {
 
 /// Positions a sequence may ever fill: prompt plus output, within the context.
 fn reserve_len(seq: &Sequence, context_length: usize) -> usize {
-    (seq.prompt.len() + seq.max_tokens).min(context_length)
+    (seq.prompt.len() + seq.finish.max_tokens).min(context_length)
 }
 
 fn reject(events: &EventSender, status: Status) {

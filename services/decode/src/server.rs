@@ -62,6 +62,9 @@ impl DecodeService {
                 if first_token.id as usize >= self.vocab_size {
                     return Err(Status::invalid_argument(format!("first token {} is outside the vocabulary", first_token.id)));
                 }
+                if first_token.last {
+                    return Err(Status::invalid_argument("prefilled.first_token is marked last: a finished request has nothing to decode"));
+                }
                 Some(Prefilled { lease, first_token })
             }
         };
@@ -99,9 +102,9 @@ impl DecodeWorker for DecodeService {
 
     type DecodeStream = UnboundedReceiverStream<Result<DecodeEvent, Status>>;
 
-    /// The stream ends with a `finished` event or an error status. When the
-    /// caller drops it, the engine notices at its next step and frees the
-    /// sequence's blocks.
+    /// The stream ends after the token marked `last`, or with an error
+    /// status. When the caller drops it, the engine notices at its next step
+    /// and frees the sequence's blocks.
     async fn decode(&self, request: Request<DecodeRequest>) -> Result<Response<Self::DecodeStream>, Status> {
         let (events, stream) = mpsc::unbounded_channel();
         let admission = self.admission(request.into_inner(), events)?;

@@ -11,7 +11,7 @@ use duplex_model::hybrid::{HybridConfig, HybridEngine};
 use duplex_model::sampling::SamplingParams;
 use duplex_model::{KvPool, Model, Precision};
 use duplex_proto::stats::StatsCell;
-use duplex_proto::worker::{decode_event::Event, DecodeEvent, KvLease, SampledToken};
+use duplex_proto::worker::{DecodeEvent, KvLease, SampledToken};
 use std::sync::atomic::Ordering::Relaxed;
 use std::sync::mpsc::Sender;
 use std::sync::Arc;
@@ -83,7 +83,7 @@ fn ask_lease(commands: &Sender<Command>, id: &str, tokens: usize, max_tokens: us
 /// Admit a request whose prompt "the prefill worker" ran into `lease`. (The
 /// blocks hold whatever they held: these tests are about blocks, not tokens.)
 fn admit_leased(commands: &Sender<Command>, id: &str, prompt_len: usize, max_tokens: usize, lease: KvLease) -> Events {
-    let first_token = SampledToken { id: 7, logprob: -1.0, top_logprobs: vec![] };
+    let first_token = SampledToken { id: 7, logprob: -1.0, ..Default::default() };
     send_admission(commands, id, prompt_len, max_tokens, &[], Some(Prefilled { lease, first_token }))
 }
 
@@ -116,9 +116,13 @@ fn drain(events: &mut Events) -> (Vec<u32>, Result<String, Status>) {
     let mut tokens = vec![];
     loop {
         match events.blocking_recv().expect("the stream ends with finished or an error") {
-            Ok(DecodeEvent { event: Some(Event::Token(t)) }) => tokens.push(t.id),
-            Ok(DecodeEvent { event: Some(Event::Finished(f)) }) => return (tokens, Ok(f.finish_reason)),
-            Ok(_) => panic!("empty event"),
+            Ok(DecodeEvent { token: Some(t), .. }) => {
+                tokens.push(t.id);
+                if let Some(reason) = t.finish().unwrap() {
+                    return (tokens, Ok(reason.as_str().to_string()));
+                }
+            }
+            Ok(_) => panic!("an event without a token"),
             Err(status) => return (tokens, Err(status)),
         }
     }
