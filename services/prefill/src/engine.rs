@@ -195,8 +195,14 @@ impl Engine {
         if job.reply.is_closed() {
             return; // the caller gave up while the job queued
         }
+        // What the engine logs of this job (stream-loading reports) names it.
+        let _job = tracing::info_span!("prefill_job", request_id = %job.request_id, prompt_tokens = job.prompt.len()).entered();
         self.inbox.current = Some(Current { request_id: job.request_id.clone(), cancelled: false, waiters: vec![] });
         let result = self.prefill(&job, commands);
+        match &result {
+            Ok(first) => tracing::debug!(token = first.token.id, finish = first.finish.map(|r| r.as_str()), seconds = first.prefill.as_secs_f64(), "prefilled"),
+            Err(e) => tracing::debug!("prefill failed: {e}"),
+        }
         for waiter in self.inbox.current.take().map(|c| c.waiters).unwrap_or_default() {
             let _ = waiter.send(true);
         }

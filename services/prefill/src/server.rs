@@ -77,7 +77,6 @@ impl PrefillWorker for PrefillService {
                 Command::Prefill(Job { request_id: r.request_id, prompt: r.prompt, sampling, lease, max_tokens: r.max_tokens as usize, stop_token_ids, reply, arrived })
             };
             let first = self.ask(job).await?.map_err(status)?;
-            tracing::debug!(token = first.token.id, last = first.finish.is_some(), "first token");
             Ok(Response::new(response(first)))
         }
         .instrument(span)

@@ -25,6 +25,7 @@ use std::time::{Duration, Instant};
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::Streaming;
+use tracing::Instrument;
 
 /// Events of one request: tokens, then `Finished`; or an error, then nothing.
 pub type EventStream = ReceiverStream<Result<Event, Error>>;
@@ -116,10 +117,14 @@ impl Router {
     }
 
     /// Starts an admitted request. Dropping the returned stream cancels it.
+    /// Its task runs in a span naming both ids, so that every log line of
+    /// the request (worker calls included) carries the id the workers log.
     pub fn generate(self: &Arc<Self>, req: GenerationRequest, permit: Permit) -> EventStream {
         let (tx, rx) = mpsc::channel(32);
         let router = Arc::clone(self);
-        tokio::spawn(async move {
+        let span = tracing::info_span!("request", request_id = %req.id, public_id = %req.public_id);
+        let task = async move {
+            tracing::debug!(prompt_tokens = req.prompt.len(), max_tokens = req.max_tokens, "started");
             let mut held = Held::Nothing;
             let result = tokio::select! {
                 result = router.run(&req, &tx, &mut held) => result,
@@ -130,15 +135,17 @@ impl Router {
                 Ok(reason) => reason.as_str(),
                 Err(Abort::Cancelled) => "cancelled",
                 Err(Abort::Failed(e)) => {
-                    tracing::warn!(request_id = %req.id, "request failed: {e}");
+                    tracing::warn!("request failed: {e}");
                     let outcome = e.outcome();
                     let _ = tx.send(Err(e)).await;
                     outcome
                 }
             };
+            tracing::debug!(outcome, "ended");
             counter!(names::REQUESTS, "outcome" => outcome).increment(1);
             drop(permit);
-        });
+        };
+        tokio::spawn(task.instrument(span));
         ReceiverStream::new(rx)
     }
 
@@ -196,12 +203,12 @@ impl Router {
     async fn give_back(&self, request_id: &str, held: Held) {
         if held == Held::Prefilling {
             if let Err(e) = self.workers.cancel_prefill(request_id).await {
-                tracing::warn!(request_id, "cannot cancel the prefill: {e}");
+                tracing::warn!("cannot cancel the prefill: {e}");
             }
         }
         if held != Held::Nothing {
             if let Err(e) = self.workers.free_kv(request_id).await {
-                tracing::warn!(request_id, "cannot free the KV lease: {e}");
+                tracing::warn!("cannot free the KV lease: {e}");
             }
         }
     }
