@@ -4,6 +4,7 @@
 
 use crate::worker;
 use duplex_text::sampling::{SampledToken, SamplingParams};
+use duplex_text::FinishReason;
 
 impl From<&worker::Sampling> for SamplingParams {
     fn from(s: &worker::Sampling) -> Self {
@@ -45,6 +46,7 @@ impl From<&SampledToken> for worker::SampledToken {
             id: t.id,
             logprob: t.logprob,
             top_logprobs: t.top_logprobs.iter().map(|&(id, logprob)| worker::TopLogprob { id, logprob }).collect(),
+            ..Default::default()
         }
     }
 }
@@ -52,6 +54,55 @@ impl From<&SampledToken> for worker::SampledToken {
 impl From<&worker::SampledToken> for SampledToken {
     fn from(t: &worker::SampledToken) -> Self {
         SampledToken { id: t.id, logprob: t.logprob, top_logprobs: t.top_logprobs.iter().map(|t| (t.id, t.logprob)).collect() }
+    }
+}
+
+impl From<FinishReason> for worker::FinishReason {
+    fn from(r: FinishReason) -> Self {
+        match r {
+            FinishReason::Stop => worker::FinishReason::Stop,
+            FinishReason::Length => worker::FinishReason::Length,
+        }
+    }
+}
+
+/// A token marked `last` whose reason is unspecified (or unknown to this
+/// build): the worker that sent it broke the protocol.
+#[derive(Debug)]
+pub struct NoFinishReason {
+    pub id: u32,
+    pub raw: i32,
+}
+
+impl std::fmt::Display for NoFinishReason {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "its last token {} carries no finish reason this router knows (finish_reason = {})", self.id, self.raw)
+    }
+}
+
+impl std::error::Error for NoFinishReason {}
+
+impl worker::SampledToken {
+    /// `t` for the wire, marked last with `finish` when it ends the request.
+    pub fn sampled(t: &SampledToken, finish: Option<FinishReason>) -> Self {
+        let mut wire = worker::SampledToken::from(t);
+        if let Some(reason) = finish {
+            wire.last = true;
+            wire.set_finish_reason(reason.into());
+        }
+        wire
+    }
+
+    /// Why the request ends with this token, if the worker marked it last.
+    pub fn finish(&self) -> Result<Option<FinishReason>, NoFinishReason> {
+        if !self.last {
+            return Ok(None);
+        }
+        match worker::FinishReason::try_from(self.finish_reason) {
+            Ok(worker::FinishReason::Stop) => Ok(Some(FinishReason::Stop)),
+            Ok(worker::FinishReason::Length) => Ok(Some(FinishReason::Length)),
+            Ok(worker::FinishReason::Unspecified) | Err(_) => Err(NoFinishReason { id: self.id, raw: self.finish_reason }),
+        }
     }
 }
 
@@ -65,5 +116,20 @@ mod tests {
         assert_eq!(SamplingParams::from(&worker::Sampling::from(&p)), p);
         let t = SampledToken { id: 5, logprob: -0.25, top_logprobs: vec![(5, -0.25), (9, -1.5)] };
         assert_eq!(SampledToken::from(&worker::SampledToken::from(&t)), t);
+    }
+
+    #[test]
+    fn finish_reasons_round_trip_and_a_last_token_needs_one() {
+        let t = SampledToken { id: 5, logprob: -0.25, top_logprobs: vec![] };
+        assert_eq!(worker::SampledToken::sampled(&t, None).finish().unwrap(), None);
+        for reason in [FinishReason::Stop, FinishReason::Length] {
+            let wire = worker::SampledToken::sampled(&t, Some(reason));
+            assert!(wire.last);
+            assert_eq!(wire.finish().unwrap(), Some(reason));
+        }
+        let unspecified = worker::SampledToken { last: true, ..worker::SampledToken::from(&t) };
+        assert!(unspecified.finish().unwrap_err().to_string().contains("no finish reason"));
+        let unknown = worker::SampledToken { last: true, finish_reason: 9, ..worker::SampledToken::from(&t) };
+        assert_eq!(unknown.finish().unwrap_err().raw, 9);
     }
 }

@@ -30,25 +30,46 @@
 //! (INVALID_ARGUMENT: it would never run). Sequences holding their blocks
 //! then wait only for a place in the batch, which running sequences free as
 //! they finish.
+//!
+//! A sequence's events are its tokens, the last one saying why it ends
+//! (`FinishRule`, applied here to every token this worker samples), or the
+//! error that ended it: `SeqEvent`, which `server.rs` puts on the wire.
 
 use crate::engine::{Engine, StepTimings};
+use crate::error::DecodeError;
 use crate::kv_alloc::KvAllocator;
 use duplex_model::hybrid::{AdmitError, DeviceSeq};
 use duplex_model::model::ForwardError;
-use duplex_model::sampling::{Sampler, SamplingParams};
+use duplex_model::sampling::{SampledToken, Sampler, SamplingParams};
 use duplex_model::{BlockTable, Precision, SeqInput};
 use duplex_proto::stats::StatsCell;
-use duplex_proto::worker::{decode_event, DecodeEvent, DecodeFinished, KvLease, SampledToken as WireToken};
+use duplex_proto::worker::KvLease;
+use duplex_text::{FinishReason, FinishRule};
 use duplex_telemetry as names;
 use std::collections::{HashSet, VecDeque};
 use std::sync::Arc;
 use std::sync::mpsc::{Receiver, RecvTimeoutError};
 use std::time::{Duration, Instant};
 use tokio::sync::{mpsc, oneshot};
-use tonic::Status;
 
-pub type EventSender = mpsc::UnboundedSender<Result<DecodeEvent, Status>>;
-pub type LeaseReply = oneshot::Sender<Result<KvLease, Status>>;
+pub type EventSender = mpsc::UnboundedSender<SeqEvent>;
+pub type LeaseReply = oneshot::Sender<Result<KvLease, DecodeError>>;
+
+/// What a sequence's stream carries: tokens until the one with `finish`,
+/// or an error; nothing after either.
+#[derive(Debug)]
+pub enum SeqEvent {
+    Token { token: SampledToken, finish: Option<Finish> },
+    Failed(DecodeError),
+}
+
+/// Why a sequence ended with its last token, and how long it waited here.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Finish {
+    pub reason: FinishReason,
+    /// From admission to its first step.
+    pub queue: Duration,
+}
 
 /// A validated request to decode.
 pub struct Admission {
@@ -65,7 +86,8 @@ pub struct Admission {
 
 pub struct Prefilled {
     pub lease: KvLease,
-    pub first_token: WireToken,
+    /// Sampled by the prefill worker, which said it was not the last.
+    pub first_token: SampledToken,
 }
 
 pub enum Command {
@@ -98,8 +120,8 @@ struct Sequence {
     /// first runs until it leaves.
     device: Option<DeviceSeq>,
     sampler: Sampler,
-    max_tokens: usize,
-    stop_token_ids: HashSet<u32>,
+    /// When its latest token is its last.
+    finish: FinishRule,
     events: EventSender,
     arrived: Instant,
     /// When it first took part in a step.
@@ -147,11 +169,11 @@ impl Waiter {
         }
     }
 
-    fn refuse(self, status: Status) {
+    fn refuse(self, e: DecodeError) {
         match self {
-            Waiter::Sequence(s) => reject(&s.events, status),
+            Waiter::Sequence(s) => reject(&s.events, e),
             Waiter::Lease(l) => {
-                let _ = l.reply.send(Err(status));
+                let _ = l.reply.send(Err(e));
             }
         }
     }
@@ -169,20 +191,14 @@ impl Sequence {
         }
     }
 
-    fn queue_seconds(&self) -> f64 {
-        self.started.map_or(0.0, |s| (s - self.arrived).as_secs_f64())
+    fn queue_time(&self) -> Duration {
+        self.started.map_or(Duration::ZERO, |s| s - self.arrived)
     }
 
     /// Why the sequence is done after its latest token, if it is.
-    fn finish_reason(&self, context_length: usize) -> Option<&'static str> {
+    fn finish_reason(&self) -> Option<FinishReason> {
         let last = *self.generated.last()?;
-        if self.stop_token_ids.contains(&last) {
-            Some("stop")
-        } else if self.generated.len() >= self.max_tokens || self.table.len + 1 > context_length {
-            Some("length")
-        } else {
-            None
-        }
+        self.finish.check(self.prompt.len(), self.generated.len(), last)
     }
 }
 
@@ -250,8 +266,8 @@ impl Batcher {
             Command::Admit(a) => self.admit(*a),
             Command::AllocateKv { request_id, tokens, max_tokens, reply } => match self.check_lease(&request_id, tokens, max_tokens) {
                 Ok(positions) => self.enqueue(Waiter::Lease(LeaseAsk { request_id, tokens, positions, reply, arrived: Instant::now() })),
-                Err(status) => {
-                    let _ = reply.send(Err(status));
+                Err(e) => {
+                    let _ = reply.send(Err(e));
                 }
             },
             Command::FreeKv { request_id, reply } => {
@@ -268,13 +284,14 @@ impl Batcher {
     }
 
     fn admit(&mut self, a: Admission) {
+        tracing::debug!(request_id = %a.request_id, prompt_tokens = a.prompt.len(), prefilled = a.prefilled.is_some(), "admission");
         let sampler = match &a.prefilled {
             Some(p) => Sampler::resume(a.sampling, &a.prompt, &[p.first_token.id]),
             None => Sampler::new(a.sampling, &a.prompt),
         };
         let sampler = match sampler {
             Ok(s) => s,
-            Err(e) => return reject(&a.events, Status::invalid_argument(e.to_string())),
+            Err(e) => return reject(&a.events, DecodeError::InvalidArgument(e.to_string())),
         };
         let mut seq = Sequence {
             request_id: a.request_id,
@@ -284,49 +301,52 @@ impl Batcher {
             table: BlockTable::default(),
             device: None,
             sampler,
-            max_tokens: a.max_tokens,
-            stop_token_ids: a.stop_token_ids,
+            finish: FinishRule { stop_token_ids: a.stop_token_ids, max_tokens: a.max_tokens, context_length: self.limits.context_length },
             events: a.events,
             arrived: a.arrived,
             started: None,
         };
         let positions = reserve_len(&seq, self.limits.context_length);
         if let Some(p) = a.prefilled {
-            if let Err(status) = self.fits(positions) {
+            if let Err(e) = self.fits(positions) {
                 self.kv.free_lease(&seq.request_id);
-                return reject(&seq.events, status);
+                return reject(&seq.events, e);
             }
             // The lease already holds the whole need: no wait for blocks.
             match self.kv.take_lease(&seq.request_id, &p.lease, seq.prompt.len(), positions) {
                 Ok(table) => seq.table = table,
-                Err(status) => return reject(&seq.events, status),
+                Err(e) => return reject(&seq.events, e),
             }
             seq.prefilled = seq.prompt.len();
             seq.generated.push(p.first_token.id);
-            if let Some(reason) = seq.finish_reason(self.limits.context_length) {
-                return self.finish(seq, reason);
+            if let Some(reason) = seq.finish_reason() {
+                // The prefill worker, which sampled that token, said it was
+                // not the last; by this worker's rule it is. Nothing to do.
+                release(&mut self.kv, &mut self.engine, &mut seq);
+                let why = format!("request {} already ends with its prefilled first token ({}): there is nothing to decode", seq.request_id, reason.as_str());
+                return reject(&seq.events, DecodeError::InvalidArgument(why));
             }
             self.ready.push_back(seq);
             return;
         }
-        if let Err(status) = self.fits(positions) {
-            return reject(&seq.events, status);
+        if let Err(e) = self.fits(positions) {
+            return reject(&seq.events, e);
         }
         self.enqueue(Waiter::Sequence(Box::new(seq)));
     }
 
     /// Refuses, at once, a need the whole pool could never hold.
-    fn fits(&self, positions: usize) -> Result<(), Status> {
+    fn fits(&self, positions: usize) -> Result<(), DecodeError> {
         let (need, total) = (self.kv.blocks_for(positions), self.kv.total_blocks());
         if need > total {
-            return Err(Status::invalid_argument(format!(
+            return Err(DecodeError::InvalidArgument(format!(
                 "the request needs {need} KV blocks ({positions} positions: prompt plus max_tokens, within the context of {}) but the pool has only {total}; it can never run on this worker",
                 self.limits.context_length
             )));
         }
         if let Some((need, total)) = self.engine.device_need(positions) {
             if need > total {
-                return Err(Status::invalid_argument(format!(
+                return Err(DecodeError::InvalidArgument(format!(
                     "the request needs {need} device KV blocks ({positions} positions: prompt plus max_tokens) but the device pool has only {total} (device_kv_blocks); it can never run on this worker"
                 )));
             }
@@ -335,19 +355,19 @@ impl Batcher {
     }
 
     /// Checks an AllocateKv; returns the positions the lease must hold.
-    fn check_lease(&mut self, request_id: &str, tokens: usize, max_tokens: usize) -> Result<usize, Status> {
+    fn check_lease(&mut self, request_id: &str, tokens: usize, max_tokens: usize) -> Result<usize, DecodeError> {
         let context = self.limits.context_length;
         if tokens == 0 {
-            return Err(Status::invalid_argument("a KV lease needs at least one prompt token"));
+            return Err(DecodeError::InvalidArgument("a KV lease needs at least one prompt token".into()));
         }
         if max_tokens == 0 {
-            return Err(Status::invalid_argument("max_tokens must be at least 1: the lease holds the prompt plus the output"));
+            return Err(DecodeError::InvalidArgument("max_tokens must be at least 1: the lease holds the prompt plus the output".into()));
         }
         if tokens >= context {
-            return Err(Status::invalid_argument(format!("prompt has {tokens} tokens; the context length is {context}")));
+            return Err(DecodeError::InvalidArgument(format!("prompt has {tokens} tokens; the context length is {context}")));
         }
         if self.waiting.iter().any(|w| w.request_id() == request_id) {
-            return Err(Status::already_exists(format!("request {request_id} already waits for a KV lease")));
+            return Err(DecodeError::AlreadyExists(format!("request {request_id} already waits for a KV lease")));
         }
         self.kv.check_lease(request_id)?;
         let positions = (tokens + max_tokens).min(context);
@@ -363,7 +383,7 @@ impl Batcher {
         // Granting is in arrival order, so a newcomer still waiting is last.
         if self.waiting.len() > self.limits.max_waiting_requests {
             if let Some(waiter) = self.waiting.pop_back() {
-                waiter.refuse(Status::resource_exhausted(format!(
+                waiter.refuse(DecodeError::ResourceExhausted(format!(
                     "{} requests already wait for KV blocks on the decode worker (max_waiting_requests); retry later",
                     self.waiting.len()
                 )));
@@ -388,7 +408,7 @@ impl Batcher {
             match waiter {
                 Waiter::Sequence(mut seq) => match self.kv.reserve(&mut seq.table, positions) {
                     Ok(()) => self.ready.push_back(*seq),
-                    Err(e) => reject(&seq.events, Status::internal(format!("cannot reserve KV blocks the pool reported free: {e}"))),
+                    Err(e) => reject(&seq.events, DecodeError::Internal(format!("cannot reserve KV blocks the pool reported free: {e}"))),
                 },
                 Waiter::Lease(ask) => match self.kv.lease(&ask.request_id, ask.tokens, positions) {
                     Ok(lease) => {
@@ -398,7 +418,7 @@ impl Batcher {
                         }
                     }
                     Err(e) => {
-                        let _ = ask.reply.send(Err(Status::internal(format!("cannot reserve KV blocks the pool reported free: {e}"))));
+                        let _ = ask.reply.send(Err(DecodeError::Internal(format!("cannot reserve KV blocks the pool reported free: {e}"))));
                     }
                 },
             }
@@ -410,7 +430,7 @@ impl Batcher {
     fn withdraw(&mut self, request_id: &str, which: impl Fn(&Waiter) -> bool) -> bool {
         let Some(i) = self.waiting.iter().position(|w| w.request_id() == request_id && which(w)) else { return false };
         if let Some(waiter) = self.waiting.remove(i) {
-            waiter.refuse(Status::cancelled("cancelled while waiting for KV blocks"));
+            waiter.refuse(DecodeError::Cancelled("cancelled while waiting for KV blocks".into()));
         }
         true
     }
@@ -420,7 +440,7 @@ impl Batcher {
         let (kv, engine, running, ready) = (&mut self.kv, &mut self.engine, &mut self.running, &mut self.ready);
         let mut drop_seq = |s: &mut Sequence| {
             if s.request_id == request_id {
-                let _ = s.events.send(Err(Status::cancelled("cancelled")));
+                let _ = s.events.send(SeqEvent::Failed(DecodeError::Cancelled("cancelled".into())));
                 release(kv, engine, s);
                 false
             } else {
@@ -463,7 +483,7 @@ impl Batcher {
                     break;
                 }
                 Err(e) => {
-                    let _ = seq.events.send(Err(Status::internal(format!("cannot place the sequence's KV cache on the device: {e}"))));
+                    reject(&seq.events, DecodeError::Internal(format!("cannot place the sequence's KV cache on the device: {e}")));
                     self.kv.release(&mut seq.table);
                     continue;
                 }
@@ -491,6 +511,8 @@ impl Batcher {
             inputs.push(SeqInput { table, tokens });
             device.push(on_device.as_ref());
         }
+        // The step's events (finishes, departures) carry its batch size.
+        let _step = tracing::debug_span!("step", batch = members.len()).entered();
         let result = self.engine.forward(self.kv.pool_mut(), &mut inputs, &device, self.precision);
         drop(inputs);
         drop(device);
@@ -528,27 +550,24 @@ impl Batcher {
             }
             let token = seq.sampler.sample(&logits[row * vocab..(row + 1) * vocab]);
             seq.generated.push(token.id);
-            let event = DecodeEvent { event: Some(decode_event::Event::Token(WireToken::from(&token))) };
-            if seq.events.send(Ok(event)).is_err() {
-                finished.push((i, None)); // the client has gone
-            } else if let Some(reason) = seq.finish_reason(self.limits.context_length) {
-                finished.push((i, Some(reason)));
+            // The last token says why the request ends, so the sequence
+            // leaves with it and nothing follows.
+            let finish = seq.finish_reason().map(|reason| Finish { reason, queue: seq.queue_time() });
+            if let Some(f) = finish {
+                tracing::debug!(request_id = %seq.request_id, reason = f.reason.as_str(), tokens = seq.generated.len(), queue_seconds = f.queue.as_secs_f64(), "finished");
+            }
+            if seq.events.send(SeqEvent::Token { token, finish }).is_err() {
+                tracing::debug!(request_id = %seq.request_id, tokens = seq.generated.len(), "the client has gone");
+                finished.push(i);
+            } else if finish.is_some() {
+                finished.push(i);
             }
         }
         // Remove from the back so earlier indices stay valid.
-        for (i, reason) in finished.into_iter().rev() {
+        for i in finished.into_iter().rev() {
             let mut seq = self.running.remove(i);
-            match reason {
-                Some(reason) => self.finish(seq, reason),
-                None => release(&mut self.kv, &mut self.engine, &mut seq),
-            }
+            release(&mut self.kv, &mut self.engine, &mut seq);
         }
-    }
-
-    fn finish(&mut self, mut seq: Sequence, reason: &str) {
-        let event = DecodeFinished { finish_reason: reason.to_string(), queue_seconds: seq.queue_seconds() };
-        let _ = seq.events.send(Ok(DecodeEvent { event: Some(decode_event::Event::Finished(event)) }));
-        release(&mut self.kv, &mut self.engine, &mut seq);
     }
 
     /// A forward pass failed (it should not: inputs are checked on entry).
@@ -557,7 +576,7 @@ impl Batcher {
         tracing::error!("forward pass failed: {e}");
         for &(i, _) in members.iter().rev() {
             let mut seq = self.running.remove(i);
-            let _ = seq.events.send(Err(Status::internal(format!("decode step failed: {e}"))));
+            reject(&seq.events, DecodeError::Internal(format!("decode step failed: {e}")));
             release(&mut self.kv, &mut self.engine, &mut seq);
         }
     }
@@ -624,9 +643,9 @@ fn record_step(t: &StepTimings, elapsed: Duration) {
 
 /// Positions a sequence may ever fill: prompt plus output, within the context.
 fn reserve_len(seq: &Sequence, context_length: usize) -> usize {
-    (seq.prompt.len() + seq.max_tokens).min(context_length)
+    (seq.prompt.len() + seq.finish.max_tokens).min(context_length)
 }
 
-fn reject(events: &EventSender, status: Status) {
-    let _ = events.send(Err(status));
+fn reject(events: &EventSender, e: DecodeError) {
+    let _ = events.send(SeqEvent::Failed(e));
 }

@@ -11,12 +11,12 @@
 //! without either, when it expires. Leases carry the pool's epoch, so one
 //! granted before a restart of this worker is refused afterwards.
 
+use crate::error::DecodeError;
 use duplex_model::kv_cache::KvError;
 use duplex_model::{BlockTable, KvPool};
 use duplex_proto::worker::KvLease;
 use std::collections::{HashMap, VecDeque};
 use std::time::{Duration, Instant};
-use tonic::Status;
 
 pub struct KvAllocator {
     pool: KvPool,
@@ -51,13 +51,13 @@ impl KvAllocator {
 
     /// Whether `request_id` may ask for a lease: it holds none, and was not
     /// freed before asking (then it is refused, and forgotten).
-    pub fn check_lease(&mut self, request_id: &str) -> Result<(), Status> {
+    pub fn check_lease(&mut self, request_id: &str) -> Result<(), DecodeError> {
         if self.leases.contains_key(request_id) {
-            return Err(Status::already_exists(format!("request {request_id} already holds a KV lease")));
+            return Err(DecodeError::AlreadyExists(format!("request {request_id} already holds a KV lease")));
         }
         if let Some(i) = self.freed_early.iter().position(|id| id == request_id) {
             self.freed_early.remove(i);
-            return Err(Status::cancelled(format!("request {request_id} was freed before its KV lease was granted")));
+            return Err(DecodeError::Cancelled(format!("request {request_id} was freed before its KV lease was granted")));
         }
         Ok(())
     }
@@ -97,20 +97,20 @@ impl KvAllocator {
     /// that prompt and need: one made for less would have to grow here,
     /// where the pool may be short, and one made for more would hold blocks
     /// the sequence never uses.
-    pub fn take_lease(&mut self, request_id: &str, lease: &KvLease, filled: usize, positions: usize) -> Result<BlockTable, Status> {
+    pub fn take_lease(&mut self, request_id: &str, lease: &KvLease, filled: usize, positions: usize) -> Result<BlockTable, DecodeError> {
         if lease.pool_epoch != self.epoch {
-            return Err(Status::failed_precondition(format!(
+            return Err(DecodeError::FailedPrecondition(format!(
                 "KV lease of request {request_id} is from pool epoch {}, but the pool is now epoch {} (the decode worker restarted)",
                 lease.pool_epoch, self.epoch
             )));
         }
         match self.leases.get(request_id) {
-            None => return Err(Status::failed_precondition(format!("request {request_id} holds no KV lease"))),
+            None => return Err(DecodeError::FailedPrecondition(format!("request {request_id} holds no KV lease"))),
             Some(held) if held.table.blocks != lease.blocks => {
-                return Err(Status::invalid_argument(format!("KV lease of request {request_id} does not match the blocks granted")))
+                return Err(DecodeError::InvalidArgument(format!("KV lease of request {request_id} does not match the blocks granted")))
             }
             Some(held) if (held.tokens, held.positions) != (filled, positions) => {
-                return Err(Status::invalid_argument(format!(
+                return Err(DecodeError::InvalidArgument(format!(
                     "KV lease of request {request_id} is for a prompt of {} tokens and {} positions in all, but the request has {filled} prompt tokens and needs {positions} positions (prompt plus max_tokens)",
                     held.tokens, held.positions
                 )))
@@ -175,7 +175,6 @@ impl KvAllocator {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use tonic::Code;
 
     /// A free that overtakes its allocation: the late allocation is refused
     /// and holds nothing; the memory of it is bounded.
@@ -183,7 +182,7 @@ mod tests {
     fn a_free_before_the_lease_refuses_the_lease() {
         let mut kv = KvAllocator::new(KvPool::new(8, 16, 2, 4), 7);
         assert!(!kv.free_lease("late"));
-        assert_eq!(kv.check_lease("late").unwrap_err().code(), Code::Cancelled);
+        assert!(matches!(kv.check_lease("late").unwrap_err(), DecodeError::Cancelled(_)));
         assert!(kv.check_lease("late").is_ok(), "refused once, then forgotten");
         assert_eq!(kv.used_blocks(), 0);
         for i in 0..2 * FREED_EARLY_MAX {
@@ -201,19 +200,19 @@ mod tests {
         // A 40-token prompt with up to 8 tokens of output: 48 positions, 3 blocks.
         let lease = kv.lease("a", 40, 48).unwrap();
         assert_eq!((lease.blocks.len(), lease.pool_epoch, kv.used_blocks()), (3, 7, 3));
-        assert_eq!(kv.check_lease("a").unwrap_err().code(), Code::AlreadyExists);
+        assert!(matches!(kv.check_lease("a").unwrap_err(), DecodeError::AlreadyExists(_)));
         assert!(kv.lease("b", 16 * 6, 16 * 6).is_err(), "only 5 blocks are free");
         assert_eq!(kv.used_blocks(), 3, "a failed lease takes nothing");
 
         let stale = KvLease { pool_epoch: 6, ..lease.clone() };
-        assert_eq!(kv.take_lease("a", &stale, 40, 48).unwrap_err().code(), Code::FailedPrecondition);
+        assert!(matches!(kv.take_lease("a", &stale, 40, 48).unwrap_err(), DecodeError::FailedPrecondition(_)));
         let forged = KvLease { blocks: vec![5, 6, 7], ..lease.clone() };
-        assert_eq!(kv.take_lease("a", &forged, 40, 48).unwrap_err().code(), Code::InvalidArgument);
+        assert!(matches!(kv.take_lease("a", &forged, 40, 48).unwrap_err(), DecodeError::InvalidArgument(_)));
         // Another prompt length, or another need, than the lease was made for.
-        assert_eq!(kv.take_lease("a", &lease, 41, 48).unwrap_err().code(), Code::InvalidArgument);
-        assert_eq!(kv.take_lease("a", &lease, 40, 64).unwrap_err().code(), Code::InvalidArgument);
+        assert!(matches!(kv.take_lease("a", &lease, 41, 48).unwrap_err(), DecodeError::InvalidArgument(_)));
+        assert!(matches!(kv.take_lease("a", &lease, 40, 64).unwrap_err(), DecodeError::InvalidArgument(_)));
         let smaller = kv.take_lease("a", &lease, 40, 41).unwrap_err();
-        assert!(smaller.message().contains("needs 41 positions"), "{}", smaller.message());
+        assert!(smaller.to_string().contains("needs 41 positions"), "{smaller}");
         let mut table = kv.take_lease("a", &lease, 40, 48).unwrap();
         assert_eq!(table.len, 40);
         assert!(!kv.free_lease("a"), "the lease became the sequence's table");

@@ -8,10 +8,14 @@
 //! "emulated" | "cuda"` its steps run the hybrid placement (`engine`):
 //! attention and the rest on the device, routed experts on the CPU, two
 //! micro-batches overlapped.
+//!
+//! The engine (`batcher`, `kv_alloc`, `engine`) speaks its own types;
+//! `server` alone maps them to the worker protocol and `tonic::Status`.
 
 pub mod batcher;
 pub mod config;
 pub mod engine;
+pub mod error;
 pub mod kv_alloc;
 pub mod server;
 

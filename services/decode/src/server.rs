@@ -1,19 +1,50 @@
 //! The `DecodeWorker` gRPC service: checks each message, then hands it to the
 //! engine thread and relays the answer. Async lives here; compute lives in
-//! the batcher.
+//! the batcher. The only place where the worker protocol's messages and
+//! `tonic::Status` meet the engine's types.
 
-use crate::batcher::{Admission, Command, Prefilled};
+use crate::batcher::{Admission, Command, Prefilled, SeqEvent};
+use crate::error::DecodeError;
 use duplex_proto::worker::decode_worker_server::DecodeWorker;
 use duplex_proto::worker::{
-    AllocateKvRequest, CancelRequest, CancelResponse, DecodeEvent, DecodeRequest, FreeKvRequest, FreeKvResponse, KvLease, StatsRequest, WorkerStats,
+    AllocateKvRequest, CancelRequest, CancelResponse, DecodeEvent, DecodeRequest, FreeKvRequest, FreeKvResponse, KvLease, SampledToken, StatsRequest,
+    WorkerStats,
 };
 use duplex_proto::stats::StatsCell;
+use std::pin::Pin;
 use std::sync::mpsc::Sender;
 use std::sync::Arc;
 use std::time::Instant;
 use tokio::sync::{mpsc, oneshot};
 use tokio_stream::wrappers::UnboundedReceiverStream;
+use tokio_stream::{Stream, StreamExt};
 use tonic::{Request, Response, Status};
+use tracing::Instrument;
+
+/// Each engine error as the status the router maps for its clients.
+pub fn status(e: DecodeError) -> Status {
+    let message = e.to_string();
+    match e {
+        DecodeError::InvalidArgument(_) => Status::invalid_argument(message),
+        DecodeError::AlreadyExists(_) => Status::already_exists(message),
+        DecodeError::ResourceExhausted(_) => Status::resource_exhausted(message),
+        DecodeError::FailedPrecondition(_) => Status::failed_precondition(message),
+        DecodeError::Cancelled(_) => Status::cancelled(message),
+        DecodeError::Internal(_) => Status::internal(message),
+    }
+}
+
+/// A sequence's event on the wire: a token (the last with its finish), or
+/// the status that ends the stream.
+pub fn wire_event(event: SeqEvent) -> Result<DecodeEvent, Status> {
+    match event {
+        SeqEvent::Token { token, finish } => Ok(DecodeEvent {
+            token: Some(SampledToken::sampled(&token, finish.map(|f| f.reason))),
+            queue_seconds: finish.map_or(0.0, |f| f.queue.as_secs_f64()),
+        }),
+        SeqEvent::Failed(e) => Err(status(e)),
+    }
+}
 
 pub struct DecodeService {
     commands: Sender<Command>,
@@ -62,7 +93,10 @@ impl DecodeService {
                 if first_token.id as usize >= self.vocab_size {
                     return Err(Status::invalid_argument(format!("first token {} is outside the vocabulary", first_token.id)));
                 }
-                Some(Prefilled { lease, first_token })
+                if first_token.last {
+                    return Err(Status::invalid_argument("prefilled.first_token is marked last: a finished request has nothing to decode"));
+                }
+                Some(Prefilled { lease, first_token: (&first_token).into() })
             }
         };
         Ok(Admission {
@@ -82,37 +116,59 @@ impl DecodeService {
 impl DecodeWorker for DecodeService {
     async fn allocate_kv(&self, request: Request<AllocateKvRequest>) -> Result<Response<KvLease>, Status> {
         let r = request.into_inner();
-        if r.request_id.is_empty() {
-            return Err(Status::invalid_argument("request_id is empty"));
+        let span = tracing::info_span!("allocate_kv", request_id = %r.request_id, tokens = r.tokens, max_tokens = r.max_tokens);
+        async move {
+            if r.request_id.is_empty() {
+                return Err(Status::invalid_argument("request_id is empty"));
+            }
+            // Waits while the pool is short; if the caller gives up first, the
+            // engine notices the dropped reply and lets the place go.
+            let lease = self.ask(|reply| Command::AllocateKv { request_id: r.request_id, tokens: r.tokens as usize, max_tokens: r.max_tokens as usize, reply }).await?.map_err(status)?;
+            tracing::debug!(blocks = lease.blocks.len(), "KV lease granted");
+            Ok(Response::new(lease))
         }
-        // Waits while the pool is short; if the caller gives up first, the
-        // engine notices the dropped reply and lets the place go.
-        let lease = self.ask(|reply| Command::AllocateKv { request_id: r.request_id, tokens: r.tokens as usize, max_tokens: r.max_tokens as usize, reply }).await??;
-        Ok(Response::new(lease))
+        .instrument(span)
+        .await
     }
 
     async fn free_kv(&self, request: Request<FreeKvRequest>) -> Result<Response<FreeKvResponse>, Status> {
         let request_id = request.into_inner().request_id;
-        self.ask(|reply| Command::FreeKv { request_id, reply }).await?;
-        Ok(Response::new(FreeKvResponse {}))
+        let span = tracing::info_span!("free_kv", %request_id);
+        async move {
+            let found = self.ask(|reply| Command::FreeKv { request_id, reply }).await?;
+            tracing::debug!(found, "KV lease freed");
+            Ok(Response::new(FreeKvResponse {}))
+        }
+        .instrument(span)
+        .await
     }
 
-    type DecodeStream = UnboundedReceiverStream<Result<DecodeEvent, Status>>;
+    type DecodeStream = Pin<Box<dyn Stream<Item = Result<DecodeEvent, Status>> + Send>>;
 
-    /// The stream ends with a `finished` event or an error status. When the
-    /// caller drops it, the engine notices at its next step and frees the
-    /// sequence's blocks.
+    /// The stream ends after the token marked `last`, or with an error
+    /// status. When the caller drops it, the engine notices at its next step
+    /// and frees the sequence's blocks.
     async fn decode(&self, request: Request<DecodeRequest>) -> Result<Response<Self::DecodeStream>, Status> {
+        let r = request.into_inner();
+        let span = tracing::info_span!("decode", request_id = %r.request_id, prompt_tokens = r.prompt.len(), prefilled = r.prefilled.is_some());
+        let _entered = span.enter();
         let (events, stream) = mpsc::unbounded_channel();
-        let admission = self.admission(request.into_inner(), events)?;
+        let admission = self.admission(r, events).inspect_err(|status| tracing::debug!("refused: {}", status.message()))?;
         self.send(Command::Admit(Box::new(admission)))?;
-        Ok(Response::new(UnboundedReceiverStream::new(stream)))
+        tracing::debug!("sent to the engine");
+        Ok(Response::new(Box::pin(UnboundedReceiverStream::new(stream).map(wire_event))))
     }
 
     async fn cancel(&self, request: Request<CancelRequest>) -> Result<Response<CancelResponse>, Status> {
         let request_id = request.into_inner().request_id;
-        let found = self.ask(|reply| Command::Cancel { request_id, reply }).await?;
-        Ok(Response::new(CancelResponse { found }))
+        let span = tracing::info_span!("cancel", %request_id);
+        async move {
+            let found = self.ask(|reply| Command::Cancel { request_id, reply }).await?;
+            tracing::debug!(found, "decode cancel");
+            Ok(Response::new(CancelResponse { found }))
+        }
+        .instrument(span)
+        .await
     }
 
     /// Fails once the engine thread has ended, so that the router's health

@@ -3,15 +3,17 @@
 //! bounded queue, each holding its whole need), refusal of what can never
 //! fit, stop tokens, and blocks returned when a client goes away.
 
-use duplex_decode::batcher::{Admission, Batcher, Command, Limits, Prefilled};
+use duplex_decode::batcher::{Admission, Batcher, Command, Limits, Prefilled, SeqEvent};
 use duplex_decode::engine::Engine;
 use duplex_decode::kv_alloc::KvAllocator;
 use duplex_kernels::device::emulated::{EmulatedConfig, EmulatedDevice};
 use duplex_model::hybrid::{HybridConfig, HybridEngine};
-use duplex_model::sampling::SamplingParams;
+use duplex_model::sampling::{SampledToken, SamplingParams};
 use duplex_model::{KvPool, Model, Precision};
 use duplex_proto::stats::StatsCell;
-use duplex_proto::worker::{decode_event::Event, DecodeEvent, KvLease, SampledToken};
+use duplex_decode::error::DecodeError;
+use duplex_decode::server::status;
+use duplex_proto::worker::KvLease;
 use std::sync::atomic::Ordering::Relaxed;
 use std::sync::mpsc::Sender;
 use std::sync::Arc;
@@ -45,7 +47,7 @@ fn start_on(kv_blocks: usize, device_kv_blocks: Option<usize>) -> (Sender<Comman
     (commands, stats)
 }
 
-type Events = UnboundedReceiver<Result<DecodeEvent, Status>>;
+type Events = UnboundedReceiver<SeqEvent>;
 
 fn prompt(len: usize) -> Vec<u32> {
     (0..len as u32).map(|i| 100 + i * 7 % 1500).collect()
@@ -71,7 +73,7 @@ fn send_admission(commands: &Sender<Command>, id: &str, prompt_len: usize, max_t
     receiver
 }
 
-type LeaseAnswer = oneshot::Receiver<Result<KvLease, Status>>;
+type LeaseAnswer = oneshot::Receiver<Result<KvLease, DecodeError>>;
 
 /// AllocateKv as the router sends it: the prompt's length and max_tokens.
 fn ask_lease(commands: &Sender<Command>, id: &str, tokens: usize, max_tokens: usize) -> LeaseAnswer {
@@ -93,12 +95,13 @@ fn free_kv(commands: &Sender<Command>, id: &str) -> bool {
     answer.blocking_recv().unwrap()
 }
 
-/// The answer to an AllocateKv, within a generous bound.
+/// The answer to an AllocateKv, within a generous bound (an error as the
+/// server would send it).
 fn answer(lease: &mut LeaseAnswer) -> Result<KvLease, Status> {
     let deadline = Instant::now() + Duration::from_secs(20);
     loop {
         match lease.try_recv() {
-            Ok(answer) => return answer,
+            Ok(answer) => return answer.map_err(status),
             Err(oneshot::error::TryRecvError::Empty) if Instant::now() < deadline => std::thread::sleep(Duration::from_millis(5)),
             Err(e) => panic!("no answer to AllocateKv: {e:?}"),
         }
@@ -111,17 +114,23 @@ fn still_waiting(lease: &mut LeaseAnswer) -> bool {
     matches!(lease.try_recv(), Err(oneshot::error::TryRecvError::Empty))
 }
 
-/// Every token, then the finish reason or the error.
+/// Every token, then the finish reason of the last or the error (as the
+/// server would send it). Nothing may follow either.
 fn drain(events: &mut Events) -> (Vec<u32>, Result<String, Status>) {
     let mut tokens = vec![];
-    loop {
-        match events.blocking_recv().expect("the stream ends with finished or an error") {
-            Ok(DecodeEvent { event: Some(Event::Token(t)) }) => tokens.push(t.id),
-            Ok(DecodeEvent { event: Some(Event::Finished(f)) }) => return (tokens, Ok(f.finish_reason)),
-            Ok(_) => panic!("empty event"),
-            Err(status) => return (tokens, Err(status)),
+    let end = loop {
+        match events.blocking_recv().expect("the stream ends with a last token or an error") {
+            SeqEvent::Token { token, finish } => {
+                tokens.push(token.id);
+                if let Some(f) = finish {
+                    break Ok(f.reason.as_str().to_string());
+                }
+            }
+            SeqEvent::Failed(e) => break Err(status(e)),
         }
-    }
+    };
+    assert!(events.blocking_recv().is_none(), "nothing follows the end of a stream");
+    (tokens, end)
 }
 
 fn wait_until(what: &str, pred: impl Fn() -> bool) {
@@ -170,7 +179,7 @@ fn stop_tokens_end_generation_and_departed_clients_free_blocks() {
     assert_eq!(reason.unwrap(), "stop");
 
     let mut gone = admit(&commands, "c", 30, 900, &[]);
-    gone.blocking_recv().unwrap().unwrap();
+    assert!(matches!(gone.blocking_recv(), Some(SeqEvent::Token { .. })));
     // The gauges are published after each step, so wait for this one's.
     wait_until("the running sequence's blocks", || stats.kv_blocks_used.load(Relaxed) > 0);
     drop(gone);

@@ -9,21 +9,23 @@
 //! caller has gone. A cancel of the running job is answered only once the
 //! engine has stopped writing into the job's blocks, so the caller may then
 //! free them.
+//!
+//! The engine speaks its own types (`Job`, `FirstToken`, `PrefillError`);
+//! `server.rs` maps them to the worker protocol.
 
 use duplex_ipc::KvSegment;
-use duplex_model::sampling::{Sampler, SamplingParams};
+use duplex_model::sampling::{SampledToken, Sampler, SamplingParams};
 use crate::slp::{SlpEngine, SlpError, SlpReport};
 use duplex_model::{BlockTable, KvPool, Logits, Model, Precision};
 use duplex_proto::stats::StatsCell;
-use duplex_proto::worker::{KvLease, PrefillResponse, SampledToken as WireToken};
 use duplex_telemetry as names;
-use std::collections::VecDeque;
+use duplex_text::{FinishReason, FinishRule};
+use std::collections::{HashSet, VecDeque};
 use std::path::PathBuf;
 use std::sync::mpsc::{Receiver, RecvTimeoutError};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tokio::sync::oneshot;
-use tonic::Status;
 
 /// How often an idle engine checks whether its KV segment was removed.
 const KV_WATCH_INTERVAL: Duration = Duration::from_millis(500);
@@ -32,9 +34,49 @@ pub struct Job {
     pub request_id: String,
     pub prompt: Vec<u32>,
     pub sampling: SamplingParams,
-    pub lease: KvLease,
-    pub reply: oneshot::Sender<Result<PrefillResponse, Status>>,
+    pub lease: Lease,
+    /// The request's `max_tokens` and stop tokens: this worker samples its
+    /// first token, so it says whether that token is the last.
+    pub max_tokens: usize,
+    pub stop_token_ids: HashSet<u32>,
+    pub reply: oneshot::Sender<Result<FirstToken, PrefillError>>,
     pub arrived: Instant,
+}
+
+/// The KV blocks the decode worker lent for the prompt, in the pool of
+/// `pool_epoch`.
+pub struct Lease {
+    pub pool_epoch: u64,
+    pub blocks: Vec<u32>,
+}
+
+/// What a prefill gives back: the prompt's KV is in the lease's blocks.
+#[derive(Debug)]
+pub struct FirstToken {
+    pub token: SampledToken,
+    /// Set when this token already ends the request.
+    pub finish: Option<FinishReason>,
+    /// In this worker's queue before compute.
+    pub queue: Duration,
+    pub prefill: Duration,
+}
+
+/// Why a prefill did not give a first token.
+#[derive(Debug, thiserror::Error)]
+pub enum PrefillError {
+    /// The request cannot run as asked (a bad lease, bad sampling settings).
+    #[error("{0}")]
+    InvalidArgument(String),
+    /// The lease is from a pool that no longer exists.
+    #[error("{0}")]
+    StaleLease(String),
+    /// The KV pool cannot be mapped (the decode worker is not there).
+    #[error("{0}")]
+    PoolUnavailable(String),
+    #[error("prefill cancelled")]
+    Cancelled,
+    #[error("{0}")]
+    Internal(String),
 }
 
 pub enum Command {
@@ -71,17 +113,18 @@ impl KvSource {
 
     /// The pool of epoch `epoch`: the decode worker makes a new segment when
     /// it restarts, so map it again when a lease names another epoch.
-    fn pool(&mut self, epoch: u64) -> Result<&mut KvPool, Status> {
+    fn pool(&mut self, epoch: u64) -> Result<&mut KvPool, PrefillError> {
         self.release_if_unlinked();
         if self.attached.as_ref().is_none_or(|a| a.epoch != epoch) {
             self.attached = None;
-            let segment = KvSegment::attach(&self.shm_dir, &self.name).map_err(|e| Status::unavailable(format!("cannot map the KV pool: {e}")))?;
+            let unavailable = |e: &dyn std::fmt::Display| PrefillError::PoolUnavailable(format!("cannot map the KV pool: {e}"));
+            let segment = KvSegment::attach(&self.shm_dir, &self.name).map_err(|e| unavailable(&e))?;
             let found = segment.epoch();
             if found != epoch {
-                return Err(Status::failed_precondition(format!("KV lease is for pool epoch {epoch}, but the pool is now epoch {found} (the decode worker restarted)")));
+                return Err(PrefillError::StaleLease(format!("KV lease is for pool epoch {epoch}, but the pool is now epoch {found} (the decode worker restarted)")));
             }
-            let watch = segment.link_watch().map_err(|e| Status::unavailable(e.to_string()))?;
-            let pool = segment.into_pool(false).map_err(|e| Status::unavailable(e.to_string()))?;
+            let watch = segment.link_watch().map_err(|e| unavailable(&e))?;
+            let pool = segment.into_pool(false).map_err(|e| unavailable(&e))?;
             self.attached = Some(Attached { pool, epoch: found, watch });
         }
         Ok(&mut self.attached.as_mut().expect("attached above").pool)
@@ -152,8 +195,14 @@ impl Engine {
         if job.reply.is_closed() {
             return; // the caller gave up while the job queued
         }
+        // What the engine logs of this job (stream-loading reports) names it.
+        let _job = tracing::info_span!("prefill_job", request_id = %job.request_id, prompt_tokens = job.prompt.len()).entered();
         self.inbox.current = Some(Current { request_id: job.request_id.clone(), cancelled: false, waiters: vec![] });
         let result = self.prefill(&job, commands);
+        match &result {
+            Ok(first) => tracing::debug!(token = first.token.id, finish = first.finish.map(|r| r.as_str()), seconds = first.prefill.as_secs_f64(), "prefilled"),
+            Err(e) => tracing::debug!("prefill failed: {e}"),
+        }
         for waiter in self.inbox.current.take().map(|c| c.waiters).unwrap_or_default() {
             let _ = waiter.send(true);
         }
@@ -162,25 +211,25 @@ impl Engine {
         let _ = job.reply.send(result);
     }
 
-    fn prefill(&mut self, job: &Job, commands: &Receiver<Command>) -> Result<PrefillResponse, Status> {
+    fn prefill(&mut self, job: &Job, commands: &Receiver<Command>) -> Result<FirstToken, PrefillError> {
         let started = Instant::now();
-        let mut sampler = Sampler::new(job.sampling.clone(), &job.prompt).map_err(|e| Status::invalid_argument(e.to_string()))?;
+        let mut sampler = Sampler::new(job.sampling.clone(), &job.prompt).map_err(|e| PrefillError::InvalidArgument(e.to_string()))?;
         // The lease's blocks, nothing written in them yet.
         let mut table = BlockTable { blocks: job.lease.blocks.clone(), len: 0 };
         let pool = self.kv.pool(job.lease.pool_epoch)?;
         self.inbox.stats.pool_epoch.store(job.lease.pool_epoch, std::sync::atomic::Ordering::Relaxed);
-        pool.check_table(&table).map_err(|e| Status::invalid_argument(e.to_string()))?;
+        pool.check_table(&table).map_err(|e| PrefillError::InvalidArgument(e.to_string()))?;
         if pool.capacity(&table) < job.prompt.len() {
-            return Err(Status::invalid_argument(format!("the KV lease holds {} positions, fewer than the prompt's {}", pool.capacity(&table), job.prompt.len())));
+            return Err(PrefillError::InvalidArgument(format!("the KV lease holds {} positions, fewer than the prompt's {}", pool.capacity(&table), job.prompt.len())));
         }
         let inbox = &mut self.inbox;
         let logits = match self.slp.as_ref().filter(|s| job.prompt.len() >= s.threshold_tokens) {
             Some(slp) => {
                 let mut stop = || inbox.stop(job, commands);
                 let (logits, report) = slp.engine.run(&self.model, pool, &mut table, &job.prompt, self.precision, Logits::Last, &mut stop).map_err(|e| match e {
-                    SlpError::Cancelled => Status::cancelled("prefill cancelled"),
-                    SlpError::Staged(e) if e.is_bad_input() => Status::invalid_argument(e.to_string()),
-                    e => Status::internal(format!("stream-loading prefill failed: {e}")),
+                    SlpError::Cancelled => PrefillError::Cancelled,
+                    SlpError::Staged(e) if e.is_bad_input() => PrefillError::InvalidArgument(e.to_string()),
+                    e => PrefillError::Internal(format!("stream-loading prefill failed: {e}")),
                 })?;
                 record_slp(&report);
                 logits
@@ -189,24 +238,23 @@ impl Engine {
                 let mut logits = vec![];
                 for chunk in job.prompt.chunks(self.chunk_tokens) {
                     if inbox.stop(job, commands) {
-                        return Err(Status::cancelled("prefill cancelled"));
+                        return Err(PrefillError::Cancelled);
                     }
-                    logits = self.model.forward(pool, &mut table, chunk, self.precision, Logits::Last).map_err(|e| Status::invalid_argument(e.to_string()))?;
+                    logits = self.model.forward(pool, &mut table, chunk, self.precision, Logits::Last).map_err(|e| PrefillError::InvalidArgument(e.to_string()))?;
                 }
                 logits
             }
         };
         let token = sampler.sample(&logits);
-        let seconds = started.elapsed().as_secs_f64();
+        let rule = FinishRule { stop_token_ids: job.stop_token_ids.clone(), max_tokens: job.max_tokens, context_length: self.model.cfg.max_position_embeddings };
+        let finish = rule.check(job.prompt.len(), 1, token.id);
+        let elapsed = started.elapsed();
+        let seconds = elapsed.as_secs_f64();
         let n = job.prompt.len() as f64;
         metrics::counter!(names::PREFILL_TOKENS, "worker" => "prefill").increment(job.prompt.len() as u64);
         metrics::histogram!(names::PREFILL_TIME, "worker" => "prefill").record(seconds);
         metrics::histogram!(names::PREFILL_THROUGHPUT, "worker" => "prefill").record(n / seconds.max(1e-9));
-        Ok(PrefillResponse {
-            first_token: Some(WireToken::from(&token)),
-            queue_seconds: (started - job.arrived).as_secs_f64(),
-            prefill_seconds: seconds,
-        })
+        Ok(FirstToken { token, finish, queue: started - job.arrived, prefill: elapsed })
     }
 }
 

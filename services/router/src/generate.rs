@@ -17,7 +17,7 @@ use crate::workers::Workers;
 use duplex_text::FinishReason;
 use duplex_text::tokenizer::IncrementalDecoder;
 use duplex_text::StopStrings;
-use duplex_proto::worker::{self, decode_event, DecodeEvent, DecodeRequest, PrefillRequest, Prefilled};
+use duplex_proto::worker::{self, DecodeEvent, DecodeRequest, PrefillRequest, Prefilled};
 use duplex_telemetry as names;
 use metrics::{counter, gauge, histogram};
 use std::sync::Arc;
@@ -25,10 +25,7 @@ use std::time::{Duration, Instant};
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::Streaming;
-
-/// How long to wait for the decode worker's `finished` after the token the
-/// router knows is the last one (it carries the worker's queue time).
-const FINISH_GRACE: Duration = Duration::from_secs(2);
+use tracing::Instrument;
 
 /// Events of one request: tokens, then `Finished`; or an error, then nothing.
 pub type EventStream = ReceiverStream<Result<Event, Error>>;
@@ -62,8 +59,8 @@ pub struct Finished {
     pub prompt_tokens: u32,
     pub completion_tokens: u32,
     pub timings: Timings,
-    /// Text held back until the end that no token carried. Empty unless the
-    /// decode worker stopped where the router did not expect it to.
+    /// Text held back until the end that no token carried: empty, since the
+    /// worker marks the last token and that token carries the rest.
     pub text: String,
 }
 
@@ -120,10 +117,14 @@ impl Router {
     }
 
     /// Starts an admitted request. Dropping the returned stream cancels it.
+    /// Its task runs in a span naming both ids, so that every log line of
+    /// the request (worker calls included) carries the id the workers log.
     pub fn generate(self: &Arc<Self>, req: GenerationRequest, permit: Permit) -> EventStream {
         let (tx, rx) = mpsc::channel(32);
         let router = Arc::clone(self);
-        tokio::spawn(async move {
+        let span = tracing::info_span!("request", request_id = %req.id, public_id = %req.public_id);
+        let task = async move {
+            tracing::debug!(prompt_tokens = req.prompt.len(), max_tokens = req.max_tokens, "started");
             let mut held = Held::Nothing;
             let result = tokio::select! {
                 result = router.run(&req, &tx, &mut held) => result,
@@ -134,15 +135,17 @@ impl Router {
                 Ok(reason) => reason.as_str(),
                 Err(Abort::Cancelled) => "cancelled",
                 Err(Abort::Failed(e)) => {
-                    tracing::warn!(request_id = %req.id, "request failed: {e}");
+                    tracing::warn!("request failed: {e}");
                     let outcome = e.outcome();
                     let _ = tx.send(Err(e)).await;
                     outcome
                 }
             };
+            tracing::debug!(outcome, "ended");
             counter!(names::REQUESTS, "outcome" => outcome).increment(1);
             drop(permit);
-        });
+        };
+        tokio::spawn(task.instrument(span));
         ReceiverStream::new(rx)
     }
 
@@ -163,13 +166,19 @@ impl Router {
                 let lease = self.workers.allocate_kv(&req.id, req.prompt.len(), req.max_tokens).await?;
                 let kv_wait = kv_wait.elapsed();
                 *held = Held::Prefilling;
-                let prefill_req =
-                    PrefillRequest { request_id: req.id.clone(), prompt: req.prompt.clone(), sampling: Some(req.worker_sampling()), lease: Some(lease.clone()) };
+                let prefill_req = PrefillRequest {
+                    request_id: req.id.clone(),
+                    prompt: req.prompt.clone(),
+                    sampling: Some(req.worker_sampling()),
+                    lease: Some(lease.clone()),
+                    max_tokens: req.max_tokens,
+                    stop_token_ids: req.stop_token_ids.clone(),
+                };
                 let prefill = self.workers.prefill(prefill_req).await?;
                 *held = Held::Lease;
                 let first = prefill.first_token.ok_or_else(|| Error::Unavailable("prefill worker failed: its response has no first token".into()))?;
                 let queue = router_wait + kv_wait + secs(prefill.queue_seconds);
-                if let Some(reason) = out.token(first.clone()).await? {
+                if let Some(reason) = out.token("prefill", first.clone()).await? {
                     // Done after one token: the lease is never admitted, and
                     // `give_back` frees it.
                     return out.finish(reason, queue).await;
@@ -194,12 +203,12 @@ impl Router {
     async fn give_back(&self, request_id: &str, held: Held) {
         if held == Held::Prefilling {
             if let Err(e) = self.workers.cancel_prefill(request_id).await {
-                tracing::warn!(request_id, "cannot cancel the prefill: {e}");
+                tracing::warn!("cannot cancel the prefill: {e}");
             }
         }
         if held != Held::Nothing {
             if let Err(e) = self.workers.free_kv(request_id).await {
-                tracing::warn!(request_id, "cannot free the KV lease: {e}");
+                tracing::warn!("cannot free the KV lease: {e}");
             }
         }
     }
@@ -249,11 +258,12 @@ fn secs(s: f64) -> Duration {
     Duration::try_from_secs_f64(s).unwrap_or_default()
 }
 
-async fn next_event(stream: &mut Streaming<DecodeEvent>) -> Result<decode_event::Event, Error> {
+/// The decode worker's next token, and its queue time (sent with the last).
+async fn next_token(stream: &mut Streaming<DecodeEvent>) -> Result<(worker::SampledToken, Duration), Error> {
     match stream.message().await {
-        Ok(Some(DecodeEvent { event: Some(event) })) => Ok(event),
-        Ok(Some(DecodeEvent { event: None })) => Err(Error::Unavailable("decode worker failed: it sent an empty event".into())),
-        Ok(None) => Err(Error::Unavailable("decode worker failed: the token stream ended without a finished event".into())),
+        Ok(Some(DecodeEvent { token: Some(token), queue_seconds })) => Ok((token, secs(queue_seconds))),
+        Ok(Some(DecodeEvent { token: None, .. })) => Err(Error::Unavailable("decode worker failed: it sent an event without a token".into())),
+        Ok(None) => Err(Error::Unavailable("decode worker failed: the token stream ended before its last token".into())),
         Err(status) => Err(Error::from_worker("decode", &status)),
     }
 }
@@ -269,7 +279,6 @@ struct Output<'a> {
     stops: StopStrings,
     /// The text is final: a stop string hit, or everything was flushed.
     text_done: bool,
-    stopped_by_string: bool,
     generated: u32,
     first_at: Option<Instant>,
     last_at: Option<Instant>,
@@ -286,7 +295,6 @@ impl<'a> Output<'a> {
             tx,
             path,
             text_done: false,
-            stopped_by_string: false,
             generated: 0,
             first_at: None,
             last_at: None,
@@ -298,11 +306,12 @@ impl<'a> Output<'a> {
         self.tx.send(Ok(event)).await.map_err(|_| Abort::Cancelled)
     }
 
-    /// Emits one sampled token. Returns the finish reason when this token
-    /// ends the request: a stop string, or what the decode worker will stop
-    /// on (a stop token, `max_tokens`). The last token carries all the text
-    /// still held back, so nothing waits for the worker's `finished`.
-    async fn token(&mut self, t: worker::SampledToken) -> Result<Option<FinishReason>, Abort> {
+    /// Emits one sampled token (from `worker`, which sampled it). Returns
+    /// the finish reason when this token ends the request: a stop string, or
+    /// the worker marked it last (a stop token, `max_tokens`, the context).
+    /// The last token carries all the text still held back.
+    async fn token(&mut self, worker: &str, t: worker::SampledToken) -> Result<Option<FinishReason>, Abort> {
+        let finish = t.finish().map_err(|e| Error::Unavailable(format!("{worker} worker failed: {e}")))?;
         let now = Instant::now();
         match self.last_at {
             None => {
@@ -318,21 +327,13 @@ impl<'a> Output<'a> {
 
         let tok = &self.model.tokenizer;
         let (mut text, hit) = self.stops.push(&self.decoder.push(tok, t.id));
-        let mut reason = if hit {
-            self.stopped_by_string = true;
-            Some(FinishReason::Stop)
-        } else if self.req.ends_with(self.generated as usize, t.id) {
-            Some(if self.req.stop_token_ids.contains(&t.id) { FinishReason::Stop } else { FinishReason::Length })
-        } else {
-            None
-        };
+        let mut reason = if hit { Some(FinishReason::Stop) } else { finish };
         if hit {
             self.text_done = true;
         } else if reason.is_some() {
             let (tail, hit) = self.flush();
             text.push_str(&tail);
             if hit {
-                self.stopped_by_string = true;
                 reason = Some(FinishReason::Stop);
             }
         }
@@ -360,35 +361,15 @@ impl<'a> Output<'a> {
         (tail, hit)
     }
 
-    /// Streams the decode worker's tokens until the request ends; returns
-    /// the finish reason and the worker's queue time.
+    /// Streams the decode worker's tokens until the request ends: the token
+    /// it marks last, or a stop string (then dropping the stream cancels the
+    /// request on the worker). Returns the finish reason and the worker's
+    /// queue time, which comes with its last token (zero after a stop string).
     async fn follow(&mut self, mut stream: Streaming<DecodeEvent>) -> Result<(FinishReason, Duration), Abort> {
         loop {
-            match next_event(&mut stream).await? {
-                decode_event::Event::Token(t) => {
-                    let Some(reason) = self.token(t).await? else { continue };
-                    if self.stopped_by_string {
-                        // Dropping the stream cancels the request on the worker.
-                        return Ok((reason, Duration::ZERO));
-                    }
-                    return Ok((reason, self.await_finished(&mut stream).await));
-                }
-                decode_event::Event::Finished(f) => {
-                    let reason = if f.finish_reason == "stop" { FinishReason::Stop } else { FinishReason::Length };
-                    return Ok((reason, secs(f.queue_seconds)));
-                }
-            }
-        }
-    }
-
-    /// After the last token: the worker's `finished`, for its queue time.
-    /// Anything else is logged; the client already has every token.
-    async fn await_finished(&self, stream: &mut Streaming<DecodeEvent>) -> Duration {
-        match tokio::time::timeout(FINISH_GRACE, next_event(stream)).await {
-            Ok(Ok(decode_event::Event::Finished(f))) => secs(f.queue_seconds),
-            other => {
-                tracing::warn!(request_id = %self.req.id, "the decode worker did not finish after the last token: {other:?}");
-                Duration::ZERO
+            let (token, queue) = next_token(&mut stream).await?;
+            if let Some(reason) = self.token("decode", token).await? {
+                return Ok((reason, queue));
             }
         }
     }

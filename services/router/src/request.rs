@@ -113,12 +113,6 @@ impl GenerationRequest {
         let top_logprobs = (self.top_logprobs > 0).then_some(self.top_logprobs as usize);
         worker::Sampling::from(&SamplingParams { seed: Some(self.seed), logprobs: top_logprobs, ..self.sampling.clone() })
     }
-
-    /// Whether generation ends after the `n`-th generated token `id`, as the
-    /// decode worker decides it (a stop token, or `max_tokens`).
-    pub fn ends_with(&self, n: usize, id: u32) -> bool {
-        self.stop_token_ids.contains(&id) || n >= self.max_tokens as usize
-    }
 }
 
 /// What the workers report about their capacity (from the decode worker's

@@ -1,7 +1,8 @@
 //! One gRPC client per worker: lazy connections that reconnect on their
 //! own, deadlines on unary calls, worker errors mapped to what a client
 //! should see, and a readiness poller that calls Stats on both workers and
-//! watches the decode worker's progress.
+//! watches the decode worker's progress. Each call a request makes runs in
+//! a span of its own (inside the request's span, which names its id).
 
 use crate::config::RouterConfig;
 use crate::error::Error;
@@ -22,6 +23,7 @@ use tonic::transport::{Channel, Endpoint};
 use tonic::{Response, Status, Streaming};
 use tonic_health::server::HealthReporter;
 use tonic_health::ServingStatus;
+use tracing::Instrument;
 
 /// How often the readiness poller calls Stats.
 const POLL_INTERVAL: Duration = Duration::from_millis(500);
@@ -165,35 +167,41 @@ impl Workers {
     /// this waits up to `kv_wait_timeout_seconds`, not the short deadline.
     pub async fn allocate_kv(&self, request_id: &str, tokens: usize, max_tokens: u32) -> Result<KvLease, Error> {
         let req = AllocateKvRequest { request_id: request_id.into(), tokens: u32::try_from(tokens).unwrap_or(u32::MAX), max_tokens };
-        match tokio::time::timeout(self.kv_wait_timeout, self.decode.clone().allocate_kv(req)).await {
-            Ok(Ok(response)) => Ok(response.into_inner()),
-            Ok(Err(status)) => Err(Error::from_worker("decode", &status)),
-            Err(_) => Err(Error::Overloaded(format!(
-                "no KV blocks became free for this request within {:?} (kv_wait_timeout_seconds); retry later",
-                self.kv_wait_timeout
-            ))),
-        }
+        let call = async {
+            match tokio::time::timeout(self.kv_wait_timeout, self.decode.clone().allocate_kv(req)).await {
+                Ok(Ok(response)) => Ok(response.into_inner()),
+                Ok(Err(status)) => Err(Error::from_worker("decode", &status)),
+                Err(_) => Err(Error::Overloaded(format!(
+                    "no KV blocks became free for this request within {:?} (kv_wait_timeout_seconds); retry later",
+                    self.kv_wait_timeout
+                ))),
+            }
+        };
+        traced("decode", "AllocateKv", call).await
     }
 
     pub async fn free_kv(&self, request_id: &str) -> Result<(), Error> {
         let req = FreeKvRequest { request_id: request_id.into() };
-        deadline("decode", "FreeKv", self.timeout, self.decode.clone().free_kv(req)).await.map(drop)
+        traced("decode", "FreeKv", deadline("decode", "FreeKv", self.timeout, self.decode.clone().free_kv(req))).await.map(drop)
     }
 
     /// Opens the token stream. It has no deadline (a request may decode for
     /// minutes); a dead worker breaks the connection, and with it the stream.
     pub async fn decode(&self, req: DecodeRequest) -> Result<Streaming<DecodeEvent>, Error> {
-        let response = self.decode.clone().decode(req).await.map_err(|s| Error::from_worker("decode", &s))?;
-        Ok(response.into_inner())
+        let call = async {
+            let response = self.decode.clone().decode(req).await.map_err(|s| Error::from_worker("decode", &s))?;
+            Ok(response.into_inner())
+        };
+        traced("decode", "Decode", call).await
     }
 
     pub async fn prefill(&self, req: PrefillRequest) -> Result<PrefillResponse, Error> {
-        deadline("prefill", "Prefill", self.prefill_timeout, self.prefill.clone().prefill(req)).await
+        traced("prefill", "Prefill", deadline("prefill", "Prefill", self.prefill_timeout, self.prefill.clone().prefill(req))).await
     }
 
     pub async fn cancel_prefill(&self, request_id: &str) -> Result<(), Error> {
         let req = CancelRequest { request_id: request_id.into() };
-        deadline("prefill", "Cancel", self.timeout, self.prefill.clone().cancel(req)).await.map(drop)
+        traced("prefill", "Cancel", deadline("prefill", "Cancel", self.timeout, self.prefill.clone().cancel(req))).await.map(drop)
     }
 
     /// Polls both workers' Stats every [`POLL_INTERVAL`] for as long as the
@@ -258,6 +266,25 @@ fn channel(worker: &'static str, address: &str, timeout: Duration) -> Result<Cha
         })),
         None => endpoint.connect_lazy(),
     })
+}
+
+/// One call a request makes to a worker, in a span of its own, and how it
+/// ended at debug level. (The readiness poller's Stats calls are not traced:
+/// they would flood the debug log.)
+async fn traced<T>(worker: &'static str, rpc: &'static str, call: impl Future<Output = Result<T, Error>>) -> Result<T, Error> {
+    let span = tracing::debug_span!("worker_call", worker, rpc);
+    async move {
+        let started = Instant::now();
+        let result = call.await;
+        let seconds = started.elapsed().as_secs_f64();
+        match &result {
+            Ok(_) => tracing::debug!(seconds, "answered"),
+            Err(e) => tracing::debug!(seconds, "failed: {e}"),
+        }
+        result
+    }
+    .instrument(span)
+    .await
 }
 
 /// One unary call with a deadline; errors become what a client should see.

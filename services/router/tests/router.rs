@@ -229,6 +229,61 @@ async fn long_prompts_go_through_the_prefill_worker() {
     assert!(r.leases.is_empty());
 }
 
+/// The worker that samples a token says whether it is the last: here the
+/// prefill worker, whose first token is a stop token. The request ends with
+/// it (one token, "stop"), nothing is admitted to decode, the lease is freed.
+#[tokio::test]
+async fn a_stop_token_first_on_the_prefill_path_ends_the_request() {
+    let router = start(MockConfig { script: vec![77, 78, 79], ..Default::default() }, |c| c.prefill_threshold_tokens = 32).await;
+    let mut req = tokens_request((10..50).collect(), 10);
+    req.stopping.as_mut().unwrap().stop_token_ids = vec![77];
+    let msgs = generate_all(&router, req).await.unwrap();
+    assert_eq!(token_ids(&msgs), [77]);
+    let f = finished(&msgs);
+    assert_eq!((f.finish_reason.as_str(), f.usage.unwrap().completion_tokens), ("stop", 1));
+    router.wait_for("FreeKv", |r| r.frees.len() == 1).await;
+    let r = router.mock.record();
+    assert_eq!(r.prefills[0].stop_token_ids, [77], "the prefill worker is told the stop tokens");
+    assert!(r.decodes.is_empty() && r.leases.is_empty(), "{r:#?}");
+}
+
+/// max_tokens = 1 on the decode worker's path (the prefill path's is in
+/// `long_prompts_go_through_the_prefill_worker`): one token, "length".
+#[tokio::test]
+async fn max_tokens_1_on_the_decode_path() {
+    let router = start(MockConfig::default(), |_| {}).await;
+    let msgs = generate_all(&router, tokens_request(vec![5, 6, 7], 1)).await.unwrap();
+    assert_eq!(token_ids(&msgs), [3]);
+    assert_eq!(finished(&msgs).finish_reason, "length");
+    assert_eq!(router.mock.record().decodes.len(), 1);
+}
+
+/// The finish comes with the last token: a decode worker that sends its
+/// last token and then keeps the stream open does not delay the client's
+/// `finished` (the router used to wait up to 2 s for a finish message).
+#[tokio::test]
+async fn the_finish_arrives_with_the_last_token_not_after_the_stream() {
+    let router = start(MockConfig { hold_after_last: Duration::from_secs(60), ..Default::default() }, |_| {}).await;
+    let mut client = router.grpc_client().await;
+    let mut stream = client.generate(tokens_request(vec![5, 6, 7], 3)).await.unwrap().into_inner();
+    let mut last_token_at = None;
+    let finished_at = loop {
+        let msg = timeout(TIMEOUT, stream.message()).await.expect("Generate timed out").unwrap().expect("the stream ends with finished");
+        match msg.event {
+            Some(generate_response::Event::Token(_)) => last_token_at = Some(std::time::Instant::now()),
+            Some(generate_response::Event::Finished(f)) => {
+                assert_eq!(f.finish_reason, "length");
+                break std::time::Instant::now();
+            }
+            other => panic!("unexpected event {other:?}"),
+        }
+    };
+    let gap = finished_at - last_token_at.expect("tokens before finished");
+    assert!(gap < Duration::from_secs(1), "finished came {gap:?} after the last token");
+    // The mock would hold its stream for a minute: the router let go of it.
+    router.wait_for("the router to drop the held stream", |r| r.streams_finished.len() == 1).await;
+}
+
 #[tokio::test]
 async fn stop_strings_across_tokens() {
     let tok = Tokenizer::from_dir(Path::new(BUNDLED_MODEL)).unwrap();

@@ -33,6 +33,34 @@ impl FinishReason {
     }
 }
 
+/// Whether a generation ends with the token just sampled: the one rule both
+/// workers apply, each to the tokens it samples (the prefill worker to the
+/// first, the decode worker to the rest), so that the worker that samples
+/// the last token says so. Stop strings are text, and the router's.
+#[derive(Clone, Debug, Default)]
+pub struct FinishRule {
+    /// Token ids that end generation, EOS included unless the client ignores it.
+    pub stop_token_ids: std::collections::HashSet<u32>,
+    pub max_tokens: usize,
+    /// Positions one sequence may fill.
+    pub context_length: usize,
+}
+
+impl FinishRule {
+    /// Why generation ends with `token`, the `generated`-th token after a
+    /// prompt of `prompt_len` tokens, if it does. The context is full when
+    /// the token has no position left to be written at.
+    pub fn check(&self, prompt_len: usize, generated: usize, token: u32) -> Option<FinishReason> {
+        if self.stop_token_ids.contains(&token) {
+            Some(FinishReason::Stop)
+        } else if generated >= self.max_tokens || prompt_len + generated > self.context_length {
+            Some(FinishReason::Length)
+        } else {
+            None
+        }
+    }
+}
+
 /// The model's recommended sampling defaults from `generation_config.json`
 /// (as vLLM applies them): `do_sample: false` means greedy; `temperature`,
 /// `top_p`, `top_k` and `repetition_penalty` are taken when present. A missing
@@ -232,3 +260,20 @@ pub fn check_model_dir(dir: &std::path::Path) -> Result<(), String> {
     Err(msg)
 }
 
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn finish_rule_stop_tokens_then_max_tokens_then_context() {
+        let rule = FinishRule { stop_token_ids: [1, 9].into(), max_tokens: 3, context_length: 12 };
+        assert_eq!(rule.check(4, 1, 9), Some(FinishReason::Stop), "a stop token ends at once");
+        assert_eq!(rule.check(4, 3, 1), Some(FinishReason::Stop), "a stop token wins over max_tokens");
+        assert_eq!(rule.check(4, 2, 5), None);
+        assert_eq!(rule.check(4, 3, 5), Some(FinishReason::Length));
+        // 10 prompt tokens: the 2nd generated token would be written at position 11, the last.
+        assert_eq!(rule.check(10, 2, 5), None);
+        assert_eq!(rule.check(11, 2, 5), Some(FinishReason::Length), "no position left for it");
+    }
+}

@@ -4,9 +4,10 @@
 //! The mocks implement the worker protocol as the router expects it (see
 //! the report in the crate's tests): generated token `i` (0-based, counting
 //! the prefill worker's first token) is `script[i]`, or `prompt_len + i`
-//! past the end of the script; the decode worker stops after a token in
-//! `stop_token_ids` ("stop") or when `max_tokens` tokens, the prefilled one
-//! included, exist ("length"), and sends `finished` right after that token.
+//! past the end of the script; the worker that samples a token in
+//! `stop_token_ids` ("stop"), or the `max_tokens`-th token, the prefilled one
+//! included ("length"), marks it last; the decode stream then ends (or,
+//! with `hold_after_last`, stays open).
 
 #![allow(dead_code)]
 
@@ -39,6 +40,8 @@ pub struct MockConfig {
     pub context_length: u32,
     /// The prefill worker's Stats fails, as while it loads.
     pub prefill_down: bool,
+    /// The decode stream stays open this long after its last token.
+    pub hold_after_last: Duration,
 }
 
 impl Default for MockConfig {
@@ -51,6 +54,7 @@ impl Default for MockConfig {
             kv_blocks_total: 256,
             context_length: 1024,
             prefill_down: false,
+            hold_after_last: Duration::ZERO,
         }
     }
 }
@@ -84,10 +88,18 @@ impl Shared {
     fn record(&self) -> MutexGuard<'_, Record> {
         self.record.lock().unwrap()
     }
-    fn token(&self, prompt_len: usize, i: usize, top: Option<u32>) -> SampledToken {
+    /// Token `i` (0-based), marked last as a worker marks it.
+    fn token(&self, prompt_len: usize, i: usize, top: Option<u32>, max_tokens: u32, stop_token_ids: &[u32]) -> SampledToken {
         let id = self.config().script.get(i).copied().unwrap_or((prompt_len + i) as u32);
         let top_logprobs = (0..top.unwrap_or(0)).map(|k| TopLogprob { id: id + k, logprob: -0.5 - k as f32 }).collect();
-        SampledToken { id, logprob: -0.5, top_logprobs }
+        let reason = if stop_token_ids.contains(&id) {
+            FinishReason::Stop
+        } else if i + 1 >= max_tokens as usize {
+            FinishReason::Length
+        } else {
+            FinishReason::Unspecified
+        };
+        SampledToken { id, logprob: -0.5, top_logprobs, last: reason != FinishReason::Unspecified, finish_reason: reason.into() }
     }
 }
 
@@ -165,20 +177,15 @@ impl DecodeWorker for Decode {
                     yield Err(Status::unavailable("mock decode worker crashed"));
                     return;
                 }
-                let token = shared.token(req.prompt.len(), generated, top);
-                let id = token.id;
+                let token = shared.token(req.prompt.len(), generated, top, req.max_tokens, &req.stop_token_ids);
                 generated += 1;
-                yield Ok(DecodeEvent { event: Some(decode_event::Event::Token(token)) });
-                let reason = if req.stop_token_ids.contains(&id) {
-                    "stop"
-                } else if generated >= req.max_tokens as usize {
-                    "length"
-                } else {
+                if !token.last {
+                    yield Ok(DecodeEvent { token: Some(token), queue_seconds: 0.0 });
                     continue;
-                };
+                }
                 guard.finished = true;
-                let finished = DecodeFinished { finish_reason: reason.into(), queue_seconds: 0.001 };
-                yield Ok(DecodeEvent { event: Some(decode_event::Event::Finished(finished)) });
+                yield Ok(DecodeEvent { token: Some(token), queue_seconds: 0.001 });
+                tokio::time::sleep(config.hold_after_last).await;
                 return;
             }
         };
@@ -215,7 +222,7 @@ impl PrefillWorker for Prefill {
         let config = self.0.config();
         tokio::time::sleep(config.prefill_delay).await;
         let top = req.sampling.as_ref().and_then(|s| s.top_logprobs);
-        let first = self.0.token(req.prompt.len(), 0, top);
+        let first = self.0.token(req.prompt.len(), 0, top, req.max_tokens, &req.stop_token_ids);
         Ok(Response::new(PrefillResponse { first_token: Some(first), queue_seconds: 0.002, prefill_seconds: config.prefill_delay.as_secs_f64() }))
     }
 
