@@ -42,6 +42,11 @@ pub struct DecodeConfig {
     /// Requests that may wait for KV blocks at once (first come first
     /// served); beyond it the worker answers RESOURCE_EXHAUSTED.
     pub max_waiting_requests: usize,
+    /// Automatic prefix caching: full KV blocks stay cached after their
+    /// request ends, and a prompt that starts with cached blocks shares
+    /// them and prefills only the rest (on either prefill path). Idle cached
+    /// blocks are evicted, least recently used first, when free ones run out.
+    pub prefix_caching: bool,
     /// Numeric path: `bf16` (the fast one) or `f32` (the scalar reference,
     /// whose results do not depend on how requests are batched).
     pub dtype: String,
@@ -175,6 +180,7 @@ impl Default for DecodeConfig {
             prefill_chunk_tokens: 256,
             lease_timeout_seconds: 900,
             max_waiting_requests: 256,
+            prefix_caching: true,
             dtype: "bf16".into(),
             threads: 0,
             numa_nodes: 1,
@@ -242,6 +248,9 @@ pub struct DecodeArgs {
     /// Requests that may wait for KV blocks; more are refused [default: 256].
     #[arg(long)]
     pub max_waiting_requests: Option<usize>,
+    /// Reuse the cached KV blocks of a prompt's longest cached prefix [default: true].
+    #[arg(long)]
+    pub prefix_caching: Option<bool>,
     /// Numeric path: bf16 or f32 [default: bf16].
     #[arg(long)]
     pub dtype: Option<String>,
@@ -307,7 +316,7 @@ impl DecodeArgs {
         if let Some(path) = self.unix_socket {
             c.unix_socket = Some(path);
         }
-        take!(model, host, port, metrics_port, shm_dir, instance, context_length, kv_blocks, max_batch_size, prefill_chunk_tokens, lease_timeout_seconds, max_waiting_requests, dtype, threads, numa_nodes, cores, device, device_memory_mib, cuda_device, device_threads, device_kv_blocks, micro_batches, defer_experts, expert_submit, expert_cache_experts, expert_cache_bytes, expert_assignment, expert_prefetch, expert_cache_policy);
+        take!(model, host, port, metrics_port, shm_dir, instance, context_length, kv_blocks, max_batch_size, prefill_chunk_tokens, lease_timeout_seconds, max_waiting_requests, prefix_caching, dtype, threads, numa_nodes, cores, device, device_memory_mib, cuda_device, device_threads, device_kv_blocks, micro_batches, defer_experts, expert_submit, expert_cache_experts, expert_cache_bytes, expert_assignment, expert_prefetch, expert_cache_policy);
         if c.max_batch_size == 0 || c.prefill_chunk_tokens == 0 {
             anyhow::bail!("max_batch_size and prefill_chunk_tokens must be at least 1");
         }
