@@ -1,6 +1,7 @@
 //! The prefill engine: one thread owns the model and runs prompts one at a
 //! time, first come first served, into KV blocks lent by the decode worker.
-//! Prompts at or above the SLP threshold run on the accelerator with
+//! Prompts whose uncached part (after the lease's cached prefix) is at or
+//! above the SLP threshold run on the accelerator with
 //! stream-loading prefill ([`crate::slp`]); shorter ones, or all of them
 //! when there is no accelerator, on the CPU engine in chunks.
 //!
@@ -165,19 +166,26 @@ impl Engine {
     fn prefill(&mut self, job: &Job, commands: &Receiver<Command>) -> Result<PrefillResponse, Status> {
         let started = Instant::now();
         let mut sampler = Sampler::new(job.sampling.clone(), &job.prompt).map_err(|e| Status::invalid_argument(e.to_string()))?;
-        // The lease's blocks, nothing written in them yet.
-        let mut table = BlockTable { blocks: job.lease.blocks.clone(), len: 0 };
+        // The lease's blocks: its first `cached_tokens` positions hold the
+        // prompt's cached prefix (blocks shared with other requests, never
+        // written again), the rest nothing yet. Prefill starts after them.
+        let cached = job.lease.cached_tokens as usize;
+        if cached >= job.prompt.len() {
+            return Err(Status::invalid_argument(format!("the KV lease has {cached} cached tokens, but the prompt only {}: its last token must be computed", job.prompt.len())));
+        }
+        let mut table = BlockTable { blocks: job.lease.blocks.clone(), len: cached };
         let pool = self.kv.pool(job.lease.pool_epoch)?;
         self.inbox.stats.pool_epoch.store(job.lease.pool_epoch, std::sync::atomic::Ordering::Relaxed);
         pool.check_table(&table).map_err(|e| Status::invalid_argument(e.to_string()))?;
         if pool.capacity(&table) < job.prompt.len() {
             return Err(Status::invalid_argument(format!("the KV lease holds {} positions, fewer than the prompt's {}", pool.capacity(&table), job.prompt.len())));
         }
+        let todo = &job.prompt[cached..];
         let inbox = &mut self.inbox;
-        let logits = match self.slp.as_ref().filter(|s| job.prompt.len() >= s.threshold_tokens) {
+        let logits = match self.slp.as_ref().filter(|s| todo.len() >= s.threshold_tokens) {
             Some(slp) => {
                 let mut stop = || inbox.stop(job, commands);
-                let (logits, report) = slp.engine.run(&self.model, pool, &mut table, &job.prompt, self.precision, Logits::Last, &mut stop).map_err(|e| match e {
+                let (logits, report) = slp.engine.run(&self.model, pool, &mut table, todo, self.precision, Logits::Last, &mut stop).map_err(|e| match e {
                     SlpError::Cancelled => Status::cancelled("prefill cancelled"),
                     SlpError::Staged(e) if e.is_bad_input() => Status::invalid_argument(e.to_string()),
                     e => Status::internal(format!("stream-loading prefill failed: {e}")),
@@ -187,7 +195,7 @@ impl Engine {
             }
             None => {
                 let mut logits = vec![];
-                for chunk in job.prompt.chunks(self.chunk_tokens) {
+                for chunk in todo.chunks(self.chunk_tokens) {
                     if inbox.stop(job, commands) {
                         return Err(Status::cancelled("prefill cancelled"));
                     }
@@ -198,8 +206,8 @@ impl Engine {
         };
         let token = sampler.sample(&logits);
         let seconds = started.elapsed().as_secs_f64();
-        let n = job.prompt.len() as f64;
-        metrics::counter!(names::PREFILL_TOKENS, "worker" => "prefill").increment(job.prompt.len() as u64);
+        let n = todo.len() as f64;
+        metrics::counter!(names::PREFILL_TOKENS, "worker" => "prefill").increment(todo.len() as u64);
         metrics::histogram!(names::PREFILL_TIME, "worker" => "prefill").record(seconds);
         metrics::histogram!(names::PREFILL_THROUGHPUT, "worker" => "prefill").record(n / seconds.max(1e-9));
         Ok(PrefillResponse {
