@@ -596,6 +596,7 @@ fn dashboard_has_every_required_panel() {
             qs.iter().any(|q| q.expr.contains(&format!("histogram_quantile({p},")) && q.expr.contains(&format!("{}_bucket", t::PREFILL_SLP_STALL)))
         })
     });
+    has_panel("prefix cache hit rate", &|qs| qs.iter().any(|q| q.expr.contains(t::PREFIX_CACHE_HITS) && q.expr.contains(t::PREFIX_CACHE_QUERIES) && q.expr.contains('/')));
     let rows: Vec<&str> = dash["panels"].as_array().into_iter().flatten().filter(|p| p["type"] == "row").filter_map(|p| p["title"].as_str()).collect();
     assert!(rows.contains(&"Stream-loading prefill"), "{DASHBOARD} has no row \"Stream-loading prefill\" (rows: {rows:?})");
 

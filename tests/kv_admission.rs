@@ -166,7 +166,7 @@ impl Stack {
 
     /// Lease blocks straight from the decode worker, as a router would.
     async fn lease(&self, id: &str, tokens: u32, max_tokens: u32) -> Result<Vec<u32>, tonic::Status> {
-        let request = AllocateKvRequest { request_id: id.into(), tokens, max_tokens };
+        let request = AllocateKvRequest { request_id: id.into(), tokens, max_tokens, ..Default::default() };
         Ok(self.decode.clone().allocate_kv(request).await?.into_inner().blocks)
     }
 

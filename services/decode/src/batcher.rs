@@ -22,6 +22,17 @@
 //! prompt alone and the output later is what deadlocked: leases holding the
 //! pool, each sequence waiting for the few blocks of output the others held.
 //!
+//! Prefix caching (`kv_alloc`). When a request's blocks are granted, its
+//! table starts with the cached blocks of its prompt's longest cached
+//! prefix: a sequence here then prefills only the rest, a lease tells the
+//! prefill worker where to start. Cached blocks no request holds count as
+//! free, so the cache changes how much a request needs, never whether the
+//! pool can grant it. On the CPU engine a sequence's full blocks are
+//! registered as each step writes them, prompt and output alike (the next
+//! turn of a chat resends the answer); with a device the KV of what this
+//! worker computes lives on the device only, so only the blocks the prefill
+//! worker wrote are.
+//!
 //! Requests that do not fit yet wait in one queue, leases and sequences
 //! alike, first come first served: the front waits for blocks and holds
 //! back those behind it, so a long prompt is not starved by short ones. The
@@ -38,6 +49,7 @@
 use crate::engine::{Engine, StepTimings};
 use crate::error::DecodeError;
 use crate::kv_alloc::KvAllocator;
+use crate::prefix_cache::BlockHashes;
 use duplex_model::hybrid::{AdmitError, DeviceSeq};
 use duplex_model::model::ForwardError;
 use duplex_model::sampling::{SampledToken, Sampler, SamplingParams};
@@ -92,9 +104,10 @@ pub struct Prefilled {
 
 pub enum Command {
     Admit(Box<Admission>),
-    /// A lease for a prompt of `tokens` tokens that may generate up to
-    /// `max_tokens`; answered when the blocks are granted.
-    AllocateKv { request_id: String, tokens: usize, max_tokens: usize, reply: LeaseReply },
+    /// A lease for a prompt of `tokens` tokens (`prompt`, or empty when
+    /// the router did not send it) that may generate up to `max_tokens`;
+    /// answered when the blocks are granted.
+    AllocateKv { request_id: String, tokens: usize, prompt: Vec<u32>, max_tokens: usize, reply: LeaseReply },
     FreeKv { request_id: String, reply: oneshot::Sender<bool> },
     Cancel { request_id: String, reply: oneshot::Sender<bool> },
 }
@@ -115,7 +128,14 @@ struct Sequence {
     generated: Vec<u32>,
     /// Prompt tokens already in the cache.
     prefilled: usize,
+    /// Of those, the ones shared from the prefix cache.
+    cached: usize,
     table: BlockTable,
+    /// The hashes of the prompt's full blocks, then of the output's as they
+    /// fill (prefix caching).
+    hashes: BlockHashes,
+    /// Leading blocks of `table` that are in the prefix cache.
+    registered: usize,
     /// Its blocks in the device KV pool (hybrid placement), from when it
     /// first runs until it leaves.
     device: Option<DeviceSeq>,
@@ -140,6 +160,9 @@ enum Waiter {
 struct LeaseAsk {
     request_id: String,
     tokens: usize,
+    /// Empty when the router did not send it.
+    prompt: Vec<u32>,
+    hashes: BlockHashes,
     /// Prompt plus `max_tokens`, within the context.
     positions: usize,
     reply: LeaseReply,
@@ -264,8 +287,11 @@ impl Batcher {
     fn handle(&mut self, command: Command) {
         match command {
             Command::Admit(a) => self.admit(*a),
-            Command::AllocateKv { request_id, tokens, max_tokens, reply } => match self.check_lease(&request_id, tokens, max_tokens) {
-                Ok(positions) => self.enqueue(Waiter::Lease(LeaseAsk { request_id, tokens, positions, reply, arrived: Instant::now() })),
+            Command::AllocateKv { request_id, tokens, prompt, max_tokens, reply } => match self.check_lease(&request_id, tokens, max_tokens) {
+                Ok(positions) => {
+                    let hashes = self.kv.hashes(&prompt);
+                    self.enqueue(Waiter::Lease(LeaseAsk { request_id, tokens, prompt, hashes, positions, reply, arrived: Instant::now() }))
+                }
                 Err(e) => {
                     let _ = reply.send(Err(e));
                 }
@@ -293,12 +319,16 @@ impl Batcher {
             Ok(s) => s,
             Err(e) => return reject(&a.events, DecodeError::InvalidArgument(e.to_string())),
         };
+        let hashes = self.kv.hashes(&a.prompt);
         let mut seq = Sequence {
             request_id: a.request_id,
             prompt: a.prompt,
             generated: vec![],
             prefilled: 0,
+            cached: 0,
             table: BlockTable::default(),
+            hashes,
+            registered: 0,
             device: None,
             sampler,
             finish: FinishRule { stop_token_ids: a.stop_token_ids, max_tokens: a.max_tokens, context_length: self.limits.context_length },
@@ -313,11 +343,14 @@ impl Batcher {
                 return reject(&seq.events, e);
             }
             // The lease already holds the whole need: no wait for blocks.
-            match self.kv.take_lease(&seq.request_id, &p.lease, seq.prompt.len(), positions) {
+            match self.kv.take_lease(&seq.request_id, &p.lease, &seq.prompt, positions) {
                 Ok(table) => seq.table = table,
                 Err(e) => return reject(&seq.events, e),
             }
+            // The prefill worker wrote the prompt into host blocks: cache them.
+            seq.registered = self.kv.register(&seq.table, seq.hashes.as_slice(), 0);
             seq.prefilled = seq.prompt.len();
+            seq.cached = p.lease.cached_tokens as usize;
             seq.generated.push(p.first_token.id);
             if let Some(reason) = seq.finish_reason() {
                 // The prefill worker, which sampled that token, said it was
@@ -392,25 +425,30 @@ impl Batcher {
     }
 
     /// Give blocks to the waiting requests in arrival order while the pool
-    /// has enough for the one in front.
+    /// has enough for the one in front (less what it finds cached).
     fn grant(&mut self) {
         while let Some(front) = self.waiting.front() {
-            let positions = match front {
-                Waiter::Sequence(seq) => reserve_len(seq, self.limits.context_length),
-                Waiter::Lease(ask) => ask.positions,
+            let (positions, hits) = match front {
+                Waiter::Sequence(seq) => (reserve_len(seq, self.limits.context_length), self.kv.lookup(seq.prompt.len(), seq.hashes.as_slice())),
+                Waiter::Lease(ask) => (ask.positions, self.kv.lookup(ask.tokens, ask.hashes.as_slice())),
             };
-            if self.kv.blocks_for(positions) > self.kv.free_blocks() {
+            if !self.kv.can_allocate(&hits, positions) {
                 break; // first come, first served: wait for blocks to free up
             }
             let Some(waiter) = self.waiting.pop_front() else { break };
             metrics::histogram!(names::KV_WAIT_TIME).record(waiter.arrived().elapsed().as_secs_f64());
             self.stats.progressed();
             match waiter {
-                Waiter::Sequence(mut seq) => match self.kv.reserve(&mut seq.table, positions) {
-                    Ok(()) => self.ready.push_back(*seq),
+                Waiter::Sequence(mut seq) => match self.kv.allocate(seq.prompt.len(), &hits, positions) {
+                    Ok(table) => {
+                        // The cached prefix is prefilled already.
+                        (seq.prefilled, seq.cached, seq.registered) = (table.len, table.len, hits.len());
+                        seq.table = table;
+                        self.ready.push_back(*seq)
+                    }
                     Err(e) => reject(&seq.events, DecodeError::Internal(format!("cannot reserve KV blocks the pool reported free: {e}"))),
                 },
-                Waiter::Lease(ask) => match self.kv.lease(&ask.request_id, ask.tokens, positions) {
+                Waiter::Lease(ask) => match self.kv.lease(&ask.request_id, ask.prompt, ask.tokens, &hits, positions) {
                     Ok(lease) => {
                         if ask.reply.send(Ok(lease)).is_err() {
                             // The router stopped waiting just now.
@@ -523,9 +561,30 @@ impl Batcher {
         match result {
             Ok((logits, timings)) => {
                 record_step(&timings, elapsed);
+                self.cache_written(&members);
                 self.advance(&members, &logits)
             }
             Err(e) => self.fail_members(&members, e),
+        }
+    }
+
+    /// Register the blocks the step filled in the prefix cache: on the CPU
+    /// engine only, where the KV is written into the host pool (with a
+    /// device, what this worker computes stays in device blocks).
+    fn cache_written(&mut self, members: &[(usize, usize)]) {
+        if !self.kv.prefix_caching() || !matches!(self.engine, Engine::Cpu(_)) {
+            return;
+        }
+        let block_size = self.kv.block_size();
+        for &(i, _) in members {
+            let seq = &mut self.running[i];
+            if seq.table.len / block_size <= seq.registered {
+                continue;
+            }
+            // The tokens written: the prompt, then the output fed back so far.
+            let tokens = seq.prompt.iter().chain(&seq.generated).copied();
+            seq.hashes.extend(tokens, seq.table.len, block_size);
+            seq.registered = self.kv.register(&seq.table, seq.hashes.as_slice(), seq.registered);
         }
     }
 
@@ -542,10 +601,11 @@ impl Batcher {
                     continue; // mid-prompt: this row's logits mean nothing yet
                 }
                 let seconds = seq.started.map_or(0.0, |s| s.elapsed().as_secs_f64());
-                metrics::counter!(names::PREFILL_TOKENS, "worker" => "decode").increment(seq.prompt.len() as u64);
+                let computed = seq.prompt.len() - seq.cached;
+                metrics::counter!(names::PREFILL_TOKENS, "worker" => "decode").increment(computed as u64);
                 metrics::histogram!(names::PREFILL_TIME, "worker" => "decode").record(seconds);
                 if seconds > 0.0 {
-                    metrics::histogram!(names::PREFILL_THROUGHPUT, "worker" => "decode").record(seq.prompt.len() as f64 / seconds);
+                    metrics::histogram!(names::PREFILL_THROUGHPUT, "worker" => "decode").record(computed as f64 / seconds);
                 }
             }
             let token = seq.sampler.sample(&logits[row * vocab..(row + 1) * vocab]);
@@ -590,6 +650,7 @@ impl Batcher {
         metrics::gauge!(names::DECODE_WAITING).set(waiting as f64);
         metrics::gauge!(names::KV_BLOCKS_USED).set(self.kv.used_blocks() as f64);
         metrics::gauge!(names::KV_BLOCKS_CAPACITY).set(self.kv.total_blocks() as f64);
+        metrics::gauge!(names::PREFIX_CACHE_BLOCKS).set(self.kv.cached_blocks() as f64);
         if let Some((used, _)) = self.engine.device_blocks() {
             metrics::gauge!(names::DEVICE_KV_BLOCKS_USED).set(used as f64);
         }

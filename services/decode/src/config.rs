@@ -44,6 +44,11 @@ pub struct DecodeConfig {
     /// Requests that may wait for KV blocks at once (first come first
     /// served); beyond it the worker answers RESOURCE_EXHAUSTED.
     pub max_waiting_requests: usize,
+    /// Automatic prefix caching: full KV blocks stay cached after their
+    /// request ends, and a prompt that starts with cached blocks shares
+    /// them and prefills only the rest (on either prefill path). Idle cached
+    /// blocks are evicted, least recently used first, when free ones run out.
+    pub prefix_caching: bool,
     /// Numeric path: `bf16` (the fast one) or `f32` (the scalar reference,
     /// whose results do not depend on how requests are batched).
     pub dtype: String,
@@ -177,6 +182,7 @@ impl Default for DecodeConfig {
             prefill_chunk_tokens: 256,
             lease_timeout_seconds: 900,
             max_waiting_requests: 256,
+            prefix_caching: true,
             dtype: "bf16".into(),
             threads: 0,
             numa_nodes: 1,
@@ -246,6 +252,9 @@ pub struct DecodeArgs {
     /// Requests that may wait for KV blocks; more are refused [default: 256].
     #[arg(long)]
     pub max_waiting_requests: Option<usize>,
+    /// Reuse the cached KV blocks of a prompt's longest cached prefix [default: true].
+    #[arg(long)]
+    pub prefix_caching: Option<bool>,
     /// Numeric path: bf16 or f32 [default: bf16].
     #[arg(long)]
     pub dtype: Option<String>,

@@ -17,6 +17,7 @@ pub mod config;
 pub mod engine;
 pub mod error;
 pub mod kv_alloc;
+pub mod prefix_cache;
 pub mod server;
 
 use batcher::{Batcher, Limits};
@@ -79,7 +80,7 @@ fn start_engine(cfg: &DecodeConfig) -> anyhow::Result<(Batcher, Arc<StatsCell>, 
     let segment = KvSegment::create(&cfg.shm_dir, &duplex_ipc::kv_segment_name(&cfg.instance), geometry)?;
     let epoch = segment.epoch();
     tracing::info!("KV segment {}: {n_blocks} blocks of {block_size} tokens, epoch {epoch}", segment.path().display());
-    let kv = KvAllocator::new(segment.into_pool(true)?, epoch);
+    let kv = KvAllocator::new(segment.into_pool(true)?, epoch).with_prefix_caching(cfg.prefix_caching);
     let limits = Limits { context_length, lease_timeout: std::time::Duration::from_secs(cfg.lease_timeout_seconds), max_batch_size: cfg.max_batch_size.max(1), prefill_chunk_tokens: cfg.prefill_chunk_tokens.max(1), max_waiting_requests: cfg.max_waiting_requests };
     let vocab = model.cfg.vocab_size;
     let engine = match open_device(cfg)? {

@@ -121,9 +121,18 @@ impl DecodeWorker for DecodeService {
             if r.request_id.is_empty() {
                 return Err(Status::invalid_argument("request_id is empty"));
             }
+            if !r.prompt.is_empty() && r.prompt.len() != r.tokens as usize {
+                return Err(Status::invalid_argument(format!("the prompt has {} token ids but tokens is {}", r.prompt.len(), r.tokens)));
+            }
+            if let Some(id) = r.prompt.iter().find(|&&t| t as usize >= self.vocab_size) {
+                return Err(Status::invalid_argument(format!("prompt token {id} is outside the vocabulary of {}", self.vocab_size)));
+            }
             // Waits while the pool is short; if the caller gives up first, the
             // engine notices the dropped reply and lets the place go.
-            let lease = self.ask(|reply| Command::AllocateKv { request_id: r.request_id, tokens: r.tokens as usize, max_tokens: r.max_tokens as usize, reply }).await?.map_err(status)?;
+            let lease = self
+                .ask(|reply| Command::AllocateKv { request_id: r.request_id, tokens: r.tokens as usize, prompt: r.prompt, max_tokens: r.max_tokens as usize, reply })
+                .await?
+                .map_err(status)?;
             tracing::debug!(blocks = lease.blocks.len(), "KV lease granted");
             Ok(Response::new(lease))
         }

@@ -78,7 +78,7 @@ type LeaseAnswer = oneshot::Receiver<Result<KvLease, DecodeError>>;
 /// AllocateKv as the router sends it: the prompt's length and max_tokens.
 fn ask_lease(commands: &Sender<Command>, id: &str, tokens: usize, max_tokens: usize) -> LeaseAnswer {
     let (reply, answer) = oneshot::channel();
-    commands.send(Command::AllocateKv { request_id: id.into(), tokens, max_tokens, reply }).unwrap();
+    commands.send(Command::AllocateKv { request_id: id.into(), tokens, prompt: vec![], max_tokens, reply }).unwrap();
     answer
 }
 

@@ -1,6 +1,7 @@
 //! The prefill engine: one thread owns the model and runs prompts one at a
 //! time, first come first served, into KV blocks lent by the decode worker.
-//! Prompts at or above the SLP threshold run on the accelerator with
+//! Prompts whose uncached part (after the lease's cached prefix) is at or
+//! above the SLP threshold run on the accelerator with
 //! stream-loading prefill ([`crate::slp`]); shorter ones, or all of them
 //! when there is no accelerator, on the CPU engine in chunks.
 //!
@@ -48,6 +49,8 @@ pub struct Job {
 pub struct Lease {
     pub pool_epoch: u64,
     pub blocks: Vec<u32>,
+    /// Positions the first blocks already hold: the prompt's cached prefix.
+    pub cached_tokens: u32,
 }
 
 /// What a prefill gives back: the prompt's KV is in the lease's blocks.
@@ -214,19 +217,26 @@ impl Engine {
     fn prefill(&mut self, job: &Job, commands: &Receiver<Command>) -> Result<FirstToken, PrefillError> {
         let started = Instant::now();
         let mut sampler = Sampler::new(job.sampling.clone(), &job.prompt).map_err(|e| PrefillError::InvalidArgument(e.to_string()))?;
-        // The lease's blocks, nothing written in them yet.
-        let mut table = BlockTable { blocks: job.lease.blocks.clone(), len: 0 };
+        // The lease's blocks: its first `cached_tokens` positions hold the
+        // prompt's cached prefix (blocks shared with other requests, never
+        // written again), the rest nothing yet. Prefill starts after them.
+        let cached = job.lease.cached_tokens as usize;
+        if cached >= job.prompt.len() {
+            return Err(PrefillError::InvalidArgument(format!("the KV lease has {cached} cached tokens, but the prompt only {}: its last token must be computed", job.prompt.len())));
+        }
+        let mut table = BlockTable { blocks: job.lease.blocks.clone(), len: cached };
         let pool = self.kv.pool(job.lease.pool_epoch)?;
         self.inbox.stats.pool_epoch.store(job.lease.pool_epoch, std::sync::atomic::Ordering::Relaxed);
         pool.check_table(&table).map_err(|e| PrefillError::InvalidArgument(e.to_string()))?;
         if pool.capacity(&table) < job.prompt.len() {
             return Err(PrefillError::InvalidArgument(format!("the KV lease holds {} positions, fewer than the prompt's {}", pool.capacity(&table), job.prompt.len())));
         }
+        let todo = &job.prompt[cached..];
         let inbox = &mut self.inbox;
-        let logits = match self.slp.as_ref().filter(|s| job.prompt.len() >= s.threshold_tokens) {
+        let logits = match self.slp.as_ref().filter(|s| todo.len() >= s.threshold_tokens) {
             Some(slp) => {
                 let mut stop = || inbox.stop(job, commands);
-                let (logits, report) = slp.engine.run(&self.model, pool, &mut table, &job.prompt, self.precision, Logits::Last, &mut stop).map_err(|e| match e {
+                let (logits, report) = slp.engine.run(&self.model, pool, &mut table, todo, self.precision, Logits::Last, &mut stop).map_err(|e| match e {
                     SlpError::Cancelled => PrefillError::Cancelled,
                     SlpError::Staged(e) if e.is_bad_input() => PrefillError::InvalidArgument(e.to_string()),
                     e => PrefillError::Internal(format!("stream-loading prefill failed: {e}")),
@@ -236,7 +246,7 @@ impl Engine {
             }
             None => {
                 let mut logits = vec![];
-                for chunk in job.prompt.chunks(self.chunk_tokens) {
+                for chunk in todo.chunks(self.chunk_tokens) {
                     if inbox.stop(job, commands) {
                         return Err(PrefillError::Cancelled);
                     }
@@ -250,8 +260,8 @@ impl Engine {
         let finish = rule.check(job.prompt.len(), 1, token.id);
         let elapsed = started.elapsed();
         let seconds = elapsed.as_secs_f64();
-        let n = job.prompt.len() as f64;
-        metrics::counter!(names::PREFILL_TOKENS, "worker" => "prefill").increment(job.prompt.len() as u64);
+        let n = todo.len() as f64;
+        metrics::counter!(names::PREFILL_TOKENS, "worker" => "prefill").increment(todo.len() as u64);
         metrics::histogram!(names::PREFILL_TIME, "worker" => "prefill").record(seconds);
         metrics::histogram!(names::PREFILL_THROUGHPUT, "worker" => "prefill").record(n / seconds.max(1e-9));
         Ok(FirstToken { token, finish, queue: started - job.arrived, prefill: elapsed })

@@ -71,7 +71,7 @@ impl PrefillWorker for PrefillService {
             }
             let sampling = r.sampling.as_ref().ok_or_else(|| Status::invalid_argument("sampling is missing"))?.into();
             let lease = r.lease.ok_or_else(|| Status::invalid_argument("lease is missing"))?;
-            let lease = Lease { pool_epoch: lease.pool_epoch, blocks: lease.blocks };
+            let lease = Lease { pool_epoch: lease.pool_epoch, blocks: lease.blocks, cached_tokens: lease.cached_tokens };
             let job = |reply| {
                 let stop_token_ids = r.stop_token_ids.into_iter().collect();
                 Command::Prefill(Job { request_id: r.request_id, prompt: r.prompt, sampling, lease, max_tokens: r.max_tokens as usize, stop_token_ids, reply, arrived })

@@ -34,7 +34,7 @@ fn prefill(commands: &Sender<Command>, epoch: u64, max_tokens: usize, stop: &[u3
         request_id: "r".into(),
         prompt: (0..20).map(|i| 100 + i * 7).collect(),
         sampling: SamplingParams { seed: Some(1), ..SamplingParams::greedy() },
-        lease: Lease { pool_epoch: epoch, blocks: vec![0, 1] },
+        lease: Lease { pool_epoch: epoch, blocks: vec![0, 1], cached_tokens: 0 },
         max_tokens,
         stop_token_ids: stop.iter().copied().collect(),
         reply,

@@ -161,9 +161,12 @@ impl Router {
                 *held = Held::Lease;
                 // The lease holds the whole request (prompt plus max_tokens),
                 // so once granted it can always run to its end; the decode
-                // worker queues it until that much is free.
+                // worker queues it until that much is free. It starts with
+                // the prompt's cached prefix, which the prefill worker skips.
+                // (The path was chosen by the whole prompt's length: the
+                // cached part is known only now.)
                 let kv_wait = Instant::now();
-                let lease = self.workers.allocate_kv(&req.id, req.prompt.len(), req.max_tokens).await?;
+                let lease = self.workers.allocate_kv(&req.id, &req.prompt, req.max_tokens).await?;
                 let kv_wait = kv_wait.elapsed();
                 *held = Held::Prefilling;
                 let prefill_req = PrefillRequest {

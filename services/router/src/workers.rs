@@ -161,12 +161,15 @@ impl Workers {
         self.readiness.borrow().clone()
     }
 
-    /// A lease of KV blocks for the whole request: its prompt of `tokens`
-    /// tokens plus up to `max_tokens` of output. The decode worker answers
-    /// once the blocks are free (its queue is first come first served), so
-    /// this waits up to `kv_wait_timeout_seconds`, not the short deadline.
-    pub async fn allocate_kv(&self, request_id: &str, tokens: usize, max_tokens: u32) -> Result<KvLease, Error> {
-        let req = AllocateKvRequest { request_id: request_id.into(), tokens: u32::try_from(tokens).unwrap_or(u32::MAX), max_tokens };
+    /// A lease of KV blocks for the whole request: its prompt plus up to
+    /// `max_tokens` of output, starting with the cached blocks of the
+    /// prompt's longest cached prefix (`cached_tokens`). The decode worker
+    /// answers once the blocks are free (its queue is first come first
+    /// served), so this waits up to `kv_wait_timeout_seconds`, not the short
+    /// deadline.
+    pub async fn allocate_kv(&self, request_id: &str, prompt: &[u32], max_tokens: u32) -> Result<KvLease, Error> {
+        let tokens = u32::try_from(prompt.len()).unwrap_or(u32::MAX);
+        let req = AllocateKvRequest { request_id: request_id.into(), tokens, max_tokens, prompt: prompt.to_vec() };
         let call = async {
             match tokio::time::timeout(self.kv_wait_timeout, self.decode.clone().allocate_kv(req)).await {
                 Ok(Ok(response)) => Ok(response.into_inner()),

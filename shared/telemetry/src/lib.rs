@@ -136,6 +136,14 @@ metrics_table! {
         "Size of the shared weight segment this worker maps.";
     WEIGHT_SEGMENT_HUGE_PAGE_BYTES = "duplex_weight_segment_huge_page_bytes", Gauge, Prefill, NONE,
         "Bytes of the shared weight segment this worker maps with huge pages (hugetlbfs, or transparent huge pages of a tmpfs), measured at start.";
+    PREFIX_CACHE_QUERIES = "duplex_prefix_cache_queries_tokens_total", Counter, Decode, NONE,
+        "Prompt tokens looked up in the decode worker's prefix cache: every admitted prompt, on either prefill path.";
+    PREFIX_CACHE_HITS = "duplex_prefix_cache_hits_tokens_total", Counter, Decode, NONE,
+        "Prompt tokens whose KV the prefix cache held, so that no worker prefilled them again.";
+    PREFIX_CACHE_EVICTIONS = "duplex_prefix_cache_evictions_total", Counter, Decode, NONE,
+        "Idle cached KV blocks (no request held them) taken for new data, least recently used first.";
+    PREFIX_CACHE_BLOCKS = "duplex_prefix_cache_blocks", Gauge, Decode, NONE,
+        "KV blocks the prefix cache names, held by requests or idle; the idle ones count as free.";
 }
 
 #[derive(Debug, thiserror::Error)]

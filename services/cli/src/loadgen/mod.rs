@@ -1,16 +1,20 @@
 //! `duplex bench`: a load generator that drives a running router over its
 //! public gRPC API and measures, on the client, what its users would see.
 //!
-//! Two modes:
+//! Three modes:
 //! - closed loop (`--scenario`): the concurrency scenarios of §4.5 of the
 //!   cloud-grade-SLO paper, reported as slowdowns against solo baselines as
 //!   its Figure 18 does (see `scenarios`);
 //! - open loop (`--rate`): Poisson arrivals with prompt and output lengths
-//!   drawn from distributions or read from a JSONL file (see `workload`).
+//!   drawn from distributions or read from a JSONL file (see `workload`);
+//! - chat (`--chat-turns`): one conversation resent turn by turn, each
+//!   turn's TTFT against a fresh prompt of its length (see `chat`): what
+//!   prefix caching saves.
 //!
 //! Every request uses greedy sampling and ignores end-of-sequence tokens, so
 //! that output lengths are exactly as asked and runs are comparable.
 
+mod chat;
 mod plot;
 mod report;
 mod scenarios;
@@ -33,7 +37,7 @@ use tonic::transport::{Channel, Endpoint};
 use workload::{Dist, FilePrompt, PromptKind};
 
 #[derive(Args)]
-#[command(group(ArgGroup::new("mode").required(true).args(["scenario", "rate"])))]
+#[command(group(ArgGroup::new("mode").required(true).args(["scenario", "rate", "chat_turns"])))]
 pub struct LoadArgs {
     /// The router's gRPC address.
     #[arg(long, default_value = "http://127.0.0.1:50051")]
@@ -78,6 +82,20 @@ pub struct LoadArgs {
     /// {"prompt": "text", "max_tokens": N} or {"tokens": [ids], "max_tokens": N}.
     #[arg(long, conflicts_with_all = ["scenario", "prompt_tokens"])]
     prompts: Option<PathBuf>,
+    /// Chat: hold one conversation of this many turns, each resending the
+    /// whole history (the previous answer included) plus a new message; each
+    /// turn's TTFT is compared with a fresh prompt of the same length.
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..))]
+    chat_turns: Option<u32>,
+    /// Chat: prompt tokens of the first turn.
+    #[arg(long, default_value_t = 512, value_parser = clap::value_parser!(u32).range(1..))]
+    chat_first_tokens: u32,
+    /// Chat: tokens of each later turn's new message.
+    #[arg(long, default_value_t = 64, value_parser = clap::value_parser!(u32).range(1..))]
+    chat_message_tokens: u32,
+    /// Chat: tokens of each answer.
+    #[arg(long, default_value_t = 32, value_parser = clap::value_parser!(u32).range(1..))]
+    chat_answer_tokens: u32,
     /// Write the full report (settings, every run's statistics and every request) as JSON.
     #[arg(long)]
     out: Option<PathBuf>,
@@ -173,13 +191,16 @@ pub async fn send(client: &Client, kind: &str, request: GenerateRequest, run_sta
         _ => 0,
     };
     let mut grpc = client.grpc.clone();
-    let (mut tokens, mut finished) = (vec![], None);
+    let (mut tokens, mut token_ids, mut finished) = (vec![], vec![], None);
     let start = Instant::now();
     let result = tokio::time::timeout(client.timeout, async {
         let mut stream = grpc.generate(request).await?.into_inner();
         while let Some(message) = stream.message().await? {
             match message.event {
-                Some(generate_response::Event::Token(_)) => tokens.push(Instant::now()),
+                Some(generate_response::Event::Token(t)) => {
+                    tokens.push(Instant::now());
+                    token_ids.push(t.id);
+                }
                 Some(generate_response::Event::Finished(f)) => {
                     finished = Some(f);
                     break;
@@ -210,7 +231,7 @@ pub async fn send(client: &Client, kind: &str, request: GenerateRequest, run_sta
         prefill_path: finished.as_ref().and_then(|f| f.timings.as_ref()).map(|t| t.prefill_path.clone()).filter(|p| !p.is_empty()),
         error,
     };
-    Outcome { sample, gaps_ms, message }
+    Outcome { sample, gaps_ms, message, token_ids }
 }
 
 /// What the server serves, from ModelInfo.
@@ -258,9 +279,17 @@ pub fn run(args: LoadArgs) -> Result<()> {
 async fn bench(args: &LoadArgs, prompts: Option<Vec<FilePrompt>>) -> Result<Report> {
     let (client, served) = connect(&args.target, Duration::from_secs_f64(args.request_timeout)).await?;
     eprintln!("{} at {}: vocabulary {}, context {} tokens", served.model, args.target, served.vocab, served.context);
-    let (workload, runs) = match &args.scenario {
-        Some(scenarios) => closed_loop(args, &client, &served, scenarios).await?,
-        None => open_loop(args, &client, &served, prompts).await?,
+    let (workload, runs) = match (&args.scenario, args.chat_turns) {
+        (Some(scenarios), _) => closed_loop(args, &client, &served, scenarios).await?,
+        (None, Some(turns)) => {
+            let chat = chat::Chat { turns, first_tokens: args.chat_first_tokens, message_tokens: args.chat_message_tokens, answer_tokens: args.chat_answer_tokens, per_turn: vec![] };
+            if chat.positions() > u64::from(served.context) {
+                bail!("{turns} chat turns need {} positions, more than the server's context of {}; fewer turns or shorter messages", chat.positions(), served.context);
+            }
+            let (chat, runs) = chat::run(&client, served.vocab, chat, args.seed).await?;
+            (Workload::Chat(chat), runs)
+        }
+        (None, None) => open_loop(args, &client, &served, prompts).await?,
     };
     Ok(Report { target: args.target.clone(), model: served.model, context_length: served.context, seed: args.seed, workload, runs })
 }

@@ -40,7 +40,7 @@ pub fn write(path: &Path, report: &Report) -> Result<()> {
             bars(&panels[1], "D: mean TPOT vs 1D", &report.runs, tpot)?;
             bars(&panels[2], "e2e latency vs solo (P blue, D orange)", &report.runs, e2e)?;
         }
-        Workload::Open(_) => {
+        Workload::Open(_) | Workload::Chat(_) => {
             let samples: Vec<_> = report.runs.iter().flat_map(|r| &r.samples).filter(|s| s.error.is_none()).collect();
             cdf(&panels[0], "TTFT (ms)", samples.iter().filter_map(|s| s.ttft_ms).collect())?;
             cdf(&panels[1], "TPOT per request (ms)", samples.iter().filter_map(|s| s.tpot_ms).collect())?;

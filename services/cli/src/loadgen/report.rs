@@ -37,6 +37,8 @@ pub struct Outcome {
     pub gaps_ms: Vec<f64>,
     /// The error's message, for the console.
     pub message: Option<String>,
+    /// The tokens generated (a chat resends them).
+    pub token_ids: Vec<u32>,
 }
 
 /// Mean and percentiles of a set of values.
@@ -228,6 +230,7 @@ pub struct OpenLoop {
 pub enum Workload {
     Closed(ClosedLoop),
     Open(OpenLoop),
+    Chat(super::chat::Chat),
 }
 
 /// Everything `duplex bench --out` writes.
@@ -296,6 +299,10 @@ impl Report {
                 run.name, run.requests, run.wall_s, run.requests_per_s, run.output_tokens_per_s, run.prompt_tokens_per_s
             );
         }
+        if let Workload::Chat(chat) = &self.workload {
+            let _ = writeln!(out);
+            out += &chat.table();
+        }
         out
     }
 }
@@ -337,7 +344,7 @@ mod tests {
 
     fn outcome(kind: &str, ttft: f64, gap: f64, tokens: u32) -> Outcome {
         let e2e = ttft + gap * f64::from(tokens - 1);
-        Outcome { sample: sample(kind, ttft, e2e, tokens, None), gaps_ms: vec![gap; tokens as usize - 1], message: None }
+        Outcome { sample: sample(kind, ttft, e2e, tokens, None), gaps_ms: vec![gap; tokens as usize - 1], message: None, token_ids: vec![] }
     }
 
     #[test]
@@ -389,7 +396,7 @@ mod tests {
 
     #[test]
     fn errors_are_counted_by_code_and_left_out_of_latencies() {
-        let failed = Outcome { sample: sample("open", 1.0, 2000.0, 0, Some("ResourceExhausted")), gaps_ms: vec![], message: Some("full".into()) };
+        let failed = Outcome { sample: sample("open", 1.0, 2000.0, 0, Some("ResourceExhausted")), gaps_ms: vec![], message: Some("full".into()), token_ids: vec![] };
         let run = RunReport::new("open", &[outcome("open", 10.0, 2.0, 11), failed], 2.0);
         assert_eq!(run.errors.get("ResourceExhausted"), Some(&1));
         let k = run.kind("open").unwrap();

@@ -144,7 +144,7 @@ impl DecodeWorker for Decode {
         }
         let blocks: Vec<u32> = (used as u32..(used + need) as u32).collect();
         r.leases.insert(req.request_id.clone(), blocks.clone());
-        Ok(Response::new(KvLease { pool_epoch: 7, request_id: req.request_id, blocks }))
+        Ok(Response::new(KvLease { pool_epoch: 7, request_id: req.request_id, blocks, cached_tokens: 0 }))
     }
 
     async fn free_kv(&self, request: Request<FreeKvRequest>) -> Result<Response<FreeKvResponse>, Status> {
