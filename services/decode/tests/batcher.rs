@@ -336,3 +336,22 @@ fn a_full_device_kv_pool_queues_and_a_need_it_cannot_hold_is_refused() {
     assert_eq!(status.code(), Code::InvalidArgument, "{status:?}");
     assert!(status.message().contains("needs 9 device KV blocks") && status.message().contains("only 8"), "{}", status.message());
 }
+
+/// max_tokens = 1 on this worker's path: one token, marked last. On the
+/// prefill path the prefill worker decides for the first token; a request
+/// admitted although that token already ends it has nothing to decode: it
+/// is refused and its lease's blocks come back.
+#[test]
+fn max_tokens_1_ends_with_the_first_token_on_either_path() {
+    let (commands, stats) = start(10);
+    let (tokens, reason) = drain(&mut admit(&commands, "short", 20, 1, &[]));
+    assert_eq!((tokens.len(), reason.unwrap().as_str()), (1, "length"));
+
+    let lease = answer(&mut ask_lease(&commands, "long", 20, 1)).unwrap();
+    let (tokens, result) = drain(&mut admit_leased(&commands, "long", 20, 1, lease));
+    assert!(tokens.is_empty());
+    let status = result.unwrap_err();
+    assert_eq!(status.code(), Code::InvalidArgument, "{status:?}");
+    assert!(status.message().contains("nothing to decode"), "{}", status.message());
+    wait_until("every block back", || stats.kv_blocks_used.load(Relaxed) == 0);
+}
