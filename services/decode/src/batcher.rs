@@ -31,6 +31,7 @@
 //! then wait only for a place in the batch, which running sequences free as
 //! they finish.
 
+use crate::constraint::{fill_masks, Constrained};
 use crate::engine::{Engine, StepTimings};
 use crate::kv_alloc::KvAllocator;
 use duplex_model::hybrid::{AdmitError, DeviceSeq};
@@ -59,6 +60,8 @@ pub struct Admission {
     pub stop_token_ids: HashSet<u32>,
     /// Set when the prefill worker already ran the prompt into a lease.
     pub prefilled: Option<Prefilled>,
+    /// Structured output, compiled: the tokens must keep to it.
+    pub constraint: Option<duplex_grammar::Matcher>,
     pub events: EventSender,
     pub arrived: Instant,
 }
@@ -98,6 +101,7 @@ struct Sequence {
     /// first runs until it leaves.
     device: Option<DeviceSeq>,
     sampler: Sampler,
+    constraint: Option<Box<Constrained>>,
     max_tokens: usize,
     stop_token_ids: HashSet<u32>,
     events: EventSender,
@@ -284,6 +288,7 @@ impl Batcher {
             table: BlockTable::default(),
             device: None,
             sampler,
+            constraint: a.constraint.map(|m| Box::new(Constrained::new(m, &a.stop_token_ids))),
             max_tokens: a.max_tokens,
             stop_token_ids: a.stop_token_ids,
             events: a.events,
@@ -302,6 +307,10 @@ impl Batcher {
                 Err(status) => return reject(&seq.events, status),
             }
             seq.prefilled = seq.prompt.len();
+            if let Some(Err(e)) = seq.constraint.as_mut().map(|c| c.accept(p.first_token.id)) {
+                self.kv.release(&mut seq.table);
+                return reject(&seq.events, Status::invalid_argument(format!("the prefilled first token: {e}")));
+            }
             seq.generated.push(p.first_token.id);
             if let Some(reason) = seq.finish_reason(self.limits.context_length) {
                 return self.finish(seq, reason);
@@ -482,16 +491,28 @@ impl Batcher {
         let mut members = vec![];
         let mut inputs = vec![];
         let mut device = vec![];
+        // The constrained sequences that sample after this pass.
+        let mut to_mask = vec![];
         for (i, seq) in self.running.iter_mut().enumerate() {
             let Some(range) = seq.next_tokens(&mut budget) else { continue };
             seq.started.get_or_insert(started);
-            let Sequence { prompt, generated, prefilled, table, device: on_device, .. } = seq;
+            let Sequence { prompt, generated, prefilled, table, device: on_device, constraint, .. } = seq;
             let tokens = if *prefilled < prompt.len() { &prompt[range.clone()] } else { &generated[generated.len() - 1..] };
+            if let Some(c) = constraint.as_deref_mut().filter(|_| *prefilled + range.len() >= prompt.len()) {
+                to_mask.push(c);
+            }
             members.push((i, range.len()));
             inputs.push(SeqInput { table, tokens });
             device.push(on_device.as_ref());
         }
-        let result = self.engine.forward(self.kv.pool_mut(), &mut inputs, &device, self.precision);
+        // Their masks are computed on another thread while the pass runs.
+        let (engine, pool, precision) = (&mut self.engine, self.kv.pool_mut(), self.precision);
+        let result = std::thread::scope(|s| {
+            if !to_mask.is_empty() {
+                s.spawn(move || fill_masks(to_mask));
+            }
+            engine.forward(pool, &mut inputs, &device, precision)
+        });
         drop(inputs);
         drop(device);
         let elapsed = started.elapsed();
@@ -526,13 +547,27 @@ impl Batcher {
                     metrics::histogram!(names::PREFILL_THROUGHPUT, "worker" => "decode").record(seq.prompt.len() as f64 / seconds);
                 }
             }
-            let token = seq.sampler.sample(&logits[row * vocab..(row + 1) * vocab]);
+            let row = &logits[row * vocab..(row + 1) * vocab];
+            let token = match seq.constraint.as_mut() {
+                None => seq.sampler.sample(row),
+                Some(c) => match c.sample(&mut seq.sampler, row) {
+                    Ok(token) => token,
+                    Err(e) => {
+                        let _ = seq.events.send(Err(Status::internal(format!("structured output: {e}"))));
+                        finished.push((i, None));
+                        continue;
+                    }
+                },
+            };
             seq.generated.push(token.id);
             let event = DecodeEvent { event: Some(decode_event::Event::Token(WireToken::from(&token))) };
             if seq.events.send(Ok(event)).is_err() {
                 finished.push((i, None)); // the client has gone
             } else if let Some(reason) = seq.finish_reason(self.limits.context_length) {
                 finished.push((i, Some(reason)));
+            } else if seq.constraint.as_ref().is_some_and(|c| c.is_complete()) {
+                // Only a stop token could follow: end here, a step sooner.
+                finished.push((i, Some("stop")));
             }
         }
         // Remove from the back so earlier indices stay valid.
