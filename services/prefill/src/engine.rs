@@ -33,6 +33,8 @@ pub struct Job {
     pub prompt: Vec<u32>,
     pub sampling: SamplingParams,
     pub lease: KvLease,
+    /// Structured output, compiled: the first token must keep to it.
+    pub constraint: Option<duplex_grammar::Matcher>,
     pub reply: oneshot::Sender<Result<PrefillResponse, Status>>,
     pub arrived: Instant,
 }
@@ -128,6 +130,11 @@ impl Engine {
         Engine { model, kv, chunk_tokens: chunk_tokens.max(1), precision, slp, inbox }
     }
 
+    /// The logits row's width.
+    pub fn vocab_size(&self) -> usize {
+        self.model.cfg.vocab_size
+    }
+
     pub fn run(mut self, commands: Receiver<Command>) {
         loop {
             if self.inbox.queue.is_empty() {
@@ -148,12 +155,12 @@ impl Engine {
         }
     }
 
-    fn run_job(&mut self, job: Job, commands: &Receiver<Command>) {
+    fn run_job(&mut self, mut job: Job, commands: &Receiver<Command>) {
         if job.reply.is_closed() {
             return; // the caller gave up while the job queued
         }
         self.inbox.current = Some(Current { request_id: job.request_id.clone(), cancelled: false, waiters: vec![] });
-        let result = self.prefill(&job, commands);
+        let result = self.prefill(&mut job, commands);
         for waiter in self.inbox.current.take().map(|c| c.waiters).unwrap_or_default() {
             let _ = waiter.send(true);
         }
@@ -162,7 +169,7 @@ impl Engine {
         let _ = job.reply.send(result);
     }
 
-    fn prefill(&mut self, job: &Job, commands: &Receiver<Command>) -> Result<PrefillResponse, Status> {
+    fn prefill(&mut self, job: &mut Job, commands: &Receiver<Command>) -> Result<PrefillResponse, Status> {
         let started = Instant::now();
         let mut sampler = Sampler::new(job.sampling.clone(), &job.prompt).map_err(|e| Status::invalid_argument(e.to_string()))?;
         // The lease's blocks, nothing written in them yet.
@@ -196,7 +203,18 @@ impl Engine {
                 logits
             }
         };
-        let token = sampler.sample(&logits);
+        // One mask for a whole prompt: computed after it, as its
+        // milliseconds are nothing beside the prefill. No stop id is
+        // allowed: an output that the grammar lets be empty is not ended at
+        // its first token (the request's stop ids are the decode worker's).
+        let token = match job.constraint.as_mut() {
+            None => sampler.sample(&logits),
+            Some(matcher) => {
+                let mut mask = duplex_grammar::TokenMask::default();
+                matcher.fill_mask(&[], &mut mask).map_err(|e| Status::internal(format!("structured output: {e}")))?;
+                sampler.sample_with_mask(&logits, Some(&mask)).map_err(|e| Status::internal(format!("structured output: {e}")))?
+            }
+        };
         let seconds = started.elapsed().as_secs_f64();
         let n = job.prompt.len() as f64;
         metrics::counter!(names::PREFILL_TOKENS, "worker" => "prefill").increment(job.prompt.len() as u64);

@@ -2,6 +2,7 @@
 //! engine thread and relays the answer.
 
 use crate::engine::{Command, Job};
+use duplex_grammar::{ConstraintSpec, GrammarCompiler};
 use duplex_proto::worker::prefill_worker_server::PrefillWorker;
 use duplex_proto::worker::{CancelRequest, CancelResponse, PrefillRequest, PrefillResponse, StatsRequest, WorkerStats};
 use duplex_proto::stats::StatsCell;
@@ -14,11 +15,18 @@ use tonic::{Request, Response, Status};
 pub struct PrefillService {
     commands: Sender<Command>,
     stats: Arc<StatsCell>,
+    /// Compiles structured-output constraints; `None` without a tokenizer.
+    grammar: Option<GrammarCompiler>,
 }
 
 impl PrefillService {
     pub fn new(commands: Sender<Command>, stats: Arc<StatsCell>) -> Self {
-        PrefillService { commands, stats }
+        PrefillService { commands, stats, grammar: None }
+    }
+
+    /// Accept constrained requests, compiled with `grammar`.
+    pub fn with_grammar(self, grammar: Option<GrammarCompiler>) -> Self {
+        PrefillService { grammar, ..self }
     }
 
     async fn ask<T>(&self, make: impl FnOnce(oneshot::Sender<T>) -> Command) -> Result<T, Status> {
@@ -41,9 +49,19 @@ impl PrefillWorker for PrefillService {
         if r.prompt.is_empty() {
             return Err(Status::invalid_argument("prompt is empty"));
         }
-        let sampling = r.sampling.as_ref().ok_or_else(|| Status::invalid_argument("sampling is missing"))?.into();
+        let wire_sampling = r.sampling.as_ref().ok_or_else(|| Status::invalid_argument("sampling is missing"))?;
+        let sampling = wire_sampling.into();
+        // Compiled here, off the engine thread.
+        let constraint = match wire_sampling.constraint.as_ref() {
+            None => None,
+            Some(c) => {
+                let spec = ConstraintSpec::try_from(c).map_err(Status::invalid_argument)?;
+                let grammar = self.grammar.as_ref().ok_or_else(|| Status::invalid_argument("this prefill worker has no tokenizer, so it cannot constrain output"))?;
+                Some(grammar.compile(&spec).map_err(|e| Status::invalid_argument(e.to_string()))?)
+            }
+        };
         let lease = r.lease.ok_or_else(|| Status::invalid_argument("lease is missing"))?;
-        let job = |reply| Command::Prefill(Job { request_id: r.request_id, prompt: r.prompt, sampling, lease, reply, arrived });
+        let job = |reply| Command::Prefill(Job { request_id: r.request_id, prompt: r.prompt, sampling, lease, constraint, reply, arrived });
         Ok(Response::new(self.ask(job).await??))
     }
 
