@@ -34,7 +34,8 @@ pub struct Job {
     pub sampling: SamplingParams,
     pub lease: KvLease,
     /// Structured output, compiled: the first token must keep to it.
-    pub constraint: Option<duplex_grammar::Matcher>,
+    /// Boxed, so that a `Command` stays small.
+    pub constraint: Option<Box<duplex_grammar::Matcher>>,
     pub reply: oneshot::Sender<Result<PrefillResponse, Status>>,
     pub arrived: Instant,
 }

@@ -164,7 +164,7 @@ impl GrammarCompiler {
             ConstraintSpec::Lark(text) => TopLevelGrammar::from_lark(text.clone()),
         };
         let parser = self.factory.create_parser(grammar).map_err(|e| GrammarError::Compile(format!("{e:#}")))?;
-        let inner = llguidance::Matcher::new(Ok(parser));
+        let inner = Box::new(llguidance::Matcher::new(Ok(parser)));
         if let Some(e) = inner.get_error() {
             return Err(GrammarError::Compile(e));
         }
@@ -197,7 +197,8 @@ fn json_options(mut schema: serde_json::Value) -> serde_json::Value {
 
 /// One request's place in its constraint.
 pub struct Matcher {
-    inner: llguidance::Matcher,
+    /// Boxed: it is over a kilobyte, and matchers travel in messages.
+    inner: Box<llguidance::Matcher>,
     vocab_rows: usize,
     /// The stop ids of the last [`Matcher::fill_mask`], and whether the
     /// grammar could end there: a stop id accepted then ends the output.
