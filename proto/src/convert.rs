@@ -3,6 +3,7 @@
 //! are validated by whoever builds a `Sampler`).
 
 use crate::worker;
+use duplex_grammar::ConstraintSpec;
 use duplex_text::sampling::{SampledToken, SamplingParams};
 use duplex_text::FinishReason;
 
@@ -36,6 +37,35 @@ impl From<&SamplingParams> for worker::Sampling {
             frequency_penalty: p.frequency_penalty,
             seed: p.seed.unwrap_or(0),
             top_logprobs: p.logprobs.map(|n| n.min(u32::MAX as usize) as u32),
+            constraint: None,
+        }
+    }
+}
+
+impl From<&ConstraintSpec> for worker::Constraint {
+    fn from(c: &ConstraintSpec) -> Self {
+        use worker::constraint::Kind;
+        let kind = match c {
+            ConstraintSpec::JsonObject => Kind::JsonObject(true),
+            ConstraintSpec::JsonSchema(schema) => Kind::JsonSchema(schema.to_string()),
+            ConstraintSpec::Lark(grammar) => Kind::Lark(grammar.clone()),
+        };
+        worker::Constraint { kind: Some(kind) }
+    }
+}
+
+impl TryFrom<&worker::Constraint> for ConstraintSpec {
+    /// What is wrong with the message, for an INVALID_ARGUMENT.
+    type Error = String;
+
+    fn try_from(c: &worker::Constraint) -> Result<Self, String> {
+        use worker::constraint::Kind;
+        match &c.kind {
+            Some(Kind::JsonObject(true)) => Ok(ConstraintSpec::JsonObject),
+            Some(Kind::JsonObject(false)) => Err("constraint.json_object is false; leave the constraint unset for free text".into()),
+            Some(Kind::JsonSchema(text)) => serde_json::from_str(text).map(ConstraintSpec::JsonSchema).map_err(|e| format!("constraint.json_schema is not JSON: {e}")),
+            Some(Kind::Lark(grammar)) => Ok(ConstraintSpec::Lark(grammar.clone())),
+            None => Err("constraint is set but has no kind (json_object, json_schema or lark)".into()),
         }
     }
 }
@@ -131,5 +161,17 @@ mod tests {
         assert!(unspecified.finish().unwrap_err().to_string().contains("no finish reason"));
         let unknown = worker::SampledToken { last: true, finish_reason: 9, ..worker::SampledToken::from(&t) };
         assert_eq!(unknown.finish().unwrap_err().raw, 9);
+    }
+
+    #[test]
+    fn constraints_round_trip_and_bad_ones_are_named() {
+        for c in [ConstraintSpec::JsonObject, ConstraintSpec::JsonSchema(serde_json::json!({"type": "array", "maxItems": 2})), ConstraintSpec::Lark("start: \"a\"".into())] {
+            assert_eq!(ConstraintSpec::try_from(&worker::Constraint::from(&c)), Ok(c));
+        }
+        use worker::constraint::Kind;
+        let bad = |kind| ConstraintSpec::try_from(&worker::Constraint { kind }).unwrap_err();
+        assert!(bad(Some(Kind::JsonSchema("{".into()))).contains("not JSON"));
+        assert!(bad(Some(Kind::JsonObject(false))).contains("json_object is false"));
+        assert!(bad(None).contains("no kind"));
     }
 }

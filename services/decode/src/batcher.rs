@@ -46,6 +46,7 @@
 //! (`FinishRule`, applied here to every token this worker samples), or the
 //! error that ended it: `SeqEvent`, which `server.rs` puts on the wire.
 
+use crate::constraint::{fill_masks, Constrained};
 use crate::engine::{Engine, StepTimings};
 use crate::error::DecodeError;
 use crate::kv_alloc::KvAllocator;
@@ -92,6 +93,8 @@ pub struct Admission {
     pub stop_token_ids: HashSet<u32>,
     /// Set when the prefill worker already ran the prompt into a lease.
     pub prefilled: Option<Prefilled>,
+    /// Structured output, compiled: the tokens must keep to it.
+    pub constraint: Option<duplex_grammar::Matcher>,
     pub events: EventSender,
     pub arrived: Instant,
 }
@@ -142,6 +145,8 @@ struct Sequence {
     sampler: Sampler,
     /// When its latest token is its last.
     finish: FinishRule,
+    /// Structured output: its matcher, and the mask it fills.
+    constraint: Option<Box<Constrained>>,
     events: EventSender,
     arrived: Instant,
     /// When it first took part in a step.
@@ -331,6 +336,7 @@ impl Batcher {
             registered: 0,
             device: None,
             sampler,
+            constraint: a.constraint.map(|m| Box::new(Constrained::new(m, &a.stop_token_ids))),
             finish: FinishRule { stop_token_ids: a.stop_token_ids, max_tokens: a.max_tokens, context_length: self.limits.context_length },
             events: a.events,
             arrived: a.arrived,
@@ -351,6 +357,10 @@ impl Batcher {
             seq.registered = self.kv.register(&seq.table, seq.hashes.as_slice(), 0);
             seq.prefilled = seq.prompt.len();
             seq.cached = p.lease.cached_tokens as usize;
+            if let Some(Err(e)) = seq.constraint.as_mut().map(|c| c.accept(p.first_token.id)) {
+                self.kv.release(&mut seq.table);
+                return reject(&seq.events, DecodeError::InvalidArgument(format!("the prefilled first token: {e}")));
+            }
             seq.generated.push(p.first_token.id);
             if let Some(reason) = seq.finish_reason() {
                 // The prefill worker, which sampled that token, said it was
@@ -540,18 +550,30 @@ impl Batcher {
         let mut members = vec![];
         let mut inputs = vec![];
         let mut device = vec![];
+        // The constrained sequences that sample after this pass.
+        let mut to_mask = vec![];
         for (i, seq) in self.running.iter_mut().enumerate() {
             let Some(range) = seq.next_tokens(&mut budget) else { continue };
             seq.started.get_or_insert(started);
-            let Sequence { prompt, generated, prefilled, table, device: on_device, .. } = seq;
+            let Sequence { prompt, generated, prefilled, table, device: on_device, constraint, .. } = seq;
             let tokens = if *prefilled < prompt.len() { &prompt[range.clone()] } else { &generated[generated.len() - 1..] };
+            if let Some(c) = constraint.as_deref_mut().filter(|_| *prefilled + range.len() >= prompt.len()) {
+                to_mask.push(c);
+            }
             members.push((i, range.len()));
             inputs.push(SeqInput { table, tokens });
             device.push(on_device.as_ref());
         }
         // The step's events (finishes, departures) carry its batch size.
         let _step = tracing::debug_span!("step", batch = members.len()).entered();
-        let result = self.engine.forward(self.kv.pool_mut(), &mut inputs, &device, self.precision);
+        // Their masks are computed on another thread while the pass runs.
+        let (engine, pool, precision) = (&mut self.engine, self.kv.pool_mut(), self.precision);
+        let result = std::thread::scope(|s| {
+            if !to_mask.is_empty() {
+                s.spawn(move || fill_masks(to_mask));
+            }
+            engine.forward(pool, &mut inputs, &device, precision)
+        });
         drop(inputs);
         drop(device);
         let elapsed = started.elapsed();
@@ -608,11 +630,24 @@ impl Batcher {
                     metrics::histogram!(names::PREFILL_THROUGHPUT, "worker" => "decode").record(computed as f64 / seconds);
                 }
             }
-            let token = seq.sampler.sample(&logits[row * vocab..(row + 1) * vocab]);
+            let row = &logits[row * vocab..(row + 1) * vocab];
+            let token = match seq.constraint.as_mut() {
+                None => seq.sampler.sample(row),
+                Some(c) => match c.sample(&mut seq.sampler, row) {
+                    Ok(token) => token,
+                    Err(e) => {
+                        let _ = seq.events.send(SeqEvent::Failed(DecodeError::Internal(format!("structured output: {e}"))));
+                        finished.push(i);
+                        continue;
+                    }
+                },
+            };
             seq.generated.push(token.id);
             // The last token says why the request ends, so the sequence
-            // leaves with it and nothing follows.
-            let finish = seq.finish_reason().map(|reason| Finish { reason, queue: seq.queue_time() });
+            // leaves with it and nothing follows. A constrained output that
+            // only a stop token could continue ends here, a step sooner.
+            let complete = seq.constraint.as_ref().is_some_and(|c| c.is_complete());
+            let finish = seq.finish_reason().or(complete.then_some(FinishReason::Stop)).map(|reason| Finish { reason, queue: seq.queue_time() });
             if let Some(f) = finish {
                 tracing::debug!(request_id = %seq.request_id, reason = f.reason.as_str(), tokens = seq.generated.len(), queue_seconds = f.queue.as_secs_f64(), "finished");
             }

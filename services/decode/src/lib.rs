@@ -14,6 +14,7 @@
 
 pub mod batcher;
 pub mod config;
+pub mod constraint;
 pub mod engine;
 pub mod error;
 pub mod kv_alloc;
@@ -42,9 +43,11 @@ pub async fn serve(config: DecodeConfig, listener: impl Into<Listener>, shutdown
     let listener = listener.into();
     let cfg = config.clone();
     let (batcher, stats, vocab, context) = tokio::task::spawn_blocking(move || start_engine(&cfg)).await??;
+    let model = config.model.clone();
+    let grammar = tokio::task::spawn_blocking(move || grammar_compiler(&model, vocab)).await?;
     let (commands, receiver) = std::sync::mpsc::channel();
     std::thread::Builder::new().name("decode-engine".into()).spawn(move || batcher.run(receiver))?;
-    let service = server::DecodeService::new(commands, stats, vocab, context);
+    let service = server::DecodeService::new(commands, stats, vocab, context).with_grammar(grammar);
     tracing::info!("decode worker serving on {listener}");
     let router = tonic::transport::Server::builder().add_service(DecodeWorkerServer::with_interceptor(service, duplex_proto::auth::CheckToken::from_env()));
     duplex_telemetry::process::serve_grpc(router, listener, shutdown).await?;
@@ -93,6 +96,16 @@ fn start_engine(cfg: &DecodeConfig) -> anyhow::Result<(Batcher, Arc<StatsCell>, 
     tracing::info!("decoding on {}", engine.describe());
     let stats = Arc::new(StatsCell::new(context_length, store.fingerprint().to_string()));
     Ok((Batcher::new(engine, kv, limits, cfg.precision()?, stats.clone()), stats, vocab, context_length))
+}
+
+/// The structured-output compiler over the model's tokenizer. A model
+/// without a readable tokenizer is still served, unconstrained: the router
+/// (which needs the tokenizer itself) would not send constraints anyway.
+fn grammar_compiler(model: &std::path::Path, vocab_rows: usize) -> Option<duplex_grammar::GrammarCompiler> {
+    let built = duplex_model::tokenizer::Tokenizer::from_model_path(model)
+        .map_err(|e| e.to_string())
+        .and_then(|t| duplex_grammar::GrammarCompiler::new(&t, vocab_rows).map_err(|e| e.to_string()));
+    built.inspect_err(|e| tracing::warn!("structured output is off: {e}")).ok()
 }
 
 /// The accelerator `cfg` asks for, or none for the CPU alone.

@@ -5,6 +5,7 @@
 
 use crate::batcher::{Admission, Command, Prefilled, SeqEvent};
 use crate::error::DecodeError;
+use duplex_grammar::{ConstraintSpec, GrammarCompiler};
 use duplex_proto::worker::decode_worker_server::DecodeWorker;
 use duplex_proto::worker::{
     AllocateKvRequest, CancelRequest, CancelResponse, DecodeEvent, DecodeRequest, FreeKvRequest, FreeKvResponse, KvLease, SampledToken, StatsRequest,
@@ -51,11 +52,18 @@ pub struct DecodeService {
     stats: Arc<StatsCell>,
     vocab_size: usize,
     context_length: usize,
+    /// Compiles structured-output constraints; `None` without a tokenizer.
+    grammar: Option<GrammarCompiler>,
 }
 
 impl DecodeService {
     pub fn new(commands: Sender<Command>, stats: Arc<StatsCell>, vocab_size: usize, context_length: usize) -> Self {
-        DecodeService { commands, stats, vocab_size, context_length }
+        DecodeService { commands, stats, vocab_size, context_length, grammar: None }
+    }
+
+    /// Accept constrained requests, compiled with `grammar`.
+    pub fn with_grammar(self, grammar: Option<GrammarCompiler>) -> Self {
+        DecodeService { grammar, ..self }
     }
 
     fn send(&self, command: Command) -> Result<(), Status> {
@@ -99,6 +107,16 @@ impl DecodeService {
                 Some(Prefilled { lease, first_token: (&first_token).into() })
             }
         };
+        // Compiled here, off the engine thread. The router compiled it
+        // already, so an error is a client's only if the router is skipped.
+        let constraint = match sampling.constraint.as_ref() {
+            None => None,
+            Some(c) => {
+                let spec = ConstraintSpec::try_from(c).map_err(Status::invalid_argument)?;
+                let grammar = self.grammar.as_ref().ok_or_else(|| Status::invalid_argument("this decode worker has no tokenizer, so it cannot constrain output"))?;
+                Some(grammar.compile(&spec).map_err(|e| Status::invalid_argument(e.to_string()))?)
+            }
+        };
         Ok(Admission {
             request_id: r.request_id,
             prompt: r.prompt,
@@ -106,6 +124,7 @@ impl DecodeService {
             max_tokens: r.max_tokens as usize,
             stop_token_ids: r.stop_token_ids.into_iter().collect(),
             prefilled,
+            constraint,
             events,
             arrived: Instant::now(),
         })

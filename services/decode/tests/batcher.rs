@@ -66,6 +66,7 @@ fn send_admission(commands: &Sender<Command>, id: &str, prompt_len: usize, max_t
         max_tokens,
         stop_token_ids: stop.iter().copied().collect(),
         prefilled,
+        constraint: None,
         events,
         arrived: Instant::now(),
     };

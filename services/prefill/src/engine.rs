@@ -40,6 +40,9 @@ pub struct Job {
     /// first token, so it says whether that token is the last.
     pub max_tokens: usize,
     pub stop_token_ids: HashSet<u32>,
+    /// Structured output, compiled: the first token must keep to it.
+    /// Boxed, so that a `Command` stays small.
+    pub constraint: Option<Box<duplex_grammar::Matcher>>,
     pub reply: oneshot::Sender<Result<FirstToken, PrefillError>>,
     pub arrived: Instant,
 }
@@ -174,6 +177,11 @@ impl Engine {
         Engine { model, kv, chunk_tokens: chunk_tokens.max(1), precision, slp, inbox }
     }
 
+    /// The logits row's width.
+    pub fn vocab_size(&self) -> usize {
+        self.model.cfg.vocab_size
+    }
+
     pub fn run(mut self, commands: Receiver<Command>) {
         loop {
             if self.inbox.queue.is_empty() {
@@ -194,14 +202,14 @@ impl Engine {
         }
     }
 
-    fn run_job(&mut self, job: Job, commands: &Receiver<Command>) {
+    fn run_job(&mut self, mut job: Job, commands: &Receiver<Command>) {
         if job.reply.is_closed() {
             return; // the caller gave up while the job queued
         }
         // What the engine logs of this job (stream-loading reports) names it.
         let _job = tracing::info_span!("prefill_job", request_id = %job.request_id, prompt_tokens = job.prompt.len()).entered();
         self.inbox.current = Some(Current { request_id: job.request_id.clone(), cancelled: false, waiters: vec![] });
-        let result = self.prefill(&job, commands);
+        let result = self.prefill(&mut job, commands);
         match &result {
             Ok(first) => tracing::debug!(token = first.token.id, finish = first.finish.map(|r| r.as_str()), seconds = first.prefill.as_secs_f64(), "prefilled"),
             Err(e) => tracing::debug!("prefill failed: {e}"),
@@ -214,7 +222,7 @@ impl Engine {
         let _ = job.reply.send(result);
     }
 
-    fn prefill(&mut self, job: &Job, commands: &Receiver<Command>) -> Result<FirstToken, PrefillError> {
+    fn prefill(&mut self, job: &mut Job, commands: &Receiver<Command>) -> Result<FirstToken, PrefillError> {
         let started = Instant::now();
         let mut sampler = Sampler::new(job.sampling.clone(), &job.prompt).map_err(|e| PrefillError::InvalidArgument(e.to_string()))?;
         // The lease's blocks: its first `cached_tokens` positions hold the
@@ -255,7 +263,18 @@ impl Engine {
                 logits
             }
         };
-        let token = sampler.sample(&logits);
+        // One mask for a whole prompt: computed after it, as its
+        // milliseconds are nothing beside the prefill. Stop ids are allowed
+        // where the grammar may end (an output it lets be empty).
+        let token = match job.constraint.as_mut() {
+            None => sampler.sample(&logits),
+            Some(matcher) => {
+                let mut mask = duplex_grammar::TokenMask::default();
+                let stop_ids: Vec<u32> = job.stop_token_ids.iter().copied().collect();
+                matcher.fill_mask(&stop_ids, &mut mask).map_err(|e| PrefillError::Internal(format!("structured output: {e}")))?;
+                sampler.sample_with_mask(&logits, Some(&mask)).map_err(|e| PrefillError::Internal(format!("structured output: {e}")))?
+            }
+        };
         let rule = FinishRule { stop_token_ids: job.stop_token_ids.clone(), max_tokens: job.max_tokens, context_length: self.model.cfg.max_position_embeddings };
         let finish = rule.check(job.prompt.len(), 1, token.id);
         let elapsed = started.elapsed();

@@ -28,11 +28,14 @@ use duplex_telemetry::process::Listener;
 /// Serve on `listener` until `shutdown` resolves. Loads the model first.
 pub async fn serve(config: PrefillConfig, listener: impl Into<Listener>, shutdown: impl Future<Output = ()> + Send + 'static) -> anyhow::Result<()> {
     let listener = listener.into();
+    let model = config.model.clone();
     let (engine, stats) = tokio::task::spawn_blocking(move || start_engine(&config)).await??;
+    let vocab = engine.vocab_size();
+    let grammar = tokio::task::spawn_blocking(move || grammar_compiler(&model, vocab)).await?;
     let (commands, receiver) = std::sync::mpsc::channel();
     std::thread::Builder::new().name("prefill-engine".into()).spawn(move || engine.run(receiver))?;
     tracing::info!("prefill worker serving on {listener}");
-    let router = tonic::transport::Server::builder().add_service(PrefillWorkerServer::with_interceptor(server::PrefillService::new(commands, stats), duplex_proto::auth::CheckToken::from_env()));
+    let router = tonic::transport::Server::builder().add_service(PrefillWorkerServer::with_interceptor(server::PrefillService::new(commands, stats).with_grammar(grammar), duplex_proto::auth::CheckToken::from_env()));
     duplex_telemetry::process::serve_grpc(router, listener, shutdown).await?;
     Ok(())
 }
@@ -41,6 +44,15 @@ pub async fn serve(config: PrefillConfig, listener: impl Into<Listener>, shutdow
 pub async fn run(config: PrefillConfig) -> anyhow::Result<()> {
     let listener = duplex_telemetry::process::start_worker(&config.host, config.port, config.unix_socket.as_deref(), config.metrics_port).await?;
     serve(config, listener, duplex_telemetry::process::shutdown_signal()).await
+}
+
+/// The structured-output compiler over the model's tokenizer. A model
+/// without a readable tokenizer is still served, unconstrained.
+fn grammar_compiler(model: &std::path::Path, vocab_rows: usize) -> Option<duplex_grammar::GrammarCompiler> {
+    let built = duplex_model::tokenizer::Tokenizer::from_model_path(model)
+        .map_err(|e| e.to_string())
+        .and_then(|t| duplex_grammar::GrammarCompiler::new(&t, vocab_rows).map_err(|e| e.to_string()));
+    built.inspect_err(|e| tracing::warn!("structured output is off: {e}")).ok()
 }
 
 fn start_engine(cfg: &PrefillConfig) -> anyhow::Result<(Engine, Arc<StatsCell>)> {

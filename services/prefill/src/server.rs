@@ -3,6 +3,7 @@
 //! protocol's messages and `tonic::Status` meet the engine's types.
 
 use crate::engine::{Command, FirstToken, Job, Lease, PrefillError};
+use duplex_grammar::{ConstraintSpec, GrammarCompiler};
 use duplex_proto::worker::prefill_worker_server::PrefillWorker;
 use duplex_proto::worker::{CancelRequest, CancelResponse, PrefillRequest, PrefillResponse, SampledToken, StatsRequest, WorkerStats};
 use duplex_proto::stats::StatsCell;
@@ -16,11 +17,18 @@ use tracing::Instrument;
 pub struct PrefillService {
     commands: Sender<Command>,
     stats: Arc<StatsCell>,
+    /// Compiles structured-output constraints; `None` without a tokenizer.
+    grammar: Option<GrammarCompiler>,
 }
 
 impl PrefillService {
     pub fn new(commands: Sender<Command>, stats: Arc<StatsCell>) -> Self {
-        PrefillService { commands, stats }
+        PrefillService { commands, stats, grammar: None }
+    }
+
+    /// Accept constrained requests, compiled with `grammar`.
+    pub fn with_grammar(self, grammar: Option<GrammarCompiler>) -> Self {
+        PrefillService { grammar, ..self }
     }
 
     async fn ask<T>(&self, make: impl FnOnce(oneshot::Sender<T>) -> Command) -> Result<T, Status> {
@@ -69,12 +77,22 @@ impl PrefillWorker for PrefillService {
             if r.max_tokens == 0 {
                 return Err(Status::invalid_argument("max_tokens must be at least 1"));
             }
-            let sampling = r.sampling.as_ref().ok_or_else(|| Status::invalid_argument("sampling is missing"))?.into();
+            let wire_sampling = r.sampling.as_ref().ok_or_else(|| Status::invalid_argument("sampling is missing"))?;
+            let sampling = wire_sampling.into();
+            // Compiled here, off the engine thread.
+            let constraint = match wire_sampling.constraint.as_ref() {
+                None => None,
+                Some(c) => {
+                    let spec = ConstraintSpec::try_from(c).map_err(Status::invalid_argument)?;
+                    let grammar = self.grammar.as_ref().ok_or_else(|| Status::invalid_argument("this prefill worker has no tokenizer, so it cannot constrain output"))?;
+                    Some(Box::new(grammar.compile(&spec).map_err(|e| Status::invalid_argument(e.to_string()))?))
+                }
+            };
             let lease = r.lease.ok_or_else(|| Status::invalid_argument("lease is missing"))?;
             let lease = Lease { pool_epoch: lease.pool_epoch, blocks: lease.blocks, cached_tokens: lease.cached_tokens };
             let job = |reply| {
                 let stop_token_ids = r.stop_token_ids.into_iter().collect();
-                Command::Prefill(Job { request_id: r.request_id, prompt: r.prompt, sampling, lease, max_tokens: r.max_tokens as usize, stop_token_ids, reply, arrived })
+                Command::Prefill(Job { request_id: r.request_id, prompt: r.prompt, sampling, lease, constraint, max_tokens: r.max_tokens as usize, stop_token_ids, reply, arrived })
             };
             let first = self.ask(job).await?.map_err(status)?;
             Ok(Response::new(response(first)))

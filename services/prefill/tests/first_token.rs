@@ -37,6 +37,7 @@ fn prefill(commands: &Sender<Command>, epoch: u64, max_tokens: usize, stop: &[u3
         lease: Lease { pool_epoch: epoch, blocks: vec![0, 1], cached_tokens: 0 },
         max_tokens,
         stop_token_ids: stop.iter().copied().collect(),
+        constraint: None,
         reply,
         arrived: Instant::now(),
     };

@@ -93,7 +93,7 @@ async fn grpc_generate_streams_every_token_then_finished() {
     let d = &r.decodes[0];
     assert!(d.prefilled.is_none());
     assert_eq!((d.prompt.as_slice(), d.max_tokens), ([5, 6, 7].as_slice(), 5));
-    assert_eq!(d.sampling.unwrap().top_logprobs, Some(2));
+    assert_eq!(d.sampling.as_ref().unwrap().top_logprobs, Some(2));
     assert_eq!(r.streams_finished.len(), 1, "{r:#?}");
 }
 
@@ -215,7 +215,7 @@ async fn long_prompts_go_through_the_prefill_worker() {
         let prefilled = decode.prefilled.as_ref().expect("Decode carries the prefilled lease");
         assert_eq!(prefilled.lease.as_ref(), Some(lease));
         assert_eq!(prefilled.first_token.as_ref().unwrap().id, 40);
-        assert_eq!(prefill.sampling.unwrap().seed, decode.sampling.unwrap().seed, "both workers sample one stream");
+        assert_eq!(prefill.sampling.as_ref().unwrap().seed, decode.sampling.as_ref().unwrap().seed, "both workers sample one stream");
         assert!(r.leases.is_empty() && r.frees.is_empty(), "{r:#?}");
     }
 
