@@ -166,8 +166,8 @@ impl KvAllocator {
     pub fn register(&mut self, table: &BlockTable, hashes: &[BlockHash], from: usize) -> usize {
         let Some(cache) = &mut self.cache else { return from };
         let written = (table.len / self.pool.block_size()).min(hashes.len()).min(table.blocks.len());
-        for i in from..written {
-            cache.insert(hashes[i], table.blocks[i]);
+        for (&hash, &block) in hashes.iter().zip(&table.blocks).take(written).skip(from) {
+            cache.insert(hash, block);
         }
         written.max(from)
     }

@@ -70,7 +70,7 @@ impl Chat {
 /// `chat` and `fresh`).
 pub async fn run(client: &Client, vocab: u32, mut chat: Chat, seed: u64) -> Result<(Chat, Vec<RunReport>)> {
     let mut rng = ChaCha8Rng::seed_from_u64(seed);
-    let mut ids = |rng: &mut ChaCha8Rng, n: u32| -> Vec<u32> { (0..n).map(|_| rng.gen_range(0..vocab)).collect() };
+    let ids = |rng: &mut ChaCha8Rng, n: u32| -> Vec<u32> { (0..n).map(|_| rng.gen_range(0..vocab)).collect() };
     let mut history = ids(&mut rng, chat.first_tokens);
     let mut runs = vec![];
     for turn in 1..=chat.turns {
