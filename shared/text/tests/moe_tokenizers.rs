@@ -24,7 +24,7 @@ fn load(name: &str) -> Tokenizer {
 }
 
 fn msg(role: &str, content: &str) -> ChatMessage {
-    ChatMessage { role: role.into(), content: content.into() }
+    ChatMessage::new(role, content)
 }
 
 /// `input_ids` of every prompt of the fixture's `reference.json`.
