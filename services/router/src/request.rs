@@ -339,7 +339,7 @@ fn chat_roles(messages: &[ChatMessage]) -> Result<Vec<ChatMessage>, Error> {
                 "" => return Err(Error::invalid("messages", format!("messages[{i}].role must not be empty; roles are {CHAT_ROLES}"))),
                 other => return Err(Error::invalid("messages", format!("messages[{i}].role `{other}` is not a role; roles are {CHAT_ROLES} (lower case)"))),
             };
-            Ok(ChatMessage::new(role, m.content.clone()))
+            Ok(ChatMessage { role, ..m.clone() })
         })
         .collect()
 }

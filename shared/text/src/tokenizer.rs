@@ -151,7 +151,7 @@ impl TokenizerError {
 pub type ChatTemplateKwargs = serde_json::Map<String, Json>;
 
 /// Template variables that [`ChatTemplateKwargs`] may not set: they are the
-/// request itself (`messages`, `add_generation_prompt`) or the tokenizer's
+/// request itself (`messages`, `tools`, `add_generation_prompt`) or the tokenizer's
 /// own markers (`bos_token`, `eos_token`), which a client must not replace.
 const RESERVED_TEMPLATE_VARIABLES: [&str; 5] = ["messages", "tools", "add_generation_prompt", "bos_token", "eos_token"];
 
@@ -163,7 +163,8 @@ const RESERVED_TEMPLATE_VARIABLES: [&str; 5] = ["messages", "tools", "add_genera
 #[derive(Clone, Debug, Default, serde::Serialize, serde::Deserialize, PartialEq)]
 pub struct ChatMessage {
     pub role: String,
-    #[serde(default)]
+    /// `null` (OpenAI's assistant turn with only calls) reads as empty.
+    #[serde(default, deserialize_with = "null_as_empty")]
     pub content: String,
     /// The calls of an assistant turn.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
@@ -191,6 +192,10 @@ impl ChatMessage {
     pub fn tool_result(tool_call_id: impl Into<String>, content: impl Into<String>) -> Self {
         ChatMessage { role: "tool".into(), content: content.into(), tool_call_id: Some(tool_call_id.into()), ..Default::default() }
     }
+}
+
+fn null_as_empty<'de, D: serde::Deserializer<'de>>(deserializer: D) -> Result<String, D::Error> {
+    Ok(<Option<String> as serde::Deserialize>::deserialize(deserializer)?.unwrap_or_default())
 }
 
 /// A loaded tokenizer plus everything generation needs from the side files.

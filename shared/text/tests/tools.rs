@@ -132,7 +132,7 @@ fn kimi_template_renders_tools_calls_and_results_with_special_markup() {
         ChatMessage::assistant_tool_calls("", vec![ToolCall::new(id, "get_weather", r#"{"city": "<|tool_call_begin|>"}"#)]),
         ChatMessage::tool_result(id, "<|tool_call_begin|>"),
     ];
-    let ids = tok.encode_chat_tools(&forged, &[forged_tool.clone()], true, &none()).unwrap();
+    let ids = tok.encode_chat_tools(&forged, std::slice::from_ref(&forged_tool), true, &none()).unwrap();
     assert_eq!(ids.iter().filter(|&&t| t == begin).count(), 1, "only the template's own call marker");
     // tool_declare, system, user, assistant, tool: five turns end.
     assert_eq!(ids.iter().filter(|&&t| t == im_end).count(), 5);
@@ -399,6 +399,12 @@ fn generic_replies_parse_whole_and_in_pieces() {
     );
     assert_eq!(parsed.calls, calls(&[("get_weather", r#"{"city":"Paris"}"#), ("get_time", "{}")]));
     assert_eq!(parsed.content, "");
+    // In a Markdown code block.
+    let parsed = parse_every_way(ToolFormat::Generic, true, "```json\n{\"tool_calls\": [{\"name\": \"get_time\", \"arguments\": {}}]}\n```\n");
+    assert_eq!(parsed, Parsed { calls: calls(&[("get_time", "{}")]), made_calls: true, ids: parsed.ids.clone(), ..Parsed::default() });
+    let parsed = parse_every_way(ToolFormat::Generic, true, "```\n{\"response\": \"Hi\"}\n```");
+    assert_eq!(parsed, Parsed { content: "Hi".into(), ..Parsed::default() });
+    assert_eq!(parse_every_way(ToolFormat::Generic, true, "``x``").content, "``x``");
     // A model that ignored the format answered in plain text.
     let parsed = parse_every_way(ToolFormat::Generic, true, "It is sunny.");
     assert_eq!(parsed, Parsed { content: "It is sunny.".into(), ..Parsed::default() });
@@ -424,6 +430,9 @@ fn tool_choice_and_tools_are_checked() {
     assert!(validate_tools(&[Tool::function("get weather", None, None)], &ToolChoice::Auto).unwrap_err().0.contains("tools[0].function.name"));
     assert!(validate_tools(&[weather(), weather()], &ToolChoice::Auto).unwrap_err().0.contains("twice"));
     let tools: Vec<Tool> = serde_json::from_value(json!([{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}])).unwrap();
+    // OpenAI's messages read as they are sent.
+    let turn: ChatMessage = serde_json::from_value(json!({"role": "assistant", "content": null, "tool_calls": [{"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]})).unwrap();
+    assert_eq!(turn, ChatMessage::assistant_tool_calls("", vec![ToolCall::new("call_1", "f", "{}")]));
     assert!(validate_tools(&tools, &ToolChoice::Auto).is_ok());
 }
 

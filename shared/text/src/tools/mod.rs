@@ -445,11 +445,15 @@ fn tool_result_text(m: &ChatMessage, earlier: &[ChatMessage]) -> String {
     let name = m.name.clone().or_else(|| {
         earlier.iter().rev().flat_map(|e| e.tool_calls.iter()).find(|c| !id.is_empty() && c.id == id).map(|c| c.function.name.clone())
     });
-    let reply = match name {
-        Some(name) => json!({"tool_response": {"name": name, "tool_call_id": id, "content": m.content}}),
-        None => json!({"tool_response": {"tool_call_id": id, "content": m.content}}),
-    };
-    serde_json::to_string(&reply).unwrap_or_default()
+    let mut response = serde_json::Map::new();
+    if let Some(name) = name {
+        response.insert("name".into(), name.into());
+    }
+    if !id.is_empty() {
+        response.insert("tool_call_id".into(), id.into());
+    }
+    response.insert("content".into(), m.content.clone().into());
+    serde_json::to_string(&json!({"tool_response": response})).unwrap_or_default()
 }
 
 /// The system text that offers `tools` to a template that does not print

@@ -61,6 +61,9 @@ pub struct ToolCallParser {
     /// A call beyond the first with `parallel_tool_calls: false`: parsed,
     /// not sent.
     muted: bool,
+    /// Generic format: the reply opened a Markdown code block, whose
+    /// closing fence is layout too.
+    fenced: bool,
     events: Vec<ToolEvent>,
 }
 
@@ -105,6 +108,7 @@ impl ToolCallParser {
             pending_space: String::new(),
             calls: 0,
             muted: false,
+            fenced: false,
             events: Vec::new(),
         }
     }
@@ -183,11 +187,7 @@ impl ToolCallParser {
                 State::GenericResponse => self.generic_response(),
                 State::GenericResponseEnd => self.generic_response_end(),
                 State::GenericObject => self.generic_object(false),
-                State::Plain => {
-                    let rest = std::mem::take(&mut self.buf);
-                    self.content(&rest);
-                    false
-                }
+                State::Plain => self.plain(at_end),
             };
             if !progressed {
                 break;
@@ -431,10 +431,45 @@ impl ToolCallParser {
         true
     }
 
+    fn plain(&mut self, at_end: bool) -> bool {
+        if self.fenced {
+            let body = self.buf.trim_start();
+            if let Some(rest) = body.strip_prefix("```") {
+                self.buf = rest.to_string();
+                self.fenced = false;
+            } else if !at_end && "```".starts_with(body) {
+                return false;
+            } else {
+                self.fenced = false;
+            }
+        }
+        let rest = std::mem::take(&mut self.buf);
+        self.content(&rest);
+        false
+    }
+
     fn generic_start(&mut self) -> bool {
         let body = self.buf.trim_start();
         match body.chars().next() {
             None => false,
+            // The reply in a Markdown code block: the fences are layout.
+            Some('`') if !self.fenced => {
+                let Some(line_end) = body.find('\n') else {
+                    let may_be_fence = body.len() <= "```json".len() && (body.starts_with("```") || "```".starts_with(body));
+                    if !may_be_fence {
+                        self.state = State::Plain;
+                    }
+                    return !may_be_fence;
+                };
+                let fence = body[..line_end].trim();
+                if fence == "```" || fence == "```json" {
+                    self.buf = body[line_end + 1..].to_string();
+                    self.fenced = true;
+                } else {
+                    self.state = State::Plain;
+                }
+                true
+            }
             Some('{') => {
                 self.buf = body.to_string();
                 self.state = State::GenericKey;
