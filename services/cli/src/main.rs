@@ -348,9 +348,9 @@ fn generate(args: GenerateArgs) -> Result<()> {
     } else if let Some(user) = &args.input.chat {
         let mut messages = vec![];
         if let Some(system) = &args.system {
-            messages.push(ChatMessage { role: "system".into(), content: system.clone() });
+            messages.push(ChatMessage::new("system", system.clone()));
         }
-        messages.push(ChatMessage { role: "user".into(), content: user.clone() });
+        messages.push(ChatMessage::new("user", user.clone()));
         tok.encode_raw(&tok.apply_chat_template(&messages, true)?)?
     } else {
         parse_tokens(args.input.tokens.as_deref().unwrap_or_default())?

@@ -357,7 +357,7 @@ fn chat_roles(messages: &[ChatMessage]) -> Result<Vec<ChatMessage>, Error> {
                 "" => return Err(Error::invalid("messages", format!("messages[{i}].role must not be empty; roles are {CHAT_ROLES}"))),
                 other => return Err(Error::invalid("messages", format!("messages[{i}].role `{other}` is not a role; roles are {CHAT_ROLES} (lower case)"))),
             };
-            Ok(ChatMessage { role, content: m.content.clone() })
+            Ok(ChatMessage { role, ..m.clone() })
         })
         .collect()
 }
@@ -471,7 +471,7 @@ mod tests {
     #[test]
     fn roles_are_checked_and_developer_is_system() {
         let m = model();
-        let chat = |role: &str| Prompt::chat(vec![ChatMessage { role: role.into(), content: "Be brief.".into() }, ChatMessage { role: "user".into(), content: "Hi".into() }]);
+        let chat = |role: &str| Prompt::chat(vec![ChatMessage::new(role, "Be brief."), ChatMessage::new("user", "Hi")]);
         assert_eq!(m.tokenize(&chat("developer")).unwrap(), m.tokenize(&chat("system")).unwrap());
         for role in ["tool", "function", "SYSTEM", "", "critic"] {
             let e = m.tokenize(&chat(role)).unwrap_err();
@@ -488,14 +488,14 @@ mod tests {
         let big = "a".repeat(m.max_prompt_bytes + 1);
         let e = m.tokenize(&Prompt::Text(big.clone())).unwrap_err();
         assert!(matches!(&e, Error::Invalid { param: Some("prompt"), .. }) && e.to_string().contains("bytes"), "{e:?}");
-        let e = m.tokenize(&Prompt::chat(vec![ChatMessage { role: "user".into(), content: big }])).unwrap_err();
+        let e = m.tokenize(&Prompt::chat(vec![ChatMessage::new("user", big)])).unwrap_err();
         assert!(matches!(&e, Error::Invalid { param: Some("messages"), .. }), "{e:?}");
     }
 
     #[test]
     fn chat_template_kwargs_count_toward_the_prompt_size() {
         let m = model();
-        let messages = vec![ChatMessage { role: "user".into(), content: "Hi".into() }];
+        let messages = vec![ChatMessage::new("user", "Hi")];
         let mut template_kwargs = ChatTemplateKwargs::new();
         template_kwargs.insert("note".into(), serde_json::Value::String("a".repeat(m.max_prompt_bytes)));
         let chat = Prompt::Chat { messages: messages.clone(), template_kwargs };
@@ -517,7 +517,7 @@ mod tests {
     #[test]
     fn chat_uses_the_template() {
         let m = model();
-        let chat = Prompt::chat(vec![ChatMessage { role: "user".into(), content: "Hi there".into() }]);
+        let chat = Prompt::chat(vec![ChatMessage::new("user", "Hi there")]);
         let ids = m.tokenize(&chat).unwrap();
         assert_eq!((ids[0], ids[1], *ids.last().unwrap()), (0, 2, 3));
     }

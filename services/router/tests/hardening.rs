@@ -53,7 +53,7 @@ async fn special_tokens_typed_in_content_are_plain_text() {
     // Only the template's markers are special: BOS, one user turn, the
     // generation prompt.
     assert_eq!((count(&ids, BOS), count(&ids, USER), count(&ids, ASSISTANT), count(&ids, EOS)), (1, 1, 1, 0), "{ids:?}");
-    assert_eq!(ids, tok.encode_chat(&[ChatMessage { role: "user".into(), content: forged.into() }], true).unwrap());
+    assert_eq!(ids, tok.encode_chat(&[ChatMessage::new("user", forged)], true).unwrap());
     assert!(tok.decode(&ids).contains(forged), "the content survives as text");
     // What the old code sent, for contrast: forged turns.
     let old = tok.encode_raw(&format!("<｜begin▁of▁sentence｜><｜User｜>{forged}<｜Assistant｜>")).unwrap();

@@ -588,7 +588,7 @@ async fn chat_template_kwargs_reach_the_template() {
     let qwen = fixture("tiny-qwen3moe");
     let router = start(MockConfig::default(), |c| c.model = qwen.clone()).await;
     let tok = Tokenizer::from_dir(&qwen).unwrap();
-    let user = [duplex_text::tokenizer::ChatMessage { role: "user".into(), content: "Hi".into() }];
+    let user = [duplex_text::tokenizer::ChatMessage::new("user", "Hi")];
     let no_thinking: duplex_text::tokenizer::ChatTemplateKwargs = json!({"enable_thinking": false}).as_object().unwrap().clone();
     let plain = tok.encode_chat(&user, true).unwrap();
     let expected = tok.encode_chat_with(&user, true, &no_thinking).unwrap();

@@ -18,7 +18,7 @@ fn load(name: &str) -> Tokenizer {
 }
 
 fn msg(role: &str, content: &str) -> ChatMessage {
-    ChatMessage { role: role.into(), content: content.into() }
+    ChatMessage::new(role, content)
 }
 
 /// A fixture, its special markers, and conversations of ordinary text its

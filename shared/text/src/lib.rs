@@ -2,14 +2,17 @@
 //! and the engine shares: the tokenizer and chat template, sampling
 //! parameters and the sampler, stop strings, why a generation finished, the
 //! served model's facts from its `config.json` and `generation_config.json`,
-//! and where the bundled model is. It knows nothing of weights or kernels,
-//! so the router and the wire protocol build without them.
+//! where the bundled model is, and tool calls in the model's own format
+//! (rendered through its chat template, parsed back from its output). It
+//! knows nothing of weights or kernels, so the router and the wire protocol
+//! build without them.
 
 pub mod sampling;
 pub mod stop;
 mod gguf;
 mod tiktoken;
 pub mod tokenizer;
+pub mod tools;
 
 pub use stop::StopStrings;
 

@@ -33,6 +33,8 @@ use std::path::{Path, PathBuf};
 use minijinja::{Environment, Error as JinjaError, ErrorKind as JinjaErrorKind, Value};
 use serde_json::Value as Json;
 
+use crate::tools::{TemplateTools, Tool, ToolCall, ToolFormat};
+
 /// Name under which the chat template is registered in the Jinja environment;
 /// it shows up in rendering error messages ("... (in chat_template:3)").
 const TEMPLATE_NAME: &str = "chat_template";
@@ -149,16 +151,51 @@ impl TokenizerError {
 pub type ChatTemplateKwargs = serde_json::Map<String, Json>;
 
 /// Template variables that [`ChatTemplateKwargs`] may not set: they are the
-/// request itself (`messages`, `add_generation_prompt`) or the tokenizer's
+/// request itself (`messages`, `tools`, `add_generation_prompt`) or the tokenizer's
 /// own markers (`bos_token`, `eos_token`), which a client must not replace.
-const RESERVED_TEMPLATE_VARIABLES: [&str; 4] = ["messages", "add_generation_prompt", "bos_token", "eos_token"];
+const RESERVED_TEMPLATE_VARIABLES: [&str; 5] = ["messages", "tools", "add_generation_prompt", "bos_token", "eos_token"];
 
 /// One chat turn, as sent by OpenAI-style clients and as seen by the chat
-/// template (`message['role']`, `message['content']`).
-#[derive(Clone, Debug, serde::Serialize, serde::Deserialize, PartialEq)]
+/// template (`message['role']`, `message['content']`, and for tools
+/// `message['tool_calls']`, `message['tool_call_id']`, `message['name']`).
+/// An assistant turn that only calls tools has empty `content`; templates
+/// that want `null` there get it (see [`TemplateTools`]).
+#[derive(Clone, Debug, Default, serde::Serialize, serde::Deserialize, PartialEq)]
 pub struct ChatMessage {
     pub role: String,
+    /// `null` (OpenAI's assistant turn with only calls) reads as empty.
+    #[serde(default, deserialize_with = "null_as_empty")]
     pub content: String,
+    /// The calls of an assistant turn.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub tool_calls: Vec<ToolCall>,
+    /// The call a `tool` turn answers.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tool_call_id: Option<String>,
+    /// The function a `tool` turn answers (or a participant's name).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub name: Option<String>,
+}
+
+impl ChatMessage {
+    /// A plain turn: a role and its text.
+    pub fn new(role: impl Into<String>, content: impl Into<String>) -> Self {
+        ChatMessage { role: role.into(), content: content.into(), ..Default::default() }
+    }
+
+    /// An assistant turn that calls tools (after `content`, often empty).
+    pub fn assistant_tool_calls(content: impl Into<String>, tool_calls: Vec<ToolCall>) -> Self {
+        ChatMessage { role: "assistant".into(), content: content.into(), tool_calls, ..Default::default() }
+    }
+
+    /// A tool's result, answering call `tool_call_id`.
+    pub fn tool_result(tool_call_id: impl Into<String>, content: impl Into<String>) -> Self {
+        ChatMessage { role: "tool".into(), content: content.into(), tool_call_id: Some(tool_call_id.into()), ..Default::default() }
+    }
+}
+
+fn null_as_empty<'de, D: serde::Deserializer<'de>>(deserializer: D) -> Result<String, D::Error> {
+    Ok(<Option<String> as serde::Deserialize>::deserialize(deserializer)?.unwrap_or_default())
 }
 
 /// A loaded tokenizer plus everything generation needs from the side files.
@@ -198,6 +235,8 @@ pub struct Tokenizer {
     template_source: String,
     /// Where a template was looked for, for the error when there is none.
     no_template: String,
+    /// What the template does with tools, probed once at load time.
+    template_tools: TemplateTools,
 }
 
 /// What one source of a tokenizer (a model directory, a GGUF file)
@@ -469,6 +508,21 @@ impl Tokenizer {
         };
 
         let byte_fallback_steps = byte_fallback_steps(inner.get_decoder());
+        let template_tools = TemplateTools::probe(|messages, tools| {
+            let env = chat_env.as_ref().ok_or_else(|| JinjaError::new(JinjaErrorKind::TemplateNotFound, "no chat template"))?;
+            let mut context: std::collections::BTreeMap<&str, Value> = std::collections::BTreeMap::new();
+            context.insert("messages", Value::from_serialize(messages));
+            if let Some(tools) = tools {
+                context.insert("tools", Value::from_serialize(tools));
+            }
+            context.insert("add_generation_prompt", Value::from(false));
+            for (name, token) in [("bos_token", &bos_token), ("eos_token", &eos_token)] {
+                if !token.is_empty() {
+                    context.insert(name, Value::from(token.as_str()));
+                }
+            }
+            env.get_template(TEMPLATE_NAME)?.render(Value::from(context))
+        });
 
         Ok(Self {
             byte_fallback_steps,
@@ -487,6 +541,7 @@ impl Tokenizer {
             template_path,
             template_source,
             no_template,
+            template_tools,
         })
     }
 
@@ -574,6 +629,41 @@ impl Tokenizer {
         add_generation_prompt: bool,
         kwargs: &ChatTemplateKwargs,
     ) -> Result<String, TokenizerError> {
+        self.apply_chat_template_tools(messages, &[], add_generation_prompt, kwargs)
+    }
+
+    /// [`Tokenizer::apply_chat_template_with`] offering `tools` to the
+    /// model (the template's `tools` variable, as `transformers`'
+    /// `apply_chat_template(tools=...)` passes it, or a system message
+    /// describing them where the template does not print them; see
+    /// [`crate::tools`]). Past calls and tool results in `messages` are
+    /// rendered whether or not tools are offered now.
+    pub fn apply_chat_template_tools(
+        &self,
+        messages: &[ChatMessage],
+        tools: &[Tool],
+        add_generation_prompt: bool,
+        kwargs: &ChatTemplateKwargs,
+    ) -> Result<String, TokenizerError> {
+        let (messages, tools) = self.template_tools.template_inputs(messages, tools);
+        self.render_template(&messages, tools.as_ref(), add_generation_prompt, kwargs)
+    }
+
+    /// What the chat template does with tools, and so which tool-call
+    /// format the model writes ([`TemplateTools::format`]).
+    pub fn template_tools(&self) -> &TemplateTools {
+        &self.template_tools
+    }
+
+    /// The template rendered with messages (and tools) as the template
+    /// reads them.
+    fn render_template(
+        &self,
+        messages: &Json,
+        tools: Option<&Json>,
+        add_generation_prompt: bool,
+        kwargs: &ChatTemplateKwargs,
+    ) -> Result<String, TokenizerError> {
         self.check_template_kwargs(kwargs)?;
         let env = self
             .chat_env
@@ -591,6 +681,9 @@ impl Tokenizer {
         let mut context: std::collections::BTreeMap<&str, Value> =
             kwargs.iter().map(|(k, v)| (k.as_str(), Value::from_serialize(v))).collect();
         context.insert("messages", Value::from_serialize(messages));
+        if let Some(tools) = tools {
+            context.insert("tools", Value::from_serialize(tools));
+        }
         context.insert("add_generation_prompt", Value::from(add_generation_prompt));
         for (name, token) in [("bos_token", &self.bos_token), ("eos_token", &self.eos_token)] {
             if !token.is_empty() {
@@ -670,34 +763,52 @@ impl Tokenizer {
         add_generation_prompt: bool,
         kwargs: &ChatTemplateKwargs,
     ) -> Result<Vec<u32>, TokenizerError> {
-        let render = |messages: &[ChatMessage]| self.apply_chat_template_with(messages, add_generation_prompt, kwargs);
+        self.encode_chat_tools(messages, &[], add_generation_prompt, kwargs)
+    }
+
+    /// [`Tokenizer::encode_chat_with`] offering `tools` (see
+    /// [`Tokenizer::apply_chat_template_tools`]). Everything the client
+    /// wrote is plain text here, tool definitions, call names and
+    /// arguments, ids and results included: only the template's own
+    /// markers (a past call's `<|tool_call_begin|>` among them) are special
+    /// tokens.
+    pub fn encode_chat_tools(
+        &self,
+        messages: &[ChatMessage],
+        tools: &[Tool],
+        add_generation_prompt: bool,
+        kwargs: &ChatTemplateKwargs,
+    ) -> Result<Vec<u32>, TokenizerError> {
+        let (messages, tools) = self.template_tools.template_inputs(messages, tools);
+        let render = |messages: &Json, tools: Option<&Json>| self.render_template(messages, tools, add_generation_prompt, kwargs);
         let Some(matcher) = &self.special_matcher else {
-            return self.encode_raw(&render(messages)?);
+            return self.encode_raw(&render(&messages, tools.as_ref())?);
         };
-        if !messages.iter().any(|m| matcher.is_match(&m.content)) {
-            return self.encode_raw(&render(messages)?);
+        let has_special = |value: &Json| any_string(value, &mut |s| matcher.is_match(s));
+        if !has_special(&messages) && !tools.as_ref().is_some_and(has_special) {
+            return self.encode_raw(&render(&messages, tools.as_ref())?);
         }
         // Checked before choosing placeholders, so that the error names
         // the variable.
         self.check_template_kwargs(kwargs)?;
         let kwargs_text = serde_json::to_string(kwargs).unwrap_or_default();
+        let client_text = format!("{messages}{}", tools.as_ref().map(Json::to_string).unwrap_or_default());
 
-        // One placeholder per special token that occurs in some content.
+        // One placeholder per special token that occurs in some client text.
         let mut placeholder_of: HashMap<usize, char> = HashMap::new();
         let mut candidates = PLACEHOLDERS.filter_map(char::from_u32);
         let in_use = |c: char| {
-            messages.iter().any(|m| m.content.contains(c) || m.role.contains(c))
+            client_text.contains(c)
                 || self.template_source.contains(c)
                 || kwargs_text.contains(c)
                 || self.bos_token.contains(c)
                 || self.eos_token.contains(c)
                 || self.specials.iter().any(|t| t.content.contains(c))
         };
-        let mut masked = Vec::with_capacity(messages.len());
-        for m in messages {
-            let mut content = String::with_capacity(m.content.len());
+        let mut mask = |text: &str| -> Result<String, TokenizerError> {
+            let mut masked = String::with_capacity(text.len());
             let mut last = 0;
-            for found in matcher.find_iter(&m.content) {
+            for found in matcher.find_iter(text) {
                 let token = found.pattern().as_usize();
                 let placeholder = match placeholder_of.get(&token) {
                     Some(&c) => c,
@@ -713,14 +824,16 @@ impl Tokenizer {
                         c
                     }
                 };
-                content.push_str(&m.content[last..found.start()]);
-                content.push(placeholder);
+                masked.push_str(&text[last..found.start()]);
+                masked.push(placeholder);
                 last = found.end();
             }
-            content.push_str(&m.content[last..]);
-            masked.push(ChatMessage { role: m.role.clone(), content });
-        }
-        let rendered = render(&masked)?;
+            masked.push_str(&text[last..]);
+            Ok(masked)
+        };
+        let masked_messages = map_strings(&messages, &mut mask)?;
+        let masked_tools = tools.as_ref().map(|t| map_strings(t, &mut mask)).transpose()?;
+        let rendered = render(&masked_messages, masked_tools.as_ref())?;
         let token_of: HashMap<char, &str> = placeholder_of
             .iter()
             .map(|(&token, &c)| (c, self.specials[token].content.as_str()))
@@ -803,19 +916,37 @@ impl Tokenizer {
     /// for 2048 tokens), so a sampler can produce ids with no token; those
     /// decode to nothing. Bytes that do not form valid UTF-8 become U+FFFD.
     pub fn decode(&self, ids: &[u32]) -> String {
-        // `tokenizers` already drops unknown ids; the only remaining failure
-        // is a decoder error, which for a response stream is better shown as
-        // missing text than as a failed request.
+        self.decode_keeping(ids, &[])
+    }
+
+    /// [`Tokenizer::decode`], but the special tokens in `keep` are written
+    /// out as their text: a tool-using request keeps the tool-call markup
+    /// that is special in the model's vocabulary (Kimi-K2's
+    /// `<|tool_call_begin|>`, see [`Tokenizer::tool_markup_ids`]) so that
+    /// the tool-call parser sees it, while end-of-turn tokens still vanish.
+    pub fn decode_keeping(&self, ids: &[u32], keep: &[u32]) -> String {
+        let added = self.inner.get_added_vocabulary();
         let Some(steps) = &self.byte_fallback_steps else {
-            return self.inner.decode(ids, true).unwrap_or_default();
+            // `tokenizers` already drops unknown ids; the only remaining
+            // failure is a decoder error, which for a response stream is
+            // better shown as missing text than as a failed request.
+            if keep.is_empty() {
+                return self.inner.decode(ids, true).unwrap_or_default();
+            }
+            let kept: Vec<u32> = ids
+                .iter()
+                .copied()
+                .filter(|id| keep.contains(id) || self.inner.id_to_token(*id).is_some_and(|t| !added.is_special_token(&t)))
+                .collect();
+            return self.inner.decode(&kept, false).unwrap_or_default();
         };
         // What `tokenizers::Tokenizer::decode` does (unknown ids and special
         // tokens dropped, then the decoder chain), with the lossy byte step.
-        let added = self.inner.get_added_vocabulary();
         let mut tokens: Vec<String> = ids
             .iter()
-            .filter_map(|&id| self.inner.id_to_token(id))
-            .filter(|t| !added.is_special_token(t))
+            .filter_map(|&id| self.inner.id_to_token(id).map(|t| (id, t)))
+            .filter(|(id, t)| keep.contains(id) || !added.is_special_token(t))
+            .map(|(_, t)| t)
             .collect();
         for step in steps {
             tokens = match step {
@@ -827,6 +958,22 @@ impl Tokenizer {
             };
         }
         tokens.concat()
+    }
+
+    /// The ids of `format`'s markup strings that are special tokens in
+    /// this vocabulary, which [`Tokenizer::decode`] would drop: the router
+    /// decodes a tool-using request's output with these kept
+    /// ([`Tokenizer::decode_keeping`], [`IncrementalDecoder::keeping`]).
+    /// Markup that is ordinary text or not a single token needs nothing.
+    pub fn tool_markup_ids(&self, format: ToolFormat) -> Vec<u32> {
+        format.markup().iter().filter_map(|text| self.special_token_id(text)).collect()
+    }
+
+    /// The id of `text` if it is a special token (one that
+    /// [`Tokenizer::decode`] drops and a grammar names as `<text>` rather
+    /// than as a string).
+    pub fn special_token_id(&self, text: &str) -> Option<u32> {
+        self.specials.iter().find(|t| t.content == text).map(|t| t.id)
     }
 
     /// Tokenizer vocabulary size including added tokens. May be smaller than
@@ -932,6 +1079,9 @@ pub struct IncrementalDecoder {
     /// The current window; ids before it have been dropped to keep memory
     /// and re-decoding cost bounded for long generations.
     ids: Vec<u32>,
+    /// Special tokens written out rather than dropped
+    /// ([`Tokenizer::decode_keeping`]).
+    keep: Vec<u32>,
     /// Start of the context whose text has already been emitted.
     prefix_offset: usize,
     /// End of the emitted part of the window.
@@ -958,9 +1108,17 @@ impl IncrementalDecoder {
         }
         Self {
             ids: ctx.to_vec(),
+            keep: Vec::new(),
             prefix_offset: 0,
             read_offset: ctx.len(),
         }
+    }
+
+    /// The decoder writing out the special tokens in `keep` (e.g.
+    /// [`Tokenizer::tool_markup_ids`]) instead of dropping them.
+    pub fn keeping(mut self, keep: Vec<u32>) -> Self {
+        self.keep = keep;
+        self
     }
 
     /// Add one id and return the text it completes ("" when nothing new is
@@ -978,8 +1136,8 @@ impl IncrementalDecoder {
     }
 
     fn step(&mut self, tok: &Tokenizer, flush: bool) -> String {
-        let prefix_text = tok.decode(&self.ids[self.prefix_offset..self.read_offset]);
-        let new_text = tok.decode(&self.ids[self.prefix_offset..]);
+        let prefix_text = tok.decode_keeping(&self.ids[self.prefix_offset..self.read_offset], &self.keep);
+        let new_text = tok.decode_keeping(&self.ids[self.prefix_offset..], &self.keep);
         if new_text.len() <= prefix_text.len() || (!flush && new_text.ends_with('\u{FFFD}')) {
             return String::new();
         }
@@ -1041,6 +1199,32 @@ fn lossy_byte_fallback(tokens: Vec<String>) -> Vec<String> {
         out.push(String::from_utf8_lossy(&run).into_owned());
     }
     out
+}
+
+/// Whether `pred` holds for some string in `value`, object keys included.
+fn any_string(value: &Json, pred: &mut impl FnMut(&str) -> bool) -> bool {
+    match value {
+        Json::String(s) => pred(s),
+        Json::Array(items) => items.iter().any(|v| any_string(v, pred)),
+        Json::Object(map) => map.iter().any(|(k, v)| pred(k) || any_string(v, pred)),
+        Json::Null | Json::Bool(_) | Json::Number(_) => false,
+    }
+}
+
+/// `value` with `f` applied to every string in it, object keys included.
+fn map_strings<E>(value: &Json, f: &mut impl FnMut(&str) -> Result<String, E>) -> Result<Json, E> {
+    Ok(match value {
+        Json::String(s) => Json::String(f(s)?),
+        Json::Array(items) => Json::Array(items.iter().map(|v| map_strings(v, f)).collect::<Result<_, E>>()?),
+        Json::Object(map) => {
+            let mut out = serde_json::Map::with_capacity(map.len());
+            for (k, v) in map {
+                out.insert(f(k)?, map_strings(v, f)?);
+            }
+            Json::Object(out)
+        }
+        other => other.clone(),
+    })
 }
 
 /// Reads a JSON file that checkpoints may omit: absent is `None`, anything
@@ -1193,6 +1377,8 @@ fn build_env(source: String) -> Result<Environment<'static>, JinjaError> {
             Err(JinjaError::new(JinjaErrorKind::InvalidOperation, format!("{RAISED}{msg}")))
         },
     );
+    // transformers' own `tojson` (Python's `json.dumps`), not minijinja's.
+    env.add_filter("tojson", crate::tools::python_tojson);
     env.add_function("strftime_now", |fmt: String| {
         let secs = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
@@ -1349,10 +1535,7 @@ mod tests {
     }
 
     fn msg(role: &str, content: &str) -> ChatMessage {
-        ChatMessage {
-            role: role.into(),
-            content: content.into(),
-        }
+        ChatMessage::new(role, content)
     }
 
     /// A temp dir holding the fixture's tokenizer.json plus the given files.

@@ -32,7 +32,7 @@ fn both() -> (Tokenizer, Tokenizer) {
 }
 
 fn msg(role: &str, content: &str) -> ChatMessage {
-    ChatMessage { role: role.into(), content: content.into() }
+    ChatMessage::new(role, content)
 }
 
 /// Text of every kind a byte-level BPE and its split regex treat apart.

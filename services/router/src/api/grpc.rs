@@ -122,7 +122,7 @@ fn chat(c: v1::ChatMessages) -> Result<Prompt, Error> {
         json => serde_json::from_str(json)
             .map_err(|e| Error::invalid("chat_template_kwargs", format!("chat_template_kwargs must be a JSON object (or empty): {e}")))?,
     };
-    let messages = c.messages.into_iter().map(|m| ChatMessage { role: m.role, content: m.content }).collect();
+    let messages = c.messages.into_iter().map(|m| ChatMessage::new(m.role, m.content)).collect();
     Ok(Prompt::Chat { messages, template_kwargs })
 }
 

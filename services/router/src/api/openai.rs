@@ -473,7 +473,7 @@ fn chat_messages(messages: Option<&[ApiMessage]>) -> Result<Vec<ChatMessage>, Er
             }
             Some(_) => return Err(Error::invalid("messages", format!("messages[{i}].content must be a string or an array of text parts"))),
         };
-        out.push(ChatMessage { role: m.role.clone(), content });
+        out.push(ChatMessage::new(m.role.clone(), content));
     }
     Ok(out)
 }
