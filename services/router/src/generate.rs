@@ -291,7 +291,7 @@ struct Output<'a> {
 impl<'a> Output<'a> {
     fn new(model: &'a ServedModel, req: &'a GenerationRequest, tx: &'a mpsc::Sender<Result<Event, Error>>, path: PrefillPath) -> Self {
         Output {
-            decoder: IncrementalDecoder::with_prompt(&model.tokenizer, &req.prompt),
+            decoder: IncrementalDecoder::with_prompt(&model.tokenizer, &req.prompt).keeping(req.keep_special_tokens.clone()),
             stops: StopStrings::new(req.stop.clone()),
             model,
             req,

@@ -7,6 +7,7 @@ use crate::error::Error;
 use duplex_grammar::{ConstraintSpec, GrammarCompiler, GrammarError};
 use duplex_text::sampling_defaults;
 use duplex_text::sampling::{SamplingError, SamplingParams, MAX_LOGPROBS};
+use duplex_text::tools::Tool;
 use duplex_text::tokenizer::{ChatMessage, ChatTemplateKwargs, Tokenizer, TokenizerError};
 use duplex_text::ServedConfig;
 use duplex_proto::worker;
@@ -27,8 +28,9 @@ pub enum Prompt {
     Tokens(Vec<u32>),
     /// Chat messages, rendered with the chat template and the generation
     /// prompt; their contents are plain text. `template_kwargs` are extra
-    /// template variables (the client's `chat_template_kwargs`).
-    Chat { messages: Vec<ChatMessage>, template_kwargs: ChatTemplateKwargs },
+    /// template variables (the client's `chat_template_kwargs`); `tools`
+    /// the functions the model is offered.
+    Chat { messages: Vec<ChatMessage>, template_kwargs: ChatTemplateKwargs, tools: Vec<Tool> },
 }
 
 impl Prompt {
@@ -37,24 +39,32 @@ impl Prompt {
         match self {
             Prompt::Text(t) | Prompt::TextWithSpecialTokens(t) => t.len(),
             Prompt::Tokens(_) => 0,
-            Prompt::Chat { messages, template_kwargs } => {
-                // The kwargs are client text the template renders too.
-                let kwargs = if template_kwargs.is_empty() { 0 } else { serde_json::to_vec(template_kwargs).map_or(0, |v| v.len()) };
-                messages.iter().map(|m| m.content.len() + m.role.len()).sum::<usize>() + kwargs
+            Prompt::Chat { messages, template_kwargs, tools } => {
+                // The kwargs, the tools and past calls are client text the
+                // template renders too.
+                let kwargs = if template_kwargs.is_empty() { 0 } else { json_len(template_kwargs) };
+                let calls = |m: &ChatMessage| if m.tool_calls.is_empty() { 0 } else { json_len(&m.tool_calls) };
+                let tools = if tools.is_empty() { 0 } else { json_len(tools) };
+                messages.iter().map(|m| m.content.len() + m.role.len() + calls(m)).sum::<usize>() + kwargs + tools
             }
         }
     }
 
     /// A chat with no template variables.
     pub fn chat(messages: Vec<ChatMessage>) -> Self {
-        Prompt::Chat { messages, template_kwargs: ChatTemplateKwargs::new() }
+        Prompt::Chat { messages, template_kwargs: ChatTemplateKwargs::new(), tools: vec![] }
     }
+}
+
+/// Bytes of `v` as JSON.
+fn json_len(v: &impl serde::Serialize) -> usize {
+    serde_json::to_vec(v).map_or(0, |v| v.len())
 }
 
 /// The roles a chat message may have. `developer` is OpenAI's newer name
 /// for `system` and is rendered as one. Anything else is refused rather
 /// than left to the template, which drops roles it does not know silently.
-const CHAT_ROLES: &str = "system, developer, user or assistant";
+const CHAT_ROLES: &str = "system, developer, user, assistant or tool";
 
 /// The client's options in front-door-neutral terms; `None` takes the
 /// model's (sampling) or the server's (max_tokens) default.
@@ -79,6 +89,8 @@ pub struct RequestOptions {
     pub top_logprobs: Option<u32>,
     /// What the output must be (structured output, tool calls).
     pub constraint: Option<ConstraintSpec>,
+    /// Special tokens whose text the reply keeps (tool-call markup).
+    pub keep_special_tokens: Vec<u32>,
 }
 
 /// A validated request, ready for the workers.
@@ -104,6 +116,8 @@ pub struct GenerationRequest {
     pub top_logprobs: u32,
     /// Checked: it compiles for this model's vocabulary.
     pub constraint: Option<ConstraintSpec>,
+    /// Special tokens whose text the reply keeps (tool-call markup).
+    pub keep_special_tokens: Vec<u32>,
     pub arrival: Instant,
 }
 
@@ -245,9 +259,9 @@ impl ServedModel {
                 ids.clone()
             }
             Prompt::Chat { messages, .. } if messages.is_empty() => return Err(Error::invalid("messages", "messages must not be empty")),
-            Prompt::Chat { messages, template_kwargs } => {
+            Prompt::Chat { messages, template_kwargs, tools } => {
                 let messages = chat_roles(messages)?;
-                tok.encode_chat_with(&messages, true, template_kwargs).map_err(Error::chat_template)?
+                tok.encode_chat_tools(&messages, tools, true, template_kwargs).map_err(Error::chat_template)?
             }
         };
         if ids.is_empty() {
@@ -336,6 +350,7 @@ impl ServedModel {
             logprobs: opts.logprobs || top_logprobs > 0,
             top_logprobs,
             constraint: opts.constraint,
+            keep_special_tokens: opts.keep_special_tokens,
             arrival,
         })
     }
@@ -348,10 +363,10 @@ fn chat_roles(messages: &[ChatMessage]) -> Result<Vec<ChatMessage>, Error> {
         .enumerate()
         .map(|(i, m)| {
             let role = match m.role.as_str() {
-                "system" | "user" | "assistant" => m.role.clone(),
+                "system" | "user" | "assistant" | "tool" => m.role.clone(),
                 "developer" => "system".into(),
-                "tool" | "function" => {
-                    let message = format!("messages[{i}].role `{}` is not supported: this server does not implement tool calls; roles are {CHAT_ROLES}", m.role);
+                "function" => {
+                    let message = format!("messages[{i}].role `function` (OpenAI's deprecated function calling) is not supported; roles are {CHAT_ROLES}");
                     return Err(Error::invalid("messages", message));
                 }
                 "" => return Err(Error::invalid("messages", format!("messages[{i}].role must not be empty; roles are {CHAT_ROLES}"))),
@@ -473,7 +488,7 @@ mod tests {
         let m = model();
         let chat = |role: &str| Prompt::chat(vec![ChatMessage::new(role, "Be brief."), ChatMessage::new("user", "Hi")]);
         assert_eq!(m.tokenize(&chat("developer")).unwrap(), m.tokenize(&chat("system")).unwrap());
-        for role in ["tool", "function", "SYSTEM", "", "critic"] {
+        for role in ["function", "SYSTEM", "", "critic"] {
             let e = m.tokenize(&chat(role)).unwrap_err();
             assert!(matches!(&e, Error::Invalid { param: Some("messages"), .. }), "{role}: {e:?}");
             assert!(e.to_string().contains("messages[0].role") && (role.is_empty() || e.to_string().contains(&format!("`{role}`"))), "{e}");
@@ -498,12 +513,12 @@ mod tests {
         let messages = vec![ChatMessage::new("user", "Hi")];
         let mut template_kwargs = ChatTemplateKwargs::new();
         template_kwargs.insert("note".into(), serde_json::Value::String("a".repeat(m.max_prompt_bytes)));
-        let chat = Prompt::Chat { messages: messages.clone(), template_kwargs };
+        let chat = Prompt::Chat { messages: messages.clone(), template_kwargs, tools: vec![] };
         assert!(chat.text_bytes() > m.max_prompt_bytes);
         let e = m.tokenize(&chat).unwrap_err();
         assert!(matches!(&e, Error::Invalid { param: Some("messages"), .. }) && e.to_string().contains("bytes"), "{e:?}");
         // {"k":1} is 7 bytes of JSON.
-        let small = Prompt::Chat { messages, template_kwargs: serde_json::json!({"k": 1}).as_object().unwrap().clone() };
+        let small = Prompt::Chat { messages, template_kwargs: serde_json::json!({"k": 1}).as_object().unwrap().clone(), tools: vec![] };
         assert_eq!(small.text_bytes(), "user".len() + "Hi".len() + 7);
     }
 

@@ -93,7 +93,7 @@ async fn roles_developer_is_system_and_unknown_roles_are_named() {
     assert_eq!(chat(&router, with("developer")).await.0, 200);
     assert_eq!(last_prompt(&router), system, "developer renders as system");
     assert!(tokenizer().decode(&system).contains("Be brief."), "the system message is rendered");
-    for role in ["tool", "function", "SYSTEM", "", "narrator"] {
+    for role in ["function", "SYSTEM", "", "narrator"] {
         let (status, body) = chat(&router, with(role)).await;
         assert_eq!(status, 400, "{role}: {body}");
         let message = body["error"]["message"].as_str().unwrap();
@@ -105,13 +105,15 @@ async fn roles_developer_is_system_and_unknown_roles_are_named() {
 }
 
 #[tokio::test]
-async fn tools_are_refused_and_response_formats_checked() {
+async fn tools_and_response_formats_are_checked() {
     let router = start(MockConfig::default(), |_| {}).await;
     let messages = json!([{"role": "user", "content": "weather?"}]);
     let tool = json!({"type": "function", "function": {"name": "weather", "parameters": {"type": "object"}}});
     let cases = [
-        (json!({"messages": messages, "tools": [tool]}), "tools", "not supported"),
-        (json!({"messages": messages, "tool_choice": "required"}), "tool_choice", "not supported"),
+        (json!({"messages": messages, "tools": [{"type": "function", "function": {"name": "bad name!"}}]}), "tools", "bad name!"),
+        (json!({"messages": messages, "tools": [tool], "tool_choice": {"type": "function", "function": {"name": "other"}}}), "tools", "other"),
+        (json!({"messages": messages, "tool_choice": "required"}), "tool_choice", "no `tools`"),
+        (json!({"messages": messages, "functions": [{"name": "f"}]}), "functions", "deprecated"),
         (json!({"messages": messages, "response_format": {"type": "json_schema", "json_schema": {"name": "w", "schema": {"type": "frobnicate"}}}}), "response_format", "frobnicate"),
         (json!({"messages": messages, "response_format": {"type": "json_schema", "json_schema": {"name": "w"}}}), "response_format", "schema"),
         (json!({"messages": messages, "response_format": {"type": "yaml"}}), "response_format.type", "yaml"),

@@ -123,7 +123,7 @@ fn chat(c: v1::ChatMessages) -> Result<Prompt, Error> {
             .map_err(|e| Error::invalid("chat_template_kwargs", format!("chat_template_kwargs must be a JSON object (or empty): {e}")))?,
     };
     let messages = c.messages.into_iter().map(|m| ChatMessage::new(m.role, m.content)).collect();
-    Ok(Prompt::Chat { messages, template_kwargs })
+    Ok(Prompt::Chat { messages, template_kwargs, tools: vec![] })
 }
 
 fn constraint(format: v1::ResponseFormat) -> Result<Option<ConstraintSpec>, Error> {
@@ -157,6 +157,7 @@ fn options(model: String, s: v1::SamplingParameters, stopping: v1::StoppingCrite
         logprobs: s.logprobs,
         top_logprobs: s.top_logprobs,
         constraint: None,
+        keep_special_tokens: vec![],
     }
 }
 

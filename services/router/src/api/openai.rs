@@ -10,7 +10,7 @@ use super::ApiKey;
 use crate::error::Error;
 use super::access_log::AccessLog;
 use super::openai_response::{
-    ApiFinishReason, ChatChoice, ChatChunkChoice, ChatDelta, ChatLogprobs, ChatMessageOut, CompletionChoice, CompletionLogprobs, Envelope, ModelCard,
+    ApiFinishReason, ChatChoice, FunctionCallOut, FunctionDelta, ToolCallDelta, ToolCallOut, ChatChunkChoice, ChatDelta, ChatLogprobs, ChatMessageOut, CompletionChoice, CompletionLogprobs, Envelope, ModelCard,
     ModelList, TextOffsets, Usage, UsageField,
 };
 use crate::generate::{count_refused, Event, Finished, Router, Token};
@@ -25,7 +25,11 @@ use axum::routing::{get, post};
 use axum::Json;
 use duplex_grammar::ConstraintSpec;
 use duplex_text::sampling::MAX_LOGPROBS;
-use duplex_text::tokenizer::ChatMessage;
+use duplex_text::FinishReason;
+use duplex_text::tokenizer::{ChatMessage, Tokenizer};
+use duplex_text::tools::constraint::{tool_constraint, ToolConstraint};
+use duplex_text::tools::parse::{ToolCallParser, ToolEvent};
+use duplex_text::tools::{validate_tools, Tool, ToolCall, ToolChoice, ToolFormat};
 use duplex_telemetry as names;
 use metrics::counter;
 use futures::StreamExt;
@@ -231,8 +235,14 @@ struct ApiRequest {
     /// object (or null) is refused by the JSON parser, naming the field.
     chat_template_kwargs: Option<serde_json::Map<String, Value>>,
     /// Not implemented; refused rather than ignored (see `unsupported`).
-    tools: Option<Value>,
-    tool_choice: Option<Value>,
+    /// Chat: functions the model may call.
+    tools: Option<Vec<Tool>>,
+    /// Chat: `none`, `auto` (the default with tools), `required` or a named
+    /// function.
+    tool_choice: Option<ToolChoice>,
+    /// Chat: whether one reply may hold several calls (default true).
+    parallel_tool_calls: Option<bool>,
+    /// OpenAI's deprecated function calling: refused, naming `tools`.
     functions: Option<Value>,
     function_call: Option<Value>,
     /// Structured output: `text` (the default), `json_object`, or
@@ -281,6 +291,14 @@ struct ApiMessage {
     role: String,
     #[serde(default)]
     content: Option<Value>,
+    /// An assistant turn's calls.
+    #[serde(default)]
+    tool_calls: Option<Vec<ToolCall>>,
+    /// The call a `tool` turn answers.
+    #[serde(default)]
+    tool_call_id: Option<String>,
+    #[serde(default)]
+    name: Option<String>,
 }
 
 /// The most choices one request may ask for (OpenAI's own limit).
@@ -331,6 +349,7 @@ impl ApiRequest {
             logprobs,
             top_logprobs,
             constraint: self.response_format.as_ref().map(ResponseFormat::constraint).transpose()?.flatten(),
+            keep_special_tokens: vec![],
         })
     }
 
@@ -339,17 +358,13 @@ impl ApiRequest {
     /// client cannot use, with a 200.
     fn unsupported(&self) -> Result<(), Error> {
         let set = |v: &Option<Value>| v.as_ref().is_some_and(|v| !v.is_null());
-        let tools = |v: &Option<Value>| set(v) && v.as_ref().and_then(Value::as_array).is_none_or(|a| !a.is_empty());
-        for (param, value) in [("tools", &self.tools), ("functions", &self.functions)] {
-            if tools(value) {
-                return Err(Error::invalid(param, format!("`{param}` is not supported: this server does not implement tool calls")));
+        for (param, value) in [("functions", &self.functions), ("function_call", &self.function_call)] {
+            if set(value) {
+                return Err(Error::invalid(param, format!("`{param}` (OpenAI's deprecated function calling) is not supported; use `tools` and `tool_choice`")));
             }
         }
-        // "none" (and "auto" with no tools) asks for what the server does anyway.
-        for (param, value) in [("tool_choice", &self.tool_choice), ("function_call", &self.function_call)] {
-            if set(value) && !matches!(value.as_ref().and_then(Value::as_str), Some("none" | "auto")) {
-                return Err(Error::invalid(param, format!("`{param}` is not supported: this server does not implement tool calls")));
-            }
+        if self.tool_choice.as_ref().is_some_and(|c| !matches!(c, ToolChoice::None | ToolChoice::Auto)) && self.tools.as_ref().is_none_or(Vec::is_empty) {
+            return Err(Error::invalid("tool_choice", "tool_choice asks for a call, but the request has no `tools`"));
         }
         Ok(())
     }
@@ -362,15 +377,15 @@ impl ApiRequest {
 async fn completions(State(app): State<App>, JsonBody(body): JsonBody<ApiRequest>) -> Response {
     let mut log = AccessLog::new("/v1/completions");
     match completion_request(&body).inspect_err(count_refused) {
-        Ok((prompt, opts)) => app.respond(Kind::Completion, prompt, opts, &body, log).await,
+        Ok((prompt, opts)) => app.respond(Kind::Completion, prompt, opts, &body, log, None).await,
         Err(e) => refused(e, &mut log),
     }
 }
 
 async fn chat_completions(State(app): State<App>, JsonBody(body): JsonBody<ApiRequest>) -> Response {
     let mut log = AccessLog::new("/v1/chat/completions");
-    match chat_request(&body).inspect_err(count_refused) {
-        Ok((prompt, opts)) => app.respond(Kind::Chat, prompt, opts, &body, log).await,
+    match chat_request(&body, &app.router.model.tokenizer).inspect_err(count_refused) {
+        Ok((prompt, opts, tools)) => app.respond(Kind::Chat, prompt, opts, &body, log, tools).await,
         Err(e) => refused(e, &mut log),
     }
 }
@@ -384,6 +399,9 @@ fn refused(e: Error, log: &mut AccessLog) -> Response {
 
 fn completion_request(body: &ApiRequest) -> Result<(Prompt, RequestOptions), Error> {
     body.unsupported()?;
+    if body.tools.as_ref().is_some_and(|t| !t.is_empty()) {
+        return Err(Error::invalid("tools", "tools apply to /v1/chat/completions only"));
+    }
     if body.echo == Some(true) {
         return Err(Error::invalid("echo", "echo is not supported"));
     }
@@ -414,7 +432,15 @@ fn completion_request(body: &ApiRequest) -> Result<(Prompt, RequestOptions), Err
     Ok((prompt, body.options(logprobs, top)?))
 }
 
-fn chat_request(body: &ApiRequest) -> Result<(Prompt, RequestOptions), Error> {
+/// The tools a chat request offers the model and how its reply is read:
+/// `None` when it offers none (or `tool_choice` is `none`).
+#[derive(Clone, Copy, Debug)]
+struct ToolUse {
+    format: ToolFormat,
+    parallel: bool,
+}
+
+fn chat_request(body: &ApiRequest, tok: &Tokenizer) -> Result<(Prompt, RequestOptions, Option<ToolUse>), Error> {
     body.unsupported()?;
     if body.parse_special_tokens.is_some() {
         return Err(Error::invalid("parse_special_tokens", "parse_special_tokens applies to /v1/completions only: chat messages are always plain text"));
@@ -426,7 +452,31 @@ fn chat_request(body: &ApiRequest) -> Result<(Prompt, RequestOptions), Error> {
         Some(_) => return Err(Error::invalid("logprobs", "logprobs must be true or false")),
     };
     let template_kwargs = body.chat_template_kwargs.clone().unwrap_or_default();
-    Ok((Prompt::Chat { messages, template_kwargs }, body.options(logprobs, body.top_logprobs)?))
+    let mut opts = body.options(logprobs, body.top_logprobs)?;
+    let mut tools = body.tools.clone().unwrap_or_default();
+    let choice = body.tool_choice.clone().unwrap_or_default();
+    validate_tools(&tools, &choice).map_err(|e| Error::invalid("tools", e.0))?;
+    if choice == ToolChoice::None {
+        // As OpenAI: the model is not offered the tools, and says text.
+        tools.clear();
+    }
+    let tool_use = (!tools.is_empty()).then(|| ToolUse { format: tok.template_tools().format, parallel: body.parallel_tool_calls.unwrap_or(true) });
+    if let Some(tu) = tool_use {
+        // The markup of a call is special tokens in some formats (Kimi-K2's):
+        // they must reach the parser as text.
+        opts.keep_special_tokens = tok.tool_markup_ids(tu.format);
+        // `required` or a named function: the grammar makes the call.
+        if let Some(c) = tool_constraint(tu.format, &tools, &choice, tu.parallel, |s| tok.special_token_id(s).is_some()) {
+            if opts.constraint.is_some() {
+                return Err(Error::invalid("response_format", "response_format cannot be combined with a tool_choice that forces a call"));
+            }
+            opts.constraint = Some(match c {
+                ToolConstraint::JsonSchema(schema) => ConstraintSpec::JsonSchema(schema),
+                ToolConstraint::Lark(grammar) => ConstraintSpec::Lark(grammar),
+            });
+        }
+    }
+    Ok((Prompt::Chat { messages, template_kwargs, tools }, opts, tool_use))
 }
 
 fn completion_prompt(prompt: Option<&Value>) -> Result<Prompt, Error> {
@@ -473,7 +523,12 @@ fn chat_messages(messages: Option<&[ApiMessage]>) -> Result<Vec<ChatMessage>, Er
             }
             Some(_) => return Err(Error::invalid("messages", format!("messages[{i}].content must be a string or an array of text parts"))),
         };
-        out.push(ChatMessage::new(m.role.clone(), content));
+        out.push(ChatMessage {
+            tool_calls: m.tool_calls.clone().unwrap_or_default(),
+            tool_call_id: m.tool_call_id.clone(),
+            name: m.name.clone(),
+            ..ChatMessage::new(m.role.clone(), content)
+        });
     }
     Ok(out)
 }
@@ -489,6 +544,8 @@ struct Reply {
     include_usage: bool,
     /// How many choices it has (`n`).
     choices: usize,
+    /// Chat with tools: the replies are parsed for calls.
+    tools: Option<ToolUse>,
 }
 
 impl Reply {
@@ -519,6 +576,10 @@ fn json_value(v: &impl Serialize) -> Value {
 struct Choice {
     index: u32,
     offsets: TextOffsets,
+    /// Reads tool calls out of the text, when the request offered tools.
+    parser: Option<ToolCallParser>,
+    /// The calls, whole (for a whole response).
+    calls: Vec<ToolCallOut>,
     text: String,
     /// Tokens with logprobs, for a whole response.
     tokens: Vec<Token>,
@@ -526,8 +587,49 @@ struct Choice {
 }
 
 impl Choice {
-    fn new(index: usize) -> Self {
-        Choice { index: index as u32, offsets: TextOffsets::default(), text: String::new(), tokens: vec![], finished: None }
+    fn new(index: usize, tools: Option<ToolUse>) -> Self {
+        let parser = tools.map(|t| ToolCallParser::new(t.format, t.parallel));
+        Choice { index: index as u32, offsets: TextOffsets::default(), parser, calls: vec![], text: String::new(), tokens: vec![], finished: None }
+    }
+
+    /// Splits released text into content and tool-call pieces; `last`
+    /// flushes what the parser held back. Without tools it is all content.
+    fn read(&mut self, text: &str, last: bool) -> (String, Vec<ToolCallDelta>) {
+        let Some(parser) = self.parser.as_mut() else { return (text.to_string(), vec![]) };
+        let mut events = parser.push(text);
+        if last {
+            events.extend(parser.finish());
+        }
+        let (mut content, mut deltas) = (String::new(), Vec::<ToolCallDelta>::new());
+        for event in events {
+            match event {
+                ToolEvent::Content(c) => content.push_str(&c),
+                ToolEvent::ToolCallStart { index, id, name } => {
+                    self.calls.push(ToolCallOut { id: id.clone(), kind: "function", function: FunctionCallOut { name: name.clone(), arguments: String::new() } });
+                    deltas.push(ToolCallDelta { index: index as u32, id: Some(id), kind: Some("function"), function: FunctionDelta { name: Some(name), arguments: String::new() } });
+                }
+                ToolEvent::ToolCallArguments { index, delta } => {
+                    if let Some(call) = self.calls.get_mut(index) {
+                        call.function.arguments.push_str(&delta);
+                    }
+                    // Pieces of one call in one chunk travel as one delta.
+                    match deltas.last_mut().filter(|d| d.index == index as u32) {
+                        Some(d) => d.function.arguments.push_str(&delta),
+                        None => deltas.push(ToolCallDelta { index: index as u32, id: None, kind: None, function: FunctionDelta { name: None, arguments: delta } }),
+                    }
+                }
+            }
+        }
+        (content, deltas)
+    }
+
+    /// The API's finish reason: `tool_calls` when the reply called tools.
+    fn finish_reason(&self, reason: FinishReason) -> ApiFinishReason {
+        if self.parser.as_ref().is_some_and(ToolCallParser::made_calls) {
+            ApiFinishReason::ToolCalls
+        } else {
+            reason.into()
+        }
     }
 }
 
@@ -548,8 +650,8 @@ fn choice_seed(seed: u64, index: usize) -> u64 {
 type ChoiceEvents = std::pin::Pin<Box<dyn futures::Stream<Item = (usize, Result<Event, Error>)> + Send>>;
 
 impl App {
-    async fn respond(&self, kind: Kind, prompt: Prompt, opts: RequestOptions, body: &ApiRequest, mut log: AccessLog) -> Response {
-        match self.start(kind, prompt, opts, body, &mut log).await {
+    async fn respond(&self, kind: Kind, prompt: Prompt, opts: RequestOptions, body: &ApiRequest, mut log: AccessLog, tools: Option<ToolUse>) -> Response {
+        match self.start(kind, prompt, opts, body, &mut log, tools).await {
             Ok((reply, events)) if body.stream == Some(true) => self.stream(reply, events, log),
             Ok((reply, events)) => self.collect(reply, events, log).await,
             Err(e) => {
@@ -568,7 +670,7 @@ impl App {
     /// prompt is in the KV cache, and the other choices, started then,
     /// reuse its cached blocks (prefix caching) instead of each prefilling
     /// the prompt again.
-    async fn start(&self, kind: Kind, prompt: Prompt, opts: RequestOptions, body: &ApiRequest, log: &mut AccessLog) -> Result<(Reply, ChoiceEvents), Error> {
+    async fn start(&self, kind: Kind, prompt: Prompt, opts: RequestOptions, body: &ApiRequest, log: &mut AccessLog, tools: Option<ToolUse>) -> Result<(Reply, ChoiceEvents), Error> {
         let n = body.n.unwrap_or(1) as usize;
         let prompt = super::tokenized(&self.router, prompt).await.inspect_err(count_refused)?;
         // All admitted or none: a permit dropped here is given back.
@@ -590,6 +692,7 @@ impl App {
             model: self.router.model.name.clone(),
             include_usage: body.include_usage(),
             choices: n,
+            tools,
         };
         let mut streams: Vec<ChoiceEvents> = Vec::with_capacity(n);
         let mut admitted = admitted.into_iter();
@@ -616,7 +719,7 @@ impl App {
         let sse = |v: Value| Ok::<_, Infallible>(axum::response::sse::Event::default().data(v.to_string()));
         let body = async_stream::stream! {
             let tok = &router.model.tokenizer;
-            let mut choices: Vec<Choice> = (0..reply.choices).map(Choice::new).collect();
+            let mut choices: Vec<Choice> = (0..reply.choices).map(|i| Choice::new(i, reply.tools)).collect();
             if reply.kind == Kind::Chat {
                 for c in &choices {
                     let delta = ChatDelta { role: Some("assistant"), content: Some(String::new()), ..Default::default() };
@@ -641,18 +744,22 @@ impl App {
                             }
                             Kind::Chat => {
                                 let logprobs = ChatLogprobs::of(tok, std::slice::from_ref(&t));
-                                let delta = ChatDelta { content: (!t.text.is_empty()).then_some(t.text), ..Default::default() };
+                                let (content, tool_calls) = c.read(&t.text, false);
+                                if content.is_empty() && tool_calls.is_empty() && logprobs.is_none() {
+                                    continue; // held back by the tool-call parser
+                                }
+                                let delta = ChatDelta { content: (!content.is_empty()).then_some(content), tool_calls, ..Default::default() };
                                 reply.chunk(ChatChunkChoice { index: c.index, delta, logprobs, finish_reason: None })
                             }
                         });
                     }
                     Ok(Event::Finished(f)) => {
-                        let reason = Some(ApiFinishReason::from(f.reason));
                         yield sse(match reply.kind {
-                            Kind::Completion => reply.chunk(CompletionChoice { index: c.index, text: f.text.clone(), logprobs: None, finish_reason: reason }),
+                            Kind::Completion => reply.chunk(CompletionChoice { index: c.index, text: f.text.clone(), logprobs: None, finish_reason: Some(f.reason.into()) }),
                             Kind::Chat => {
-                                let delta = ChatDelta { content: (!f.text.is_empty()).then(|| f.text.clone()), ..Default::default() };
-                                reply.chunk(ChatChunkChoice { index: c.index, delta, logprobs: None, finish_reason: reason })
+                                let (content, tool_calls) = c.read(&f.text, true);
+                                let delta = ChatDelta { content: (!content.is_empty()).then_some(content), tool_calls, ..Default::default() };
+                                reply.chunk(ChatChunkChoice { index: c.index, delta, logprobs: None, finish_reason: Some(c.finish_reason(f.reason)) })
                             }
                         });
                         c.finished = Some(f);
@@ -680,7 +787,7 @@ impl App {
     }
 
     async fn collect(&self, reply: Reply, mut events: ChoiceEvents, mut log: AccessLog) -> Response {
-        let mut choices: Vec<Choice> = (0..reply.choices).map(Choice::new).collect();
+        let mut choices: Vec<Choice> = (0..reply.choices).map(|i| Choice::new(i, reply.tools)).collect();
         let mut open = reply.choices;
         while open > 0 {
             let Some((i, event)) = events.next().await else { break };
@@ -712,7 +819,7 @@ impl App {
         let usage = Usage::of(choices.iter().filter_map(|c| c.finished.as_ref()));
         log.finish(200, Some((usage, &choices[0].finished)));
         let tok = &self.router.model.tokenizer;
-        let reason = |c: &Choice| c.finished.as_ref().map_or(ApiFinishReason::Stop, |f| f.reason.into());
+        let reason = |c: &Choice| c.finished.as_ref().map_or(ApiFinishReason::Stop, |f| c.finish_reason(f.reason));
         let body = match reply.kind {
             Kind::Completion => json_value(&reply.envelope(
                 "text_completion",
@@ -731,11 +838,18 @@ impl App {
                 "chat.completion",
                 choices
                     .iter_mut()
-                    .map(|c| ChatChoice {
-                        index: c.index,
-                        logprobs: ChatLogprobs::of(tok, &c.tokens),
-                        finish_reason: reason(c),
-                        message: ChatMessageOut { role: "assistant", content: Some(std::mem::take(&mut c.text)), tool_calls: vec![] },
+                    .map(|c| {
+                        let text = std::mem::take(&mut c.text);
+                        let (content, _) = c.read(&text, true);
+                        let tool_calls = std::mem::take(&mut c.calls);
+                        // OpenAI: null content for a reply that is only calls.
+                        let content = (!(content.is_empty() && !tool_calls.is_empty())).then_some(content);
+                        ChatChoice {
+                            index: c.index,
+                            logprobs: ChatLogprobs::of(tok, &c.tokens),
+                            finish_reason: reason(c),
+                            message: ChatMessageOut { role: "assistant", content, tool_calls },
+                        }
                     })
                     .collect(),
                 UsageField::Present(usage),
@@ -807,14 +921,14 @@ mod tests {
     }
 
     #[test]
-    fn tools_and_response_formats_are_refused() {
+    fn deprecated_function_calling_and_forced_calls_without_tools_are_refused() {
         let req = |v: Value| serde_json::from_value::<ApiRequest>(v).unwrap();
-        let fine = [json!({}), json!({"tools": null}), json!({"tools": []}), json!({"tool_choice": "none"}), json!({"response_format": {"type": "text"}})];
+        let tool = json!({"type": "function", "function": {"name": "f"}});
+        let fine = [json!({}), json!({"tools": null}), json!({"tools": []}), json!({"tool_choice": "none"}), json!({"tools": [tool], "tool_choice": "required"})];
         for body in fine {
             assert!(req(body.clone()).unsupported().is_ok(), "{body}");
         }
         let refused = [
-            (json!({"tools": [{"type": "function", "function": {"name": "f"}}]}), "tools"),
             (json!({"tool_choice": "required"}), "tool_choice"),
             (json!({"tool_choice": {"type": "function", "function": {"name": "f"}}}), "tool_choice"),
             (json!({"functions": [{"name": "f"}]}), "functions"),
