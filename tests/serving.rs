@@ -83,7 +83,9 @@ fn decode_path_prefill_path_and_cli_agree() {
             assert!(prefill_path.metric(&decode, name, labels).await.is_some_and(|v| v > 0.0), "decode worker lacks {name}{{{labels}}}");
         }
         let prefill = prefill_path.prefill_metrics_url();
-        assert!(prefill_path.metric(&prefill, "duplex_prefill_tokens_total", "worker=\"prefill\"").await.is_some_and(|v| v >= 600.0));
+        // Tokens computed: the second request of the same prompt finds all
+        // but its last block in the prefix cache.
+        assert!(prefill_path.metric(&prefill, "duplex_prefill_tokens_total", "worker=\"prefill\"").await.is_some_and(|v| v >= 300.0));
         assert!(prefill_path.metric(&prefill, "duplex_prefill_tokens_per_second_count", "").await.is_some_and(|v| v >= 2.0));
         assert_eq!(prefill_path.metric(&prefill, "duplex_prefill_slp_streamed_bytes_total", "").await, None, "no accelerator, no SLP");
 
@@ -100,8 +102,11 @@ fn decode_path_prefill_path_and_cli_agree() {
         let overlap = slp_path.metric(&slp, "duplex_prefill_slp_overlap_efficiency", "").await.unwrap_or(0.0);
         println!("SLP: ring {ring:?} slots, {streamed} bytes streamed, {stalls:?} prefills stalled {stall:.4} s in all, overlap efficiency {overlap:.2}");
         assert_eq!(ring, Some(16.0));
-        assert!(streamed >= 2.0 * 8e6, "{streamed} bytes streamed");
-        assert_eq!(stalls, Some(2.0));
+        // One stream-loading prefill: the second request of the prompt finds
+        // all but its last block in the prefix cache, and its short rest
+        // runs on the CPU.
+        assert!(streamed >= 8e6, "{streamed} bytes streamed");
+        assert_eq!(stalls, Some(1.0));
         assert!(stall >= 0.0 && overlap > 0.0);
         assert!(slp_path.log().contains("stream-loading prefill on emulated accelerator"), "{}", slp_path.log());
     });
@@ -219,7 +224,7 @@ fn overload_and_bad_input_are_refused_clearly() {
             ("malformed JSON", http.post(&completions).header("content-type", "application/json").body("{\"prompt\": "), 400),
             ("temperature", http.post(&completions).json(&serde_json::json!({"prompt": "hi", "temperature": 500})), 400),
             ("unknown model", http.post(&completions).json(&serde_json::json!({"prompt": "hi", "model": "gpt-9"})), 404),
-            ("n = 2", http.post(&completions).json(&serde_json::json!({"prompt": "hi", "n": 2})), 400),
+            ("n = 200", http.post(&completions).json(&serde_json::json!({"prompt": "hi", "n": 200})), 400),
             ("too long", http.post(&completions).json(&serde_json::json!({"prompt": prompt(1500)})), 400),
         ];
         for (what, request, code) in cases {

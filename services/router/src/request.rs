@@ -125,7 +125,8 @@ impl GenerationRequest {
     /// The sampling settings in the worker protocol's terms.
     pub fn worker_sampling(&self) -> worker::Sampling {
         let top_logprobs = (self.top_logprobs > 0).then_some(self.top_logprobs as usize);
-        worker::Sampling::from(&SamplingParams { seed: Some(self.seed), logprobs: top_logprobs, ..self.sampling.clone() })
+        let sampling = worker::Sampling::from(&SamplingParams { seed: Some(self.seed), logprobs: top_logprobs, ..self.sampling.clone() });
+        worker::Sampling { constraint: self.constraint.as_ref().map(worker::Constraint::from), ..sampling }
     }
 }
 

@@ -318,3 +318,13 @@ async fn worker_side_ids_are_not_the_public_ids() {
         assert!(!d.request_id.contains(suffix) && !suffix.contains(&d.request_id), "worker id {} vs public {public}", d.request_id);
     }
 }
+
+#[tokio::test]
+async fn constraints_reach_the_worker() {
+    let router = start(MockConfig::default(), |_| {}).await;
+    let schema = json!({"type": "object", "properties": {"a": {"type": "integer"}}});
+    let body = json!({"prompt": "x", "max_tokens": 1, "response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": schema}}});
+    assert_eq!(router.post("/v1/completions", body).await.status(), 200);
+    let constraint = router.mock.record().decodes[0].sampling.as_ref().unwrap().constraint.clone().expect("the worker gets the constraint");
+    assert_eq!(duplex_grammar::ConstraintSpec::try_from(&constraint).unwrap(), duplex_grammar::ConstraintSpec::JsonSchema(schema));
+}
