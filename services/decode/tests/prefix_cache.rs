@@ -128,7 +128,7 @@ impl Workers {
         let (reply, answer) = oneshot::channel();
         let job_lease = Lease { pool_epoch: lease.pool_epoch, blocks: lease.blocks.clone(), cached_tokens: lease.cached_tokens };
         let job = Job { request_id: id.into(), prompt: prompt.to_vec(), sampling: greedy(), lease: job_lease, max_tokens, stop_token_ids: Default::default(), constraint: None, reply, arrived: Instant::now() };
-        self.prefill.send(PrefillCommand::Prefill(job)).unwrap();
+        self.prefill.send(PrefillCommand::Prefill(Box::new(job))).unwrap();
         let first_token = answer.blocking_recv().unwrap().unwrap().token;
         let mut out = vec![first_token.id];
         let (a, events) = admission(id, prompt, max_tokens, Some(Prefilled { lease: lease.clone(), first_token }));
@@ -275,7 +275,7 @@ fn a_restarted_pool_starts_empty_and_refuses_old_leases() {
     let (reply, answer) = oneshot::channel();
     let old_lease = Lease { pool_epoch: old.pool_epoch, blocks: old.blocks.clone(), cached_tokens: old.cached_tokens };
     let job = Job { request_id: "old".into(), prompt: prompt.clone(), sampling: greedy(), lease: old_lease, max_tokens: 8, stop_token_ids: Default::default(), constraint: None, reply, arrived: Instant::now() };
-    after.prefill.send(PrefillCommand::Prefill(job)).unwrap();
+    after.prefill.send(PrefillCommand::Prefill(Box::new(job))).unwrap();
     assert!(matches!(answer.blocking_recv().unwrap().unwrap_err(), duplex_prefill::engine::PrefillError::StaleLease(_)));
     let first_token = duplex_model::sampling::SampledToken { id: 7, logprob: 0.0, top_logprobs: vec![] };
     let (a, events) = admission("old", &prompt, 8, Some(Prefilled { lease: old, first_token }));

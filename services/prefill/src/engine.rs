@@ -86,7 +86,7 @@ pub enum PrefillError {
 }
 
 pub enum Command {
-    Prefill(Job),
+    Prefill(Box<Job>),
     Cancel { request_id: String, reply: oneshot::Sender<bool> },
 }
 
@@ -305,7 +305,7 @@ impl Inbox {
 
     fn handle(&mut self, command: Command) {
         match command {
-            Command::Prefill(job) => self.queue.push_back(job),
+            Command::Prefill(job) => self.queue.push_back(*job),
             Command::Cancel { request_id, reply } => {
                 if let Some(current) = self.current.as_mut().filter(|c| c.request_id == request_id) {
                     current.cancelled = true;

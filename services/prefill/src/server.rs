@@ -92,7 +92,7 @@ impl PrefillWorker for PrefillService {
             let lease = Lease { pool_epoch: lease.pool_epoch, blocks: lease.blocks, cached_tokens: lease.cached_tokens };
             let job = |reply| {
                 let stop_token_ids = r.stop_token_ids.into_iter().collect();
-                Command::Prefill(Job { request_id: r.request_id, prompt: r.prompt, sampling, lease, constraint, max_tokens: r.max_tokens as usize, stop_token_ids, reply, arrived })
+                Command::Prefill(Box::new(Job { request_id: r.request_id, prompt: r.prompt, sampling, lease, constraint, max_tokens: r.max_tokens as usize, stop_token_ids, reply, arrived }))
             };
             let first = self.ask(job).await?.map_err(status)?;
             Ok(Response::new(response(first)))

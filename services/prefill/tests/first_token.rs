@@ -41,7 +41,7 @@ fn prefill(commands: &Sender<Command>, epoch: u64, max_tokens: usize, stop: &[u3
         reply,
         arrived: Instant::now(),
     };
-    commands.send(Command::Prefill(job)).unwrap();
+    commands.send(Command::Prefill(Box::new(job))).unwrap();
     answer.blocking_recv().expect("the engine answers")
 }
 

@@ -843,7 +843,7 @@ impl App {
                         let (content, _) = c.read(&text, true);
                         let tool_calls = std::mem::take(&mut c.calls);
                         // OpenAI: null content for a reply that is only calls.
-                        let content = (!(content.is_empty() && !tool_calls.is_empty())).then_some(content);
+                        let content = (!content.is_empty() || tool_calls.is_empty()).then_some(content);
                         ChatChoice {
                             index: c.index,
                             logprobs: ChatLogprobs::of(tok, &c.tokens),
