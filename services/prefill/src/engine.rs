@@ -41,8 +41,7 @@ pub struct Job {
     pub max_tokens: usize,
     pub stop_token_ids: HashSet<u32>,
     /// Structured output, compiled: the first token must keep to it.
-    /// Boxed, so that a `Command` stays small.
-    pub constraint: Option<Box<duplex_grammar::Matcher>>,
+    pub constraint: Option<duplex_grammar::Matcher>,
     pub reply: oneshot::Sender<Result<FirstToken, PrefillError>>,
     pub arrived: Instant,
 }

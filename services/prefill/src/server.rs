@@ -85,7 +85,7 @@ impl PrefillWorker for PrefillService {
                 Some(c) => {
                     let spec = ConstraintSpec::try_from(c).map_err(Status::invalid_argument)?;
                     let grammar = self.grammar.as_ref().ok_or_else(|| Status::invalid_argument("this prefill worker has no tokenizer, so it cannot constrain output"))?;
-                    Some(Box::new(grammar.compile(&spec).map_err(|e| Status::invalid_argument(e.to_string()))?))
+                    Some(grammar.compile(&spec).map_err(|e| Status::invalid_argument(e.to_string()))?)
                 }
             };
             let lease = r.lease.ok_or_else(|| Status::invalid_argument("lease is missing"))?;

@@ -40,12 +40,12 @@ impl AccessLog {
     /// Logs the end of the request: `status` as its front door names it (an
     /// HTTP status, a gRPC code), the usage and the first choice's timings
     /// when it generated.
-    pub fn finish(&mut self, status: impl std::fmt::Display, generated: Option<(Usage, &Option<Finished>)>) {
+    pub fn finish(&mut self, status: impl std::fmt::Display, generated: Option<(Usage, Option<&Finished>)>) {
         if std::mem::replace(&mut self.done, true) {
             return;
         }
         let (usage, ttft) = match generated {
-            Some((usage, finished)) => (usage, finished.as_ref().map(|f| f.timings.time_to_first_token.as_secs_f64() * 1e3)),
+            Some((usage, finished)) => (usage, finished.map(|f| f.timings.time_to_first_token.as_secs_f64() * 1e3)),
             None => (Usage::default(), None),
         };
         tracing::info!(

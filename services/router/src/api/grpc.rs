@@ -63,7 +63,7 @@ impl Generation for GrpcApi {
                 match event {
                     Ok(Event::Finished(f)) => {
                         let usage = Usage::of([&f]);
-                        log.finish(tonic::Code::Ok, Some((usage, &Some(f.clone()))));
+                        log.finish(tonic::Code::Ok, Some((usage, Some(&f))));
                         yield Ok(response(Event::Finished(f)));
                     }
                     Ok(event) => yield Ok(response(event)),

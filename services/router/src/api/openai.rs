@@ -769,7 +769,7 @@ impl App {
                             if reply.include_usage {
                                 yield sse(reply.usage_chunk(usage));
                             }
-                            log.finish(200, Some((usage, &choices[0].finished)));
+                            log.finish(200, Some((usage, choices[0].finished.as_ref())));
                             break;
                         }
                     }
@@ -817,7 +817,7 @@ impl App {
             return e.into_response();
         }
         let usage = Usage::of(choices.iter().filter_map(|c| c.finished.as_ref()));
-        log.finish(200, Some((usage, &choices[0].finished)));
+        log.finish(200, Some((usage, choices[0].finished.as_ref())));
         let tok = &self.router.model.tokenizer;
         let reason = |c: &Choice| c.finished.as_ref().map_or(ApiFinishReason::Stop, |f| c.finish_reason(f.reason));
         let body = match reply.kind {
