@@ -7,6 +7,7 @@
 //! with stream-loading prefill ([`slp`]), the rest on the CPU engine.
 
 pub mod config;
+pub mod dslp;
 pub mod engine;
 pub mod server;
 pub mod slp;

@@ -179,6 +179,18 @@ pub trait Backend {
     fn routed_sum(&mut self, _out: Matrix, _deferred: bool, _scratch: &ExpertScratch) -> Result<(), ForwardError> {
         Err(ForwardError::BadModule("this backend hands the router's choices back; it runs no experts itself".into()))
     }
+    /// Expert parallelism (SmallEP): gather every rank's expert input (this
+    /// rank's is `x`) into `x_all`, rank by rank, with the router's choices
+    /// for those rows (this rank's are `chosen`); returns the choices of all rows.
+    fn gather_expert_input(&mut self, _x: Matrix, _x_all: Matrix, _chosen: Vec<Vec<(usize, f32)>>) -> Result<Vec<Vec<(usize, f32)>>, ForwardError> {
+        Err(ForwardError::BadModule("this backend runs every expert of a layer itself; it has no peers to share them with".into()))
+    }
+    /// Expert parallelism: add into `out` (this rank's rows) the partial sums
+    /// that every rank's experts made for them (this rank's, over all rows,
+    /// are `out_all`).
+    fn reduce_expert_output(&mut self, _out_all: Matrix, _out: Matrix) -> Result<(), ForwardError> {
+        Err(ForwardError::BadModule("this backend runs every expert of a layer itself; it has no peers to share them with".into()))
+    }
     /// `dst = src` (same shape).
     fn copy(&mut self, src: Matrix, dst: Matrix) -> Result<(), ForwardError>;
     /// Run experts on rows of `x`, adding their scaled outputs into `out`

@@ -134,6 +134,10 @@ struct Workspace {
     router: Matrix,
     route_ids: DevicePtr,
     route_weights: Matrix,
+    /// Expert parallelism: the routed experts' input and this rank's
+    /// partial sums over every rank's rows.
+    x_all: Matrix,
+    out_all: Matrix,
     experts: ExpertScratch,
     final_x: Matrix,
     logits: Matrix,
@@ -159,12 +163,17 @@ pub struct PassShape {
     pub expanded: usize,
     /// Heads expanded at a time.
     pub heads_per_step: usize,
+    /// Rows of every rank together, whose routed experts this pass runs
+    /// (expert parallelism; 0: none).
+    pub ep_rows: usize,
 }
 
 /// Lay out the workspace with `carve(rows, cols)` (in F32 units; u32
 /// buffers count as F32).
 fn layout(cfg: &ModelConfig, s: PassShape, carve: &mut dyn FnMut(usize, usize) -> Result<Matrix, ForwardError>) -> Result<Workspace, ForwardError> {
     let n = s.n;
+    // Routed experts run on every rank's rows under expert parallelism.
+    let expert_rows = n.max(s.ep_rows);
     let (d, heads) = (cfg.hidden_size, cfg.num_attention_heads);
     let inter = cfg.intermediate_size.max(cfg.moe_intermediate_size * cfg.n_shared_experts.max(1));
     let k = cfg.num_experts_per_tok.max(1);
@@ -197,13 +206,15 @@ fn layout(cfg: &ModelConfig, s: PassShape, carve: &mut dyn FnMut(usize, usize) -
         attn: next((n, heads * cfg.v_head_dim()))?,
         out: next((n, d))?,
         router: next(some(n, cfg.n_routed_experts))?,
+        x_all: next(some(s.ep_rows, d))?,
+        out_all: next(some(s.ep_rows, d))?,
         experts: ExpertScratch {
-            rows: next((n * k, 1))?.buf,
-            scales: next((n * k, 1))?.buf,
-            xe: next((n, d))?,
-            gate: next((n, inter))?,
-            up: next((n, inter))?,
-            ye: next((n, d))?,
+            rows: next((expert_rows * k, 1))?.buf,
+            scales: next((expert_rows * k, 1))?.buf,
+            xe: next((expert_rows, d))?,
+            gate: next((expert_rows, inter))?,
+            up: next((expert_rows, inter))?,
+            ye: next((expert_rows, d))?,
         },
         final_x: next((s.r, d))?,
         logits: next((s.r, cfg.vocab_size))?,
@@ -234,6 +245,17 @@ pub fn heads_per_step(cfg: &ModelConfig, ctx: usize, kv_bytes: usize) -> usize {
     (fit / step * step).clamp(step, heads)
 }
 
+/// One rank's share of a pass split over devices with expert parallelism
+/// (SmallEP): its rows are some of the prompt's tokens, and it runs the
+/// routed experts `experts` on the rows of every rank (`rows_all` of them,
+/// rank by rank), gathered by the backend after the router and reduced back
+/// by it after the layer's last expert.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ExpertShard {
+    pub experts: std::ops::Range<usize>,
+    pub rows_all: usize,
+}
+
 /// One pass of a batch of sequences through the model's modules.
 pub struct Pass<'m, B: Backend> {
     model: &'m Model,
@@ -244,6 +266,8 @@ pub struct Pass<'m, B: Backend> {
     rows: usize,
     heads_per_step: usize,
     ws: Workspace,
+    /// Expert parallelism: this rank's share of the routed experts.
+    shard: Option<ExpertShard>,
     /// The current MoE layer's routing, when the backend hands it back.
     routing: Assignment,
     /// Whether the backend runs the current layer's routed experts itself
@@ -262,7 +286,7 @@ impl<'m, B: Backend> Pass<'m, B> {
     /// Prepare a pass over `seqs`' new tokens: check them, reserve their
     /// cache blocks, and lay out and fill the workspace. `kv_bytes` bounds
     /// the expanded keys and values of MLA attention.
-    pub fn new(model: &'m Model, mut backend: B, pool: &mut KvPool, seqs: &mut [SeqInput], precision: Precision, want: Logits, kv_bytes: usize) -> Result<Self, ForwardError> {
+    pub fn new(model: &'m Model, backend: B, pool: &mut KvPool, seqs: &mut [SeqInput], precision: Precision, want: Logits, kv_bytes: usize) -> Result<Self, ForwardError> {
         let cfg = &model.cfg;
         for seq in seqs.iter() {
             Self::check_tokens(cfg, seq.tokens)?;
@@ -271,11 +295,40 @@ impl<'m, B: Backend> Pass<'m, B> {
         for seq in seqs.iter_mut() {
             pool.reserve(seq.table, seq.table.len + seq.tokens.len())?;
         }
-        let mut segments = Vec::with_capacity(seqs.len());
+        let parts: Vec<(&BlockTable, usize, &[u32])> = seqs.iter().map(|s| (&*s.table, s.table.len, s.tokens)).collect();
+        Self::build(model, backend, &parts, shape, None, precision, want)
+    }
+
+    /// Prepare one rank's share of a pass split over devices: `chunks`
+    /// (start position, tokens) of the sequence of `table`, whose blocks
+    /// already hold every position; with `shard`, its share of the routed
+    /// experts. The pass writes no table lengths: the caller owns the split.
+    #[allow(clippy::too_many_arguments)]
+    pub fn ranked(model: &'m Model, backend: B, table: &BlockTable, chunks: &[(usize, &[u32])], shard: Option<ExpertShard>, precision: Precision, want: Logits, kv_bytes: usize) -> Result<Self, ForwardError> {
+        let cfg = &model.cfg;
+        for &(_, tokens) in chunks {
+            Self::check_tokens(cfg, tokens)?;
+        }
+        let shape = Self::ranked_shape(cfg, chunks.iter().map(|&(start, t)| (start, t.len())), shard.as_ref(), want, kv_bytes)?;
+        let parts: Vec<(&BlockTable, usize, &[u32])> = chunks.iter().map(|&(start, t)| (table, start, t)).collect();
+        Self::build(model, backend, &parts, shape, shard, precision, want)
+    }
+
+    /// The shape of one rank's pass (see [`Pass::ranked`]).
+    pub fn ranked_shape(cfg: &ModelConfig, chunks: impl Iterator<Item = (usize, usize)>, shard: Option<&ExpertShard>, want: Logits, kv_bytes: usize) -> Result<PassShape, ForwardError> {
+        let mut shape = Self::shape(cfg, chunks, want, kv_bytes)?;
+        shape.ep_rows = shard.map_or(0, |s| s.rows_all);
+        Ok(shape)
+    }
+
+    /// Lay out the workspace for segments `(table, start, tokens)` and fill it.
+    fn build(model: &'m Model, mut backend: B, parts: &[(&BlockTable, usize, &[u32])], shape: PassShape, shard: Option<ExpertShard>, precision: Precision, want: Logits) -> Result<Self, ForwardError> {
+        let cfg = &model.cfg;
+        let mut segments = Vec::with_capacity(parts.len());
         let mut rows = 0;
-        for seq in seqs.iter() {
-            segments.push(Segment { table: seq.table.clone(), start: seq.table.len, n: seq.tokens.len(), row: rows });
-            rows += seq.tokens.len();
+        for &(table, start, tokens) in parts {
+            segments.push(Segment { table: table.clone(), start, n: tokens.len(), row: rows });
+            rows += tokens.len();
         }
         let base = backend.workspace(workspace_bytes(cfg, shape))?;
         let mut offset = 0;
@@ -284,7 +337,7 @@ impl<'m, B: Backend> Pass<'m, B> {
             offset += align(rows * cols * 4);
             Ok(m)
         })?;
-        let tokens: Vec<u32> = seqs.iter().flat_map(|s| s.tokens.iter().copied()).collect();
+        let tokens: Vec<u32> = parts.iter().flat_map(|p| p.2.iter().copied()).collect();
         let half = cfg.rope_dim() / 2;
         let (mut cos, mut sin) = (vec![0.0; rows * half], vec![0.0; rows * half]);
         for seg in &segments {
@@ -305,6 +358,7 @@ impl<'m, B: Backend> Pass<'m, B> {
             rows,
             heads_per_step: shape.heads_per_step,
             ws,
+            shard,
             routing: Assignment::default(),
             submitted: None,
             defer: 0,
@@ -338,7 +392,7 @@ impl<'m, B: Backend> Pass<'m, B> {
             expanded = 0;
         }
         let r = if want == Logits::All { n } else { count };
-        Ok(PassShape { n, r, context, expanded, heads_per_step: heads_per_step(cfg, expanded, kv_bytes) })
+        Ok(PassShape { n, r, context, expanded, heads_per_step: heads_per_step(cfg, expanded, kv_bytes), ep_rows: 0 })
     }
 
     fn cfg(&self) -> &'m ModelConfig {
@@ -426,11 +480,15 @@ impl<'m, B: Backend> Pass<'m, B> {
                 let bias = if cfg.use_correction_bias { Some(w.get("e_score_correction_bias")?) } else { None };
                 let k = cfg.num_experts_per_tok;
                 let last_moe = (layer + 1..cfg.num_hidden_layers).all(|l| !cfg.is_moe_layer(l));
-                let defer = if last_moe { 0 } else { self.defer.min(k.saturating_sub(1)) };
+                let defer = if last_moe || self.shard.is_some() { 0 } else { self.defer.min(k.saturating_sub(1)) };
                 let call = RouteCall { layer, logits, bias, params: &self.model.router, precision: p, ids: ws.route_ids, weights: ws.route_weights.rows(0..n).reshape(n, k), input: x, hidden: h, defer };
                 match self.backend.route(call)? {
-                    Routes::Chosen(chosen) => {
+                    Routes::Chosen(mut chosen) => {
                         self.submitted = None;
+                        if self.shard.is_some() {
+                            chosen = self.backend.gather_expert_input(x, ws.x_all, chosen)?;
+                            self.backend.zero(ws.out_all)?;
+                        }
                         self.routing.assign(&chosen, e, defer)?;
                         if self.routing.deferred.iter().any(|d| !d.is_empty()) {
                             self.backend.copy(x, ws.x_deferred.rows(0..n))?;
@@ -493,8 +551,14 @@ impl<'m, B: Backend> Pass<'m, B> {
         if !cfg.is_moe_layer(layer) || !routed {
             return Err(ForwardError::BadModule(format!("experts of layer {layer} before its router")));
         }
-        let last = experts.iter().any(|&(e, _)| e + 1 == cfg.n_routed_experts);
+        let end = self.shard.as_ref().map_or(cfg.n_routed_experts, |s| s.experts.end);
+        let last = experts.iter().any(|&(e, _)| e + 1 == end);
         let (n, ws) = (self.rows, &self.ws);
+        // Under expert parallelism the experts read every rank's rows.
+        let (x, out) = match &self.shard {
+            Some(_) => (ws.x_all, ws.out_all),
+            None => (ws.x.rows(0..n), ws.out.rows(0..n)),
+        };
         if self.submitted.is_some() {
             // The backend runs them all: their sum is there once the layer's last is asked for.
             if last {
@@ -503,10 +567,13 @@ impl<'m, B: Backend> Pass<'m, B> {
         } else {
             let jobs = self.routing.jobs(experts, false)?;
             if !jobs.is_empty() {
-                self.backend.experts(ws.x.rows(0..n), &jobs, ws.out.rows(0..n), self.precision, &ws.experts)?;
+                self.backend.experts(x, &jobs, out, self.precision, &ws.experts)?;
             }
         }
         if last {
+            if self.shard.is_some() {
+                self.backend.reduce_expert_output(ws.out_all, ws.out.rows(0..n))?;
+            }
             self.finish_ffn()?;
         }
         Ok(())

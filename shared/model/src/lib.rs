@@ -21,6 +21,7 @@ pub mod hybrid;
 pub mod kv_cache;
 pub mod model;
 pub mod moe;
+pub mod ranked;
 pub mod rope;
 pub mod source;
 pub mod staged;

@@ -136,7 +136,7 @@ pub struct SlpEngine {
     compute: StreamId,
     budget: Option<DenseBudget>,
     config: SlpConfig,
-    experts_per_layer: usize,
+    moe_layers: usize,
     expert_bytes: usize,
 }
 
@@ -169,17 +169,32 @@ impl SlpEngine {
         let compute = device.create_stream(StreamKind::Compute)?;
         let budget = DenseBudget::new(&*device, config.dense_budget_bytes).map_err(|e| SlpError::Config(format!("the dense budget of {} bytes does not fit {}: {e}", config.dense_budget_bytes, device.describe())))?;
         let expert_bytes = modules.iter().filter(|m| m.is_expert()).map(|m| m.device_bytes()).max().unwrap_or(0);
-        Ok(SlpEngine { device, modules, copy, compute, budget: Some(budget), config, experts_per_layer: model.cfg.n_routed_experts, expert_bytes })
+        let moe_layers = (0..model.cfg.num_hidden_layers).filter(|&l| model.cfg.is_moe_layer(l)).count();
+        Ok(SlpEngine { device, modules, copy, compute, budget: Some(budget), config, moe_layers, expert_bytes })
+    }
+
+    pub fn device(&self) -> &Arc<dyn Device> {
+        &self.device
+    }
+
+    pub fn config(&self) -> &SlpConfig {
+        &self.config
+    }
+
+    /// The stream this engine's passes compute on.
+    pub fn compute_stream(&self) -> StreamId {
+        self.compute
     }
 
     pub fn describe(&self) -> String {
         self.device.describe()
     }
 
-    /// The ring length for a prompt of `tokens`: one layer's experts below
-    /// the turning point, two beyond it, or the configured override.
-    pub fn ring_slots_for(&self, tokens: usize) -> usize {
-        self.config.ring_slots.unwrap_or(if tokens >= self.config.turning_point_tokens { 2 } else { self.experts_per_layer.max(2) })
+    /// The ring length for a prompt of `tokens` that runs `experts_per_layer`
+    /// routed experts of each MoE layer: one layer's experts below the
+    /// turning point, two beyond it, or the configured override.
+    pub fn ring_slots_for(&self, tokens: usize, experts_per_layer: usize) -> usize {
+        self.config.ring_slots.unwrap_or(if tokens >= self.config.turning_point_tokens { 2 } else { experts_per_layer.max(2) })
     }
 
     /// Prefill `tokens` into `table`'s blocks of `pool` on the device and
@@ -195,20 +210,55 @@ impl SlpEngine {
         want: Logits,
         should_stop: &mut dyn FnMut() -> bool,
     ) -> Result<(Vec<f32>, SlpReport), SlpError> {
+        let (dev, kv_bytes) = (&*self.device, self.config.attention_kv_bytes);
+        let start_len = table.len;
+        let bytes = workspace_bytes(model, table.len, tokens.len(), want, kv_bytes)?;
+        let (compute, seq) = (self.compute, &mut *table);
+        let result = self.stream(
+            tokens.len(),
+            bytes,
+            should_stop,
+            move |workspace| Ok((StagedPass::new(model, dev, compute, pool, seq, tokens, precision, want, workspace, kv_bytes)?, pool, seq)),
+            |(pass, pool, _), kind, w| pass.run(kind, w, pool),
+            |(pass, _, seq)| Ok(pass.finish(seq)?),
+            &|_| true,
+        );
+        if result.is_err() {
+            table.len = start_len;
+        }
+        result
+    }
+
+    /// Run a prompt of `tokens` tokens through the modules that `runs`
+    /// accepts as their weights stream in: `start` makes the pass in a
+    /// workspace of `workspace_bytes`, `run` runs one module on it, and
+    /// `finish` takes its results before the device memory is given back.
+    #[allow(clippy::too_many_arguments)]
+    pub fn stream<P, T>(
+        &self,
+        tokens: usize,
+        workspace_bytes: usize,
+        should_stop: &mut dyn FnMut() -> bool,
+        start: impl FnOnce(DevicePtr) -> Result<P, SlpError>,
+        mut run: impl FnMut(&mut P, ModuleKind, &Weights<DeviceWeight>) -> Result<(), StagedError>,
+        finish: impl FnOnce(P) -> Result<T, SlpError>,
+        runs: &dyn Fn(ModuleKind) -> bool,
+    ) -> Result<(T, SlpReport), SlpError> {
         let dev = &*self.device;
-        let workspace = dev.alloc(workspace_bytes(model, table.len, tokens.len(), want, self.config.attention_kv_bytes)?).map_err(|e| SlpError::Config(format!("the activations of a {}-token prompt do not fit the device: {e}", tokens.len())))?;
-        let ring = match self.ring(tokens.len()) {
+        let modules: Vec<&StagedModule> = self.modules.iter().filter(|m| runs(m.kind)).collect();
+        let experts_per_layer = modules.iter().filter(|m| m.is_expert()).count() / self.moe_layers.max(1);
+        let workspace = dev.alloc(workspace_bytes).map_err(|e| SlpError::Config(format!("the activations of a {tokens}-token prompt do not fit the device: {e}")))?;
+        let ring = match self.ring(tokens, experts_per_layer) {
             Ok(ring) => ring,
             Err(e) => {
                 dev.free(workspace)?;
                 return Err(e);
             }
         };
-        let start_len = table.len;
-        let result = (|| -> Result<(Vec<f32>, SlpReport), SlpError> {
-            let mut pass = StagedPass::new(model, dev, self.compute, pool, table, tokens, precision, want, workspace, self.config.attention_kv_bytes)?;
-            let report = self.pipeline(&mut pass, ring.as_ref(), pool, should_stop)?;
-            Ok((pass.finish(table)?, report))
+        let result = (|| -> Result<(T, SlpReport), SlpError> {
+            let mut pass = start(workspace)?;
+            let report = self.pipeline(&modules, &mut |kind, w| run(&mut pass, kind, w), ring.as_ref(), should_stop)?;
+            Ok((finish(pass)?, report))
         })();
         // Whatever happened, nothing may still touch the ring or the budget.
         let idle = [self.copy, self.compute].map(|s| dev.record(s).and_then(|e| dev.synchronize(&e)));
@@ -219,9 +269,6 @@ impl SlpEngine {
         if let Some(budget) = &self.budget {
             budget.reset();
         }
-        if result.is_err() {
-            table.len = start_len;
-        }
         let result = result?;
         idle.into_iter().collect::<Result<Vec<()>, _>>()?;
         Ok(result)
@@ -229,12 +276,12 @@ impl SlpEngine {
 
     /// The experts ring for a prompt of `tokens`, as long as asked for or,
     /// when device memory is short, as long as fits (at least 2 slots).
-    fn ring(&self, tokens: usize) -> Result<Option<ExpertRing>, SlpError> {
+    fn ring(&self, tokens: usize, experts_per_layer: usize) -> Result<Option<ExpertRing>, SlpError> {
         if self.expert_bytes == 0 {
             return Ok(None);
         }
         let dev = &*self.device;
-        let wanted = self.ring_slots_for(tokens);
+        let wanted = self.ring_slots_for(tokens, experts_per_layer);
         match ExpertRing::new(dev, wanted, self.expert_bytes) {
             Ok(r) => Ok(Some(r)),
             Err(DeviceError::OutOfMemory { largest, .. }) if wanted > 2 => {
@@ -246,10 +293,10 @@ impl SlpEngine {
         }
     }
 
-    fn pipeline(&self, pass: &mut StagedPass, ring: Option<&ExpertRing>, pool: &mut KvPool, should_stop: &mut dyn FnMut() -> bool) -> Result<SlpReport, SlpError> {
+    fn pipeline(&self, modules: &[&StagedModule], run: &mut dyn FnMut(ModuleKind, &Weights<DeviceWeight>) -> Result<(), StagedError>, ring: Option<&ExpertRing>, should_stop: &mut dyn FnMut() -> bool) -> Result<SlpReport, SlpError> {
         let dev = &*self.device;
         let budget = self.budget.as_ref().expect("the budget lives as long as the engine");
-        let n = self.modules.len();
+        let n = modules.len();
         let on: Vec<Signal<Loaded>> = (0..n).map(|_| Signal::new()).collect();
         let off: Vec<Signal<Ran>> = (0..n).map(|_| Signal::new()).collect();
         let audit = Arc::new(Audit::new(n));
@@ -267,8 +314,7 @@ impl SlpEngine {
         };
         // Expert module k of the prompt takes ring slot k % len.
         let mut experts = 0;
-        let expert_seq: Vec<Option<usize>> = self
-            .modules
+        let expert_seq: Vec<Option<usize>> = modules
             .iter()
             .map(|m| {
                 let k = experts;
@@ -282,7 +328,7 @@ impl SlpEngine {
         std::thread::scope(|scope| {
             let loader = scope.spawn(|| {
                 let mut j = jitter(1);
-                for (i, m) in self.modules.iter().enumerate() {
+                for (i, m) in modules.iter().enumerate() {
                     pause(&mut j);
                     let (place, memory) = match (expert_seq[i], ring) {
                         (Some(k), Some(ring)) => match ring.acquire(k, i, &abort) {
@@ -331,7 +377,7 @@ impl SlpEngine {
             });
 
             let mut j = jitter(2);
-            for (i, m) in self.modules.iter().enumerate() {
+            for (i, m) in modules.iter().enumerate() {
                 pause(&mut j);
                 if abort.raised() {
                     break;
@@ -346,7 +392,7 @@ impl SlpEngine {
                     let a = audit.clone();
                     dev.host_fn(self.compute, Box::new(move || a.step(i, Some(Phase::Loaded), Phase::InUse)))?;
                     let start = dev.record(self.compute)?;
-                    pass.run(m.kind, &loaded.weights, pool)?;
+                    run(m.kind, &loaded.weights)?;
                     let a = audit.clone();
                     dev.host_fn(self.compute, Box::new(move || a.step(i, Some(Phase::InUse), Phase::Used)))?;
                     Ok(Ran { start, done: dev.record(self.compute)? })
@@ -369,18 +415,18 @@ impl SlpEngine {
         if let Some(v) = audit.violations().first() {
             return Err(SlpError::Audit(v.clone()));
         }
-        self.report(ring, &on, &off, &epoch)
+        self.report(modules, ring, &on, &off, &epoch)
     }
 
     /// Per-layer times from the events of a completed prompt.
-    fn report(&self, ring: Option<&ExpertRing>, on: &[Signal<Loaded>], off: &[Signal<Ran>], epoch: &Event) -> Result<SlpReport, SlpError> {
+    fn report(&self, modules: &[&StagedModule], ring: Option<&ExpertRing>, on: &[Signal<Loaded>], off: &[Signal<Ran>], epoch: &Event) -> Result<SlpReport, SlpError> {
         let dev = &*self.device;
         let mut report = SlpReport { ring_slots: ring.map_or(0, |r| r.len()), ring_bytes: ring.map_or(0, |r| r.bytes()), ..Default::default() };
         let mut previous_done = epoch.clone();
         let mut layer_end = epoch.clone();
         let mut current = LayerTiming::default();
         let mut current_layer = None;
-        for (i, m) in self.modules.iter().enumerate() {
+        for (i, m) in modules.iter().enumerate() {
             let (Some(loaded), Some(ran)) = (on[i].get(), off[i].get()) else { continue };
             let layer = match m.kind {
                 ModuleKind::Attention { layer } | ModuleKind::Ffn { layer } | ModuleKind::Expert { layer, .. } => Some(layer),
