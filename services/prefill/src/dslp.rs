@@ -105,7 +105,9 @@ impl DslpEngine {
                 Ok(done) => Some(done),
                 Err(e) => {
                     let mut cause = cause.lock().unwrap_or_else(|e| e.into_inner());
-                    if !exchange.aborted() || matches!(e, SlpError::Cancelled) {
+                    // Ranks stopped by another's failure say only that (or
+                    // that they were cancelled): the first failure is the cause.
+                    if !exchange.aborted() {
                         exchange.abort(&e.to_string());
                         *cause = Some(e);
                     }
