@@ -107,6 +107,9 @@ impl SlpReport {
     }
 }
 
+/// Runs one module of a pass whose weights are on the device.
+type RunModule<'a> = dyn FnMut(ModuleKind, &Weights<DeviceWeight>) -> Result<(), StagedError> + 'a;
+
 /// Where a loaded module's weights are.
 #[derive(Clone, Copy, Debug)]
 enum Place {
@@ -293,7 +296,7 @@ impl SlpEngine {
         }
     }
 
-    fn pipeline(&self, modules: &[&StagedModule], run: &mut dyn FnMut(ModuleKind, &Weights<DeviceWeight>) -> Result<(), StagedError>, ring: Option<&ExpertRing>, should_stop: &mut dyn FnMut() -> bool) -> Result<SlpReport, SlpError> {
+    fn pipeline(&self, modules: &[&StagedModule], run: &mut RunModule, ring: Option<&ExpertRing>, should_stop: &mut dyn FnMut() -> bool) -> Result<SlpReport, SlpError> {
         let dev = &*self.device;
         let budget = self.budget.as_ref().expect("the budget lives as long as the engine");
         let n = modules.len();
