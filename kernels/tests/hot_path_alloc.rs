@@ -51,13 +51,21 @@ fn serial() -> std::sync::MutexGuard<'static, ()> {
     SERIAL.lock().unwrap_or_else(|e| e.into_inner())
 }
 
-/// Allocations made by every thread while `f` runs.
-fn allocations(f: impl FnOnce()) -> usize {
-    ALLOCATIONS.store(0, Ordering::Relaxed);
-    COUNTING.store(true, Ordering::Relaxed);
-    f();
-    COUNTING.store(false, Ordering::Relaxed);
-    ALLOCATIONS.load(Ordering::Relaxed)
+/// Allocations made by every thread while `f` runs, the fewest of three
+/// runs: a thread outside the test (the harness reporting the previous
+/// test's result) can only add to a count, while a call that allocates does
+/// so every time.
+fn allocations(mut f: impl FnMut()) -> usize {
+    (0..3)
+        .map(|_| {
+            ALLOCATIONS.store(0, Ordering::Relaxed);
+            COUNTING.store(true, Ordering::Relaxed);
+            f();
+            COUNTING.store(false, Ordering::Relaxed);
+            ALLOCATIONS.load(Ordering::Relaxed)
+        })
+        .min()
+        .unwrap_or(0)
 }
 
 #[test]
