@@ -86,7 +86,7 @@ fn short_prompts_chunk_on_decode_long_ones_take_dslp_when_decode_is_idle_and_slp
 
         // Each decision is logged with its reason.
         let log = server.log();
-        for (route, reason) in [("decode_chunked", "below prefill_threshold_tokens (64)"), ("dslp", "no request has decoded for"), ("slp", "1 requests are decoding")] {
+        for (route, reason) in [("decode_chunked", "below prefill_threshold_tokens (64)"), ("dslp", "no request has decoded for"), ("slp", "a request is decoding")] {
             assert!(log.lines().any(|l| l.contains("prefill route") && l.contains(&format!("route=\"{route}\"")) && l.contains(reason)), "no {route} decision saying {reason:?} in:\n{log}");
         }
     });

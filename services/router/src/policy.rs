@@ -94,6 +94,7 @@ impl fmt::Display for Reason {
         match *self {
             Reason::Short { tokens, max } => write!(f, "{tokens} prompt tokens, below prefill_threshold_tokens ({max})"),
             Reason::NoDslp => write!(f, "the prefill worker has no two-device prefill"),
+            Reason::Decoding(1) => write!(f, "a request is decoding"),
             Reason::Decoding(n) => write!(f, "{n} requests are decoding"),
             Reason::RecentDecode { ago, window } => write!(f, "a request decoded {:.1} s ago, within dslp_idle_window_seconds ({})", ago.as_secs_f64(), window.as_secs_f64()),
             Reason::DecodeIdle { ago: Some(ago), window } => write!(f, "no request has decoded for {:.1} s (dslp_idle_window_seconds is {})", ago.as_secs_f64(), window.as_secs_f64()),
@@ -236,6 +237,7 @@ mod tests {
     fn reasons_say_why() {
         let text = |r: Reason| r.to_string();
         assert_eq!(text(Reason::Short { tokens: 12, max: 64 }), "12 prompt tokens, below prefill_threshold_tokens (64)");
+        assert_eq!(text(Reason::Decoding(1)), "a request is decoding");
         assert_eq!(text(Reason::Decoding(2)), "2 requests are decoding");
         assert_eq!(text(Reason::RecentDecode { ago: Duration::from_millis(1500), window: WINDOW }), "a request decoded 1.5 s ago, within dslp_idle_window_seconds (300)");
         assert_eq!(text(Reason::DecodeIdle { ago: Some(Duration::from_secs(400)), window: WINDOW }), "no request has decoded for 400.0 s (dslp_idle_window_seconds is 300)");
