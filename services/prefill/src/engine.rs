@@ -162,7 +162,7 @@ pub struct Slp {
 
 /// The accelerators stream-loading prefill runs on.
 pub enum SlpDevices {
-    One(SlpEngine),
+    One(Box<SlpEngine>),
     /// Two or more: two-device prefill over all of them, and single-device
     /// prefill on the first (no second engine on that device).
     Ranks(DslpEngine),

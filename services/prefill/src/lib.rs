@@ -84,13 +84,13 @@ fn start_engine(cfg: &PrefillConfig) -> anyhow::Result<(Engine, Arc<StatsCell>)>
                 tracing::info!("device auto: {}", model.device_refusal().unwrap_or_default());
                 None
             }
-            Some(device) => Some(SlpDevices::One(SlpEngine::new(&model, device, slp_config)?)),
+            Some(device) => Some(SlpDevices::One(Box::new(SlpEngine::new(&model, device, slp_config)?))),
             None => None,
         }
     } else {
         let mut opened = cfg.device_list()?.into_iter().map(|d| open_named_device(cfg, d)).collect::<anyhow::Result<Vec<_>>>()?;
         Some(match opened.len() {
-            1 => SlpDevices::One(SlpEngine::new(&model, opened.remove(0), slp_config)?),
+            1 => SlpDevices::One(Box::new(SlpEngine::new(&model, opened.remove(0), slp_config)?)),
             _ => SlpDevices::Ranks(DslpEngine::new(&model, opened, slp_config)?),
         })
     };
