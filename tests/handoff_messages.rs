@@ -2,7 +2,7 @@
 //! cross the worker protocol grow only by the prompt's token ids and one
 //! block number per block, however long the prompt.
 
-use duplex_proto::worker::{AllocateKvRequest, DecodeRequest, KvLease, PrefillRequest, Prefilled, SampledToken, Sampling};
+use duplex_proto::worker::{AllocateKvRequest, DecodeRequest, KvLease, PrefillRequest, PrefillRoute, Prefilled, SampledToken, Sampling};
 use prost::Message;
 
 fn messages(prompt_len: usize) -> (usize, usize, usize, usize) {
@@ -11,7 +11,7 @@ fn messages(prompt_len: usize) -> (usize, usize, usize, usize) {
     let lease = KvLease { pool_epoch: u64::MAX, request_id: "req-0123456789".into(), blocks, cached_tokens: 0 };
     let sampling = Sampling { temperature: 0.7, top_k: 40, top_p: 0.9, seed: 42, ..Sampling::default() };
     let allocate = AllocateKvRequest { request_id: "req-0123456789".into(), tokens: prompt_len as u32, max_tokens: 64, prompt: prompt.clone() };
-    let prefill = PrefillRequest { request_id: "req-0123456789".into(), prompt: prompt.clone(), sampling: Some(sampling.clone()), lease: Some(lease.clone()), max_tokens: 64, stop_token_ids: vec![1] };
+    let prefill = PrefillRequest { request_id: "req-0123456789".into(), prompt: prompt.clone(), sampling: Some(sampling.clone()), lease: Some(lease.clone()), max_tokens: 64, stop_token_ids: vec![1], route: PrefillRoute::Dslp as i32 };
     let first_token = SampledToken { id: 7, logprob: -0.5, top_logprobs: vec![], ..Default::default() };
     let admit = DecodeRequest {
         request_id: "req-0123456789".into(),

@@ -18,6 +18,9 @@ pub struct StatsCell {
     /// Set when the engine thread has ended (it panicked, or was shut
     /// down): the process still answers, but can serve nothing.
     pub engine_stopped: AtomicBool,
+    /// Devices of two-device prefill (`WorkerStats.dslp_devices`); set once
+    /// at start, 0 for none.
+    pub dslp_devices: AtomicU32,
     context_length: u32,
     weights_fingerprint: String,
 }
@@ -46,6 +49,7 @@ impl StatsCell {
             context_length: self.context_length,
             weights_fingerprint: self.weights_fingerprint.clone(),
             progress: self.progress.load(Relaxed),
+            dslp_devices: self.dslp_devices.load(Relaxed),
         }
     }
 }

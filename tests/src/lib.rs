@@ -51,11 +51,27 @@ pub struct Options {
     pub decode_device: &'static str,
     /// Routed experts the decode device's expert cache holds (0: none).
     pub expert_cache_experts: usize,
+    /// With `slp_threshold_tokens`: this many emulated devices for the
+    /// prefill worker (`[prefill] devices`), two or more for two-device
+    /// prefill; 0 keeps the one `device`.
+    pub prefill_devices: usize,
+    /// The router's `dslp_idle_window_seconds`.
+    pub dslp_idle_window_seconds: f64,
 }
 
 impl Default for Options {
     fn default() -> Self {
-        Options { prefill_threshold_tokens: 2048, max_pending_requests: 64, dtype: "bf16", slp_threshold_tokens: None, model: None, decode_device: "cpu", expert_cache_experts: 0 }
+        Options {
+            prefill_threshold_tokens: 2048,
+            max_pending_requests: 64,
+            dtype: "bf16",
+            slp_threshold_tokens: None,
+            model: None,
+            decode_device: "cpu",
+            expert_cache_experts: 0,
+            prefill_devices: 0,
+            dslp_idle_window_seconds: 300.0,
+        }
     }
 }
 
@@ -79,11 +95,12 @@ impl Server {
         let instance = format!("duplex-test-{}-{}", std::process::id(), COUNTER.fetch_add(1, Ordering::SeqCst));
         let [http, grpc, decode, prefill, decode_metrics, prefill_metrics] = free_ports();
         let config = format!(
-            "[router]\nhttp_port = {http}\ngrpc_port = {grpc}\nprefill_threshold_tokens = {}\nmax_pending_requests = {}\n\n\
+            "[router]\nhttp_port = {http}\ngrpc_port = {grpc}\nprefill_threshold_tokens = {}\nmax_pending_requests = {}\ndslp_idle_window_seconds = {}\n\n\
              [decode]\nport = {decode}\nmetrics_port = {decode_metrics}\nthreads = 1\ndtype = \"{dtype}\"\ndevice = \"{decode_device}\"\ndevice_memory_mib = 256\ndevice_threads = 1\nexpert_cache_experts = {expert_cache}\nexpert_prefetch = \"{prefetch}\"\n\n\
              [prefill]\nport = {prefill}\nmetrics_port = {prefill_metrics}\nthreads = 1\ndtype = \"{dtype}\"\n",
             options.prefill_threshold_tokens,
             options.max_pending_requests,
+            options.dslp_idle_window_seconds,
             dtype = options.dtype,
             decode_device = options.decode_device,
             expert_cache = options.expert_cache_experts,
@@ -91,7 +108,10 @@ impl Server {
             prefetch = if options.expert_cache_experts > 0 { "impact" } else { "none" }
         );
         let slp = match options.slp_threshold_tokens {
-            Some(n) => format!("device = \"emulated\"\nslp_threshold_tokens = {n}\ndevice_memory_mib = 64\ndense_budget_mib = 4\n"),
+            Some(n) => {
+                let devices = vec!["\"emulated\""; options.prefill_devices].join(", ");
+                format!("device = \"emulated\"\ndevices = [{devices}]\nslp_threshold_tokens = {n}\ndevice_memory_mib = 64\ndense_budget_mib = 4\n")
+            }
             None => "device = \"cpu\"\n".into(),
         };
         let config = config + &slp;

@@ -129,12 +129,12 @@ fn default_core_sets(allowed: &[usize], prefill_accelerator: bool) -> CoreSets {
     CoreSets { decode: decode.to_vec(), prefill: prefill.to_vec() }
 }
 
-/// Whether the prefill worker runs on an accelerator, for the core split.
-/// `auto` counts as the CPU: knowing whether CUDA is there would mean
+/// Whether the prefill worker runs on an accelerator (`devices`, or a
+/// `device` named), for the core split. `auto` counts as the CPU: knowing whether CUDA is there would mean
 /// opening it in the supervisor, and the smaller prefill set would starve a
 /// CPU prefill, while the larger one only costs decode a few cores.
 fn prefill_has_accelerator(prefill: &duplex_prefill::PrefillConfig) -> bool {
-    matches!(prefill.device.as_str(), "cuda" | "emulated")
+    !prefill.devices.is_empty() || matches!(prefill.device.as_str(), "cuda" | "emulated")
 }
 
 /// `--cores` for the decode and prefill workers: the default split when
@@ -626,6 +626,8 @@ mod tests {
         let with = |device: &str| prefill_has_accelerator(&duplex_prefill::PrefillConfig { device: device.into(), ..Default::default() });
         assert!(with("cuda") && with("emulated"));
         assert!(!with("cpu") && !with("auto"));
+        let devices = duplex_prefill::PrefillConfig { devices: vec!["emulated".into(), "emulated".into()], ..Default::default() };
+        assert!(prefill_has_accelerator(&devices));
     }
 
     #[test]

@@ -46,6 +46,11 @@ pub struct PrefillConfig {
     /// on the CPU engine), or `auto` (`cuda` when built in and a GPU is
     /// present, else `cpu`).
     pub device: String,
+    /// Accelerators for stream-loading prefill, each `emulated` or `cuda:N`;
+    /// two or more also run two-device prefill (DSLP) on all of them, when
+    /// the router routes a prompt there. When set, `device` and
+    /// `cuda_device` are not used. Empty: `device` alone.
+    pub devices: Vec<String>,
     /// Prompts of at least this many tokens use stream-loading prefill;
     /// shorter ones the CPU engine, which has the lower TTFT there.
     pub slp_threshold_tokens: usize,
@@ -75,6 +80,14 @@ pub enum DeviceKind {
     Cpu,
 }
 
+/// One entry of `devices`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum NamedDevice {
+    Emulated,
+    /// A CUDA device by ordinal.
+    Cuda(usize),
+}
+
 impl PrefillConfig {
     /// `cores` parsed; empty when not set.
     pub fn core_list(&self) -> anyhow::Result<Vec<usize>> {
@@ -99,6 +112,29 @@ impl PrefillConfig {
             other => anyhow::bail!("device: unknown device {other:?}; expected auto, cuda, emulated or cpu"),
         }
     }
+
+    /// `devices` parsed; empty when not set.
+    pub fn device_list(&self) -> anyhow::Result<Vec<NamedDevice>> {
+        let mut list = Vec::with_capacity(self.devices.len());
+        for entry in &self.devices {
+            let device = match entry.trim() {
+                "emulated" => NamedDevice::Emulated,
+                other => match other.strip_prefix("cuda:").map(str::parse::<usize>) {
+                    Some(Ok(ordinal)) => NamedDevice::Cuda(ordinal),
+                    _ => anyhow::bail!("devices: unknown device {entry:?}; expected emulated or cuda:N (N the CUDA device's ordinal)"),
+                },
+            };
+            // Two ranks on one GPU would share its memory and its copy
+            // engine: slower than one, never what was meant.
+            if let NamedDevice::Cuda(n) = device {
+                if list.contains(&device) {
+                    anyhow::bail!("devices: cuda:{n} is listed twice");
+                }
+            }
+            list.push(device);
+        }
+        Ok(list)
+    }
 }
 
 impl Default for PrefillConfig {
@@ -117,6 +153,7 @@ impl Default for PrefillConfig {
             numa_nodes: 1,
             cores: String::new(),
             device: "auto".into(),
+            devices: Vec::new(),
             slp_threshold_tokens: 4096,
             device_memory_mib: 0,
             cuda_device: 0,
@@ -176,6 +213,9 @@ pub struct PrefillArgs {
     /// Accelerator for stream-loading prefill: auto, cuda, emulated or cpu [default: auto].
     #[arg(long)]
     pub device: Option<String>,
+    /// Accelerators for stream-loading prefill, comma-separated (emulated, cuda:N); two or more also run two-device prefill; replaces --device [default: none].
+    #[arg(long, value_delimiter = ',')]
+    pub devices: Option<Vec<String>>,
     /// Prompt tokens from which stream-loading prefill is used [default: 4096].
     #[arg(long)]
     pub slp_threshold_tokens: Option<usize>,
@@ -219,6 +259,7 @@ impl PrefillArgs {
         }
         check("dtype", c.precision().map(drop))?;
         check("device", c.device_kind().map(drop))?;
+        check("devices", c.device_list().map(drop))?;
         check("cores", c.core_list().map(drop))?;
         if c.ring_slots == 1 {
             return Err(layers.invalid("ring_slots", "must be 0 (adaptive) or at least 2").into());
@@ -284,6 +325,23 @@ mod tests {
         assert_eq!(err, "invalid prefill setting `chunk_tokens` (from flag --chunk-tokens): must be at least 1");
         let err = resolve_env("", &[("DUPLEX_PREFILL_SLP_THRESHOLD", "4")], &[]).unwrap_err();
         assert!(err.contains("DUPLEX_PREFILL_SLP_THRESHOLD") && err.contains("unknown field"), "{err}");
+    }
+
+    #[test]
+    fn devices_from_every_source_and_checked() {
+        assert_eq!(resolve_env("", &[], &[]).unwrap().device_list().unwrap(), []);
+        let c = resolve_env("[prefill]\ndevices = [\"emulated\", \"emulated\"]\n", &[], &[]).unwrap();
+        assert_eq!(c.device_list().unwrap(), [NamedDevice::Emulated, NamedDevice::Emulated]);
+        let c = resolve_env("", &[("DUPLEX_PREFILL_DEVICES", "cuda:0,cuda:1")], &[]).unwrap();
+        assert_eq!(c.device_list().unwrap(), [NamedDevice::Cuda(0), NamedDevice::Cuda(1)]);
+        let c = resolve_env("[prefill]\ndevices = [\"cuda:3\"]\n", &[("DUPLEX_PREFILL_DEVICES", "cuda:0,cuda:1")], &["--devices", "emulated,cuda:2"]).unwrap();
+        assert_eq!(c.device_list().unwrap(), [NamedDevice::Emulated, NamedDevice::Cuda(2)]);
+        let err = resolve_env("", &[], &["--devices", "emulated,gpu"]).unwrap_err();
+        assert!(err.contains("devices: unknown device \"gpu\"") && err.contains("flag --devices"), "{err}");
+        let err = resolve_env("[prefill]\ndevices = [\"cuda:x\"]\n", &[], &[]).unwrap_err();
+        assert!(err.contains("\"cuda:x\"") && err.contains("duplex.toml"), "{err}");
+        let err = resolve_env("", &[("DUPLEX_PREFILL_DEVICES", "cuda:1,cuda:1")], &[]).unwrap_err();
+        assert!(err.contains("cuda:1 is listed twice") && err.contains("DUPLEX_PREFILL_DEVICES"), "{err}");
     }
 
     #[test]

@@ -1,9 +1,12 @@
 //! The prefill engine: one thread owns the model and runs prompts one at a
 //! time, first come first served, into KV blocks lent by the decode worker.
-//! Prompts whose uncached part (after the lease's cached prefix) is at or
-//! above the SLP threshold run on the accelerator with
-//! stream-loading prefill ([`crate::slp`]); shorter ones, or all of them
-//! when there is no accelerator, on the CPU engine in chunks.
+//! A prompt the router routed to two-device prefill runs on every device
+//! ([`crate::dslp`]) where this worker has several and its uncached part
+//! (after the lease's cached prefix) can be split over them. Otherwise,
+//! prompts whose uncached part is at or above the SLP threshold run on the
+//! (first) accelerator with stream-loading prefill ([`crate::slp`]);
+//! shorter ones, or all of them when there is no accelerator, on the CPU
+//! engine in chunks.
 //!
 //! Between chunks (or SLP modules) of a prompt it takes the commands that
 //! have arrived (cancellation, new jobs to queue), and it drops a job whose
@@ -16,6 +19,7 @@
 
 use duplex_ipc::KvSegment;
 use duplex_model::sampling::{SampledToken, Sampler, SamplingParams};
+use crate::dslp::{DslpEngine, DslpReport};
 use crate::slp::{SlpEngine, SlpError, SlpReport};
 use duplex_model::{BlockTable, KvPool, Logits, Model, Precision};
 use duplex_proto::stats::StatsCell;
@@ -44,6 +48,8 @@ pub struct Job {
     pub constraint: Option<duplex_grammar::Matcher>,
     pub reply: oneshot::Sender<Result<FirstToken, PrefillError>>,
     pub arrived: Instant,
+    /// The router routed the prompt to two-device prefill.
+    pub dslp_routed: bool,
 }
 
 /// The KV blocks the decode worker lent for the prompt, in the pool of
@@ -150,8 +156,69 @@ impl KvSource {
 
 /// Stream-loading prefill and the prompt length from which it is used.
 pub struct Slp {
-    pub engine: SlpEngine,
+    pub devices: SlpDevices,
     pub threshold_tokens: usize,
+}
+
+/// The accelerators stream-loading prefill runs on.
+pub enum SlpDevices {
+    One(Box<SlpEngine>),
+    /// Two or more: two-device prefill over all of them, and single-device
+    /// prefill on the first (no second engine on that device).
+    Ranks(DslpEngine),
+}
+
+impl Slp {
+    /// The engine of single-device stream-loading prefill.
+    fn single(&self) -> &SlpEngine {
+        match &self.devices {
+            SlpDevices::One(engine) => engine,
+            SlpDevices::Ranks(dslp) => dslp.single(),
+        }
+    }
+
+    fn dslp(&self) -> Option<&DslpEngine> {
+        match &self.devices {
+            SlpDevices::One(_) => None,
+            SlpDevices::Ranks(dslp) => Some(dslp),
+        }
+    }
+}
+
+/// Which engine computes a prompt.
+#[derive(Clone, Copy)]
+enum Compute<'a> {
+    Cpu,
+    Slp(&'a SlpEngine),
+    Dslp(&'a DslpEngine),
+}
+
+impl Compute<'_> {
+    fn as_str(self) -> &'static str {
+        match self {
+            Compute::Cpu => "the CPU engine",
+            Compute::Slp(_) => "stream-loading prefill",
+            Compute::Dslp(_) => "two-device prefill",
+        }
+    }
+}
+
+/// Where a prompt of `new_tokens` uncached tokens runs, and why when a
+/// route to two-device prefill cannot be followed.
+fn compute_for(slp: Option<&Slp>, dslp_routed: bool, new_tokens: usize) -> (Compute<'_>, Option<String>) {
+    let fallback = match slp {
+        Some(s) if new_tokens >= s.threshold_tokens => Compute::Slp(s.single()),
+        _ => Compute::Cpu,
+    };
+    if !dslp_routed {
+        return (fallback, None);
+    }
+    let why = match slp.and_then(Slp::dslp) {
+        Some(dslp) if dslp.accepts(new_tokens) => return (Compute::Dslp(dslp), None),
+        Some(dslp) => format!("its {new_tokens} uncached tokens cannot be split over {} devices", dslp.ranks()),
+        None => "this worker has no two-device prefill".to_string(),
+    };
+    (fallback, Some(why))
 }
 
 pub struct Engine {
@@ -240,18 +307,30 @@ impl Engine {
         }
         let todo = &job.prompt[cached..];
         let inbox = &mut self.inbox;
-        let logits = match self.slp.as_ref().filter(|s| todo.len() >= s.threshold_tokens) {
-            Some(slp) => {
+        let (compute, fallback) = compute_for(self.slp.as_ref(), job.dslp_routed, todo.len());
+        match fallback {
+            Some(why) => tracing::info!("routed to two-device prefill, but {why}: running {}", compute.as_str()),
+            None => tracing::debug!("running {} on {} uncached tokens", compute.as_str(), todo.len()),
+        }
+        let slp_failed = |what: &str, e: SlpError| match e {
+            SlpError::Cancelled => PrefillError::Cancelled,
+            SlpError::Staged(e) if e.is_bad_input() => PrefillError::InvalidArgument(e.to_string()),
+            e => PrefillError::Internal(format!("{what} failed: {e}")),
+        };
+        let logits = match compute {
+            Compute::Dslp(dslp) => {
                 let mut stop = || inbox.stop(job, commands);
-                let (logits, report) = slp.engine.run(&self.model, pool, &mut table, todo, self.precision, Logits::Last, &mut stop).map_err(|e| match e {
-                    SlpError::Cancelled => PrefillError::Cancelled,
-                    SlpError::Staged(e) if e.is_bad_input() => PrefillError::InvalidArgument(e.to_string()),
-                    e => PrefillError::Internal(format!("stream-loading prefill failed: {e}")),
-                })?;
+                let (logits, report) = dslp.run(&self.model, pool, &mut table, todo, self.precision, Logits::Last, &mut stop).map_err(|e| slp_failed("two-device prefill", e))?;
+                record_dslp(&report);
+                logits
+            }
+            Compute::Slp(engine) => {
+                let mut stop = || inbox.stop(job, commands);
+                let (logits, report) = engine.run(&self.model, pool, &mut table, todo, self.precision, Logits::Last, &mut stop).map_err(|e| slp_failed("stream-loading prefill", e))?;
                 record_slp(&report);
                 logits
             }
-            None => {
+            Compute::Cpu => {
                 let mut logits = vec![];
                 for chunk in todo.chunks(self.chunk_tokens) {
                     if inbox.stop(job, commands) {
@@ -317,6 +396,21 @@ impl Inbox {
             }
         }
     }
+}
+
+/// Export what one two-device prefill did: the weights every device
+/// streamed, and what the devices exchanged.
+fn record_dslp(report: &DslpReport) {
+    let streamed: u64 = report.ranks.iter().map(|r| r.bytes_streamed).sum();
+    metrics::counter!(names::PREFILL_SLP_STREAMED_BYTES).increment(streamed);
+    let (kv, gather, all_to_all, standard_ep) = report.bytes();
+    let stalls: Vec<String> = report.ranks.iter().map(|r| format!("{:.3}", r.stall.as_secs_f64())).collect();
+    tracing::info!(
+        "two-device prefill on {} devices: {streamed} bytes streamed in all, compute stalled {} s, exchanged {kv} bytes of KV and {} bytes for SmallEP (all-gather {gather}, all-to-all {all_to_all}; standard expert parallelism would move {standard_ep})",
+        report.ranks.len(),
+        stalls.join(" / "),
+        gather + all_to_all
+    );
 }
 
 /// Export what one stream-loading prefill did.

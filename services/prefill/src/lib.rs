@@ -13,10 +13,11 @@ pub mod server;
 pub mod slp;
 
 pub use config::PrefillConfig;
-use config::DeviceKind;
+use config::{DeviceKind, NamedDevice};
 use duplex_kernels::device::emulated::{EmulatedConfig, EmulatedDevice};
 use duplex_kernels::device::Device;
-use engine::Slp;
+use dslp::DslpEngine;
+use engine::{Slp, SlpDevices};
 use slp::{SlpConfig, SlpEngine};
 use duplex_proto::worker::prefill_worker_server::PrefillWorkerServer;
 use engine::{Engine, KvSource};
@@ -73,22 +74,41 @@ fn start_engine(cfg: &PrefillConfig) -> anyhow::Result<(Engine, Arc<StatsCell>)>
     duplex_telemetry::report_weight_pages(store.huge_pages().map(|m| (store.describe_pages(&m), m.huge)).map_err(|e| e.to_string()));
     let kv = KvSource::new(cfg.shm_dir.clone(), duplex_ipc::kv_segment_name(&cfg.instance));
     let stats = Arc::new(StatsCell::new(model.cfg.max_position_embeddings, store.fingerprint().to_string()));
-    // "auto" finds no device for a model no device can run; a device asked
-    // for by name is refused (by SlpEngine::new) with the reason.
-    let device = match open_device(cfg)? {
-        Some(_) if cfg.device_kind()? == DeviceKind::Auto && model.device_refusal().is_some() => {
-            tracing::info!("device auto: {}", model.device_refusal().unwrap_or_default());
-            None
+    let ring_slots = (cfg.ring_slots != 0).then_some(cfg.ring_slots);
+    let slp_config = SlpConfig { ring_slots, turning_point_tokens: cfg.ring_turning_point_tokens, dense_budget_bytes: cfg.dense_budget_mib << 20, ..SlpConfig::default() };
+    let devices = if cfg.devices.is_empty() {
+        // "auto" finds no device for a model no device can run; a device
+        // asked for by name is refused (by SlpEngine::new) with the reason.
+        match open_device(cfg)? {
+            Some(_) if cfg.device_kind()? == DeviceKind::Auto && model.device_refusal().is_some() => {
+                tracing::info!("device auto: {}", model.device_refusal().unwrap_or_default());
+                None
+            }
+            Some(device) => Some(SlpDevices::One(Box::new(SlpEngine::new(&model, device, slp_config)?))),
+            None => None,
         }
-        device => device,
+    } else {
+        let mut opened = cfg.device_list()?.into_iter().map(|d| open_named_device(cfg, d)).collect::<anyhow::Result<Vec<_>>>()?;
+        Some(match opened.len() {
+            1 => SlpDevices::One(Box::new(SlpEngine::new(&model, opened.remove(0), slp_config)?)),
+            _ => SlpDevices::Ranks(DslpEngine::new(&model, opened, slp_config)?),
+        })
     };
-    let slp = match device {
-        Some(device) => {
-            let ring_slots = (cfg.ring_slots != 0).then_some(cfg.ring_slots);
-            let config = SlpConfig { ring_slots, turning_point_tokens: cfg.ring_turning_point_tokens, dense_budget_bytes: cfg.dense_budget_mib << 20, ..SlpConfig::default() };
-            let engine = SlpEngine::new(&model, device, config)?;
+    let slp = match devices {
+        Some(SlpDevices::One(engine)) => {
             tracing::info!("stream-loading prefill on {} for prompts of {} tokens or more", engine.describe(), cfg.slp_threshold_tokens);
-            Some(Slp { engine, threshold_tokens: cfg.slp_threshold_tokens })
+            Some(Slp { devices: SlpDevices::One(engine), threshold_tokens: cfg.slp_threshold_tokens })
+        }
+        Some(SlpDevices::Ranks(dslp)) => {
+            tracing::info!(
+                "two-device prefill (DSLP) on {} devices ({}) for prompts the router routes there; stream-loading prefill on the first, {}, for prompts of {} tokens or more",
+                dslp.ranks(),
+                dslp.describe(),
+                dslp.single().describe(),
+                cfg.slp_threshold_tokens
+            );
+            StatsCell::set(&stats.dslp_devices, dslp.ranks());
+            Some(Slp { devices: SlpDevices::Ranks(dslp), threshold_tokens: cfg.slp_threshold_tokens })
         }
         None => {
             tracing::info!("no accelerator: every prompt runs on the CPU engine");
@@ -98,16 +118,26 @@ fn start_engine(cfg: &PrefillConfig) -> anyhow::Result<(Engine, Arc<StatsCell>)>
     Ok((Engine::new(model, kv, cfg.chunk_tokens, cfg.precision()?, slp, stats.clone()), stats))
 }
 
+/// One entry of `devices`, opened.
+fn open_named_device(cfg: &PrefillConfig, device: NamedDevice) -> anyhow::Result<Arc<dyn Device>> {
+    Ok(match device {
+        NamedDevice::Emulated => emulated_device(cfg)?,
+        NamedDevice::Cuda(ordinal) => duplex_kernels::device::open_cuda(ordinal, cfg.device_memory_mib).map_err(|e| anyhow::anyhow!("devices: cuda:{ordinal}: {e}"))?,
+    })
+}
+
+fn emulated_device(cfg: &PrefillConfig) -> anyhow::Result<Arc<dyn Device>> {
+    let memory_mib = if cfg.device_memory_mib == 0 { 4096 } else { cfg.device_memory_mib };
+    let rate = (cfg.emulated_h2d_gb_per_s > 0.0).then_some(cfg.emulated_h2d_gb_per_s * 1e9);
+    let config = EmulatedConfig { memory_bytes: memory_mib << 20, h2d_bytes_per_second: rate, compute_threads: cfg.threads, jitter: None };
+    Ok(EmulatedDevice::new(config)?)
+}
+
 /// The accelerator `cfg` asks for, or none for the CPU engine alone.
 fn open_device(cfg: &PrefillConfig) -> anyhow::Result<Option<Arc<dyn Device>>> {
-    let memory = |default_mib: usize| (if cfg.device_memory_mib == 0 { default_mib } else { cfg.device_memory_mib }) << 20;
     Ok(match cfg.device_kind()? {
         DeviceKind::Cpu => None,
-        DeviceKind::Emulated => {
-            let rate = (cfg.emulated_h2d_gb_per_s > 0.0).then_some(cfg.emulated_h2d_gb_per_s * 1e9);
-            let config = EmulatedConfig { memory_bytes: memory(4096), h2d_bytes_per_second: rate, compute_threads: cfg.threads, jitter: None };
-            Some(EmulatedDevice::new(config)?)
-        }
+        DeviceKind::Emulated => Some(emulated_device(cfg)?),
         DeviceKind::Cuda => Some(open_cuda(cfg)?),
         DeviceKind::Auto => match open_cuda(cfg) {
             Ok(device) => Some(device),

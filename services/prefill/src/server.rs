@@ -5,7 +5,7 @@
 use crate::engine::{Command, FirstToken, Job, Lease, PrefillError};
 use duplex_grammar::{ConstraintSpec, GrammarCompiler};
 use duplex_proto::worker::prefill_worker_server::PrefillWorker;
-use duplex_proto::worker::{CancelRequest, CancelResponse, PrefillRequest, PrefillResponse, SampledToken, StatsRequest, WorkerStats};
+use duplex_proto::worker::{CancelRequest, CancelResponse, PrefillRequest, PrefillResponse, PrefillRoute, SampledToken, StatsRequest, WorkerStats};
 use duplex_proto::stats::StatsCell;
 use std::sync::mpsc::Sender;
 use std::sync::Arc;
@@ -66,7 +66,7 @@ impl PrefillWorker for PrefillService {
     async fn prefill(&self, request: Request<PrefillRequest>) -> Result<Response<PrefillResponse>, Status> {
         let arrived = Instant::now();
         let r = request.into_inner();
-        let span = tracing::info_span!("prefill", request_id = %r.request_id, prompt_tokens = r.prompt.len());
+        let span = tracing::info_span!("prefill", request_id = %r.request_id, prompt_tokens = r.prompt.len(), route = r.route().as_str_name());
         async move {
             if r.request_id.is_empty() {
                 return Err(Status::invalid_argument("request_id is empty"));
@@ -77,6 +77,7 @@ impl PrefillWorker for PrefillService {
             if r.max_tokens == 0 {
                 return Err(Status::invalid_argument("max_tokens must be at least 1"));
             }
+            let route = PrefillRoute::try_from(r.route).map_err(|_| Status::invalid_argument(format!("unknown prefill route {}", r.route)))?;
             let wire_sampling = r.sampling.as_ref().ok_or_else(|| Status::invalid_argument("sampling is missing"))?;
             let sampling = wire_sampling.into();
             // Compiled here, off the engine thread.
@@ -92,7 +93,7 @@ impl PrefillWorker for PrefillService {
             let lease = Lease { pool_epoch: lease.pool_epoch, blocks: lease.blocks, cached_tokens: lease.cached_tokens };
             let job = |reply| {
                 let stop_token_ids = r.stop_token_ids.into_iter().collect();
-                Command::Prefill(Box::new(Job { request_id: r.request_id, prompt: r.prompt, sampling, lease, constraint, max_tokens: r.max_tokens as usize, stop_token_ids, reply, arrived }))
+                Command::Prefill(Box::new(Job { request_id: r.request_id, prompt: r.prompt, sampling, lease, constraint, max_tokens: r.max_tokens as usize, stop_token_ids, reply, arrived, dslp_routed: route == PrefillRoute::Dslp }))
             };
             let first = self.ask(job).await?.map_err(status)?;
             Ok(Response::new(response(first)))

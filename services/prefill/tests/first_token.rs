@@ -40,6 +40,7 @@ fn prefill(commands: &Sender<Command>, epoch: u64, max_tokens: usize, stop: &[u3
         constraint: None,
         reply,
         arrived: Instant::now(),
+        dslp_routed: false,
     };
     commands.send(Command::Prefill(Box::new(job))).unwrap();
     answer.blocking_recv().expect("the engine answers")

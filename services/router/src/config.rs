@@ -22,8 +22,14 @@ pub struct RouterConfig {
     pub decode_worker: String,
     pub prefill_worker: String,
     /// Prompts with at least this many tokens go to the prefill worker;
-    /// shorter ones are chunk-prefilled by the decode worker.
+    /// shorter ones are chunk-prefilled by the decode worker (the paper's
+    /// `chunked_prefill_max_tokens`).
     pub prefill_threshold_tokens: u32,
+    /// A long prompt runs on every device of the prefill worker (two-device
+    /// prefill) when it has several and no request has been decoding for
+    /// this long; else on one device, so the decode worker keeps its
+    /// latency. 0: whenever nothing decodes right now.
+    pub dslp_idle_window_seconds: f64,
     /// Requests in flight at once; beyond this the router answers 429 /
     /// RESOURCE_EXHAUSTED instead of queueing without bound.
     pub max_pending_requests: usize,
@@ -69,6 +75,7 @@ impl Default for RouterConfig {
             decode_worker: "http://127.0.0.1:50061".into(),
             prefill_worker: "http://127.0.0.1:50071".into(),
             prefill_threshold_tokens: 2048,
+            dslp_idle_window_seconds: 300.0,
             max_pending_requests: 64,
             default_max_tokens: 256,
             worker_timeout_seconds: 10.0,
@@ -131,6 +138,9 @@ pub struct RouterArgs {
     /// Prompts of at least this many tokens go to the prefill worker [default: 2048].
     #[arg(long)]
     pub prefill_threshold_tokens: Option<u32>,
+    /// Seconds without decoding after which a long prompt runs on every prefill device [default: 300].
+    #[arg(long)]
+    pub dslp_idle_window_seconds: Option<f64>,
     /// Requests in flight at once; more are refused with 429 [default: 64].
     #[arg(long)]
     pub max_pending_requests: Option<usize>,
@@ -213,6 +223,9 @@ impl RouterConfig {
         positive("kv_wait_timeout_seconds", self.kv_wait_timeout_seconds)?;
         positive("stall_timeout_seconds", self.stall_timeout_seconds)?;
         positive("idle_timeout_seconds", self.idle_timeout_seconds)?;
+        if !(self.dslp_idle_window_seconds.is_finite() && self.dslp_idle_window_seconds >= 0.0) {
+            return Err(ConfigError::new("dslp_idle_window_seconds", format!("must be a non-negative number of seconds, got {}", self.dslp_idle_window_seconds)));
+        }
         if self.api_key.as_deref().is_some_and(|k| k.trim().is_empty()) {
             return Err(ConfigError::new("api_key", "must not be empty (leave it unset for no key)"));
         }
@@ -250,6 +263,10 @@ impl RouterConfig {
 
     pub fn stall_timeout(&self) -> Duration {
         Duration::from_secs_f64(self.stall_timeout_seconds)
+    }
+
+    pub fn dslp_idle_window(&self) -> Duration {
+        Duration::from_secs_f64(self.dslp_idle_window_seconds)
     }
 }
 
@@ -335,6 +352,12 @@ mod tests {
         assert!(resolve("", &["--stall-timeout-seconds", "0"]).unwrap_err().contains("stall_timeout_seconds"));
         let c = resolve("[router]\nstall_timeout_seconds = 2.5\n", &["--kv-wait-timeout-seconds", "30"]).unwrap();
         assert_eq!((c.stall_timeout(), c.kv_wait_timeout()), (Duration::from_millis(2500), Duration::from_secs(30)));
+        assert_eq!(resolve("", &[]).unwrap().dslp_idle_window(), Duration::from_secs(300));
+        assert_eq!(resolve("[router]\ndslp_idle_window_seconds = 1\n", &[]).unwrap().dslp_idle_window(), Duration::from_secs(1));
+        assert_eq!(resolve_env("", &[("DUPLEX_ROUTER_DSLP_IDLE_WINDOW_SECONDS", "0")], &[]).unwrap().dslp_idle_window(), Duration::ZERO);
+        assert_eq!(resolve("", &["--dslp-idle-window-seconds", "0.5"]).unwrap().dslp_idle_window(), Duration::from_millis(500));
+        let err = resolve("", &["--dslp-idle-window-seconds=-1"]).unwrap_err();
+        assert!(err.contains("`dslp_idle_window_seconds`") && err.contains("flag --dslp-idle-window-seconds") && err.contains("non-negative"), "{err}");
     }
 
     #[test]

@@ -11,13 +11,13 @@
 use crate::admission::{Admission, Permit};
 use crate::config::RouterConfig;
 use crate::error::Error;
-use crate::policy::{self, PrefillPath};
+use crate::policy::{self, DecodeTracker, PrefillPath, PrefillPolicy, Route};
 use crate::request::{GenerationRequest, Prompt, RequestOptions, ServedModel};
 use crate::workers::Workers;
 use duplex_text::FinishReason;
 use duplex_text::tokenizer::IncrementalDecoder;
 use duplex_text::StopStrings;
-use duplex_proto::worker::{self, DecodeEvent, DecodeRequest, PrefillRequest, Prefilled};
+use duplex_proto::worker::{self, DecodeEvent, DecodeRequest, PrefillRequest, PrefillRoute, Prefilled};
 use duplex_telemetry as names;
 use metrics::{counter, gauge, histogram};
 use std::sync::Arc;
@@ -79,7 +79,9 @@ pub struct Router {
     pub model: ServedModel,
     pub workers: Arc<Workers>,
     admission: Admission,
-    prefill_threshold: u32,
+    policy: PrefillPolicy,
+    /// What is decoding, for the policy's idle window.
+    decoding: DecodeTracker,
 }
 
 impl Router {
@@ -88,12 +90,13 @@ impl Router {
             model,
             workers: Arc::new(workers),
             admission: Admission::new(config.max_pending_requests),
-            prefill_threshold: config.prefill_threshold_tokens,
+            policy: PrefillPolicy { chunked_prefill_max_tokens: config.prefill_threshold_tokens, dslp_idle_window: config.dslp_idle_window() },
+            decoding: DecodeTracker::default(),
         }
     }
 
     pub fn prefill_threshold(&self) -> u32 {
-        self.prefill_threshold
+        self.policy.chunked_prefill_max_tokens
     }
 
     /// Validates a request against the model and the workers' limits, and
@@ -104,7 +107,7 @@ impl Router {
             let req = self.model.request(prompt, opts, &limits)?;
             // Short prompts need only the decode worker, so they are still
             // served while the prefill worker restarts.
-            if policy::choose(req.prompt.len(), self.prefill_threshold) == PrefillPath::Prefill {
+            if policy::choose(req.prompt.len(), self.prefill_threshold()) == PrefillPath::Prefill {
                 readiness.prefill_ready()?;
             }
             Ok((req, self.admission.try_admit()?))
@@ -151,11 +154,19 @@ impl Router {
 
     async fn run(&self, req: &GenerationRequest, tx: &mpsc::Sender<Result<Event, Error>>, held: &mut Held) -> Result<FinishReason, Abort> {
         let router_wait = req.arrival.elapsed();
-        let path = policy::choose(req.prompt.len(), self.prefill_threshold);
+        let prefill_has_dslp = self.workers.readiness().prefill_has_dslp();
+        let (route, reason) = self.policy.route(req.prompt.len(), prefill_has_dslp, self.decoding.activity(Instant::now()));
+        tracing::info!(route = route.as_str(), %reason, "prefill route");
+        counter!(names::PREFILL_ROUTE, "route" => route.as_str()).increment(1);
+        let path = route.path();
         let mut out = Output::new(&self.model, req, tx, path);
-        let (stream, prefill_queue) = match path {
-            PrefillPath::Decode => (self.workers.decode(decode_request(req, None)).await?, None),
-            PrefillPath::Prefill => {
+        // Held while the request is on the decode worker.
+        let (stream, prefill_queue, _decoding) = match route {
+            Route::DecodeChunked => {
+                let decoding = self.decoding.begin();
+                (self.workers.decode(decode_request(req, None)).await?, None, decoding)
+            }
+            Route::Slp | Route::Dslp => {
                 // Held from before the call: AllocateKv may succeed on the
                 // worker after this request has given up waiting.
                 *held = Held::Lease;
@@ -176,6 +187,7 @@ impl Router {
                     lease: Some(lease.clone()),
                     max_tokens: req.max_tokens,
                     stop_token_ids: req.stop_token_ids.clone(),
+                    route: if route == Route::Dslp { PrefillRoute::Dslp } else { PrefillRoute::Slp }.into(),
                 };
                 let prefill = self.workers.prefill(prefill_req).await?;
                 *held = Held::Lease;
@@ -187,10 +199,11 @@ impl Router {
                     return out.finish(reason, queue).await;
                 }
                 let prefilled = Prefilled { lease: Some(lease), first_token: Some(first), prefill_seconds: prefill.prefill_seconds };
+                let decoding = self.decoding.begin();
                 let stream = self.workers.decode(decode_request(req, Some(prefilled))).await?;
                 // Admitted: the lease is the decode worker's now.
                 *held = Held::Nothing;
-                (stream, Some(queue))
+                (stream, Some(queue), decoding)
             }
         };
         let (reason, decode_queue) = out.follow(stream).await?;

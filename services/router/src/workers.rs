@@ -76,6 +76,11 @@ impl Readiness {
     pub fn prefill_ready(&self) -> Result<(), Error> {
         self.prefill.as_ref().map(drop).map_err(|why| not_ready("prefill", why))
     }
+
+    /// Whether the prefill worker said it runs two-device prefill.
+    pub fn prefill_has_dslp(&self) -> bool {
+        self.prefill.as_ref().is_ok_and(|s| s.dslp_devices >= 2)
+    }
 }
 
 fn not_ready(worker: &str, why: &str) -> Error {

@@ -737,3 +737,50 @@ async fn text_offsets_index_the_returned_text() {
         .collect();
     assert_eq!(offsets, [json!(0), json!(4), json!(5)]);
 }
+
+/// The scheduling policy through the router: a long prompt goes to
+/// two-device prefill when the prefill worker has it and nothing decodes
+/// (here with no idle window), to single-device prefill while a request
+/// decodes or when the worker has no second device; the route travels in
+/// the Prefill call.
+#[tokio::test]
+async fn long_prompts_take_dslp_when_decode_is_idle_and_the_worker_has_it() {
+    use duplex_proto::worker::PrefillRoute;
+    let config = MockConfig { prefill_dslp_devices: 2, token_delay: Duration::from_millis(20), ..Default::default() };
+    let router = start(config, |c| {
+        c.prefill_threshold_tokens = 32;
+        c.dslp_idle_window_seconds = 0.0;
+    })
+    .await;
+    let long: Vec<u32> = (10..50).collect();
+    let routes = |router: &common::TestRouter| router.mock.record().prefills.iter().map(|p| p.route()).collect::<Vec<_>>();
+    generate_all(&router, tokens_request(long.clone(), 2)).await.unwrap();
+    assert_eq!(routes(&router), [PrefillRoute::Dslp], "nothing decoding");
+
+    // A short request decoding for a while (50 tokens, 20 ms apart).
+    let slow = {
+        let client = router.grpc_client();
+        async move { client.await.generate(tokens_request((1..10).collect(), 50)).await.unwrap().into_inner() }
+    };
+    let mut slow = slow.await;
+    router.wait_for("the short request's Decode", |r| r.decodes.len() == 2).await;
+    generate_all(&router, tokens_request(long.clone(), 2)).await.unwrap();
+    assert_eq!(routes(&router), [PrefillRoute::Dslp, PrefillRoute::Slp], "a request is decoding");
+    let mut n = 0;
+    while let Some(msg) = timeout(TIMEOUT, slow.message()).await.unwrap().unwrap() {
+        n += usize::from(matches!(msg.event, Some(generate_response::Event::Token(_))));
+    }
+    assert_eq!(n, 50);
+    generate_all(&router, tokens_request(long.clone(), 2)).await.unwrap();
+    assert_eq!(routes(&router), [PrefillRoute::Dslp, PrefillRoute::Slp, PrefillRoute::Dslp], "decode idle again");
+    assert!(router.mock.record().decodes.iter().all(|d| d.prompt.len() == 40 || d.prefilled.is_none()), "short prompts never reach the prefill worker");
+
+    // A prefill worker with one device: single-device prefill, idle or not.
+    let router = start(MockConfig::default(), |c| {
+        c.prefill_threshold_tokens = 32;
+        c.dslp_idle_window_seconds = 0.0;
+    })
+    .await;
+    generate_all(&router, tokens_request(long, 2)).await.unwrap();
+    assert_eq!(routes(&router), [PrefillRoute::Slp]);
+}

@@ -74,6 +74,8 @@ metrics_table! {
         "Time a request waited in queues before its prefill started.";
     REQUEST_PREFILL_TIME = "duplex_request_prefill_time_seconds", Histogram, Router, LATENCY,
         "Time from the start of a request's prefill to its first token; label path = decode | prefill.";
+    PREFILL_ROUTE = "duplex_prefill_route_total", Counter, Router, NONE,
+        "Prompts by where the router sent them to be prefilled (the scheduling policy: in chunks on the decode worker, on one prefill device, or on every prefill device); label route = decode_chunked | slp | dslp.";
     REQUESTS = "duplex_requests_total", Counter, Router, NONE,
         "Finished requests; label outcome = stop | length | cancelled | error | rejected | invalid.";
     PROMPT_TOKENS = "duplex_prompt_tokens_total", Counter, Router, NONE,

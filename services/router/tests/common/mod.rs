@@ -42,6 +42,8 @@ pub struct MockConfig {
     pub prefill_down: bool,
     /// The decode stream stays open this long after its last token.
     pub hold_after_last: Duration,
+    /// What the prefill worker's Stats says of its two-device prefill.
+    pub prefill_dslp_devices: u32,
 }
 
 impl Default for MockConfig {
@@ -55,6 +57,7 @@ impl Default for MockConfig {
             context_length: 1024,
             prefill_down: false,
             hold_after_last: Duration::ZERO,
+            prefill_dslp_devices: 0,
         }
     }
 }
@@ -210,6 +213,7 @@ impl DecodeWorker for Decode {
             context_length: c.context_length,
             weights_fingerprint: "mock-fingerprint".into(),
             progress: 0,
+            dslp_devices: 0,
         }))
     }
 }
@@ -235,7 +239,8 @@ impl PrefillWorker for Prefill {
         if self.0.config().prefill_down {
             return Err(Status::unavailable("loading weights"));
         }
-        Ok(Response::new(WorkerStats { context_length: self.0.config().context_length, ..Default::default() }))
+        let c = self.0.config();
+        Ok(Response::new(WorkerStats { context_length: c.context_length, dslp_devices: c.prefill_dslp_devices, ..Default::default() }))
     }
 }
 
