@@ -190,8 +190,8 @@ fn compile_source(device: i32) -> Result<(Ptx, String), DeviceError> {
 /// Compile every kernel for `sm_{arch}` (e.g. 90) with this machine's NVRTC,
 /// no GPU needed, as [`CudaDevice::open`] would for such a device; returns
 /// what it targeted (`sm_90`, or `compute_…` PTX where this NVRTC does not
-/// know the architecture). CI runs this to catch kernels that do not compile
-/// on machines without a GPU.
+/// know the architecture). So a kernel that does not compile is caught on
+/// machines without a GPU too (tests/cuda.rs, run by .ci/run).
 pub fn compile_kernels(arch: i32) -> Result<String, DeviceError> {
     unwind_to_error(|| {
         nvrtc_present()?;
