@@ -4,11 +4,13 @@
 //! functions) the pipeline relies on.
 //!
 //! Without a GPU (no driver, no device, no NVRTC) every test says why it
-//! is skipped and passes.
+//! is skipped and passes, except the one that compiles every kernel with
+//! NVRTC for the architectures we run on: that needs NVRTC alone (a pip
+//! wheel, see `.ci/run`), and fails, saying how to install it, without.
 
 #![cfg(feature = "cuda")]
 
-use duplex_kernels::device::cuda::CudaDevice;
+use duplex_kernels::device::cuda::{compile_kernels, nvrtc_architectures, CudaDevice};
 use duplex_kernels::device::emulated::{EmulatedConfig, EmulatedDevice};
 use duplex_kernels::device::{download_matrix, download_u32, Device, DeviceError, DevicePtr, DeviceWeight, GqaDims, HostBytes, Matrix, MlaDims, Op, PagedKv, StreamId, StreamKind};
 use duplex_kernels::linear::{matmul, WeightView};
@@ -587,6 +589,101 @@ fn gqa_attention_matches_reference() {
             });
             compare(&got, &want, tolerance(precision), &format!("gqa_attention {heads}/{kv_heads}×{head_dim}, n {n}, start {start}, {precision:?}"));
         }
+    }
+}
+
+/// The partial attentions against the emulated device's: key ranges before,
+/// across and past the queries (rows that see none get zeros and −∞), key
+/// counts over several chunks of the block, heads wider than 128 threads.
+/// Both devices round the scores' inputs alike and leave the output
+/// unrounded, so BF16 agrees as closely as F32 (only the order of sums differs).
+#[test]
+fn attention_parts_match_reference() {
+    let Some(gpu) = cuda_device() else { return };
+    let mut rng = Rng::new(20);
+    // (n, start, key_start, keys)
+    let splits = [(5, 4, 0, 9), (5, 4, 6, 3), (1, 0, 0, 1), (3, 300, 0, 290), (4, 10, 20, 7), (6, 100, 50, 300)];
+    for dims in [MlaDims { heads: 3, dn: 16, dr: 8, dv: 12, dc: 20 }, MlaDims { heads: 2, dn: 128, dr: 64, dv: 160, dc: 96 }] {
+        let (qw, kvw, lw, ow) = (dims.heads * (dims.dn + dims.dr), dims.heads * (dims.dn + dims.dv), dims.dc + dims.dr, dims.heads * dims.dv);
+        for (n, start, key_start, keys) in splits {
+            let (q, kv, latents) = (rng.f32s(n * qw, -1.0, 1.0), rng.f32s(keys * kvw, -1.0, 1.0), rng.f32s(keys * lw, -1.0, 1.0));
+            let (out0, lse0) = (rng.f32s(n * ow, -1.0, 1.0), rng.f32s(n * dims.heads, -1.0, 1.0));
+            for precision in PRECISIONS {
+                let (got, want) = run_both(&gpu, |b| {
+                    let (q, kv, latents) = (b.matrix(&q, n, qw), b.matrix(&kv, keys, kvw), b.matrix(&latents, keys, lw));
+                    let (out, lse) = (b.matrix(&out0, n, ow), b.matrix(&lse0, n, dims.heads));
+                    (Op::MlaPrefillPart { q, kv, latents, out, lse, start, key_start, dims, scale: 0.1, precision }, vec![Out::F32(out), Out::F32(lse)])
+                });
+                compare(&got, &want, 1e-4, &format!("mla_prefill_part {dims:?}, n {n}, start {start}, keys {key_start}+{keys}, {precision:?}"));
+            }
+        }
+    }
+    for (heads, kv_heads, head_dim) in [(4, 1, 8), (6, 6, 16), (8, 2, 64), (16, 2, 128), (8, 1, 256)] {
+        let dims = GqaDims { heads, kv_heads, head_dim };
+        let (qw, kw) = (heads * head_dim, kv_heads * head_dim);
+        for (n, start, key_start, keys) in splits {
+            let (q, k, v) = (rng.f32s(n * qw, -1.0, 1.0), rng.f32s(keys * kw, -1.0, 1.0), rng.f32s(keys * kw, -1.0, 1.0));
+            let (out0, lse0) = (rng.f32s(n * qw, -1.0, 1.0), rng.f32s(n * heads, -1.0, 1.0));
+            for precision in PRECISIONS {
+                let (got, want) = run_both(&gpu, |b| {
+                    let (q, k, v) = (b.matrix(&q, n, qw), b.matrix(&k, keys, kw), b.matrix(&v, keys, kw));
+                    let (out, lse) = (b.matrix(&out0, n, qw), b.matrix(&lse0, n, heads));
+                    (Op::GqaAttentionPart { q, k, v, out, lse, start, key_start, dims, scale: 0.125, precision }, vec![Out::F32(out), Out::F32(lse)])
+                });
+                compare(&got, &want, 1e-4, &format!("gqa_attention_part {heads}/{kv_heads}×{head_dim}, n {n}, start {start}, keys {key_start}+{keys}, {precision:?}"));
+            }
+        }
+    }
+}
+
+/// The merge against the emulated device's, with −∞ on either side or both
+/// (and NaN in an accumulator at −∞, which is replaced or left alone).
+#[test]
+fn attention_merge_matches_reference() {
+    let Some(gpu) = cuda_device() else { return };
+    let mut rng = Rng::new(21);
+    for (rows, heads, d) in [(7, 3, 16), (2, 1, 300), (33, 4, 128)] {
+        let mut out = rng.f32s(rows * heads * d, -1.0, 1.0);
+        let part = rng.f32s(rows * heads * d, -1.0, 1.0);
+        let mut lse = rng.f32s(rows * heads, -5.0, 5.0);
+        let mut part_lse = rng.f32s(rows * heads, -5.0, 5.0);
+        for r in 0..rows * heads {
+            match rng.below(4) {
+                0 => {
+                    lse[r] = f32::NEG_INFINITY;
+                    out[r * d] = f32::NAN;
+                }
+                1 => part_lse[r] = f32::NEG_INFINITY,
+                2 => (lse[r], part_lse[r]) = (f32::NEG_INFINITY, f32::NEG_INFINITY),
+                _ => {}
+            }
+        }
+        let (got, want) = run_both(&gpu, |b| {
+            let (o, l) = (b.matrix(&out, rows, heads * d), b.matrix(&lse, rows, heads));
+            let (p, pl) = (b.matrix(&part, rows, heads * d), b.matrix(&part_lse, rows, heads));
+            (Op::AttentionMerge { out: o, lse: l, part: p, part_lse: pl, heads }, vec![Out::F32(o), Out::F32(l)])
+        });
+        compare(&got, &want, 1e-5, &format!("attention_merge {rows}×{heads}×{d}"));
+    }
+}
+
+/// Every kernel compiles with NVRTC for the GPUs we run on: A100 (sm_80),
+/// A10/RTX 30 (sm_86), L4/L40/RTX 40 (sm_89), H100/H200 (sm_90), and
+/// Blackwell desktop (sm_120) where this NVRTC knows it. No GPU is needed,
+/// so this runs everywhere; without NVRTC it fails rather than skips.
+#[test]
+fn every_kernel_compiles_for_our_architectures() {
+    let how = "NVRTC compiles the CUDA kernels and needs no GPU: `python3 -m pip install --target DIR nvidia-cuda-nvrtc-cu12` and put DIR/nvidia/cuda_nvrtc/lib on LD_LIBRARY_PATH (as .ci/run does), or install the CUDA toolkit's NVRTC";
+    let known = nvrtc_architectures().unwrap_or_else(|e| panic!("{e}\n{how}"));
+    assert!(!known.is_empty(), "this NVRTC does not list the architectures it compiles for");
+    for arch in [80, 86, 89, 90, 120] {
+        if !known.contains(&arch) {
+            assert_eq!(arch, 120, "this NVRTC compiles for {known:?}, not sm_{arch}: too old ({how})");
+            eprintln!("every_kernel_compiles_for_our_architectures: this NVRTC ({known:?}) does not know sm_120");
+            continue;
+        }
+        let target = compile_kernels(arch).unwrap_or_else(|e| panic!("sm_{arch}: {e}"));
+        assert_eq!(target, format!("sm_{arch}"));
     }
 }
 

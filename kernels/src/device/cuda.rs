@@ -37,6 +37,7 @@ const SOURCE: &str = concat!(
     include_str!("../../cuda/route.cu"),
     include_str!("../../cuda/mla.cu"),
     include_str!("../../cuda/gqa.cu"),
+    include_str!("../../cuda/attention_part.cu"),
     include_str!("../../cuda/kv.cu"),
 );
 
@@ -84,6 +85,9 @@ struct Kernels {
     mla_prefill: CudaFunction,
     mla_decode: CudaFunction,
     gqa_attention: CudaFunction,
+    mla_prefill_part: CudaFunction,
+    gqa_attention_part: CudaFunction,
+    attention_merge: CudaFunction,
     kv_store: CudaFunction,
     kv_gather: CudaFunction,
 }
@@ -117,6 +121,9 @@ impl Kernels {
             mla_prefill: f("mla_prefill")?,
             mla_decode: f("mla_decode")?,
             gqa_attention: f("gqa_attention")?,
+            mla_prefill_part: f("mla_prefill_part")?,
+            gqa_attention_part: f("gqa_attention_part")?,
+            attention_merge: f("attention_merge")?,
             kv_store: f("kv_store")?,
             kv_gather: f("kv_gather")?,
         })
@@ -178,6 +185,36 @@ fn compile_source(device: i32) -> Result<(Ptx, String), DeviceError> {
         Ptx::from_src(c_chars_to_string(&ptx))
     };
     Ok((image, target))
+}
+
+/// Compile every kernel for `sm_{arch}` (e.g. 90) with this machine's NVRTC,
+/// no GPU needed, as [`CudaDevice::open`] would for such a device; returns
+/// what it targeted (`sm_90`, or `compute_…` PTX where this NVRTC does not
+/// know the architecture). So a kernel that does not compile is caught on
+/// machines without a GPU too (tests/cuda.rs, run by .ci/run).
+pub fn compile_kernels(arch: i32) -> Result<String, DeviceError> {
+    unwind_to_error(|| {
+        nvrtc_present()?;
+        Ok(compile_source(arch)?.1)
+    })
+}
+
+/// The real architectures this machine's NVRTC compiles for (e.g. 90 for
+/// sm_90; empty if it cannot say).
+pub fn nvrtc_architectures() -> Result<Vec<i32>, DeviceError> {
+    unwind_to_error(|| {
+        nvrtc_present()?;
+        Ok(nvrtc_archs())
+    })
+}
+
+/// Whether NVRTC can be loaded at all.
+fn nvrtc_present() -> Result<(), DeviceError> {
+    // SAFETY: only tries to load the library (dlopen), calling nothing in it.
+    if !unsafe { nvrtc::sys::is_culib_present() } {
+        return Err(DeviceError::Unavailable("no NVRTC (libnvrtc not found); the CUDA backend compiles its kernels with it at start-up".into()));
+    }
+    Ok(())
 }
 
 /// A NUL-terminated C string from NVRTC, as text.
@@ -324,10 +361,7 @@ fn context(ordinal: usize) -> Result<Arc<CudaContext>, DeviceError> {
     if !unsafe { sys::is_culib_present() } {
         return Err(DeviceError::Unavailable("no CUDA driver (libcuda not found)".into()));
     }
-    // SAFETY: as above, for NVRTC.
-    if !unsafe { nvrtc::sys::is_culib_present() } {
-        return Err(DeviceError::Unavailable("no NVRTC (libnvrtc not found); the CUDA backend compiles its kernels with it at start-up".into()));
-    }
+    nvrtc_present()?;
     let count = CudaContext::device_count().map_err(|e| DeviceError::Unavailable(format!("the CUDA driver does not start: {e}")))?;
     if ordinal >= count.max(0) as usize {
         return Err(DeviceError::Unavailable(format!("no GPU {ordinal}: the driver sees {count}")));
@@ -503,6 +537,26 @@ impl CudaDevice {
                 self.check_matrix(k, "gqa k")?;
                 self.check_matrix(v, "gqa v")?;
                 self.check_matrix(out, "gqa out")
+            }
+            Op::MlaPrefillPart { q, kv, latents, out, lse, .. } => {
+                self.check_matrix(q, "mla_part q")?;
+                self.check_matrix(kv, "mla_part kv")?;
+                self.check_matrix(latents, "mla_part latents")?;
+                self.check_matrix(out, "mla_part out")?;
+                self.check_matrix(lse, "mla_part lse")
+            }
+            Op::GqaAttentionPart { q, k, v, out, lse, .. } => {
+                self.check_matrix(q, "gqa_part q")?;
+                self.check_matrix(k, "gqa_part k")?;
+                self.check_matrix(v, "gqa_part v")?;
+                self.check_matrix(out, "gqa_part out")?;
+                self.check_matrix(lse, "gqa_part lse")
+            }
+            Op::AttentionMerge { out, lse, part, part_lse, .. } => {
+                self.check_matrix(out, "merge out")?;
+                self.check_matrix(lse, "merge lse")?;
+                self.check_matrix(part, "merge part")?;
+                self.check_matrix(part_lse, "merge part_lse")
             }
             Op::KvStore { entries, kv, table, .. } => {
                 self.check_matrix(entries, "kv_store entries")?;
@@ -745,6 +799,73 @@ impl CudaDevice {
                     .flag(bf16(precision));
                 // Shared memory: a weight per thread, then the query.
                 self.run(s, &k.gqa_attention, blocks(q.rows * d.heads, 1), threads, (threads as usize + d.head_dim) * 4, params)
+            }
+            Op::MlaPrefillPart { q, kv, latents, out, lse, start, key_start, dims: d, scale, precision } => {
+                if q.rows == 0 {
+                    return Ok(());
+                }
+                if d.dv > MAX_BLOCK_THREADS {
+                    return Err(DeviceError::Invalid(format!("mla_prefill_part: value width {} above the CUDA kernel's {MAX_BLOCK_THREADS}", d.dv)));
+                }
+                let threads = threads_for(d.dv, 128);
+                // Shared memory: a weight per thread, then the query.
+                let shared = (threads as usize + d.dn + d.dr) * 4;
+                if shared > MAX_SHARED_BYTES {
+                    return Err(DeviceError::Invalid(format!("mla_prefill_part: a query of {} floats exceeds the CUDA kernel's shared memory", d.dn + d.dr)));
+                }
+                let params = Params::default()
+                    .matrix(q)
+                    .matrix(kv)
+                    .matrix(latents)
+                    .matrix(out)
+                    .matrix(lse)
+                    .u64(q.rows)
+                    .u64(kv.rows)
+                    .u64(*start)
+                    .u64(*key_start)
+                    .u64(d.heads)
+                    .u64(d.dn)
+                    .u64(d.dr)
+                    .u64(d.dv)
+                    .u64(d.dc)
+                    .f32(*scale)
+                    .flag(bf16(precision));
+                self.run(s, &k.mla_prefill_part, blocks(q.rows * d.heads, 1), threads, shared, params)
+            }
+            Op::GqaAttentionPart { q, k: keys, v, out, lse, start, key_start, dims: d, scale, precision } => {
+                if q.rows == 0 {
+                    return Ok(());
+                }
+                if d.head_dim > MAX_BLOCK_THREADS {
+                    return Err(DeviceError::Invalid(format!("gqa_attention_part: head width {} above the CUDA kernel's {MAX_BLOCK_THREADS}", d.head_dim)));
+                }
+                let threads = threads_for(d.head_dim, 128);
+                let params = Params::default()
+                    .matrix(q)
+                    .matrix(keys)
+                    .matrix(v)
+                    .matrix(out)
+                    .matrix(lse)
+                    .u64(q.rows)
+                    .u64(keys.rows)
+                    .u64(*start)
+                    .u64(*key_start)
+                    .u64(d.heads)
+                    .u64(d.kv_heads)
+                    .u64(d.head_dim)
+                    .f32(*scale)
+                    .flag(bf16(precision));
+                // Shared memory: a weight per thread, then the query (at most 8 KiB).
+                self.run(s, &k.gqa_attention_part, blocks(q.rows * d.heads, 1), threads, (threads as usize + d.head_dim) * 4, params)
+            }
+            Op::AttentionMerge { out, lse, part, part_lse, heads } => {
+                // (Zero-width heads still merge their lse.)
+                let d = out.cols / heads;
+                if out.rows == 0 {
+                    return Ok(());
+                }
+                let params = Params::default().matrix(out).matrix(lse).matrix(part).matrix(part_lse).u64(out.rows).u64(*heads).u64(d);
+                self.run(s, &k.attention_merge, blocks(out.rows * heads, 1), threads_for(d, 32).min(THREADS as u32), 0, params)
             }
             // Block ids past the pool are skipped (store) or read as NaN
             // rows (gather) by the kernels: see kv.cu.

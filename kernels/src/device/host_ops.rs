@@ -15,6 +15,7 @@ use crate::mla::{decode_attention, prefill_attention, LatentCache};
 use crate::parallel_linear::{par_matmul, LinearScratch};
 use crate::pool::ThreadPool;
 use crate::router::{route, route_simd};
+use crate::shared::SharedSlice;
 use crate::{round_bf16_slice, Precision, WeightView};
 
 /// An emulated device's memory: `len` bytes at `base`, addressed by offset.
@@ -294,6 +295,91 @@ impl Executor {
                 }
                 mem.store(out, &xs)
             }
+            Op::MlaPrefillPart { q, kv, latents, out, lse, start, key_start, dims: d, scale, precision } => {
+                let (n, keys, heads) = (q.rows, kv.rows, d.heads);
+                let (dq, dkv, de) = (d.dn + d.dr, d.dn + d.dv, d.dc + d.dr);
+                let (mut qs, kvs, lat) = (mem.read(q)?, mem.read(kv)?, mem.read(latents)?);
+                // Each head's keys `[keys][heads][k_nope | k_pe]`, gathered
+                // once; BF16 rounds them and the queries (the score GEMM's
+                // inputs on the CPU's BF16 path), never the values.
+                let mut ks = Vec::with_capacity(keys * heads * dq);
+                for t in 0..keys {
+                    for h in 0..heads {
+                        ks.extend_from_slice(&kvs[t * heads * dkv + h * dkv..][..d.dn]);
+                        ks.extend_from_slice(&lat[t * de + d.dc..(t + 1) * de]);
+                    }
+                }
+                if *precision == Precision::Bf16 {
+                    round_bf16_slice(&mut qs);
+                    round_bf16_slice(&mut ks);
+                }
+                let (mut os, mut ls) = (vec![0.0; n * heads * d.dv], vec![0.0; n * heads]);
+                {
+                    let (o_all, l_all) = (SharedSlice::new(&mut os), SharedSlice::new(&mut ls));
+                    self.pool.parallel_for(n * heads, &|task| {
+                        let (i, h) = (task / heads, task % heads);
+                        let qh = &qs[task * dq..(task + 1) * dq];
+                        // As MlaPrefill's F32 path: the two dot products, summed, scaled.
+                        let mut scores: Vec<f32> = (0..seen(*start + i, *key_start, keys))
+                            .map(|t| {
+                                let k = &ks[(t * heads + h) * dq..(t * heads + h + 1) * dq];
+                                (dot(&qh[..d.dn], &k[..d.dn]) + dot(&qh[d.dn..], &k[d.dn..])) * scale
+                            })
+                            .collect();
+                        // SAFETY: row i, head h is this task's alone.
+                        let (o, l) = unsafe { (o_all.slice_mut(task * d.dv, d.dv), l_all.slice_mut(task, 1)) };
+                        l[0] = attend_part(&mut scores, |t| &kvs[t * heads * dkv + h * dkv + d.dn..][..d.dv], o);
+                    });
+                }
+                mem.store(out, &os)?;
+                mem.store(lse, &ls)
+            }
+            Op::GqaAttentionPart { q, k, v, out, lse, start, key_start, dims, scale, precision } => {
+                let (n, keys, heads, hd, group) = (q.rows, k.rows, dims.heads, dims.head_dim, dims.group());
+                let (mut qs, mut ks, vs) = (mem.read(q)?, mem.read(k)?, mem.read(v)?);
+                // BF16 rounds the queries and keys, as GqaAttention's BF16 path does.
+                if *precision == Precision::Bf16 {
+                    round_bf16_slice(&mut qs);
+                    round_bf16_slice(&mut ks);
+                }
+                let (mut os, mut ls) = (vec![0.0; n * heads * hd], vec![0.0; n * heads]);
+                {
+                    let (o_all, l_all) = (SharedSlice::new(&mut os), SharedSlice::new(&mut ls));
+                    let kw = k.cols;
+                    self.pool.parallel_for(n * heads, &|task| {
+                        let (i, j) = (task / heads, task % heads / group);
+                        let qh = &qs[task * hd..(task + 1) * hd];
+                        // As GqaAttention's F32 reference: one sum in order, scaled.
+                        let mut scores: Vec<f32> = (0..seen(*start + i, *key_start, keys))
+                            .map(|t| {
+                                let mut acc = 0.0f32;
+                                for (a, b) in qh.iter().zip(&ks[t * kw + j * hd..t * kw + (j + 1) * hd]) {
+                                    acc += a * b;
+                                }
+                                acc * scale
+                            })
+                            .collect();
+                        // SAFETY: row i, head h is this task's alone.
+                        let (o, l) = unsafe { (o_all.slice_mut(task * hd, hd), l_all.slice_mut(task, 1)) };
+                        l[0] = attend_part(&mut scores, |t| &vs[t * kw + j * hd..t * kw + (j + 1) * hd], o);
+                    });
+                }
+                mem.store(out, &os)?;
+                mem.store(lse, &ls)
+            }
+            Op::AttentionMerge { out, lse, part, part_lse, heads } => {
+                let (mut os, mut ls, ps, pls) = (mem.read(out)?, mem.read(lse)?, mem.read(part)?, mem.read(part_lse)?);
+                let d = out.cols / heads;
+                for (r, (l, &pl)) in ls.iter_mut().zip(&pls).enumerate() {
+                    if let Some((a, b)) = merge_weights(l, pl) {
+                        for (o, &p) in os[r * d..(r + 1) * d].iter_mut().zip(&ps[r * d..(r + 1) * d]) {
+                            *o = merged(*o, p, a, b);
+                        }
+                    }
+                }
+                mem.store(out, &os)?;
+                mem.store(lse, &ls)
+            }
             Op::GqaAttention { q, k, v, out, start, dims, scale, precision } => {
                 let (n, ctx) = (q.rows, start + q.rows);
                 if n == 0 {
@@ -315,6 +401,57 @@ impl Executor {
                 mem.store(out, &os)
             }
         }
+    }
+}
+
+/// Keys a query at position `query` sees among `keys` keys at positions
+/// `key_start..`: those at positions up to its own (causal), as a count
+/// from the first.
+fn seen(query: usize, key_start: usize, keys: usize) -> usize {
+    (query + 1).saturating_sub(key_start).min(keys)
+}
+
+/// One (row, head) of a partial attention: softmax `scores` (those of the
+/// keys the row sees, in position order), write the weighted sum of the
+/// values `value(t)` into `o`, and return ln Σ exp(score). No key: zeros
+/// and −∞. The weights and sums are MlaPrefill's and GqaAttention's F32
+/// reference's, so a single part over all keys is their result unrounded.
+fn attend_part<'a>(scores: &mut [f32], value: impl Fn(usize) -> &'a [f32], o: &mut [f32]) -> f32 {
+    o.fill(0.0);
+    if scores.is_empty() {
+        return f32::NEG_INFINITY;
+    }
+    let stats = softmax(scores);
+    for (t, &w) in scores.iter().enumerate() {
+        o.iter_mut().zip(value(t)).for_each(|(a, b)| *a += w * b);
+    }
+    stats.max + stats.sum.ln()
+}
+
+/// [`Op::AttentionMerge`]'s weights for one row and head: updates `lse` to
+/// the merged log-sum-exp and returns `(a, b)` normalised by `a + b`, or
+/// `None` when both sides are −∞ (the row stays as it is). The CUDA kernel
+/// (attention_part.cu) computes the same, in the same order.
+fn merge_weights(lse: &mut f32, part_lse: f32) -> Option<(f32, f32)> {
+    let m = lse.max(part_lse);
+    if m == f32::NEG_INFINITY {
+        return None;
+    }
+    let (a, b) = ((*lse - m).exp(), (part_lse - m).exp());
+    let sum = a + b;
+    *lse = m + sum.ln();
+    Some((a / sum, b / sum))
+}
+
+/// `a·out + b·part`, where a side of weight exactly zero is left out (an
+/// accumulator at −∞ may hold anything).
+fn merged(out: f32, part: f32, a: f32, b: f32) -> f32 {
+    if a == 0.0 {
+        part
+    } else if b == 0.0 {
+        out
+    } else {
+        a * out + b * part
     }
 }
 

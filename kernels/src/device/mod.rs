@@ -303,6 +303,29 @@ pub enum Op {
     /// `i` attends to positions `0..=start+i`, head `h` to kv head
     /// `h / (heads / kv_heads)`. `out` is `[n, heads·head_dim]` (BF16: rounded).
     GqaAttention { q: Matrix, k: Matrix, v: Matrix, out: Matrix, start: usize, dims: GqaDims, scale: f32, precision: Precision },
+    /// MLA in the expanded form over keys at positions `key_start..key_start + kv.rows`
+    /// (`kv` `[rows, heads·(dn+dv)]`, `latents` `[rows, dc+dr]` for the same positions):
+    /// query row i (position start + i) attends the keys at positions ≤ start + i.
+    /// `out` `[n, heads·dv]` gets the softmax-weighted values over those keys, F32
+    /// unrounded whatever the precision, and `lse` `[n, heads]` their log-sum-exp
+    /// ln Σ exp(score) (natural log of the scaled scores); a row that sees no key gets
+    /// zeros and −∞. With `precision` Bf16 the scores use q and the keys (k_nope,
+    /// k_pe) rounded to BF16, as MlaPrefill's BF16 path does; the values are
+    /// weighed as given in F32 (as there too). Pieces of one causal attention
+    /// merged with [`Op::AttentionMerge`] give that attention (Pass-KV context
+    /// parallelism: each rank attends its queries to the keys it holds or receives).
+    MlaPrefillPart { q: Matrix, kv: Matrix, latents: Matrix, out: Matrix, lse: Matrix, start: usize, key_start: usize, dims: MlaDims, scale: f32, precision: Precision },
+    /// Grouped-query attention likewise: `k` and `v` `[rows, kv_heads·head_dim]` at
+    /// positions `key_start..`; `out` `[n, heads·head_dim]` F32, `lse` `[n, heads]`.
+    /// BF16 rounds q and the keys, as GqaAttention's BF16 path does.
+    GqaAttentionPart { q: Matrix, k: Matrix, v: Matrix, out: Matrix, lse: Matrix, start: usize, key_start: usize, dims: GqaDims, scale: f32, precision: Precision },
+    /// Merge a partial attention result into an accumulated one, per row and head
+    /// (`out`, `part` `[n, heads·d]`, `lse`, `part_lse` `[n, heads]`): with
+    /// m = max(lse, part_lse), a = exp(lse − m), b = exp(part_lse − m):
+    /// out = (a·out + b·part) / (a + b), lse = m + ln(a + b); both −∞ leaves the row as is.
+    /// A side whose weight is exactly zero contributes nothing (so an
+    /// accumulator at −∞ may hold anything, even NaN: it becomes `part`).
+    AttentionMerge { out: Matrix, lse: Matrix, part: Matrix, part_lse: Matrix, heads: usize },
     /// Write `entries` (`[n, entry_dim]`) at positions `start..start+n` of
     /// `layer` of the sequence whose blocks are the `blocks` u32 ids at
     /// `table`. A block id past the pool is a fault when the op runs (see
@@ -715,6 +738,42 @@ impl Op {
                     return bad(format!("gqa_attention: q {}×{}, k {}×{}, v {}×{}, out {}×{} for {dims:?} at start {start}", q.rows, q.cols, k.rows, k.cols, v.rows, v.cols, out.rows, out.cols));
                 }
                 disjoint(out, &[q, k, v], "gqa_attention")
+            }
+            Op::MlaPrefillPart { q, kv, latents, out, lse, start, key_start, dims: d, .. } => {
+                for (m, what) in [(q, "mla_part q"), (kv, "mla_part kv"), (latents, "mla_part latents"), (out, "mla_part out"), (lse, "mla_part lse")] {
+                    m.check(what)?;
+                }
+                let width = |a: usize, b: usize| d.heads.checked_mul(a.saturating_add(b));
+                let ends = start.checked_add(q.rows).is_some() && key_start.checked_add(kv.rows).is_some();
+                if d.heads == 0 || !ends || width(d.dn, d.dr) != Some(q.cols) || width(d.dn, d.dv) != Some(kv.cols) || latents.cols != d.dc.saturating_add(d.dr) || latents.rows != kv.rows || out.rows != q.rows || width(d.dv, 0) != Some(out.cols) || lse.rows != q.rows || lse.cols != d.heads {
+                    return bad(format!("mla_prefill_part: q {}×{}, kv {}×{}, latents {}×{}, out {}×{}, lse {}×{} for {d:?}, queries at {start}, keys at {key_start}", q.rows, q.cols, kv.rows, kv.cols, latents.rows, latents.cols, out.rows, out.cols, lse.rows, lse.cols));
+                }
+                disjoint(out, &[q, kv, latents, lse], "mla_prefill_part")?;
+                disjoint(lse, &[q, kv, latents], "mla_prefill_part lse")
+            }
+            Op::GqaAttentionPart { q, k, v, out, lse, start, key_start, dims, .. } => {
+                for (m, what) in [(q, "gqa_part q"), (k, "gqa_part k"), (v, "gqa_part v"), (out, "gqa_part out"), (lse, "gqa_part lse")] {
+                    m.check(what)?;
+                }
+                dims.check().map_err(|e| DeviceError::Invalid(format!("gqa_attention_part: {e}")))?;
+                let (q_width, kv_width) = (dims.heads.checked_mul(dims.head_dim), dims.kv_heads.checked_mul(dims.head_dim));
+                let ends = start.checked_add(q.rows).is_some() && key_start.checked_add(k.rows).is_some();
+                if !ends || q_width != Some(q.cols) || kv_width != Some(k.cols) || kv_width != Some(v.cols) || v.rows != k.rows || out.rows != q.rows || out.cols != q.cols || lse.rows != q.rows || lse.cols != dims.heads {
+                    return bad(format!("gqa_attention_part: q {}×{}, k {}×{}, v {}×{}, out {}×{}, lse {}×{} for {dims:?}, queries at {start}, keys at {key_start}", q.rows, q.cols, k.rows, k.cols, v.rows, v.cols, out.rows, out.cols, lse.rows, lse.cols));
+                }
+                disjoint(out, &[q, k, v, lse], "gqa_attention_part")?;
+                disjoint(lse, &[q, k, v], "gqa_attention_part lse")
+            }
+            Op::AttentionMerge { out, lse, part, part_lse, heads } => {
+                for (m, what) in [(out, "merge out"), (lse, "merge lse"), (part, "merge part"), (part_lse, "merge part_lse")] {
+                    m.check(what)?;
+                }
+                if *heads == 0 || !out.cols.is_multiple_of(*heads) || part.rows != out.rows || part.cols != out.cols || lse.rows != out.rows || lse.cols != *heads || part_lse.rows != out.rows || part_lse.cols != *heads {
+                    return bad(format!("attention_merge: out {}×{}, part {}×{}, lse {}×{}, part_lse {}×{} for {heads} heads", out.rows, out.cols, part.rows, part.cols, lse.rows, lse.cols, part_lse.rows, part_lse.cols));
+                }
+                // Both outputs are updated in place; neither may overlap the other or the part.
+                disjoint(out, &[lse, part, part_lse], "attention_merge")?;
+                disjoint(lse, &[part, part_lse], "attention_merge lse")
             }
             Op::KvStore { entries, kv, table, blocks, layer, start } => {
                 entries.check("kv_store entries")?;
