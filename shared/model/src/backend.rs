@@ -13,7 +13,7 @@
 //! device attends over its own copy of the context and runs one expert as
 //! its weights arrive).
 
-use crate::config::ModelConfig;
+use crate::config::{AttentionConfig, ModelConfig};
 use crate::kv_cache::{BlockTable, KvPool};
 use crate::model::{ForwardError, Precision};
 use crate::weights::Weights;
@@ -102,6 +102,12 @@ pub struct AttentionCall<'a> {
     /// per head its latent query, its latent context and its keys and
     /// values (backends that do not attend in place; empty for GQA).
     pub absorbed: Matrix,
+    /// Context-parallel attention (passes split over devices; else empty):
+    /// room for a partial result `[n, heads·v_head_dim]` over one range of
+    /// keys, and the log-sum-exp `[n, heads]` of `out` and of the partial.
+    pub part: Matrix,
+    pub lse: Matrix,
+    pub part_lse: Matrix,
     pub heads_per_step: usize,
     pub scale: f32,
     pub precision: Precision,
@@ -205,4 +211,17 @@ pub trait Backend {
     fn mla_attention(&mut self, call: &AttentionCall, w: &Weights<Self::Weight>) -> Result<(), ForwardError>;
     /// Grouped-query attention of one segment.
     fn gqa_attention(&mut self, call: &AttentionCall) -> Result<(), ForwardError>;
+    /// Attention of a layer's segments, once their entries are stored: one
+    /// segment at a time, unless the backend has a better order (a rank of
+    /// a split pass starts every segment on its own keys before it waits
+    /// for its peers').
+    fn attention(&mut self, calls: &[AttentionCall], w: &Weights<Self::Weight>) -> Result<(), ForwardError> {
+        for c in calls {
+            match &c.cfg.attention {
+                AttentionConfig::Mla(_) => self.mla_attention(c, w)?,
+                AttentionConfig::Gqa(_) => self.gqa_attention(c)?,
+            }
+        }
+        Ok(())
+    }
 }

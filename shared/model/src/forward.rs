@@ -130,6 +130,11 @@ struct Workspace {
     /// MLA's absorbed decode on a device: per head `[q_latent | context latent | keys and values]`.
     absorbed: Matrix,
     attn: Matrix,
+    /// Context-parallel attention: a partial result over one range of keys,
+    /// and the log-sum-exp of the accumulated and of the partial one.
+    attn_part: Matrix,
+    lse: Matrix,
+    lse_part: Matrix,
     out: Matrix,
     router: Matrix,
     route_ids: DevicePtr,
@@ -166,6 +171,9 @@ pub struct PassShape {
     /// Rows of every rank together, whose routed experts this pass runs
     /// (expert parallelism; 0: none).
     pub ep_rows: usize,
+    /// Whether attention is computed in parts over ranges of keys and
+    /// merged (context parallelism).
+    pub partial_attention: bool,
 }
 
 /// Lay out the workspace with `carve(rows, cols)` (in F32 units; u32
@@ -204,6 +212,9 @@ fn layout(cfg: &ModelConfig, s: PassShape, carve: &mut dyn FnMut(usize, usize) -
         expanded: next(some(s.expanded, s.heads_per_step * dnv))?,
         absorbed: next(some(if dc > 0 { heads } else { 0 }, 2 * dc + dnv))?,
         attn: next((n, heads * cfg.v_head_dim()))?,
+        attn_part: next(some(if s.partial_attention { n } else { 0 }, heads * cfg.v_head_dim()))?,
+        lse: next(some(if s.partial_attention { n } else { 0 }, heads))?,
+        lse_part: next(some(if s.partial_attention { n } else { 0 }, heads))?,
         out: next((n, d))?,
         router: next(some(n, cfg.n_routed_experts))?,
         x_all: next(some(s.ep_rows, d))?,
@@ -318,6 +329,7 @@ impl<'m, B: Backend> Pass<'m, B> {
     pub fn ranked_shape(cfg: &ModelConfig, chunks: impl Iterator<Item = (usize, usize)>, shard: Option<&ExpertShard>, want: Logits, kv_bytes: usize) -> Result<PassShape, ForwardError> {
         let mut shape = Self::shape(cfg, chunks, want, kv_bytes)?;
         shape.ep_rows = shard.map_or(0, |s| s.rows_all);
+        shape.partial_attention = true;
         Ok(shape)
     }
 
@@ -392,7 +404,7 @@ impl<'m, B: Backend> Pass<'m, B> {
             expanded = 0;
         }
         let r = if want == Logits::All { n } else { count };
-        Ok(PassShape { n, r, context, expanded, heads_per_step: heads_per_step(cfg, expanded, kv_bytes), ep_rows: 0 })
+        Ok(PassShape { n, r, context, expanded, heads_per_step: heads_per_step(cfg, expanded, kv_bytes), ep_rows: 0, partial_attention: false })
     }
 
     fn cfg(&self) -> &'m ModelConfig {
@@ -635,6 +647,9 @@ impl<'m, B: Backend> Pass<'m, B> {
             context: if seg.start > 0 && ws.context.rows >= ctx { ws.context.rows(0..ctx) } else { ws.context.rows(0..0) },
             expanded: if ws.expanded.rows >= ctx { ws.expanded.rows(0..ctx) } else { ws.expanded.rows(0..0) },
             absorbed: ws.absorbed,
+            part: ws.attn_part.rows(seg.rows()),
+            lse: ws.lse.rows(seg.rows()),
+            part_lse: ws.lse_part.rows(seg.rows()),
             heads_per_step: self.heads_per_step,
             scale: self.model.softmax_scale,
             precision: self.precision,
@@ -670,11 +685,8 @@ impl<'m, B: Backend> Pass<'m, B> {
         for seg in &self.segments {
             self.backend.store_kv(layer, &[fresh.rows(seg.rows())], seg, pool)?;
         }
-        for seg in &self.segments {
-            let call = self.call(layer, seg, pool);
-            self.backend.mla_attention(&call, w)?;
-        }
-        Ok(())
+        let calls: Vec<AttentionCall> = self.segments.iter().map(|seg| self.call(layer, seg, pool)).collect();
+        self.backend.attention(&calls, w)
     }
 
     /// Grouped-query attention: `q`, `k` and `v` projections, the optional
@@ -708,11 +720,8 @@ impl<'m, B: Backend> Pass<'m, B> {
         for seg in &self.segments {
             self.backend.store_kv(layer, &[fresh.rows(seg.rows())], seg, pool)?;
         }
-        for seg in &self.segments {
-            let call = self.call(layer, seg, pool);
-            self.backend.gqa_attention(&call)?;
-        }
-        Ok(())
+        let calls: Vec<AttentionCall> = self.segments.iter().map(|seg| self.call(layer, seg, pool)).collect();
+        self.backend.attention(&calls, w)
     }
 
     /// The logits (`[rows, vocab]`) once every module has run; the

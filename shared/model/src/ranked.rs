@@ -5,11 +5,14 @@
 //! - **Tokens, zig-zag.** The new tokens are cut into `2R` chunks; rank `r`
 //!   holds chunks `r` and `2R−1−r`, so every rank has as much causal
 //!   attention work as the others ([`ZigZag`]).
-//! - **Attention, context parallel.** Each rank computes its tokens' KV
-//!   entries; the ranks exchange them through the host (device → host →
-//!   device: the exchange writes them into the shared paged pool, in position
-//!   order, where the decode worker finds them), and each rank then attends
-//!   its chunks causally over the whole context up to their end.
+//! - **Attention, context parallel (Pass-KV).** Each rank computes its
+//!   tokens' KV entries and first attends its chunks over the keys it has
+//!   (its own chunks, a cached prefix); meanwhile the ranks exchange their
+//!   entries through the host (device → host → device; the exchange also
+//!   writes them into the shared paged pool, in position order, where the
+//!   decode worker finds them). Then each chunk attends the peers' chunks
+//!   before its end, and the parts are merged by their log-sum-exp (online
+//!   softmax), which gives causal attention over the whole context.
 //! - **Routed experts, SmallEP.** Each rank owns `1/R` of every layer's
 //!   experts. After the router, the ranks all-gather their unsorted hidden
 //!   rows with their choices, so that every rank holds all `N` tokens; each
@@ -26,12 +29,13 @@
 //! upload from it.
 
 use crate::backend::{AttentionCall, Backend, ExpertJob, ExpertScratch, RouteCall, Routes, Segment};
+use crate::config::AttentionConfig;
 use crate::forward::{ExpertShard, ModuleKind, Pass};
 use crate::kv_cache::{BlockTable, KvPool};
 use crate::model::{ForwardError, Logits, Model, Precision};
 use crate::staged::DeviceBackend;
 use crate::weights::Weights;
-use duplex_kernels::device::{self, Device, DevicePtr, DeviceWeight, Matrix, Op, StreamId};
+use duplex_kernels::device::{self, Device, DevicePtr, DeviceWeight, GqaDims, Matrix, MlaDims, Op, StreamId};
 use std::ops::Range;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
@@ -63,6 +67,11 @@ impl ZigZag {
 
     pub fn ranks(&self) -> usize {
         self.ranks
+    }
+
+    /// The first new position: the cached prefix before it is in the pool.
+    pub fn first_position(&self) -> usize {
+        self.chunks[0].start
     }
 
     /// Rank `r`'s chunks, in the order its pass holds them: `r`, then `2R−1−r`.
@@ -189,6 +198,12 @@ impl<'p> Exchange<'p> {
         &self.split
     }
 
+    /// Entries of `layer` at `positions` from the pool (a cached prefix).
+    fn read(&self, layer: usize, positions: Range<usize>) -> Vec<f32> {
+        let st = self.lock();
+        positions.flat_map(|t| st.pool.entry(&st.table, layer, t).iter().copied()).collect()
+    }
+
     /// The sequence the pass writes.
     pub fn table(&self) -> BlockTable {
         self.lock().table.clone()
@@ -262,63 +277,90 @@ pub struct RankBackend<'a, 'p> {
     layer: usize,
     /// This layer's fresh KV entries, `(start, rows)`, until they are exchanged.
     fresh: Vec<(usize, Vec<f32>)>,
-    /// The layer's whole context `[0, end)` once exchanged.
-    context: Option<(usize, Vec<f32>)>,
 }
 
 impl<'a, 'p> RankBackend<'a, 'p> {
-    /// The context of `layer` from position 0 to the end of this rank's
-    /// last chunk: exchange this layer's fresh entries (the last rank to
-    /// arrive writes everyone's into the pool), then read it from the pool.
-    fn exchange_context(&mut self, layer: usize, entry: usize) -> Result<(), ForwardError> {
-        if self.context.as_ref().is_none_or(|(l, _)| *l != layer) {
-            let started = Instant::now();
-            let mut parcel = Parcel::default();
-            for (start, rows) in self.fresh.drain(..) {
-                parcel.runs.push((start, rows.len() / entry));
-                parcel.floats.extend(rows);
-            }
-            let sent = (parcel.floats.len() * 4 * (self.exchange.split.ranks - 1)) as u64;
-            self.exchange.rendezvous(self.rank, parcel, |st, parcels| {
-                for p in parcels {
-                    let mut at = 0;
-                    for &(start, rows) in &p.runs {
-                        for pos in start..start + rows {
-                            st.pool.entry_mut(&st.table, layer, pos).copy_from_slice(&p.floats[at..at + entry]);
-                            at += entry;
-                        }
+    /// Exchange this layer's fresh entries with the other ranks (the last
+    /// to arrive writes everyone's into the pool) and return the others',
+    /// as `(start, entries)` runs.
+    fn exchange_kv(&mut self, layer: usize, entry: usize) -> Result<Vec<(usize, Vec<f32>)>, ForwardError> {
+        let started = Instant::now();
+        let mut parcel = Parcel::default();
+        for (start, rows) in self.fresh.drain(..) {
+            parcel.runs.push((start, rows.len() / entry));
+            parcel.floats.extend(rows);
+        }
+        let sent = (parcel.floats.len() * 4 * (self.exchange.split.ranks - 1)) as u64;
+        let all = self.exchange.rendezvous(self.rank, parcel, |st, parcels| {
+            for p in parcels {
+                let mut at = 0;
+                for &(start, rows) in &p.runs {
+                    for pos in start..start + rows {
+                        st.pool.entry_mut(&st.table, layer, pos).copy_from_slice(&p.floats[at..at + entry]);
+                        at += entry;
                     }
                 }
-            })?;
-            let end = self.exchange.split.chunks_of(self.rank).iter().map(|c| c.end).max().unwrap_or(0);
-            let st = self.exchange.lock();
-            let context: Vec<f32> = (0..end).flat_map(|t| st.pool.entry(&st.table, layer, t).iter().copied()).collect();
-            drop(st);
-            self.context = Some((layer, context));
-            self.exchange.count(layer, |l| {
-                l.kv_bytes += sent;
-                l.time += started.elapsed();
-            });
+            }
+        })?;
+        let mut remote = vec![];
+        for (_, p) in all.iter().enumerate().filter(|&(r, _)| r != self.rank) {
+            let mut at = 0;
+            for &(start, rows) in &p.runs {
+                remote.push((start, p.floats[at..at + rows * entry].to_vec()));
+                at += rows * entry;
+            }
         }
-        Ok(())
+        self.exchange.count(layer, |l| {
+            l.kv_bytes += sent;
+            l.time += started.elapsed();
+        });
+        Ok(remote)
     }
 
-    /// The segment's context `[ctx, entry]` on the device: its fresh entries
-    /// when it starts the sequence, else the exchanged context uploaded.
-    fn context_matrix(&mut self, c: &AttentionCall) -> Result<Matrix, ForwardError> {
-        let entry = c.cfg.kv_entry_dim();
-        self.exchange_context(c.layer, entry)?;
-        if c.seg.start == 0 {
-            return Ok(c.fresh);
+    /// Keys brought from the host (`[rows, entry]`), in the segment's room for context.
+    fn upload_keys(&self, c: &AttentionCall, rows: &[f32]) -> Result<Matrix, ForwardError> {
+        let len = rows.len() / c.cfg.kv_entry_dim();
+        if c.context.rows < len {
+            return Err(ForwardError::Workspace(format!("no room for {len} positions of context")));
         }
-        let ctx = c.seg.start + c.seg.n;
-        let dst = c.context.rows(0..ctx);
-        if dst.rows != ctx || !dst.is_contiguous() {
-            return Err(ForwardError::Workspace(format!("no room for {ctx} positions of context")));
-        }
-        let context = &self.context.as_ref().expect("exchanged above").1;
-        self.upload_rows(&context[..ctx * entry], dst)?;
+        let dst = c.context.rows(0..len);
+        self.upload_rows(rows, dst)?;
         Ok(dst)
+    }
+
+    /// Attend the segment's queries over the keys `keys` (entries as the
+    /// cache holds them) at positions `key_start..`: straight into its
+    /// output for the first part, else into its partial buffers and merged
+    /// (online softmax, by log-sum-exp).
+    fn attend_part(&mut self, c: &AttentionCall, kv_b: Option<&DeviceWeight>, key_start: usize, keys: Matrix, first: bool) -> Result<(), ForwardError> {
+        let (out, lse) = if first { (c.out, c.lse) } else { (c.part, c.part_lse) };
+        let (cfg, start) = (c.cfg, c.seg.start);
+        match (&cfg.attention, kv_b) {
+            (AttentionConfig::Mla(m), Some(kv_b)) => {
+                let (heads, dn, dr, dv, dc) = (cfg.num_attention_heads, m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim, m.kv_lora_rank);
+                let (len, dkv) = (keys.rows, dn + dv);
+                // Keys and values expanded a group of heads at a time, as in one-device attention.
+                for h0 in (0..heads).step_by(c.heads_per_step.max(1)) {
+                    let g = c.heads_per_step.min(heads - h0);
+                    let kv = c.expanded.rows(0..len).reshape(len, g * dkv);
+                    self.device.gemm(&kv_b.rows(h0 * dkv..(h0 + g) * dkv)?, keys.columns(0..dc), kv, c.precision, true)?;
+                    let (q, o, l) = (c.q.columns(h0 * (dn + dr)..(h0 + g) * (dn + dr)), out.columns(h0 * dv..(h0 + g) * dv), lse.columns(h0..h0 + g));
+                    let dims = MlaDims { heads: g, dn, dr, dv, dc };
+                    self.device.launch(Op::MlaPrefillPart { q, kv, latents: keys, out: o, lse: l, start, key_start, dims, scale: c.scale, precision: c.precision })?;
+                }
+            }
+            (AttentionConfig::Gqa(g), _) => {
+                let kvd = g.num_key_value_heads * g.head_dim;
+                let dims = GqaDims { heads: cfg.num_attention_heads, kv_heads: g.num_key_value_heads, head_dim: g.head_dim };
+                let (k, v) = (keys.columns(0..kvd), keys.columns(kvd..2 * kvd));
+                self.device.launch(Op::GqaAttentionPart { q: c.q, k, v, out, lse, start, key_start, dims, scale: c.scale, precision: c.precision })?;
+            }
+            (AttentionConfig::Mla(_), None) => return Err(ForwardError::MissingWeight("kv_b_proj".into())),
+        }
+        if !first {
+            self.device.launch(Op::AttentionMerge { out: c.out, lse: c.lse, part: c.part, part_lse: c.part_lse, heads: cfg.num_attention_heads })?;
+        }
+        Ok(())
     }
 
     fn upload_rows(&self, rows: &[f32], dst: Matrix) -> Result<(), ForwardError> {
@@ -445,13 +487,51 @@ impl Backend for RankBackend<'_, '_> {
     }
 
     fn mla_attention(&mut self, c: &AttentionCall, w: &Weights<DeviceWeight>) -> Result<(), ForwardError> {
-        let context = self.context_matrix(c)?;
-        self.device.mla_over(c, w.get("kv_b_proj")?, context)
+        self.attention(std::slice::from_ref(c), w)
     }
 
     fn gqa_attention(&mut self, c: &AttentionCall) -> Result<(), ForwardError> {
-        let context = self.context_matrix(c)?;
-        self.device.gqa_over(c, context)
+        self.attention(std::slice::from_ref(c), &Weights::default())
+    }
+
+    /// Pass-KV context parallelism. Phase 1: every segment attends the keys
+    /// this rank has (its own chunks, the cached prefix), enqueued before
+    /// the exchange, so the device computes while the host waits for the
+    /// peers. Phase 2: each segment attends the peers' chunks before its
+    /// end, each part merged into its output by log-sum-exp.
+    fn attention(&mut self, calls: &[AttentionCall], w: &Weights<DeviceWeight>) -> Result<(), ForwardError> {
+        let Some(first) = calls.first() else { return Ok(()) };
+        let (layer, cfg) = (first.layer, first.cfg);
+        let entry = cfg.kv_entry_dim();
+        let kv_b = match cfg.attention {
+            AttentionConfig::Mla(_) => Some(*w.get("kv_b_proj")?),
+            AttentionConfig::Gqa(_) => None,
+        };
+        let cached = self.exchange.split.first_position();
+        let prefix = if cached > 0 { Some(self.exchange.read(layer, 0..cached)) } else { None };
+        for c in calls {
+            // Its own chunk first: every query sees at least itself.
+            self.attend_part(c, kv_b.as_ref(), c.seg.start, c.fresh, true)?;
+            for own in calls.iter().filter(|o| o.seg.start < c.seg.start) {
+                self.attend_part(c, kv_b.as_ref(), own.seg.start, own.fresh, false)?;
+            }
+            if let Some(prefix) = &prefix {
+                let keys = self.upload_keys(c, prefix)?;
+                self.attend_part(c, kv_b.as_ref(), 0, keys, false)?;
+            }
+        }
+        let remote = self.exchange_kv(layer, entry)?;
+        for c in calls {
+            let end = c.seg.start + c.seg.n;
+            for (start, rows) in remote.iter().filter(|(start, _)| *start < end) {
+                let keys = self.upload_keys(c, rows)?;
+                self.attend_part(c, kv_b.as_ref(), *start, keys, false)?;
+            }
+            if c.precision == Precision::Bf16 {
+                self.device.round_bf16(c.out)?;
+            }
+        }
+        Ok(())
     }
 }
 
@@ -479,14 +559,14 @@ impl<'a, 'p> RankedPass<'a, 'p> {
     #[allow(clippy::too_many_arguments)]
     pub fn new(model: &'a Model, dev: &'a dyn Device, stream: StreamId, rank: usize, exchange: &'a Exchange<'p>, table: &BlockTable, tokens: &[u32], precision: Precision, want: Logits, workspace: DevicePtr, kv_bytes: usize) -> Result<Self, ForwardError> {
         let split = exchange.split();
-        let first = split.chunks.first().map_or(0, |c| c.start);
+        let first = split.first_position();
         let chunks = split.chunks_of(rank);
         let mut parts: Vec<(usize, &[u32])> = vec![];
         for c in &chunks {
             let t = tokens.get(c.start - first..c.end - first).ok_or_else(|| ForwardError::BadModule(format!("positions {c:?} beyond the {} tokens given", tokens.len())))?;
             parts.push((c.start, t));
         }
-        let backend = RankBackend { device: DeviceBackend::new(dev, stream, workspace), rank, exchange, layer: 0, fresh: vec![], context: None };
+        let backend = RankBackend { device: DeviceBackend::new(dev, stream, workspace), rank, exchange, layer: 0, fresh: vec![] };
         let shard = ExpertShard { experts: split.experts_of(rank), rows_all: split.rows() };
         let pass = Pass::ranked(model, backend, table, &parts, Some(shard), precision, want, kv_bytes)?;
         Ok(RankedPass { pass, no_pool: KvPool::new(0, 1, 1, 1) })
