@@ -14,8 +14,8 @@
 //! the exchange, so no rank waits for another that will not come.
 
 use crate::slp::{SlpConfig, SlpEngine, SlpError, SlpReport};
-use duplex_kernels::device::Device;
-use duplex_model::ranked::{self, Exchange, LayerExchange, RankedPass, ZigZag};
+use duplex_kernels::device::{Device, StreamId, StreamKind};
+use duplex_model::ranked::{self, Exchange, LayerExchange, RankStreams, RankedPass, ZigZag};
 use duplex_model::model::ForwardError;
 use duplex_model::{BlockTable, KvPool, Logits, Model, Precision};
 use std::sync::{Arc, Mutex};
@@ -39,6 +39,8 @@ impl DslpReport {
 /// One SLP engine per device; rank `r` is device `r`.
 pub struct DslpEngine {
     ranks: Vec<SlpEngine>,
+    /// Per rank, the stream its KV entries are downloaded on for the exchange.
+    copies: Vec<StreamId>,
 }
 
 impl DslpEngine {
@@ -51,8 +53,9 @@ impl DslpEngine {
         if e > 0 && e < devices.len() {
             return Err(SlpError::Config(format!("{e} routed experts cannot be shared by {} devices", devices.len())));
         }
+        let copies = devices.iter().map(|d| d.create_stream(StreamKind::Copy)).collect::<Result<_, _>>()?;
         let ranks = devices.into_iter().map(|d| SlpEngine::new(model, d, config.clone())).collect::<Result<_, _>>()?;
-        Ok(DslpEngine { ranks })
+        Ok(DslpEngine { ranks, copies })
     }
 
     pub fn ranks(&self) -> usize {
@@ -163,7 +166,7 @@ impl DslpEngine {
             tokens.len(),
             bytes,
             should_stop,
-            |workspace| Ok(RankedPass::new(model, dev, engine.compute_stream(), r, exchange, &table, tokens, precision, want, workspace, kv_bytes)?),
+            |workspace| Ok(RankedPass::new(model, dev, RankStreams { compute: engine.compute_stream(), copies: self.copies[r] }, r, exchange, &table, tokens, precision, want, workspace, kv_bytes)?),
             |pass, kind, w| pass.run(kind, w),
             |pass| Ok(pass.finish(want)?),
             &|kind| split.runs(r, kind, want),

@@ -35,7 +35,7 @@ use crate::kv_cache::{BlockTable, KvPool};
 use crate::model::{ForwardError, Logits, Model, Precision};
 use crate::staged::DeviceBackend;
 use crate::weights::Weights;
-use duplex_kernels::device::{self, Device, DevicePtr, DeviceWeight, GqaDims, Matrix, MlaDims, Op, StreamId};
+use duplex_kernels::device::{self, Device, DevicePtr, DeviceWeight, Event, GqaDims, Matrix, MlaDims, Op, Staging, StreamId};
 use std::ops::Range;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
@@ -275,8 +275,12 @@ pub struct RankBackend<'a, 'p> {
     rank: usize,
     exchange: &'a Exchange<'p>,
     layer: usize,
-    /// This layer's fresh KV entries, `(start, rows)`, until they are exchanged.
-    fresh: Vec<(usize, Vec<f32>)>,
+    /// The stream the rank's KV entries are downloaded on for the exchange,
+    /// beside the compute stream's phase 1.
+    copies: StreamId,
+    /// This layer's fresh KV entries on their way to the host: start,
+    /// rows, where they land, and the event that ends the copy.
+    fresh: Vec<(usize, usize, Arc<Staging>, Event)>,
 }
 
 impl<'a, 'p> RankBackend<'a, 'p> {
@@ -286,9 +290,13 @@ impl<'a, 'p> RankBackend<'a, 'p> {
     fn exchange_kv(&mut self, layer: usize, entry: usize) -> Result<Vec<(usize, Vec<f32>)>, ForwardError> {
         let started = Instant::now();
         let mut parcel = Parcel::default();
-        for (start, rows) in self.fresh.drain(..) {
-            parcel.runs.push((start, rows.len() / entry));
-            parcel.floats.extend(rows);
+        for (start, rows, staging, copied) in self.fresh.drain(..) {
+            self.device.dev.synchronize(&copied)?;
+            parcel.runs.push((start, rows));
+            parcel.floats.extend(staging.lock().chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])));
+        }
+        if parcel.floats.len() != parcel.runs.iter().map(|r| r.1).sum::<usize>() * entry {
+            return Err(ForwardError::Workspace(format!("the KV entries of layer {layer} do not have {entry} floats each")));
         }
         let sent = (parcel.floats.len() * 4 * (self.exchange.split.ranks - 1)) as u64;
         let all = self.exchange.rendezvous(self.rank, parcel, |st, parcels| {
@@ -368,6 +376,16 @@ impl<'a, 'p> RankBackend<'a, 'p> {
             return Err(ForwardError::Workspace(format!("{} floats do not fill a {}×{} matrix", rows.len(), dst.rows, dst.cols)));
         }
         Ok(device::upload_f32(self.device.dev, self.device.stream, rows, dst.buf.slice(dst.offset * 4, rows.len() * 4)?)?)
+    }
+}
+
+impl Drop for RankBackend<'_, '_> {
+    fn drop(&mut self) {
+        // A pass that failed mid-layer leaves downloads of its workspace in
+        // flight: they must end before the workspace is given back.
+        for (_, _, _, copied) in self.fresh.drain(..) {
+            let _ = self.device.dev.synchronize(&copied);
+        }
     }
 }
 
@@ -470,19 +488,23 @@ impl Backend for RankBackend<'_, '_> {
     }
 
     fn store_kv(&mut self, layer: usize, parts: &[Matrix], seg: &Segment, _pool: &mut KvPool) -> Result<(), ForwardError> {
-        // Kept until the layer's attention exchanges them (and writes them to the pool).
+        // Downloaded on the copy stream once computed, while phase 1 of the
+        // attention runs; the layer's attention exchanges them (and writes
+        // them into the pool).
         self.layer = layer;
-        let rows: Vec<Vec<f32>> = parts.iter().map(|m| self.device.download(*m)).collect::<Result<_, _>>()?;
-        let width: usize = parts.iter().map(|m| m.cols).sum();
-        let mut entries = vec![0.0; seg.n * width];
-        for (i, e) in entries.chunks_mut(width).enumerate() {
-            let mut at = 0;
-            for (part, r) in parts.iter().zip(&rows) {
-                e[at..at + part.cols].copy_from_slice(&r[i * part.cols..(i + 1) * part.cols]);
-                at += part.cols;
-            }
+        let [entries] = parts else {
+            return Err(ForwardError::BadModule(format!("a rank stores KV entries as one matrix, not {}", parts.len())));
+        };
+        if !entries.is_contiguous() || entries.rows != seg.n {
+            return Err(ForwardError::Workspace(format!("KV entries of {} rows for a {}-token segment, or not contiguous", entries.rows, seg.n)));
         }
-        self.fresh.push((seg.start, entries));
+        let dev = self.device.dev;
+        let bytes = entries.rows * entries.cols * 4;
+        let staging = dev.staging(bytes)?;
+        let computed = dev.record(self.device.stream)?;
+        dev.wait_event(self.copies, &computed)?;
+        dev.download_to(self.copies, entries.buf.slice(entries.offset * 4, bytes)?, &staging, 0)?;
+        self.fresh.push((seg.start, seg.n, staging, dev.record(self.copies)?));
         Ok(())
     }
 
@@ -543,6 +565,14 @@ pub fn workspace_bytes(model: &Model, split: &ZigZag, rank: usize, want: Logits,
     Ok(crate::forward::workspace_bytes(&model.cfg, shape))
 }
 
+/// A rank's streams: its pass computes on one, and downloads its KV
+/// entries for the exchange on the other.
+#[derive(Clone, Copy, Debug)]
+pub struct RankStreams {
+    pub compute: StreamId,
+    pub copies: StreamId,
+}
+
 /// One rank's pass through its staged modules, on one device stream.
 pub struct RankedPass<'a, 'p> {
     pass: Pass<'a, RankBackend<'a, 'p>>,
@@ -557,7 +587,7 @@ impl<'a, 'p> RankedPass<'a, 'p> {
     /// exchange's table, with activations in `workspace` (at least
     /// [`workspace_bytes`] long for the same `kv_bytes`).
     #[allow(clippy::too_many_arguments)]
-    pub fn new(model: &'a Model, dev: &'a dyn Device, stream: StreamId, rank: usize, exchange: &'a Exchange<'p>, table: &BlockTable, tokens: &[u32], precision: Precision, want: Logits, workspace: DevicePtr, kv_bytes: usize) -> Result<Self, ForwardError> {
+    pub fn new(model: &'a Model, dev: &'a dyn Device, streams: RankStreams, rank: usize, exchange: &'a Exchange<'p>, table: &BlockTable, tokens: &[u32], precision: Precision, want: Logits, workspace: DevicePtr, kv_bytes: usize) -> Result<Self, ForwardError> {
         let split = exchange.split();
         let first = split.first_position();
         let chunks = split.chunks_of(rank);
@@ -566,7 +596,7 @@ impl<'a, 'p> RankedPass<'a, 'p> {
             let t = tokens.get(c.start - first..c.end - first).ok_or_else(|| ForwardError::BadModule(format!("positions {c:?} beyond the {} tokens given", tokens.len())))?;
             parts.push((c.start, t));
         }
-        let backend = RankBackend { device: DeviceBackend::new(dev, stream, workspace), rank, exchange, layer: 0, fresh: vec![] };
+        let backend = RankBackend { device: DeviceBackend::new(dev, streams.compute, workspace), rank, exchange, layer: 0, copies: streams.copies, fresh: vec![] };
         let shard = ExpertShard { experts: split.experts_of(rank), rows_all: split.rows() };
         let pass = Pass::ranked(model, backend, table, &parts, Some(shard), precision, want, kv_bytes)?;
         Ok(RankedPass { pass, no_pool: KvPool::new(0, 1, 1, 1) })
