@@ -127,7 +127,7 @@ impl Workers {
         let lease = self.lease(id, prompt, max_tokens).unwrap();
         let (reply, answer) = oneshot::channel();
         let job_lease = Lease { pool_epoch: lease.pool_epoch, blocks: lease.blocks.clone(), cached_tokens: lease.cached_tokens };
-        let job = Job { request_id: id.into(), prompt: prompt.to_vec(), sampling: greedy(), lease: job_lease, max_tokens, stop_token_ids: Default::default(), constraint: None, reply, arrived: Instant::now() };
+        let job = Job { request_id: id.into(), prompt: prompt.to_vec(), sampling: greedy(), lease: job_lease, max_tokens, stop_token_ids: Default::default(), constraint: None, reply, arrived: Instant::now(), dslp_routed: false };
         self.prefill.send(PrefillCommand::Prefill(Box::new(job))).unwrap();
         let first_token = answer.blocking_recv().unwrap().unwrap().token;
         let mut out = vec![first_token.id];
@@ -274,7 +274,7 @@ fn a_restarted_pool_starts_empty_and_refuses_old_leases() {
     // The old lease: the prefill worker refuses it, and so does Decode.
     let (reply, answer) = oneshot::channel();
     let old_lease = Lease { pool_epoch: old.pool_epoch, blocks: old.blocks.clone(), cached_tokens: old.cached_tokens };
-    let job = Job { request_id: "old".into(), prompt: prompt.clone(), sampling: greedy(), lease: old_lease, max_tokens: 8, stop_token_ids: Default::default(), constraint: None, reply, arrived: Instant::now() };
+    let job = Job { request_id: "old".into(), prompt: prompt.clone(), sampling: greedy(), lease: old_lease, max_tokens: 8, stop_token_ids: Default::default(), constraint: None, reply, arrived: Instant::now(), dslp_routed: false };
     after.prefill.send(PrefillCommand::Prefill(Box::new(job))).unwrap();
     assert!(matches!(answer.blocking_recv().unwrap().unwrap_err(), duplex_prefill::engine::PrefillError::StaleLease(_)));
     let first_token = duplex_model::sampling::SampledToken { id: 7, logprob: 0.0, top_logprobs: vec![] };
