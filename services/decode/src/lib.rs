@@ -49,7 +49,7 @@ pub async fn serve(config: DecodeConfig, listener: impl Into<Listener>, shutdown
     let grammar = tokio::task::spawn_blocking(move || grammar_compiler(&model, vocab)).await?;
     let (commands, receiver) = std::sync::mpsc::channel();
     std::thread::Builder::new().name("decode-engine".into()).spawn(move || batcher.run(receiver))?;
-    let budget_bytes = (config.lendable_device_mib > 0).then(|| (config.lendable_device_mib as u64) << 20);
+    let budget_bytes = (config.lendable_device_mib > 0).then_some((config.lendable_device_mib as u64) << 20);
     let lender = lease::DeviceLender::new(lease::Lendable { device, budget_bytes }, std::time::Duration::from_secs_f64(config.device_lease_revoke_timeout_seconds));
     let service = server::DecodeService::new(commands.clone(), stats, vocab, context).with_grammar(grammar).with_lender(lender.clone());
     tracing::info!("decode worker serving on {listener}");
