@@ -203,3 +203,56 @@ async fn through_the_services_a_decode_call_takes_the_device_back() {
     assert!(r.reason.contains("1 running or queued"), "{}", r.reason);
     drop(tokens);
 }
+
+/// A borrower killed mid-lease (its socket closes, with no frame sent):
+/// the gRPC server drops the lease's stream, so the lease ends at once and
+/// the admission waiting on it goes on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_borrower_whose_connection_dies_releases_the_lease_at_once() {
+    use duplex_proto::worker::device_lease_client::DeviceLeaseClient;
+    use duplex_proto::worker::device_lease_server::DeviceLeaseServer;
+    use tokio::net::{TcpListener, TcpStream};
+    // An engine with nothing to decode.
+    let (commands, receiver) = std::sync::mpsc::channel::<Command>();
+    std::thread::spawn(move || {
+        for command in receiver {
+            if let Command::Sequences { reply } = command {
+                let _ = reply.send(0);
+            }
+        }
+    });
+    let lender = lender(None, Duration::from_secs(5));
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let server_addr = listener.local_addr().unwrap();
+    let service = DeviceLeaseServer::new(LeaseService::new(commands, lender.clone()));
+    tokio::spawn(tonic::transport::Server::builder().add_service(service).serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener)));
+    // The borrower's end of the connection: aborting it closes the sockets
+    // as a kill -9 of the borrower's process would.
+    let proxy = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let proxy_addr = proxy.local_addr().unwrap();
+    let link = tokio::spawn(async move {
+        let (mut inbound, _) = proxy.accept().await.unwrap();
+        let mut outbound = TcpStream::connect(server_addr).await.unwrap();
+        let _ = tokio::io::copy_bidirectional(&mut inbound, &mut outbound).await;
+    });
+    let mut client = DeviceLeaseClient::connect(format!("http://{proxy_addr}")).await.unwrap();
+    let mut stream = client.lease_device(DeviceLeaseRequest { request_id: "long".into(), bytes: 1 }).await.unwrap().into_inner();
+    let first = stream.message().await.unwrap().and_then(|e| e.event);
+    assert!(matches!(first, Some(Event::Granted(_))), "{first:?}");
+    assert!(lender.is_lent());
+    let admission = tokio::spawn({
+        let lender = lender.clone();
+        async move {
+            let _admitting = lender.admit().await;
+        }
+    });
+    let revoked = tokio::time::timeout(Duration::from_secs(1), stream.message()).await.unwrap().unwrap().and_then(|e| e.event);
+    assert!(matches!(revoked, Some(Event::Revoked(_))), "{revoked:?}");
+    // The borrower dies instead of dropping the stream.
+    let killed = Instant::now();
+    link.abort();
+    tokio::time::timeout(Duration::from_secs(2), admission).await.expect("the admission goes on once the connection is gone").unwrap();
+    assert!(!lender.is_lent());
+    eprintln!("lease released {:?} after the borrower's connection closed", killed.elapsed());
+    drop(stream);
+}
