@@ -333,16 +333,16 @@ impl Engine {
         let single = compute_for(self.slp.as_ref(), false, todo.len()).0;
         let mut loan = None;
         if let (Compute::Dslp(_), Some(borrower)) = (compute, self.borrower.as_ref()) {
-            let (reason, why) = match borrower.borrow(&job.request_id) {
+            let refusal = match borrower.borrow(&job.request_id) {
                 Borrowed::Granted(granted) => {
                     tracing::debug!("the decode worker lent its device");
                     loan = Some((granted, Instant::now()));
-                    ("", String::new())
+                    None
                 }
-                Borrowed::Refused(why) => ("refused", format!("the decode worker refused to lend its device ({why})")),
-                Borrowed::Unreachable(why) => ("unreachable", format!("the decode worker at {} did not answer for its device ({why})", borrower.address())),
+                Borrowed::Refused(why) => Some(("refused", format!("the decode worker refused to lend its device ({why})"))),
+                Borrowed::Unreachable(why) => Some(("unreachable", format!("the decode worker at {} did not answer for its device ({why})", borrower.address()))),
             };
-            if loan.is_none() {
+            if let Some((reason, why)) = refusal {
                 tracing::info!("routed to two-device prefill, but {why}: running {}", single.as_str());
                 metrics::counter!(names::PREFILL_DSLP_FALLBACK, "reason" => reason).increment(1);
                 compute = single;
