@@ -163,3 +163,52 @@ fn a_decode_request_during_two_device_prefill_takes_the_device_back_and_both_com
         assert!(log.contains("stream-loading prefill: ring"), "the rerun on one device: {log}");
     });
 }
+
+/// A prefill worker killed (-9) while it holds the device lease releases it
+/// with its connection: the decode worker logs the lease's end, and a short
+/// request sent afterwards is served with the CPU engine's tokens without
+/// revoking or waiting for anything.
+#[test]
+fn a_prefill_worker_killed_mid_lease_releases_the_device_at_once() {
+    use nix::sys::signal::{kill, Signal};
+    use nix::unistd::Pid;
+    let _serial = serial();
+    let long = prompt_from(0, 300);
+    let short = prompt_from(5, 40);
+    let short_want = generate_cli(&short, 8, "f32");
+    let window = Duration::from_secs(1);
+    let server = Server::start(Options {
+        prefill_threshold_tokens: 64,
+        slp_threshold_tokens: Some(64),
+        prefill_devices: 2,
+        dslp_idle_window_seconds: window.as_secs_f64(),
+        prefill_h2d_gb_per_s: Some(0.004),
+        dtype: "f32",
+        ..Options::default()
+    });
+    let decode_metrics = server.decode_metrics_url();
+    runtime().block_on(async {
+        tokio::time::sleep(window + Duration::from_millis(500)).await;
+        let mut long_client = server.grpc_client().await;
+        // Its outcome does not matter here: its prefill worker is killed.
+        let long_request = tokio::spawn(async move { within(180, "long prompt", collect(&mut long_client, greedy_request(&long, 8))).await });
+        tokio::task::block_in_place(|| server.wait_for_log("the device lease", Duration::from_secs(60), |log| log.contains("device lent to request")));
+        kill(Pid::from_raw(server.pid_of("prefill worker") as i32), Signal::SIGKILL).unwrap();
+        let started = std::time::Instant::now();
+        tokio::task::block_in_place(|| server.wait_for_log("the lease's end", Duration::from_secs(2), |log| log.lines().any(|l| l.contains("device lease of request") && l.ends_with("ended"))));
+        eprintln!("the decode worker saw the lease end {:?} after the kill", started.elapsed());
+        // Served while the prefill worker is dead or restarting.
+        let mut client = server.grpc_client().await;
+        let (ids, _, _) = within(60, "short prompt after the kill", collect(&mut client, greedy_request(&short, 8))).await.unwrap();
+        assert_eq!(ids, short_want, "short prompt");
+        eprintln!("short request served {:?} after the prefill worker was killed", started.elapsed());
+        let revocations = server.metric(&decode_metrics, "duplex_decode_device_lease_revocations_total", "").await.unwrap_or(0.0);
+        let waits = server.metric(&decode_metrics, "duplex_decode_device_lease_wait_seconds_count", "").await.unwrap_or(0.0);
+        let waited = server.metric(&decode_metrics, "duplex_decode_device_lease_wait_seconds_sum", "").await.unwrap_or(0.0);
+        // The connection's close normally beats the short request; if it did
+        // not, the request waited only for it, far below the 5 s bound.
+        eprintln!("after the kill: {revocations} revocations, {waits} waits, {waited:.3} s");
+        assert!(waited < 1.0, "waited {waited:.3} s for a dead prefill worker's lease");
+        let _ = within(180, "the long request to end", long_request).await;
+    });
+}

@@ -182,8 +182,10 @@ struct Release {
 impl Drop for Release {
     fn drop(&mut self) {
         let mut state = self.lender.lock();
-        if state.holder.as_ref().is_some_and(|h| h.id == self.id) {
-            state.holder = None;
+        if let Some(holder) = state.holder.take_if(|h| h.id == self.id) {
+            if holder.granted {
+                tracing::info!("the device lease of request {} ended", holder.request_id);
+            }
         }
     }
 }
