@@ -91,3 +91,124 @@ fn short_prompts_chunk_on_decode_long_ones_take_dslp_when_decode_is_idle_and_slp
         }
     });
 }
+
+/// The device lease (§3.3.2's last paragraph): two-device prefill borrows the
+/// decode worker's device, and a decode request arriving mid-run takes it
+/// back. The emulated copies are paced so that the run lasts seconds; a
+/// short request sent while it runs is served with the CPU engine's tokens
+/// after a bounded wait (the decode worker's histogram), the run stops at
+/// its next module (the revocation and the fallback are counted and logged),
+/// and the long prompt still completes on single-device prefill with the
+/// CPU engine's tokens.
+#[test]
+fn a_decode_request_during_two_device_prefill_takes_the_device_back_and_both_complete() {
+    let _serial = serial();
+    let long = prompt_from(0, 300);
+    let short = prompt_from(5, 40);
+    let expected = |p: &[u32], n: usize| generate_cli(p, n, "f32");
+    let (long_want, short_want) = (expected(&long, 8), expected(&short, 8));
+
+    let window = Duration::from_secs(1);
+    let server = Server::start(Options {
+        prefill_threshold_tokens: 64,
+        slp_threshold_tokens: Some(64),
+        prefill_devices: 2,
+        dslp_idle_window_seconds: window.as_secs_f64(),
+        // About 4 MB/s: each rank's share of the tiny model's weights takes
+        // seconds to stream, so the short request lands mid-run.
+        prefill_h2d_gb_per_s: Some(0.004),
+        dtype: "f32",
+        ..Options::default()
+    });
+    assert!(server.log().contains("under its device lease"), "{}", server.log());
+    let (decode_metrics, prefill_metrics) = (server.decode_metrics_url(), server.prefill_metrics_url());
+    let metric = |url: &str, name: &str, labels: &str| {
+        let (server, url, name, labels) = (&server, url.to_string(), name.to_string(), labels.to_string());
+        async move { server.metric(&url, &name, &labels).await.unwrap_or(0.0) }
+    };
+    runtime().block_on(async {
+        tokio::time::sleep(window + Duration::from_millis(500)).await;
+        let mut long_client = server.grpc_client().await;
+        let long_request = tokio::spawn(async move { within(180, "long prompt", collect(&mut long_client, greedy_request(&long, 8))).await });
+        // The decode worker lent its device: two-device prefill is running.
+        tokio::task::block_in_place(|| server.wait_for_log("the device lease", Duration::from_secs(60), |log| log.contains("device lent to request")));
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        assert!(!long_request.is_finished(), "the two-device prefill ended before the short request was sent; pace the copies slower");
+
+        let mut client = server.grpc_client().await;
+        let (ids, _, finished) = within(120, "short prompt during two-device prefill", collect(&mut client, greedy_request(&short, 8))).await.unwrap();
+        assert_eq!(ids, short_want, "short prompt");
+        assert_eq!(finished.timings.unwrap().prefill_path, "decode");
+
+        let (ids, _, finished) = long_request.await.unwrap().unwrap();
+        assert_eq!(ids, long_want, "long prompt, rerun on one device after the revocation");
+        assert_eq!(finished.timings.unwrap().prefill_path, "prefill");
+
+        // It was two-device prefill that the request interrupted.
+        assert_eq!(server.metric(&format!("{}/metrics", server.http), "duplex_prefill_route_total", "route=\"dslp\"").await, Some(1.0));
+        assert_eq!(metric(&prefill_metrics, "duplex_prefill_dslp_fallback_total", "reason=\"revoked\"").await, 1.0, "stopped mid-run for the decode worker");
+        assert_eq!(metric(&prefill_metrics, "duplex_prefill_dslp_fallback_total", "").await, 1.0, "no other fallback");
+        assert!(metric(&decode_metrics, "duplex_decode_device_lease_revocations_total", "").await >= 1.0);
+        // The short request's wait for the device: measured, and bounded by
+        // about one module's copy and compute, far below the 5 s bound.
+        let waits = metric(&decode_metrics, "duplex_decode_device_lease_wait_seconds_count", "").await;
+        let waited = metric(&decode_metrics, "duplex_decode_device_lease_wait_seconds_sum", "").await;
+        assert!(waits >= 1.0, "the wait was measured");
+        eprintln!("device lease: {waits} waits, {waited:.3} s in all");
+        assert!(waited < 2.0, "the decode requests waited {waited:.3} s for the device in all");
+        let log = server.log();
+        assert!(log.contains("revoking the device lease of request"), "{log}");
+        assert!(log.contains("took its device back after"), "{log}");
+        assert_eq!(log.matches("two-device prefill on 2 devices:").count(), 0, "the two-device run did not complete: {log}");
+        assert!(log.contains("stream-loading prefill: ring"), "the rerun on one device: {log}");
+    });
+}
+
+/// A prefill worker killed (-9) while it holds the device lease releases it
+/// with its connection: the decode worker logs the lease's end, and a short
+/// request sent afterwards is served with the CPU engine's tokens without
+/// revoking or waiting for anything.
+#[test]
+fn a_prefill_worker_killed_mid_lease_releases_the_device_at_once() {
+    use nix::sys::signal::{kill, Signal};
+    use nix::unistd::Pid;
+    let _serial = serial();
+    let long = prompt_from(0, 300);
+    let short = prompt_from(5, 40);
+    let short_want = generate_cli(&short, 8, "f32");
+    let window = Duration::from_secs(1);
+    let server = Server::start(Options {
+        prefill_threshold_tokens: 64,
+        slp_threshold_tokens: Some(64),
+        prefill_devices: 2,
+        dslp_idle_window_seconds: window.as_secs_f64(),
+        prefill_h2d_gb_per_s: Some(0.004),
+        dtype: "f32",
+        ..Options::default()
+    });
+    let decode_metrics = server.decode_metrics_url();
+    runtime().block_on(async {
+        tokio::time::sleep(window + Duration::from_millis(500)).await;
+        let mut long_client = server.grpc_client().await;
+        // Its outcome does not matter here: its prefill worker is killed.
+        let long_request = tokio::spawn(async move { within(180, "long prompt", collect(&mut long_client, greedy_request(&long, 8))).await });
+        tokio::task::block_in_place(|| server.wait_for_log("the device lease", Duration::from_secs(60), |log| log.contains("device lent to request")));
+        kill(Pid::from_raw(server.pid_of("prefill worker") as i32), Signal::SIGKILL).unwrap();
+        let started = std::time::Instant::now();
+        tokio::task::block_in_place(|| server.wait_for_log("the lease's end", Duration::from_secs(2), |log| log.lines().any(|l| l.contains("device lease of request") && l.ends_with("ended"))));
+        eprintln!("the decode worker saw the lease end {:?} after the kill", started.elapsed());
+        // Served while the prefill worker is dead or restarting.
+        let mut client = server.grpc_client().await;
+        let (ids, _, _) = within(60, "short prompt after the kill", collect(&mut client, greedy_request(&short, 8))).await.unwrap();
+        assert_eq!(ids, short_want, "short prompt");
+        eprintln!("short request served {:?} after the prefill worker was killed", started.elapsed());
+        let revocations = server.metric(&decode_metrics, "duplex_decode_device_lease_revocations_total", "").await.unwrap_or(0.0);
+        let waits = server.metric(&decode_metrics, "duplex_decode_device_lease_wait_seconds_count", "").await.unwrap_or(0.0);
+        let waited = server.metric(&decode_metrics, "duplex_decode_device_lease_wait_seconds_sum", "").await.unwrap_or(0.0);
+        // The connection's close normally beats the short request; if it did
+        // not, the request waited only for it, far below the 5 s bound.
+        eprintln!("after the kill: {revocations} revocations, {waits} waits, {waited:.3} s");
+        assert!(waited < 1.0, "waited {waited:.3} s for a dead prefill worker's lease");
+        let _ = within(180, "the long request to end", long_request).await;
+    });
+}

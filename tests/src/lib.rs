@@ -57,6 +57,9 @@ pub struct Options {
     pub prefill_devices: usize,
     /// The router's `dslp_idle_window_seconds`.
     pub dslp_idle_window_seconds: f64,
+    /// With `slp_threshold_tokens`: the emulated devices' paced copy
+    /// bandwidth (`emulated_h2d_gb_per_s`); `None` keeps the default.
+    pub prefill_h2d_gb_per_s: Option<f64>,
 }
 
 impl Default for Options {
@@ -71,6 +74,7 @@ impl Default for Options {
             expert_cache_experts: 0,
             prefill_devices: 0,
             dslp_idle_window_seconds: 300.0,
+            prefill_h2d_gb_per_s: None,
         }
     }
 }
@@ -110,7 +114,8 @@ impl Server {
         let slp = match options.slp_threshold_tokens {
             Some(n) => {
                 let devices = vec!["\"emulated\""; options.prefill_devices].join(", ");
-                format!("device = \"emulated\"\ndevices = [{devices}]\nslp_threshold_tokens = {n}\ndevice_memory_mib = 64\ndense_budget_mib = 4\n")
+                let paced = options.prefill_h2d_gb_per_s.map_or(String::new(), |rate| format!("emulated_h2d_gb_per_s = {rate}\n"));
+                format!("device = \"emulated\"\ndevices = [{devices}]\nslp_threshold_tokens = {n}\ndevice_memory_mib = 64\ndense_budget_mib = 4\n{paced}")
             }
             None => "device = \"cpu\"\n".into(),
         };

@@ -113,6 +113,9 @@ pub enum Command {
     AllocateKv { request_id: String, tokens: usize, prompt: Vec<u32>, max_tokens: usize, reply: LeaseReply },
     FreeKv { request_id: String, reply: oneshot::Sender<bool> },
     Cancel { request_id: String, reply: oneshot::Sender<bool> },
+    /// How many sequences are running or queued (the device lease is
+    /// granted only at none).
+    Sequences { reply: oneshot::Sender<usize> },
 }
 
 pub struct Limits {
@@ -310,6 +313,10 @@ impl Batcher {
             Command::Cancel { request_id, reply } => {
                 let found = self.kv.free_lease(&request_id) | self.cancel(&request_id);
                 let _ = reply.send(found);
+            }
+            Command::Sequences { reply } => {
+                let waiting = self.waiting.iter().filter(|w| matches!(w, Waiter::Sequence(_))).count();
+                let _ = reply.send(self.running.len() + self.ready.len() + waiting);
             }
         }
     }

@@ -103,6 +103,16 @@ pub struct DecodeConfig {
     pub expert_prefetch: String,
     /// Which experts the cache keeps: `mrs`, `workload`, `lru` or `lfu`.
     pub expert_cache_policy: String,
+    /// Device memory, in MiB, this worker lends the prefill worker's
+    /// two-device prefill while it has nothing to decode (the device lease).
+    /// 0: with a device, what it has free when asked; without one (its
+    /// steps on the CPU, the device managed elsewhere), any amount.
+    /// Otherwise at most this much (and at most what is free).
+    pub lendable_device_mib: usize,
+    /// How long a decode request arriving during a device lease waits for
+    /// the prefill worker to give the device back after it is revoked;
+    /// past it, a warning and the request goes on.
+    pub device_lease_revoke_timeout_seconds: f64,
 }
 
 /// Where the decode worker runs its steps.
@@ -200,6 +210,8 @@ impl Default for DecodeConfig {
             expert_assignment: "hybrimoe".into(),
             expert_prefetch: "none".into(),
             expert_cache_policy: "mrs".into(),
+            lendable_device_mib: 0,
+            device_lease_revoke_timeout_seconds: 5.0,
         }
     }
 }
@@ -306,6 +318,12 @@ pub struct DecodeArgs {
     /// Expert cache replacement: mrs, workload, lru or lfu [default: mrs].
     #[arg(long)]
     pub expert_cache_policy: Option<String>,
+    /// Device MiB lent to two-device prefill, 0 for what is free (any amount without a device) [default: 0].
+    #[arg(long)]
+    pub lendable_device_mib: Option<usize>,
+    /// Seconds a decode request waits for a revoked device lease to be given back [default: 5].
+    #[arg(long)]
+    pub device_lease_revoke_timeout_seconds: Option<f64>,
 }
 
 impl DecodeArgs {
@@ -333,6 +351,9 @@ impl DecodeArgs {
         check("expert_prefetch", c.expert_prefetch.parse::<duplex_expert_cache::prefetch::PrefetchKind>().map(drop).map_err(|e| anyhow::anyhow!("expert_prefetch: {e}")))?;
         check("expert_cache_policy", c.expert_cache_policy.parse::<duplex_expert_cache::policy::PolicyKind>().map(drop).map_err(|e| anyhow::anyhow!("expert_cache_policy: {e}")))?;
         check("cores", c.core_list().map(drop))?;
+        if !(c.device_lease_revoke_timeout_seconds.is_finite() && c.device_lease_revoke_timeout_seconds >= 0.0) {
+            return Err(layers.invalid("device_lease_revoke_timeout_seconds", format!("must be a non-negative number of seconds, got {}", c.device_lease_revoke_timeout_seconds)).into());
+        }
         Ok(c)
     }
 }

@@ -18,6 +18,7 @@ pub mod constraint;
 pub mod engine;
 pub mod error;
 pub mod kv_alloc;
+pub mod lease;
 pub mod prefix_cache;
 pub mod server;
 
@@ -30,6 +31,7 @@ use duplex_model::hybrid::{HybridConfig, HybridEngine};
 use engine::Engine;
 use duplex_ipc::{KvGeometry, KvSegment};
 use duplex_proto::worker::decode_worker_server::DecodeWorkerServer;
+use duplex_proto::worker::device_lease_server::DeviceLeaseServer;
 use kv_alloc::KvAllocator;
 use duplex_proto::stats::StatsCell;
 use std::future::Future;
@@ -42,14 +44,19 @@ use duplex_telemetry::process::Listener;
 pub async fn serve(config: DecodeConfig, listener: impl Into<Listener>, shutdown: impl Future<Output = ()> + Send + 'static) -> anyhow::Result<()> {
     let listener = listener.into();
     let cfg = config.clone();
-    let (batcher, stats, vocab, context) = tokio::task::spawn_blocking(move || start_engine(&cfg)).await??;
+    let (batcher, stats, vocab, context, device) = tokio::task::spawn_blocking(move || start_engine(&cfg)).await??;
     let model = config.model.clone();
     let grammar = tokio::task::spawn_blocking(move || grammar_compiler(&model, vocab)).await?;
     let (commands, receiver) = std::sync::mpsc::channel();
     std::thread::Builder::new().name("decode-engine".into()).spawn(move || batcher.run(receiver))?;
-    let service = server::DecodeService::new(commands, stats, vocab, context).with_grammar(grammar);
+    let budget_bytes = (config.lendable_device_mib > 0).then_some((config.lendable_device_mib as u64) << 20);
+    let lender = lease::DeviceLender::new(lease::Lendable { device, budget_bytes }, std::time::Duration::from_secs_f64(config.device_lease_revoke_timeout_seconds));
+    let service = server::DecodeService::new(commands.clone(), stats, vocab, context).with_grammar(grammar).with_lender(lender.clone());
     tracing::info!("decode worker serving on {listener}");
-    let router = tonic::transport::Server::builder().add_service(DecodeWorkerServer::with_interceptor(service, duplex_proto::auth::CheckToken::from_env()));
+    let check = duplex_proto::auth::CheckToken::from_env();
+    let router = tonic::transport::Server::builder()
+        .add_service(DecodeWorkerServer::with_interceptor(service, check.clone()))
+        .add_service(DeviceLeaseServer::with_interceptor(server::LeaseService::new(commands, lender), check));
     duplex_telemetry::process::serve_grpc(router, listener, shutdown).await?;
     Ok(())
 }
@@ -60,7 +67,11 @@ pub async fn run(config: DecodeConfig) -> anyhow::Result<()> {
     serve(config, listener, duplex_telemetry::process::shutdown_signal()).await
 }
 
-fn start_engine(cfg: &DecodeConfig) -> anyhow::Result<(Batcher, Arc<StatsCell>, usize, usize)> {
+/// The batcher, its stats, the vocabulary and context sizes, and the device
+/// its steps run on (which the device lease lends).
+type Started = (Batcher, Arc<StatsCell>, usize, usize, Option<Arc<dyn Device>>);
+
+fn start_engine(cfg: &DecodeConfig) -> anyhow::Result<Started> {
     let started = Instant::now();
     let pool = cfg.pool()?;
     let (placed, warnings) = duplex_ipc::numa::place_worker(&pool, &cfg.core_list()?).map_err(|e| anyhow::anyhow!(e))?;
@@ -86,7 +97,8 @@ fn start_engine(cfg: &DecodeConfig) -> anyhow::Result<(Batcher, Arc<StatsCell>, 
     let kv = KvAllocator::new(segment.into_pool(true)?, epoch).with_prefix_caching(cfg.prefix_caching);
     let limits = Limits { context_length, lease_timeout: std::time::Duration::from_secs(cfg.lease_timeout_seconds), max_batch_size: cfg.max_batch_size.max(1), prefill_chunk_tokens: cfg.prefill_chunk_tokens.max(1), max_waiting_requests: cfg.max_waiting_requests };
     let vocab = model.cfg.vocab_size;
-    let engine = match open_device(cfg)? {
+    let device = open_device(cfg)?;
+    let engine = match device.clone() {
         None => Engine::Cpu(model),
         Some(device) => {
             let hybrid = HybridConfig { kv_blocks: cfg.device_kv_blocks, micro_batches: cfg.micro_batches, defer_experts: cfg.defer_experts, cpu_jitter: None, submit: cfg.submit()?, expert_cache: cfg.expert_cache(&model)? };
@@ -95,7 +107,7 @@ fn start_engine(cfg: &DecodeConfig) -> anyhow::Result<(Batcher, Arc<StatsCell>, 
     };
     tracing::info!("decoding on {}", engine.describe());
     let stats = Arc::new(StatsCell::new(context_length, store.fingerprint().to_string()));
-    Ok((Batcher::new(engine, kv, limits, cfg.precision()?, stats.clone()), stats, vocab, context_length))
+    Ok((Batcher::new(engine, kv, limits, cfg.precision()?, stats.clone()), stats, vocab, context_length, device))
 }
 
 /// The structured-output compiler over the model's tokenizer. A model

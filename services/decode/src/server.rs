@@ -5,10 +5,12 @@
 
 use crate::batcher::{Admission, Command, Prefilled, SeqEvent};
 use crate::error::DecodeError;
+use crate::lease::{DeviceLender, Lendable, LeaseStream};
 use duplex_grammar::{ConstraintSpec, GrammarCompiler};
 use duplex_proto::worker::decode_worker_server::DecodeWorker;
+use duplex_proto::worker::device_lease_server::DeviceLease;
 use duplex_proto::worker::{
-    AllocateKvRequest, CancelRequest, CancelResponse, DecodeEvent, DecodeRequest, FreeKvRequest, FreeKvResponse, KvLease, SampledToken, StatsRequest,
+    AllocateKvRequest, CancelRequest, CancelResponse, DecodeEvent, DecodeRequest, DeviceLeaseEvent, DeviceLeaseRequest, FreeKvRequest, FreeKvResponse, KvLease, SampledToken, StatsRequest,
     WorkerStats,
 };
 use duplex_proto::stats::StatsCell;
@@ -54,11 +56,20 @@ pub struct DecodeService {
     context_length: usize,
     /// Compiles structured-output constraints; `None` without a tokenizer.
     grammar: Option<GrammarCompiler>,
+    /// Takes back the device, if it is lent, before each admission.
+    lender: Arc<DeviceLender>,
 }
 
 impl DecodeService {
+    /// A service whose device lender has no device and the default wait
+    /// (`with_lender` sets the one the `DeviceLease` service shares).
     pub fn new(commands: Sender<Command>, stats: Arc<StatsCell>, vocab_size: usize, context_length: usize) -> Self {
-        DecodeService { commands, stats, vocab_size, context_length, grammar: None }
+        let lender = DeviceLender::new(Lendable { device: None, budget_bytes: None }, std::time::Duration::from_secs(5));
+        DecodeService { commands, stats, vocab_size, context_length, grammar: None, lender }
+    }
+
+    pub fn with_lender(self, lender: Arc<DeviceLender>) -> Self {
+        DecodeService { lender, ..self }
     }
 
     /// Accept constrained requests, compiled with `grammar`.
@@ -179,11 +190,14 @@ impl DecodeWorker for DecodeService {
     async fn decode(&self, request: Request<DecodeRequest>) -> Result<Response<Self::DecodeStream>, Status> {
         let r = request.into_inner();
         let span = tracing::info_span!("decode", request_id = %r.request_id, prompt_tokens = r.prompt.len(), prefilled = r.prefilled.is_some());
-        let _entered = span.enter();
         let (events, stream) = mpsc::unbounded_channel();
-        let admission = self.admission(r, events).inspect_err(|status| tracing::debug!("refused: {}", status.message()))?;
+        let admission = span.in_scope(|| self.admission(r, events).inspect_err(|status| tracing::debug!("refused: {}", status.message())))?;
+        // The device first: a lease of it is revoked and given back (or
+        // its bounded wait runs out) before the engine sees the sequence.
+        let admitting = self.lender.admit().instrument(span.clone()).await;
         self.send(Command::Admit(Box::new(admission)))?;
-        tracing::debug!("sent to the engine");
+        drop(admitting);
+        span.in_scope(|| tracing::debug!("sent to the engine"));
         Ok(Response::new(Box::pin(UnboundedReceiverStream::new(stream).map(wire_event))))
     }
 
@@ -206,5 +220,46 @@ impl DecodeWorker for DecodeService {
             return Err(Status::unavailable("the decode engine has stopped"));
         }
         Ok(Response::new(self.stats.snapshot()))
+    }
+}
+
+/// The `DeviceLease` service: lends the device to the prefill worker's
+/// two-device prefill (see [`crate::lease`]).
+pub struct LeaseService {
+    commands: Sender<Command>,
+    lender: Arc<DeviceLender>,
+}
+
+impl LeaseService {
+    pub fn new(commands: Sender<Command>, lender: Arc<DeviceLender>) -> Self {
+        LeaseService { commands, lender }
+    }
+}
+
+#[tonic::async_trait]
+impl DeviceLease for LeaseService {
+    type LeaseDeviceStream = Pin<Box<dyn Stream<Item = Result<DeviceLeaseEvent, Status>> + Send>>;
+
+    /// The first event grants or refuses; a granted lease lasts until the
+    /// caller drops the stream.
+    async fn lease_device(&self, request: Request<DeviceLeaseRequest>) -> Result<Response<Self::LeaseDeviceStream>, Status> {
+        let r = request.into_inner();
+        let span = tracing::info_span!("lease_device", request_id = %r.request_id, bytes = r.bytes);
+        async move {
+            let stream = match self.lender.reserve(&r.request_id, r.bytes) {
+                Err(reason) => LeaseStream::refused(reason),
+                Ok(reservation) => {
+                    // Asked in the engine's command queue, after every
+                    // admission already sent: none is missed.
+                    let (reply, answer) = oneshot::channel();
+                    self.commands.send(Command::Sequences { reply }).map_err(|_| Status::unavailable("the decode engine has stopped"))?;
+                    let sequences = answer.await.map_err(|_| Status::unavailable("the decode engine has stopped"))?;
+                    reservation.grant(sequences)
+                }
+            };
+            Ok(Response::new(Box::pin(stream.map(Ok::<_, Status>)) as Self::LeaseDeviceStream))
+        }
+        .instrument(span)
+        .await
     }
 }

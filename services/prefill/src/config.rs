@@ -69,6 +69,16 @@ pub struct PrefillConfig {
     /// Device memory for non-expert weights (attention, dense MLPs, router
     /// and shared experts, embedding and LM-head chunks), in MiB.
     pub dense_budget_mib: usize,
+    /// Two-device prefill borrows its second device (and any further one)
+    /// from the decode worker, which lends it only while it has nothing to
+    /// decode and takes it back when a decode request arrives (the device
+    /// lease). false: every device in `devices` is this worker's own, and
+    /// no lease is taken.
+    pub dslp_borrows_decode_device: bool,
+    /// The decode worker to borrow the device from: `unix:/path.sock`, a
+    /// URL or `host:port`. Empty: the socket `duplex serve` gives it,
+    /// `unix:<shm_dir>/<instance>.sockets/decode.sock`.
+    pub decode_worker: String,
 }
 
 /// Where stream-loading prefill runs.
@@ -110,6 +120,15 @@ impl PrefillConfig {
             "emulated" => Ok(DeviceKind::Emulated),
             "cpu" => Ok(DeviceKind::Cpu),
             other => anyhow::bail!("device: unknown device {other:?}; expected auto, cuda, emulated or cpu"),
+        }
+    }
+
+    /// The decode worker's address for the device lease.
+    pub fn decode_worker_address(&self) -> String {
+        if self.decode_worker.is_empty() {
+            format!("unix:{}", self.shm_dir.join(format!("{}.sockets", self.instance)).join("decode.sock").display())
+        } else {
+            self.decode_worker.clone()
         }
     }
 
@@ -161,6 +180,8 @@ impl Default for PrefillConfig {
             ring_slots: 0,
             ring_turning_point_tokens: 50_000,
             dense_budget_mib: 1024,
+            dslp_borrows_decode_device: true,
+            decode_worker: String::new(),
         }
     }
 }
@@ -237,6 +258,12 @@ pub struct PrefillArgs {
     /// Device MiB for non-expert weights [default: 1024].
     #[arg(long)]
     pub dense_budget_mib: Option<usize>,
+    /// Two-device prefill borrows the decode worker's device under a lease [default: true].
+    #[arg(long)]
+    pub dslp_borrows_decode_device: Option<bool>,
+    /// Decode worker address for the device lease [default: the socket duplex serve gives it].
+    #[arg(long)]
+    pub decode_worker: Option<String>,
 }
 
 impl PrefillArgs {
@@ -342,6 +369,16 @@ mod tests {
         assert!(err.contains("\"cuda:x\"") && err.contains("duplex.toml"), "{err}");
         let err = resolve_env("", &[("DUPLEX_PREFILL_DEVICES", "cuda:1,cuda:1")], &[]).unwrap_err();
         assert!(err.contains("cuda:1 is listed twice") && err.contains("DUPLEX_PREFILL_DEVICES"), "{err}");
+    }
+
+    #[test]
+    fn the_device_lease_settings() {
+        let c = resolve_env("[prefill]\nshm_dir = \"/tmp/shm\"\ninstance = \"x\"\n", &[], &[]).unwrap();
+        assert!(c.dslp_borrows_decode_device, "borrowed by default");
+        assert_eq!(c.decode_worker_address(), "unix:/tmp/shm/x.sockets/decode.sock", "where duplex serve puts the decode worker's socket");
+        let c = resolve_env("", &[("DUPLEX_PREFILL_DSLP_BORROWS_DECODE_DEVICE", "false")], &["--decode-worker", "127.0.0.1:50061"]).unwrap();
+        assert!(!c.dslp_borrows_decode_device);
+        assert_eq!(c.decode_worker_address(), "127.0.0.1:50061");
     }
 
     #[test]

@@ -8,6 +8,13 @@
 //! shorter ones, or all of them when there is no accelerator, on the CPU
 //! engine in chunks.
 //!
+//! Where two-device prefill borrows the decode worker's device
+//! (`dslp_borrows_decode_device`), it runs only under the decode worker's
+//! device lease: refused or unanswered, the prompt runs on one device; when
+//! the lease is revoked mid-run (a decode request arrived), the run stops
+//! at its next module, the device is given back at once, and the prompt runs
+//! again on one device from its cached prefix.
+//!
 //! Between chunks (or SLP modules) of a prompt it takes the commands that
 //! have arrived (cancellation, new jobs to queue), and it drops a job whose
 //! caller has gone. A cancel of the running job is answered only once the
@@ -20,6 +27,7 @@
 use duplex_ipc::KvSegment;
 use duplex_model::sampling::{SampledToken, Sampler, SamplingParams};
 use crate::dslp::{DslpEngine, DslpReport};
+use crate::server::{Borrowed, DeviceBorrower, DeviceLoan};
 use crate::slp::{SlpEngine, SlpError, SlpReport};
 use duplex_model::{BlockTable, KvPool, Logits, Model, Precision};
 use duplex_proto::stats::StatsCell;
@@ -227,6 +235,9 @@ pub struct Engine {
     chunk_tokens: usize,
     precision: Precision,
     slp: Option<Slp>,
+    /// Two-device prefill borrows the decode worker's device under a lease
+    /// (`dslp_borrows_decode_device`); `None`: its devices are its own.
+    borrower: Option<DeviceBorrower>,
     inbox: Inbox,
 }
 
@@ -240,7 +251,12 @@ struct Inbox {
 impl Engine {
     pub fn new(model: Model, kv: KvSource, chunk_tokens: usize, precision: Precision, slp: Option<Slp>, stats: Arc<StatsCell>) -> Self {
         let inbox = Inbox { stats, queue: VecDeque::new(), current: None };
-        Engine { model, kv, chunk_tokens: chunk_tokens.max(1), precision, slp, inbox }
+        Engine { model, kv, chunk_tokens: chunk_tokens.max(1), precision, slp, borrower: None, inbox }
+    }
+
+    /// Borrow the decode worker's device with `borrower` for each two-device prefill.
+    pub fn with_borrower(self, borrower: Option<DeviceBorrower>) -> Self {
+        Engine { borrower, ..self }
     }
 
     /// The logits row's width.
@@ -307,40 +323,48 @@ impl Engine {
         }
         let todo = &job.prompt[cached..];
         let inbox = &mut self.inbox;
-        let (compute, fallback) = compute_for(self.slp.as_ref(), job.dslp_routed, todo.len());
+        let (mut compute, fallback) = compute_for(self.slp.as_ref(), job.dslp_routed, todo.len());
         match fallback {
             Some(why) => tracing::info!("routed to two-device prefill, but {why}: running {}", compute.as_str()),
             None => tracing::debug!("running {} on {} uncached tokens", compute.as_str(), todo.len()),
         }
-        let slp_failed = |what: &str, e: SlpError| match e {
-            SlpError::Cancelled => PrefillError::Cancelled,
-            SlpError::Staged(e) if e.is_bad_input() => PrefillError::InvalidArgument(e.to_string()),
-            e => PrefillError::Internal(format!("{what} failed: {e}")),
-        };
-        let logits = match compute {
-            Compute::Dslp(dslp) => {
-                let mut stop = || inbox.stop(job, commands);
-                let (logits, report) = dslp.run(&self.model, pool, &mut table, todo, self.precision, Logits::Last, &mut stop).map_err(|e| slp_failed("two-device prefill", e))?;
-                record_dslp(&report);
-                logits
-            }
-            Compute::Slp(engine) => {
-                let mut stop = || inbox.stop(job, commands);
-                let (logits, report) = engine.run(&self.model, pool, &mut table, todo, self.precision, Logits::Last, &mut stop).map_err(|e| slp_failed("stream-loading prefill", e))?;
-                record_slp(&report);
-                logits
-            }
-            Compute::Cpu => {
-                let mut logits = vec![];
-                for chunk in todo.chunks(self.chunk_tokens) {
-                    if inbox.stop(job, commands) {
-                        return Err(PrefillError::Cancelled);
-                    }
-                    logits = self.model.forward(pool, &mut table, chunk, self.precision, Logits::Last).map_err(|e| PrefillError::InvalidArgument(e.to_string()))?;
+        // Where the prompt runs when the decode worker's device cannot be
+        // borrowed, or is taken back.
+        let single = compute_for(self.slp.as_ref(), false, todo.len()).0;
+        let mut loan = None;
+        if let (Compute::Dslp(_), Some(borrower)) = (compute, self.borrower.as_ref()) {
+            let refusal = match borrower.borrow(&job.request_id) {
+                Borrowed::Granted(granted) => {
+                    tracing::debug!("the decode worker lent its device");
+                    loan = Some((granted, Instant::now()));
+                    None
                 }
-                logits
+                Borrowed::Refused(why) => Some(("refused", format!("the decode worker refused to lend its device ({why})"))),
+                Borrowed::Unreachable(why) => Some(("unreachable", format!("the decode worker at {} did not answer for its device ({why})", borrower.address()))),
+            };
+            if let Some((reason, why)) = refusal {
+                tracing::info!("routed to two-device prefill, but {why}: running {}", single.as_str());
+                metrics::counter!(names::PREFILL_DSLP_FALLBACK, "reason" => reason).increment(1);
+                compute = single;
             }
+        }
+        let revoked = |loan: &Option<(DeviceLoan, Instant)>| loan.as_ref().is_some_and(|(l, _)| l.revoked());
+        let (model, precision, chunk_tokens) = (&self.model, self.precision, self.chunk_tokens);
+        let first = run_compute(compute, model, pool, &mut table, todo, precision, chunk_tokens, &mut || inbox.stop(job, commands) || revoked(&loan));
+        let logits = match first {
+            // Stopped for the decode worker, not for the client: give the
+            // device back now, then run the prompt again on one device.
+            Err(PrefillError::Cancelled) if revoked(&loan) && !inbox.cancelled(job) => {
+                let held = loan.take().map_or(0.0, |(_, since)| since.elapsed().as_secs_f64());
+                metrics::counter!(names::PREFILL_DSLP_FALLBACK, "reason" => "revoked").increment(1);
+                tracing::info!("two-device prefill stopped: the decode worker took its device back after {held:.3} s; running {} from the cached {cached} tokens", single.as_str());
+                // The stopped run wrote some KV past the cached prefix; the rerun overwrites it.
+                table.len = cached;
+                run_compute(single, model, pool, &mut table, todo, precision, chunk_tokens, &mut || inbox.stop(job, commands))?
+            }
+            result => result?,
         };
+        drop(loan);
         // One mask for a whole prompt: computed after it, as its
         // milliseconds are nothing beside the prefill. Stop ids are allowed
         // where the grammar may end (an output it lets be empty).
@@ -369,6 +393,12 @@ impl Inbox {
     /// Whether the running job should stop: cancelled, or its caller gone.
     fn stop(&mut self, job: &Job, commands: &Receiver<Command>) -> bool {
         self.drain(commands);
+        self.cancelled(job)
+    }
+
+    /// Whether the running job was cancelled or its caller has gone (as
+    /// last seen: no commands are taken).
+    fn cancelled(&self, job: &Job) -> bool {
         job.reply.is_closed() || self.current.as_ref().is_some_and(|c| c.cancelled)
     }
 
@@ -396,6 +426,40 @@ impl Inbox {
             }
         }
     }
+}
+
+/// Run `todo` on `compute` into `table`'s blocks of `pool` and return the
+/// last token's logits; `stop` is asked between modules (between chunks on
+/// the CPU engine).
+#[allow(clippy::too_many_arguments)]
+fn run_compute(compute: Compute, model: &Model, pool: &mut KvPool, table: &mut BlockTable, todo: &[u32], precision: Precision, chunk_tokens: usize, stop: &mut dyn FnMut() -> bool) -> Result<Vec<f32>, PrefillError> {
+    let slp_failed = |what: &str, e: SlpError| match e {
+        SlpError::Cancelled => PrefillError::Cancelled,
+        SlpError::Staged(e) if e.is_bad_input() => PrefillError::InvalidArgument(e.to_string()),
+        e => PrefillError::Internal(format!("{what} failed: {e}")),
+    };
+    Ok(match compute {
+        Compute::Dslp(dslp) => {
+            let (logits, report) = dslp.run(model, pool, table, todo, precision, Logits::Last, stop).map_err(|e| slp_failed("two-device prefill", e))?;
+            record_dslp(&report);
+            logits
+        }
+        Compute::Slp(engine) => {
+            let (logits, report) = engine.run(model, pool, table, todo, precision, Logits::Last, stop).map_err(|e| slp_failed("stream-loading prefill", e))?;
+            record_slp(&report);
+            logits
+        }
+        Compute::Cpu => {
+            let mut logits = vec![];
+            for chunk in todo.chunks(chunk_tokens) {
+                if stop() {
+                    return Err(PrefillError::Cancelled);
+                }
+                logits = model.forward(pool, table, chunk, precision, Logits::Last).map_err(|e| PrefillError::InvalidArgument(e.to_string()))?;
+            }
+            logits
+        }
+    })
 }
 
 /// Export what one two-device prefill did: the weights every device

@@ -31,7 +31,8 @@ use duplex_telemetry::process::Listener;
 pub async fn serve(config: PrefillConfig, listener: impl Into<Listener>, shutdown: impl Future<Output = ()> + Send + 'static) -> anyhow::Result<()> {
     let listener = listener.into();
     let model = config.model.clone();
-    let (engine, stats) = tokio::task::spawn_blocking(move || start_engine(&config)).await??;
+    let runtime = tokio::runtime::Handle::current();
+    let (engine, stats) = tokio::task::spawn_blocking(move || start_engine(&config, runtime)).await??;
     let vocab = engine.vocab_size();
     let grammar = tokio::task::spawn_blocking(move || grammar_compiler(&model, vocab)).await?;
     let (commands, receiver) = std::sync::mpsc::channel();
@@ -57,7 +58,8 @@ fn grammar_compiler(model: &std::path::Path, vocab_rows: usize) -> Option<duplex
     built.inspect_err(|e| tracing::warn!("structured output is off: {e}")).ok()
 }
 
-fn start_engine(cfg: &PrefillConfig) -> anyhow::Result<(Engine, Arc<StatsCell>)> {
+/// The engine and its stats; the device lease's calls run on `runtime`.
+fn start_engine(cfg: &PrefillConfig, runtime: tokio::runtime::Handle) -> anyhow::Result<(Engine, Arc<StatsCell>)> {
     let started = Instant::now();
     let pool = cfg.pool()?;
     let (placed, warnings) = duplex_ipc::numa::place_worker(&pool, &cfg.core_list()?).map_err(|e| anyhow::anyhow!(e))?;
@@ -76,6 +78,7 @@ fn start_engine(cfg: &PrefillConfig) -> anyhow::Result<(Engine, Arc<StatsCell>)>
     let stats = Arc::new(StatsCell::new(model.cfg.max_position_embeddings, store.fingerprint().to_string()));
     let ring_slots = (cfg.ring_slots != 0).then_some(cfg.ring_slots);
     let slp_config = SlpConfig { ring_slots, turning_point_tokens: cfg.ring_turning_point_tokens, dense_budget_bytes: cfg.dense_budget_mib << 20, ..SlpConfig::default() };
+    let mut borrowed_bytes = 0;
     let devices = if cfg.devices.is_empty() {
         // "auto" finds no device for a model no device can run; a device
         // asked for by name is refused (by SlpEngine::new) with the reason.
@@ -89,11 +92,15 @@ fn start_engine(cfg: &PrefillConfig) -> anyhow::Result<(Engine, Arc<StatsCell>)>
         }
     } else {
         let mut opened = cfg.device_list()?.into_iter().map(|d| open_named_device(cfg, d)).collect::<anyhow::Result<Vec<_>>>()?;
+        // What two-device prefill uses of the devices after the first: the
+        // memory asked of the decode worker when it lends them.
+        borrowed_bytes = opened.iter().skip(1).map(|d| d.capacity() as u64).sum();
         Some(match opened.len() {
             1 => SlpDevices::One(Box::new(SlpEngine::new(&model, opened.remove(0), slp_config)?)),
             _ => SlpDevices::Ranks(DslpEngine::new(&model, opened, slp_config)?),
         })
     };
+    let mut borrower = None;
     let slp = match devices {
         Some(SlpDevices::One(engine)) => {
             tracing::info!("stream-loading prefill on {} for prompts of {} tokens or more", engine.describe(), cfg.slp_threshold_tokens);
@@ -108,6 +115,11 @@ fn start_engine(cfg: &PrefillConfig) -> anyhow::Result<(Engine, Arc<StatsCell>)>
                 cfg.slp_threshold_tokens
             );
             StatsCell::set(&stats.dslp_devices, dslp.ranks());
+            if cfg.dslp_borrows_decode_device {
+                let address = cfg.decode_worker_address();
+                tracing::info!("two-device prefill borrows the devices after the first ({borrowed_bytes} bytes) from the decode worker at {address}, under its device lease");
+                borrower = Some(server::DeviceBorrower::new(&address, borrowed_bytes, runtime)?);
+            }
             Some(Slp { devices: SlpDevices::Ranks(dslp), threshold_tokens: cfg.slp_threshold_tokens })
         }
         None => {
@@ -115,7 +127,7 @@ fn start_engine(cfg: &PrefillConfig) -> anyhow::Result<(Engine, Arc<StatsCell>)>
             None
         }
     };
-    Ok((Engine::new(model, kv, cfg.chunk_tokens, cfg.precision()?, slp, stats.clone()), stats))
+    Ok((Engine::new(model, kv, cfg.chunk_tokens, cfg.precision()?, slp, stats.clone()).with_borrower(borrower), stats))
 }
 
 /// One entry of `devices`, opened.

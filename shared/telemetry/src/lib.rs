@@ -118,6 +118,12 @@ metrics_table! {
         "Requests waiting in the decode worker: for their KV blocks (sequences and leases, first come first served) or for a place in the batch.";
     KV_WAIT_TIME = "duplex_decode_kv_wait_seconds", Histogram, Decode, LATENCY,
         "Time a request waited in the decode worker's first-come first-served queue until its KV blocks (prompt plus max_tokens) were granted.";
+    DEVICE_LEASE_WAIT = "duplex_decode_device_lease_wait_seconds", Histogram, Decode, LATENCY,
+        "Time a decode request waited, on arrival, for the prefill worker to give back the device it had leased for two-device prefill (revoke to release, or the bound `device_lease_revoke_timeout_seconds`).";
+    DEVICE_LEASE_REVOCATIONS = "duplex_decode_device_lease_revocations_total", Counter, Decode, NONE,
+        "Device leases the decode worker revoked because a decode request arrived.";
+    DEVICE_LEASES = "duplex_decode_device_leases_total", Counter, Decode, NONE,
+        "Device leases asked of the decode worker; label outcome = granted | refused.";
     PREFILL_THROUGHPUT = "duplex_prefill_tokens_per_second", Histogram, Prefill, THROUGHPUT,
         "Prompt tokens per second of each prefill; label worker = prefill | decode.";
     PREFILL_TOKENS = "duplex_prefill_tokens_total", Counter, Prefill, NONE,
@@ -126,6 +132,8 @@ metrics_table! {
         "Compute time of each prefill; label worker = prefill | decode.";
     PREFILL_QUEUE = "duplex_prefill_queue_length", Gauge, Prefill, NONE,
         "Prompts waiting in the prefill worker's first-come first-served queue.";
+    PREFILL_DSLP_FALLBACK = "duplex_prefill_dslp_fallback_total", Counter, Prefill, NONE,
+        "Prompts routed to two-device prefill that ran on one device instead because the decode worker's device could not be borrowed; label reason = refused | unreachable | revoked (revoked mid-run and rerun).";
     PREFILL_SLP_RING_SLOTS = "duplex_prefill_slp_ring_slots", Gauge, Prefill, NONE,
         "Experts ring-buffer slots of the last stream-loading prefill (one layer's experts, or 2 beyond the turning point).";
     PREFILL_SLP_STREAMED_BYTES = "duplex_prefill_slp_streamed_bytes_total", Counter, Prefill, NONE,
