@@ -185,10 +185,16 @@ pub trait Backend {
     fn routed_sum(&mut self, _out: Matrix, _deferred: bool, _scratch: &ExpertScratch) -> Result<(), ForwardError> {
         Err(ForwardError::BadModule("this backend hands the router's choices back; it runs no experts itself".into()))
     }
-    /// Expert parallelism (SmallEP): gather every rank's expert input (this
-    /// rank's is `x`) into `x_all`, rank by rank, with the router's choices
-    /// for those rows (this rank's are `chosen`); returns the choices of all rows.
-    fn gather_expert_input(&mut self, _x: Matrix, _x_all: Matrix, _chosen: Vec<Vec<(usize, f32)>>) -> Result<Vec<Vec<(usize, f32)>>, ForwardError> {
+    /// Expert parallelism (SmallEP): set off this rank's expert input `x`
+    /// and the router's choices for its rows to the other ranks; the pass
+    /// may enqueue other work before it collects every rank's with
+    /// [`Backend::gather_expert_input`].
+    fn send_expert_input(&mut self, _x: Matrix, _chosen: Vec<Vec<(usize, f32)>>) -> Result<(), ForwardError> {
+        Err(ForwardError::BadModule("this backend runs every expert of a layer itself; it has no peers to share them with".into()))
+    }
+    /// Expert parallelism: every rank's expert input into `x_all`, rank by
+    /// rank, and the router's choices for all those rows.
+    fn gather_expert_input(&mut self, _x_all: Matrix) -> Result<Vec<Vec<(usize, f32)>>, ForwardError> {
         Err(ForwardError::BadModule("this backend runs every expert of a layer itself; it has no peers to share them with".into()))
     }
     /// Expert parallelism: add into `out` (this rank's rows) the partial sums

@@ -495,12 +495,14 @@ impl<'m, B: Backend> Pass<'m, B> {
                 let defer = if last_moe || self.shard.is_some() { 0 } else { self.defer.min(k.saturating_sub(1)) };
                 let call = RouteCall { layer, logits, bias, params: &self.model.router, precision: p, ids: ws.route_ids, weights: ws.route_weights.rows(0..n).reshape(n, k), input: x, hidden: h, defer };
                 match self.backend.route(call)? {
-                    Routes::Chosen(mut chosen) => {
+                    // Expert parallelism: this rank's rows and choices set off
+                    // to the others; the shared experts run while they travel.
+                    Routes::Chosen(chosen) if self.shard.is_some() => {
                         self.submitted = None;
-                        if self.shard.is_some() {
-                            chosen = self.backend.gather_expert_input(x, ws.x_all, chosen)?;
-                            self.backend.zero(ws.out_all)?;
-                        }
+                        self.backend.send_expert_input(x, chosen)?;
+                    }
+                    Routes::Chosen(chosen) => {
+                        self.submitted = None;
                         self.routing.assign(&chosen, e, defer)?;
                         if self.routing.deferred.iter().any(|d| !d.is_empty()) {
                             self.backend.copy(x, ws.x_deferred.rows(0..n))?;
@@ -512,6 +514,11 @@ impl<'m, B: Backend> Pass<'m, B> {
                     // Within this module: a placement may free its weights once it has run.
                     let job = ExpertJob::named(w, "shared_experts.", Tokens::All, 0, 0)?;
                     self.backend.experts(x, &[job], out, p, &ws.experts)?;
+                }
+                if self.shard.is_some() {
+                    let chosen = self.backend.gather_expert_input(ws.x_all)?;
+                    self.backend.zero(ws.out_all)?;
+                    self.routing.assign(&chosen, e, defer)?;
                 }
             }
             ModuleKind::Expert { layer, expert } => return self.run_experts(layer, &[(expert, w)]),

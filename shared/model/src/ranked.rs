@@ -15,7 +15,8 @@
 //!   softmax), which gives causal attention over the whole context.
 //! - **Routed experts, SmallEP.** Each rank owns `1/R` of every layer's
 //!   experts. After the router, the ranks all-gather their unsorted hidden
-//!   rows with their choices, so that every rank holds all `N` tokens; each
+//!   rows with their choices (the rows go to the host on a copy stream while
+//!   the shared experts run), so that every rank holds all `N` tokens; each
 //!   runs its own experts on the rows routed to them, making a partial sum
 //!   `[N, D]`; one all-to-all of the partial sums and a local reduce complete
 //!   the layer. Per link that is `N·D` per layer, against `N·A·D/S` for
@@ -281,6 +282,9 @@ pub struct RankBackend<'a, 'p> {
     /// This layer's fresh KV entries on their way to the host: start,
     /// rows, where they land, and the event that ends the copy.
     fresh: Vec<(usize, usize, Arc<Staging>, Event)>,
+    /// SmallEP: this rank's router choices and expert input on their way to
+    /// the host, since when.
+    outgoing: Option<(Vec<Vec<(usize, f32)>>, Arc<Staging>, Event, Instant)>,
 }
 
 impl<'a, 'p> RankBackend<'a, 'p> {
@@ -386,6 +390,9 @@ impl Drop for RankBackend<'_, '_> {
         for (_, _, _, copied) in self.fresh.drain(..) {
             let _ = self.device.dev.synchronize(&copied);
         }
+        if let Some((_, _, copied, _)) = self.outgoing.take() {
+            let _ = self.device.dev.synchronize(&copied);
+        }
     }
 }
 
@@ -442,13 +449,30 @@ impl Backend for RankBackend<'_, '_> {
         self.device.experts(x, jobs, out, p, scratch)
     }
 
-    fn gather_expert_input(&mut self, x: Matrix, x_all: Matrix, chosen: Vec<Vec<(usize, f32)>>) -> Result<Vec<Vec<(usize, f32)>>, ForwardError> {
-        let started = Instant::now();
+    fn send_expert_input(&mut self, x: Matrix, chosen: Vec<Vec<(usize, f32)>>) -> Result<(), ForwardError> {
+        // Downloaded on the copy stream once computed, beside the shared
+        // experts on the compute stream.
+        if !x.is_contiguous() {
+            return Err(ForwardError::Workspace(format!("the experts' input ({}×{}) is not contiguous", x.rows, x.cols)));
+        }
+        let dev = self.device.dev;
+        let bytes = x.rows * x.cols * 4;
+        let staging = dev.staging(bytes)?;
+        let computed = dev.record(self.device.stream)?;
+        dev.wait_event(self.copies, &computed)?;
+        dev.download_to(self.copies, x.buf.slice(x.offset * 4, bytes)?, &staging, 0)?;
+        self.outgoing = Some((chosen, staging, dev.record(self.copies)?, Instant::now()));
+        Ok(())
+    }
+
+    fn gather_expert_input(&mut self, x_all: Matrix) -> Result<Vec<Vec<(usize, f32)>>, ForwardError> {
+        let (chosen, staging, copied, started) = self.outgoing.take().ok_or_else(|| ForwardError::BadModule("experts gathered before their input was sent".into()))?;
         let split = &self.exchange.split;
-        let (d, ranks) = (x.cols as u64, split.ranks as u64);
+        let (d, ranks) = (x_all.cols as u64, split.ranks as u64);
         // Classic EP ships a row to each of its experts' owners but its own, and the output back.
         let remote = chosen.iter().flatten().filter(|&&(e, _)| split.owner_of(e) != self.rank).count() as u64;
-        let rows = self.device.download(x)?;
+        self.device.dev.synchronize(&copied)?;
+        let rows: Vec<f32> = staging.lock().chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect();
         let sent = rows.len() as u64 * 4 * (ranks - 1);
         let all = self.exchange.rendezvous(self.rank, Parcel { floats: rows, picks: chosen, runs: vec![] }, |_, _| {})?;
         let floats: Vec<f32> = all.iter().flat_map(|p| p.floats.iter().copied()).collect();
@@ -596,7 +620,7 @@ impl<'a, 'p> RankedPass<'a, 'p> {
             let t = tokens.get(c.start - first..c.end - first).ok_or_else(|| ForwardError::BadModule(format!("positions {c:?} beyond the {} tokens given", tokens.len())))?;
             parts.push((c.start, t));
         }
-        let backend = RankBackend { device: DeviceBackend::new(dev, streams.compute, workspace), rank, exchange, layer: 0, copies: streams.copies, fresh: vec![] };
+        let backend = RankBackend { device: DeviceBackend::new(dev, streams.compute, workspace), rank, exchange, layer: 0, copies: streams.copies, fresh: vec![], outgoing: None };
         let shard = ExpertShard { experts: split.experts_of(rank), rows_all: split.rows() };
         let pass = Pass::ranked(model, backend, table, &parts, Some(shard), precision, want, kv_bytes)?;
         Ok(RankedPass { pass, no_pool: KvPool::new(0, 1, 1, 1) })
