@@ -279,12 +279,44 @@ pub struct RankBackend<'a, 'p> {
     /// The stream the rank's KV entries are downloaded on for the exchange,
     /// beside the compute stream's phase 1.
     copies: StreamId,
-    /// This layer's fresh KV entries on their way to the host: start,
-    /// rows, where they land, and the event that ends the copy.
-    fresh: Vec<(usize, usize, Arc<Staging>, Event)>,
-    /// SmallEP: this rank's router choices and expert input on their way to
-    /// the host, since when.
-    outgoing: Option<(Vec<Vec<(usize, f32)>>, Arc<Staging>, Event, Instant)>,
+    /// This layer's fresh KV entries on their way to the host, by start position.
+    fresh: Vec<(usize, InFlight)>,
+    /// SmallEP: this rank's expert input on its way to the host, and the
+    /// router's choices for it.
+    outgoing: Option<(InFlight, Choices)>,
+}
+
+/// Per row, the router's `(expert, weight)` choices.
+type Choices = Vec<Vec<(usize, f32)>>;
+
+/// Rows of a rank's workspace being downloaded for an exchange.
+struct InFlight {
+    rows: usize,
+    staging: Arc<Staging>,
+    /// Ends the copy.
+    copied: Event,
+    since: Instant,
+}
+
+impl InFlight {
+    /// Download `m` (contiguous) on `stream` once the work enqueued on `after` so far is done.
+    fn start(dev: &dyn Device, m: Matrix, after: StreamId, stream: StreamId) -> Result<Self, ForwardError> {
+        if !m.is_contiguous() {
+            return Err(ForwardError::Workspace(format!("a {}×{} view is not contiguous", m.rows, m.cols)));
+        }
+        let bytes = m.rows * m.cols * 4;
+        let staging = dev.staging(bytes)?;
+        let computed = dev.record(after)?;
+        dev.wait_event(stream, &computed)?;
+        dev.download_to(stream, m.buf.slice(m.offset * 4, bytes)?, &staging, 0)?;
+        Ok(InFlight { rows: m.rows, staging, copied: dev.record(stream)?, since: Instant::now() })
+    }
+
+    /// The rows, once downloaded.
+    fn finish(self, dev: &dyn Device) -> Result<Vec<f32>, ForwardError> {
+        dev.synchronize(&self.copied)?;
+        Ok(self.staging.lock().chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect())
+    }
 }
 
 impl<'a, 'p> RankBackend<'a, 'p> {
@@ -294,10 +326,9 @@ impl<'a, 'p> RankBackend<'a, 'p> {
     fn exchange_kv(&mut self, layer: usize, entry: usize) -> Result<Vec<(usize, Vec<f32>)>, ForwardError> {
         let started = Instant::now();
         let mut parcel = Parcel::default();
-        for (start, rows, staging, copied) in self.fresh.drain(..) {
-            self.device.dev.synchronize(&copied)?;
-            parcel.runs.push((start, rows));
-            parcel.floats.extend(staging.lock().chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])));
+        for (start, rows) in self.fresh.drain(..) {
+            parcel.runs.push((start, rows.rows));
+            parcel.floats.extend(rows.finish(self.device.dev)?);
         }
         if parcel.floats.len() != parcel.runs.iter().map(|r| r.1).sum::<usize>() * entry {
             return Err(ForwardError::Workspace(format!("the KV entries of layer {layer} do not have {entry} floats each")));
@@ -387,11 +418,9 @@ impl Drop for RankBackend<'_, '_> {
     fn drop(&mut self) {
         // A pass that failed mid-layer leaves downloads of its workspace in
         // flight: they must end before the workspace is given back.
-        for (_, _, _, copied) in self.fresh.drain(..) {
-            let _ = self.device.dev.synchronize(&copied);
-        }
-        if let Some((_, _, copied, _)) = self.outgoing.take() {
-            let _ = self.device.dev.synchronize(&copied);
+        let in_flight = self.fresh.drain(..).map(|(_, rows)| rows).chain(self.outgoing.take().map(|(rows, _)| rows));
+        for rows in in_flight.collect::<Vec<_>>() {
+            let _ = self.device.dev.synchronize(&rows.copied);
         }
     }
 }
@@ -450,29 +479,19 @@ impl Backend for RankBackend<'_, '_> {
     }
 
     fn send_expert_input(&mut self, x: Matrix, chosen: Vec<Vec<(usize, f32)>>) -> Result<(), ForwardError> {
-        // Downloaded on the copy stream once computed, beside the shared
-        // experts on the compute stream.
-        if !x.is_contiguous() {
-            return Err(ForwardError::Workspace(format!("the experts' input ({}×{}) is not contiguous", x.rows, x.cols)));
-        }
-        let dev = self.device.dev;
-        let bytes = x.rows * x.cols * 4;
-        let staging = dev.staging(bytes)?;
-        let computed = dev.record(self.device.stream)?;
-        dev.wait_event(self.copies, &computed)?;
-        dev.download_to(self.copies, x.buf.slice(x.offset * 4, bytes)?, &staging, 0)?;
-        self.outgoing = Some((chosen, staging, dev.record(self.copies)?, Instant::now()));
+        // Downloaded on the copy stream, beside the shared experts on the compute stream.
+        self.outgoing = Some((InFlight::start(self.device.dev, x, self.device.stream, self.copies)?, chosen));
         Ok(())
     }
 
     fn gather_expert_input(&mut self, x_all: Matrix) -> Result<Vec<Vec<(usize, f32)>>, ForwardError> {
-        let (chosen, staging, copied, started) = self.outgoing.take().ok_or_else(|| ForwardError::BadModule("experts gathered before their input was sent".into()))?;
+        let (rows, chosen) = self.outgoing.take().ok_or_else(|| ForwardError::BadModule("experts gathered before their input was sent".into()))?;
+        let started = rows.since;
         let split = &self.exchange.split;
         let (d, ranks) = (x_all.cols as u64, split.ranks as u64);
         // Classic EP ships a row to each of its experts' owners but its own, and the output back.
         let remote = chosen.iter().flatten().filter(|&&(e, _)| split.owner_of(e) != self.rank).count() as u64;
-        self.device.dev.synchronize(&copied)?;
-        let rows: Vec<f32> = staging.lock().chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect();
+        let rows = rows.finish(self.device.dev)?;
         let sent = rows.len() as u64 * 4 * (ranks - 1);
         let all = self.exchange.rendezvous(self.rank, Parcel { floats: rows, picks: chosen, runs: vec![] }, |_, _| {})?;
         let floats: Vec<f32> = all.iter().flat_map(|p| p.floats.iter().copied()).collect();
@@ -519,16 +538,11 @@ impl Backend for RankBackend<'_, '_> {
         let [entries] = parts else {
             return Err(ForwardError::BadModule(format!("a rank stores KV entries as one matrix, not {}", parts.len())));
         };
-        if !entries.is_contiguous() || entries.rows != seg.n {
-            return Err(ForwardError::Workspace(format!("KV entries of {} rows for a {}-token segment, or not contiguous", entries.rows, seg.n)));
+        if entries.rows != seg.n {
+            return Err(ForwardError::Workspace(format!("KV entries of {} rows for a {}-token segment", entries.rows, seg.n)));
         }
-        let dev = self.device.dev;
-        let bytes = entries.rows * entries.cols * 4;
-        let staging = dev.staging(bytes)?;
-        let computed = dev.record(self.device.stream)?;
-        dev.wait_event(self.copies, &computed)?;
-        dev.download_to(self.copies, entries.buf.slice(entries.offset * 4, bytes)?, &staging, 0)?;
-        self.fresh.push((seg.start, seg.n, staging, dev.record(self.copies)?));
+        let rows = InFlight::start(self.device.dev, *entries, self.device.stream, self.copies)?;
+        self.fresh.push((seg.start, rows));
         Ok(())
     }
 
