@@ -92,6 +92,23 @@ fn short_prompts_chunk_on_decode_long_ones_take_dslp_when_decode_is_idle_and_slp
     });
 }
 
+/// A server whose prefill worker has two emulated devices and borrows the
+/// second from the decode worker, with prompts of 64 tokens or more on
+/// them, the idle window `window`, and copies paced to about 4 MB/s: each
+/// rank's share of the tiny model's weights takes seconds to stream, so a
+/// request sent during a two-device prefill lands mid-run.
+fn borrowing_server(window: Duration) -> Server {
+    Server::start(Options {
+        prefill_threshold_tokens: 64,
+        slp_threshold_tokens: Some(64),
+        prefill_devices: 2,
+        dslp_idle_window_seconds: window.as_secs_f64(),
+        prefill_h2d_gb_per_s: Some(0.004),
+        dtype: "f32",
+        ..Options::default()
+    })
+}
+
 /// The device lease (§3.3.2's last paragraph): two-device prefill borrows the
 /// decode worker's device, and a decode request arriving mid-run takes it
 /// back. The emulated copies are paced so that the run lasts seconds; a
@@ -109,17 +126,7 @@ fn a_decode_request_during_two_device_prefill_takes_the_device_back_and_both_com
     let (long_want, short_want) = (expected(&long, 8), expected(&short, 8));
 
     let window = Duration::from_secs(1);
-    let server = Server::start(Options {
-        prefill_threshold_tokens: 64,
-        slp_threshold_tokens: Some(64),
-        prefill_devices: 2,
-        dslp_idle_window_seconds: window.as_secs_f64(),
-        // About 4 MB/s: each rank's share of the tiny model's weights takes
-        // seconds to stream, so the short request lands mid-run.
-        prefill_h2d_gb_per_s: Some(0.004),
-        dtype: "f32",
-        ..Options::default()
-    });
+    let server = borrowing_server(window);
     assert!(server.log().contains("under its device lease"), "{}", server.log());
     let (decode_metrics, prefill_metrics) = (server.decode_metrics_url(), server.prefill_metrics_url());
     let metric = |url: &str, name: &str, labels: &str| {
@@ -177,15 +184,7 @@ fn a_prefill_worker_killed_mid_lease_releases_the_device_at_once() {
     let short = prompt_from(5, 40);
     let short_want = generate_cli(&short, 8, "f32");
     let window = Duration::from_secs(1);
-    let server = Server::start(Options {
-        prefill_threshold_tokens: 64,
-        slp_threshold_tokens: Some(64),
-        prefill_devices: 2,
-        dslp_idle_window_seconds: window.as_secs_f64(),
-        prefill_h2d_gb_per_s: Some(0.004),
-        dtype: "f32",
-        ..Options::default()
-    });
+    let server = borrowing_server(window);
     let decode_metrics = server.decode_metrics_url();
     runtime().block_on(async {
         tokio::time::sleep(window + Duration::from_millis(500)).await;
