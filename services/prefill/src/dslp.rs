@@ -99,7 +99,7 @@ impl DslpEngine {
         }
         pool.reserve(table, end).map_err(ForwardError::from)?;
         let layers = model.cfg.num_hidden_layers;
-        let exchange = Exchange::new(split, pool, table.clone(), layers);
+        let exchange = Exchange::new(split.clone(), pool, table.clone(), layers);
         // The first failure that was not merely another rank's.
         let cause: Mutex<Option<SlpError>> = Mutex::new(None);
         let rank = |r: usize, should_stop: &mut dyn FnMut() -> bool| -> Option<(Vec<f32>, SlpReport)> {
@@ -138,7 +138,6 @@ impl DslpEngine {
             return Err(cause.unwrap_or_else(|| SlpError::Audit("a rank stopped without saying why".into())));
         }
         let (logits, ranks): (Vec<Vec<f32>>, Vec<SlpReport>) = results.into_iter().flatten().unzip();
-        let split = ZigZag::new(table.len, tokens.len(), self.ranks.len(), model.cfg.n_routed_experts)?;
         let vocab = model.cfg.vocab_size;
         let logits = match want {
             Logits::All => split.merge_logits(&logits, vocab),
