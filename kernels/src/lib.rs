@@ -8,6 +8,7 @@
 //! is the accelerator layer: the same kernel set behind one interface, on an
 //! emulated accelerator or (feature `cuda`) a CUDA GPU.
 
+pub mod clock;
 pub mod cpu;
 pub mod device;
 pub mod elementwise;
