@@ -94,6 +94,7 @@ async fn grpc_generate_streams_every_token_then_finished() {
     assert!(d.prefilled.is_none());
     assert_eq!((d.prompt.as_slice(), d.max_tokens), ([5, 6, 7].as_slice(), 5));
     assert_eq!(d.sampling.as_ref().unwrap().top_logprobs, Some(2));
+    drop(r); // the record's lock
     // The mock's stream guard drops after the last event went out: wait for it.
     router.wait_for("the decode stream to finish, not be cancelled", |r| r.streams_finished.len() == 1).await;
     assert!(router.mock.record().streams_cancelled.is_empty());
