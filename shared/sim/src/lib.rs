@@ -11,3 +11,8 @@
 //!   whose ops do not compute but take their modelled time on virtual
 //!   timelines, with streams, events, copies and host functions keeping
 //!   their real semantics.
+
+/// What a machine is: CPU sockets, devices and links, read from TOML.
+pub mod hardware;
+/// How long an op or a transfer takes on a machine: a roofline per level.
+pub mod cost;
