@@ -16,3 +16,5 @@
 pub mod hardware;
 /// How long an op or a transfer takes on a machine: a roofline per level.
 pub mod cost;
+/// This machine's description, measured: CPU kernels and the emulated device.
+pub mod calibrate;

@@ -1,9 +1,10 @@
 //! The cost model against hand-computed rooflines, the shipped hardware
-//! descriptions.
+//! descriptions, and a quick calibration of this machine.
 
 use duplex_kernels::device::{DevicePtr, DeviceWeight, GqaDims, Matrix, MlaDims, Op, PagedKv};
 use duplex_kernels::router::{RouterParams, ScoringFunc};
 use duplex_kernels::{Precision, WeightFormat};
+use duplex_sim::calibrate::{self, Calibration};
 use duplex_sim::cost::{op_work, WorkKind};
 use duplex_sim::hardware::{Hardware, BUILTIN};
 use std::time::Duration;
@@ -192,4 +193,32 @@ fn a_typo_or_a_bad_figure_is_refused_by_name() {
     assert!(e.contains("link_efficiency"), "{e}");
     let e = Hardware::parse(&text.replace("cores_per_socket = 32", "cores_per_socket = 0"), "cores").expect_err("no cores").to_string();
     assert!(e.contains("cores"), "{e}");
+}
+
+#[test]
+fn quick_calibration_measures_this_machine() {
+    let hw = calibrate::this_machine(&Calibration { threads: 0, emulated_h2d_gb_per_s: Some(8.0), device_memory_mib: 1024, quick: true }).expect("calibrates");
+    println!("{}", calibrate::to_toml(&hw));
+    let cpu = &hw.cpu;
+    for (what, v) in [("read", cpu.dram_read_gb_per_s), ("core read", cpu.core_read_gb_per_s), ("f32", cpu.f32_tflops), ("bf16", cpu.bf16_tflops)] {
+        assert!(v.is_finite() && v > 0.0, "{what}: {v}");
+    }
+    assert!(cpu.gemv_efficiency > 0.0 && cpu.gemv_efficiency <= 1.5, "gemv_efficiency {}", cpu.gemv_efficiency);
+    let device = &hw.devices[0];
+    assert_eq!(device.h2d_gb_per_s, 8.0, "uploads are paced to the given bandwidth");
+    assert!(device.d2h_gb_per_s > 0.0 && device.launch_us > 0.0 && device.link_latency_us > 0.0);
+    // The written file reads back as the same description.
+    assert_eq!(Hardware::parse(&calibrate::to_toml(&hw), "calibrated").expect("reads back"), hw);
+}
+
+/// `cargo test -p duplex-sim --test cost -- --ignored --nocapture full_calibration`
+#[test]
+#[ignore = "benchmark: measures this machine with the default sizes and prints the description"]
+fn full_calibration_is_quick_enough() {
+    let t0 = std::time::Instant::now();
+    let hw = calibrate::this_machine(&Calibration::default()).expect("calibrates");
+    println!("{}", calibrate::to_toml(&hw));
+    let took = t0.elapsed();
+    println!("took {took:?}");
+    assert!(took < Duration::from_secs(20), "calibration took {took:?}");
 }
