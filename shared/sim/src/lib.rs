@@ -11,3 +11,10 @@
 //!   whose ops do not compute but take their modelled time on virtual
 //!   timelines, with streams, events, copies and host functions keeping
 //!   their real semantics.
+
+/// What a machine is: CPU sockets, devices and links, read from TOML.
+pub mod hardware;
+/// How long an op or a transfer takes on a machine: a roofline per level.
+pub mod cost;
+/// This machine's description, measured: CPU kernels and the emulated device.
+pub mod calibrate;
