@@ -351,6 +351,18 @@ pub struct StreamId(pub usize);
 #[derive(Clone)]
 pub struct Event(pub(crate) Arc<dyn Any + Send + Sync>);
 
+impl Event {
+    /// An event of a backend outside this crate (the simulator's).
+    pub fn new(state: Arc<dyn Any + Send + Sync>) -> Event {
+        Event(state)
+    }
+
+    /// The backend's state of this event, if it is of type `T`.
+    pub fn downcast<T: Any + Send + Sync>(&self) -> Option<Arc<T>> {
+        self.0.clone().downcast::<T>().ok()
+    }
+}
+
 impl std::fmt::Debug for Event {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str("Event")
@@ -538,6 +550,58 @@ pub trait Device: Send + Sync {
     }
 }
 
+/// One command as a stream was given it, for comparing the schedules of two
+/// runs (the simulator's proof that it runs the production scheduling).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum TraceEntry {
+    Upload { bytes: usize },
+    Download { bytes: usize },
+    DownloadTo { bytes: usize },
+    UploadFrom { bytes: usize },
+    Launch(&'static str),
+    /// The stream's next event (they are numbered per stream from 0).
+    Record,
+    /// A wait for event `record` of stream `stream`.
+    Wait { stream: usize, record: usize },
+    HostFn,
+}
+
+/// Every command given to a device's streams, in the order each stream got
+/// them. Only the order within a stream is a property of the program (how
+/// streams interleave depends on timing), so that is what
+/// [`Trace::per_stream`] gives.
+#[derive(Debug, Default)]
+pub struct Trace {
+    streams: Mutex<Vec<Vec<TraceEntry>>>,
+}
+
+impl Trace {
+    pub fn log(&self, stream: StreamId, entry: TraceEntry) {
+        let mut streams = self.streams.lock().unwrap_or_else(|e| e.into_inner());
+        if streams.len() <= stream.0 {
+            streams.resize_with(stream.0 + 1, Vec::new);
+        }
+        streams[stream.0].push(entry);
+    }
+
+    /// Log a record on `stream`; returns the event's name in later waits.
+    pub fn record(&self, stream: StreamId) -> (usize, usize) {
+        let mut streams = self.streams.lock().unwrap_or_else(|e| e.into_inner());
+        if streams.len() <= stream.0 {
+            streams.resize_with(stream.0 + 1, Vec::new);
+        }
+        let entries = &mut streams[stream.0];
+        let n = entries.iter().filter(|e| **e == TraceEntry::Record).count();
+        entries.push(TraceEntry::Record);
+        (stream.0, n)
+    }
+
+    /// Each stream's commands, in order.
+    pub fn per_stream(&self) -> Vec<Vec<TraceEntry>> {
+        self.streams.lock().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+}
+
 /// Open CUDA device `ordinal` with `memory_mib` MiB of its memory (0: 90%
 /// of what is free), or say why not.
 pub fn open_cuda(ordinal: usize, memory_mib: usize) -> Result<Arc<dyn Device>, DeviceError> {
@@ -583,6 +647,32 @@ fn overlaps(a: &Range<u64>, b: &Range<u64>) -> bool {
 }
 
 impl Op {
+    /// The op's kind, for traces and cost reports.
+    pub fn name(&self) -> &'static str {
+        match self {
+            Op::Gemm { .. } => "gemm",
+            Op::GemmBatched { .. } => "gemm_batched",
+            Op::RmsNorm { .. } => "rms_norm",
+            Op::Rope { .. } => "rope",
+            Op::SiluMul { .. } => "silu_mul",
+            Op::Add { .. } => "add",
+            Op::RoundBf16 { .. } => "round_bf16",
+            Op::Zero { .. } => "zero",
+            Op::Route { .. } => "route",
+            Op::GatherRows { .. } => "gather_rows",
+            Op::ScatterAddRows { .. } => "scatter_add_rows",
+            Op::Embedding { .. } => "embedding",
+            Op::MlaPrefill { .. } => "mla_prefill",
+            Op::MlaDecode { .. } => "mla_decode",
+            Op::GqaAttention { .. } => "gqa_attention",
+            Op::MlaPrefillPart { .. } => "mla_prefill_part",
+            Op::GqaAttentionPart { .. } => "gqa_attention_part",
+            Op::AttentionMerge { .. } => "attention_merge",
+            Op::KvStore { .. } => "kv_store",
+            Op::KvGather { .. } => "kv_gather",
+        }
+    }
+
     /// Check shapes and bounds, and that no output overlaps an input it is
     /// not meant to update in place.
     pub fn validate(&self) -> Result<(), DeviceError> {

@@ -165,7 +165,7 @@ pub fn this_machine(c: &Calibration) -> Result<Hardware, DeviceError> {
     }
     drop((buf, copy_to, pool));
     let h2d = c.emulated_h2d_gb_per_s.map(|g| g * GB);
-    let config = EmulatedConfig { memory_bytes: 1 << 20, h2d_bytes_per_second: h2d, compute_threads: threads, jitter: None };
+    let config = EmulatedConfig { memory_bytes: 1 << 20, h2d_bytes_per_second: h2d, compute_threads: threads, jitter: None, trace: None };
     let (launch_us, copy_us) = emulated_fixed_costs(config, commands)?;
     let fraction = best.gemv_fraction();
     let cpu = CpuSpec {

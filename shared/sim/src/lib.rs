@@ -7,7 +7,7 @@
 //! - `cost`: how long an op or a transfer takes on it, a roofline per
 //!   level (MoE-Lightning's hierarchical roofline) with calibrated or cited
 //!   efficiency factors.
-//! - `device`: a simulated accelerator: a [`duplex_kernels::device::Device`]
+//! - [`device`]: a simulated accelerator: a [`duplex_kernels::device::Device`]
 //!   whose ops do not compute but take their modelled time on virtual
 //!   timelines, with streams, events, copies and host functions keeping
 //!   their real semantics.
@@ -18,3 +18,5 @@ pub mod hardware;
 pub mod cost;
 /// This machine's description, measured: CPU kernels and the emulated device.
 pub mod calibrate;
+/// A simulated accelerator on a virtual clock.
+pub mod device;

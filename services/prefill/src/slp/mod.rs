@@ -328,8 +328,11 @@ impl SlpEngine {
         let slot_users: Vec<usize> = (0..n).filter(|&i| expert_seq[i].is_some()).collect();
         let epoch = dev.record(self.compute)?;
 
+        // The helper threads start at the caller's virtual time (simulator).
+        let started = duplex_kernels::clock::Stamp::now();
         std::thread::scope(|scope| {
             let loader = scope.spawn(|| {
+                started.join();
                 let mut j = jitter(1);
                 for (i, m) in modules.iter().enumerate() {
                     pause(&mut j);
@@ -363,6 +366,7 @@ impl SlpEngine {
                 }
             });
             let unloader = scope.spawn(|| {
+                started.join();
                 let mut j = jitter(3);
                 for i in 0..n {
                     pause(&mut j);

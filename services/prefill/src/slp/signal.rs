@@ -4,8 +4,11 @@
 //! model thread) sets it with a value that carries the device event, and the
 //! thread downstream blocks on it, then orders its own stream after that
 //! device event. [`Abort`] stops every thread of a prompt when one fails, so
-//! no wait can outlive the pipeline.
+//! no wait can outlive the pipeline. A signal also carries the setter's
+//! virtual time ([`Stamp`]), so that under the simulator the waiter cannot
+//! go on before the setter set it.
 
+use duplex_kernels::clock::Stamp;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Condvar, Mutex, MutexGuard};
 use std::time::Duration;
@@ -51,7 +54,7 @@ pub fn wait_until<'a, T>(m: &'a Mutex<T>, cv: &Condvar, abort: &Abort, mut ready
 
 /// A value set once by one thread and read by others.
 pub struct Signal<T> {
-    value: Mutex<Option<T>>,
+    value: Mutex<Option<(T, Stamp)>>,
     set: Condvar,
 }
 
@@ -61,17 +64,19 @@ impl<T: Clone> Signal<T> {
     }
 
     pub fn set(&self, value: T) {
-        *lock(&self.value) = Some(value);
+        *lock(&self.value) = Some((value, Stamp::now()));
         self.set.notify_all();
     }
 
     pub fn wait(&self, abort: &Abort) -> Result<T, Aborted> {
         let guard = wait_until(&self.value, &self.set, abort, |v| v.is_some())?;
-        Ok(guard.clone().expect("ready"))
+        let (value, stamp) = guard.clone().expect("ready");
+        stamp.join();
+        Ok(value)
     }
 
     /// The value, if it has been set.
     pub fn get(&self) -> Option<T> {
-        lock(&self.value).clone()
+        lock(&self.value).clone().map(|(value, _)| value)
     }
 }
