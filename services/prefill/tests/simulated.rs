@@ -5,11 +5,15 @@
 //!   logits: the simulator runs the production schedule, not a model of it.
 //! - Its virtual time behaves as the pipeline should: a pass takes at least
 //!   the longer of its transfers and its kernels, and less than their sum.
+//! - Two-device prefill (DSLP) likewise: the same schedule on every device
+//!   as on emulated ones, and, where transfers bound the pass, about half
+//!   the time of one device (each streams half of the experts).
 
 use duplex_kernels::clock;
 use duplex_kernels::device::emulated::{EmulatedConfig, EmulatedDevice};
 use duplex_kernels::device::{Device, Op, Trace};
 use duplex_model::{BlockTable, Logits, Model, Precision, BUNDLED_MODEL};
+use duplex_prefill::dslp::DslpEngine;
 use duplex_prefill::slp::{SlpConfig, SlpEngine, SlpReport};
 use duplex_sim::device::{CostModel, SimConfig, SimDevice};
 use std::path::Path;
@@ -115,4 +119,48 @@ fn virtual_time_overlaps_transfer_with_compute() {
     let runs: Vec<f64> = (0..3).map(|_| timed(Fixed { op: Duration::from_micros(50), bytes_per_second: 1e9 }, 24).0.as_secs_f64()).collect();
     let (lo, hi) = runs.iter().fold((f64::MAX, 0f64), |(lo, hi), &t| (lo.min(t), hi.max(t)));
     assert!(hi / lo < 1.02, "the same pass took {runs:?} s");
+}
+
+fn dslp(devices: Vec<Arc<dyn Device>>, tokens: &[u32]) -> Vec<f32> {
+    let m = model();
+    let engine = DslpEngine::new(m, devices, config(Some(2))).unwrap();
+    let mut kv = m.new_kv_pool(64, 16);
+    let mut table = BlockTable::default();
+    engine.run(m, &mut kv, &mut table, tokens, Precision::F32, Logits::Last, &mut || false).unwrap().0
+}
+
+#[test]
+fn two_device_prefill_runs_the_same_schedule_and_halves_a_transfer_bound_pass() {
+    let tokens: Vec<u32> = (0..41).map(|i| (i * 11 + 5) % 200).collect();
+    let traces: Vec<Arc<Trace>> = (0..4).map(|_| Arc::new(Trace::default())).collect();
+    let emulated: Vec<Arc<dyn Device>> = traces[..2].iter().map(|t| EmulatedDevice::new(EmulatedConfig { memory_bytes: MEMORY, trace: Some(t.clone()), ..Default::default() }).unwrap() as Arc<dyn Device>).collect();
+    let real = dslp(emulated, &tokens);
+    let simulated: Vec<Arc<dyn Device>> = traces[2..].iter().map(|t| sim(Fixed { op: Duration::from_micros(10), bytes_per_second: 1e9 }, true, Some(t.clone())) as Arc<dyn Device>).collect();
+    clock::set(Some(Duration::ZERO));
+    let predicted = dslp(simulated, &tokens);
+    clock::set(None);
+    for rank in 0..2 {
+        let (a, b) = (traces[rank].per_stream(), traces[2 + rank].per_stream());
+        assert_eq!(a.len(), b.len(), "rank {rank}: streams");
+        for (s, (a, b)) in a.iter().zip(&b).enumerate() {
+            if let Some(i) = (0..a.len().max(b.len())).find(|&i| a.get(i) != b.get(i)) {
+                panic!("rank {rank}, stream {s}: command {i} is {:?} on the emulated device, {:?} simulated", a.get(i), b.get(i));
+            }
+        }
+    }
+    assert_eq!(real, predicted);
+
+    // Transfer-bound: one device streams every expert, two stream half each.
+    let slow = || Fixed { op: Duration::from_micros(1), bytes_per_second: 0.05e9 };
+    let prompt: Vec<u32> = (0..48).collect();
+    clock::set(Some(Duration::ZERO));
+    prefill(sim(slow(), false, None), Some(2), &prompt);
+    let one = clock::now().unwrap();
+    clock::set(Some(Duration::ZERO));
+    dslp(vec![sim(slow(), false, None), sim(slow(), false, None)], &prompt);
+    let two = clock::now().unwrap();
+    clock::set(None);
+    eprintln!("transfer-bound prefill: one device {one:?}, two {two:?}");
+    let ratio = one.as_secs_f64() / two.as_secs_f64();
+    assert!(ratio > 1.3 && ratio < 2.0, "two devices took {two:?}, one {one:?}: {ratio:.2}×");
 }
