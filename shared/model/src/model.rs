@@ -10,6 +10,7 @@
 //! runs the same modules with their weights copied to a device.
 
 use crate::checkpoint::{Checkpoint, CheckpointError};
+use crate::backend::Backend;
 use crate::config::{AttentionConfig, Architecture, ConfigError, ModelConfig};
 use crate::forward::{ModuleKind, Pass};
 use crate::kv_cache::{BlockTable, KvError, KvPool};
@@ -393,9 +394,26 @@ impl Model {
         timings: &mut ForwardTimings,
         defer: usize,
     ) -> Result<Vec<f32>, ForwardError> {
+        self.forward_batch_on(self.cpu.backend(), pool, seqs, precision, want, timings, defer)
+    }
+
+    /// The CPU placement's program ([`Model::forward_batch_deferred`]) over
+    /// any backend that reads the host's weights as they are: the CPU's own,
+    /// or a simulated CPU that times the same ops instead of running them.
+    #[allow(clippy::too_many_arguments)]
+    pub fn forward_batch_on<B: Backend<Weight = HostWeight>>(
+        &self,
+        backend: B,
+        pool: &mut KvPool,
+        seqs: &mut [SeqInput],
+        precision: Precision,
+        want: Logits,
+        timings: &mut ForwardTimings,
+        defer: usize,
+    ) -> Result<Vec<f32>, ForwardError> {
         // The CPU attends one-token steps in the absorbed form, and expands
         // the whole context's keys and values at once for longer chunks.
-        let mut pass = Pass::new(self, self.cpu.backend(), pool, seqs, precision, want, usize::MAX)?;
+        let mut pass = Pass::new(self, backend, pool, seqs, precision, want, usize::MAX)?;
         pass.defer_experts(defer);
         let mut i = 0;
         while i < self.modules.len() {

@@ -87,14 +87,14 @@ pub struct SimStats {
 
 /// A resource's busy intervals, sorted, disjoint.
 #[derive(Default)]
-struct Timeline {
+pub(crate) struct Timeline {
     busy: VecDeque<(Duration, Duration)>,
-    total: Duration,
+    pub(crate) total: Duration,
 }
 
 impl Timeline {
     /// Book `len` at the first gap from `ready` on; returns when it ends.
-    fn book(&mut self, ready: Duration, len: Duration) -> Duration {
+    pub(crate) fn book(&mut self, ready: Duration, len: Duration) -> Duration {
         self.total += len;
         let mut start = ready;
         let mut at = self.busy.len();
@@ -321,7 +321,7 @@ impl Inner {
     }
 }
 
-fn splitmix(x: u64) -> u64 {
+pub(crate) fn splitmix(x: u64) -> u64 {
     let mut z = x.wrapping_add(0x9E37_79B9_7F4A_7C15);
     z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
     z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);

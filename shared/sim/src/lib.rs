@@ -11,6 +11,8 @@
 //!   whose ops do not compute but take their modelled time on virtual
 //!   timelines, with streams, events, copies and host functions keeping
 //!   their real semantics.
+//! - [`cpu`]: a simulated CPU pool, the backend the CPU placement's forward
+//!   program runs on to time its ops instead of computing them.
 
 /// What a machine is: CPU sockets, devices and links, read from TOML.
 pub mod hardware;
@@ -20,3 +22,5 @@ pub mod cost;
 pub mod calibrate;
 /// A simulated accelerator on a virtual clock.
 pub mod device;
+/// A simulated CPU pool on a virtual clock, for the CPU placement.
+pub mod cpu;
