@@ -285,7 +285,7 @@ impl HybridEngine {
         let key_bands = |layer: usize| -> &[OwnedWeight] {
             let attention = model.modules.iter().find(|m| m.kind == ModuleKind::Attention { layer });
             match attention.and_then(|m| m.weights.find("kv_b_proj.key_t")) {
-                Some(HostWeight::PerHead(heads)) => heads,
+                Some(HostWeight::PerHead(heads)) => heads.heads(),
                 _ => &[],
             }
         };
