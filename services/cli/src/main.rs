@@ -21,6 +21,7 @@ mod bench_experts;
 mod bench_slp;
 mod loadgen;
 mod serve;
+mod simulate;
 use std::io::Write;
 use std::path::{Path, PathBuf};
 
@@ -48,6 +49,8 @@ enum Command {
     BenchSlp(bench_slp::BenchSlpArgs),
     /// Hybrid decode on an emulated accelerator: device and CPU time and their overlap per layer, batch 1 and 2.
     BenchDecode(bench_decode::BenchDecodeArgs),
+    /// Predict prefill and decode on described hardware (virtual clock, real engines); --calibrate describes this machine.
+    Simulate(simulate::SimulateArgs),
     /// Load a running server over gRPC: the paper's concurrency scenarios, or open-loop Poisson arrivals.
     Bench(loadgen::LoadArgs),
     /// Serve a model: start the router and both workers, restart them if they die.
@@ -311,6 +314,7 @@ fn run(cli: Cli) -> Result<()> {
         Command::BenchEngine(args) => bench::end_to_end(args),
         Command::BenchSlp(args) => bench_slp::run_bench(args),
         Command::BenchDecode(args) => bench_decode::run(args),
+        Command::Simulate(args) => simulate::run(args),
         Command::Bench(args) => loadgen::run(args),
     }
 }
