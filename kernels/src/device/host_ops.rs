@@ -5,6 +5,9 @@
 //!
 //! Activations are copied out of device memory into vectors and back, which
 //! keeps aliasing questions out of the way; weights are read in place.
+//!
+//! Public for the simulator's functional mode, which computes with these
+//! while it keeps its own clock.
 
 use super::{DeviceError, DevicePtr, DeviceWeight, Matrix, Op, PagedKv};
 use crate::cpu::{elementwise as simd, isa::Isa};
@@ -19,7 +22,7 @@ use crate::shared::SharedSlice;
 use crate::{round_bf16_slice, Precision, WeightView};
 
 /// An emulated device's memory: `len` bytes at `base`, addressed by offset.
-pub(crate) struct Memory {
+pub struct Memory {
     base: *mut u8,
     len: usize,
     _owner: Box<[u8]>,
@@ -96,7 +99,7 @@ impl Memory {
 }
 
 /// What runs ops: the device's own threads and reusable buffers.
-pub(crate) struct Executor {
+pub struct Executor {
     pub pool: ThreadPool,
     pub isa: Isa,
     linear: LinearScratch,

@@ -22,7 +22,7 @@
 
 pub mod arena;
 pub mod emulated;
-mod host_ops;
+pub mod host_ops;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 

@@ -21,6 +21,7 @@ mod bench_experts;
 mod bench_slp;
 mod loadgen;
 mod serve;
+mod simulate;
 use std::io::Write;
 use std::path::{Path, PathBuf};
 
@@ -48,6 +49,8 @@ enum Command {
     BenchSlp(bench_slp::BenchSlpArgs),
     /// Hybrid decode on an emulated accelerator: device and CPU time and their overlap per layer, batch 1 and 2.
     BenchDecode(bench_decode::BenchDecodeArgs),
+    /// Predict prefill and decode on described hardware (virtual clock, real engines); --calibrate describes this machine.
+    Simulate(simulate::SimulateArgs),
     /// Load a running server over gRPC: the paper's concurrency scenarios, or open-loop Poisson arrivals.
     Bench(loadgen::LoadArgs),
     /// Serve a model: start the router and both workers, restart them if they die.
@@ -241,9 +244,14 @@ struct SynthArgs {
     /// Largest shard, e.g. 512M or 2G (binary units).
     #[arg(long, default_value = "1G", value_parser = synth::parse_size)]
     shard_size: u64,
-    /// Refuse to write a checkpoint bigger than this.
+    /// Refuse to write a checkpoint bigger than this (not applied with --hollow, which takes no disk).
     #[arg(long, default_value = "100G", value_parser = synth::parse_size)]
     max_size: u64,
+    /// Write the files, headers and index but no tensor bytes: sparse shards that read as zeros and take no disk.
+    /// For `duplex simulate` on models too big to store (any size, e.g. --config deploy/models/deepseek-r1/config.json);
+    /// such a checkpoint computes garbage if run for real.
+    #[arg(long)]
+    hollow: bool,
     /// Replace a checkpoint already in --out.
     #[arg(long)]
     force: bool,
@@ -306,6 +314,7 @@ fn run(cli: Cli) -> Result<()> {
         Command::BenchEngine(args) => bench::end_to_end(args),
         Command::BenchSlp(args) => bench_slp::run_bench(args),
         Command::BenchDecode(args) => bench_decode::run(args),
+        Command::Simulate(args) => simulate::run(args),
         Command::Bench(args) => loadgen::run(args),
     }
 }
@@ -470,7 +479,7 @@ fn synth(args: SynthArgs) -> Result<()> {
     bar.set_style(
         ProgressStyle::with_template("{msg} [{bar:30}] {bytes}/{total_bytes} {binary_bytes_per_sec} eta {eta}").expect("valid template"),
     );
-    let opts = WriteOptions { seed: args.seed, shard_size: args.shard_size, force: args.force, max_bytes: Some(args.max_size) };
+    let opts = WriteOptions { seed: args.seed, shard_size: args.shard_size, force: args.force, max_bytes: Some(args.max_size), hollow: args.hollow };
     let summary = synth::write_checkpoint(&cfg, out, &opts, &mut |done, total| {
         bar.set_length(total);
         bar.set_position(done);
@@ -478,7 +487,8 @@ fn synth(args: SynthArgs) -> Result<()> {
     .with_context(|| format!("synthesising {what}"))?;
     bar.finish_and_clear();
     eprintln!(
-        "wrote {} ({} tensors, {} shard{}) to {} in {:.1} s ({:.0} MB/s)",
+        "wrote {}{} ({} tensors, {} shard{}) to {} in {:.1} s ({:.0} MB/s)",
+        if args.hollow { "a hollow " } else { "" },
         synth::human_bytes(summary.file_bytes),
         summary.tensors,
         summary.shards,

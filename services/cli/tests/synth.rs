@@ -152,3 +152,27 @@ fn mistakes_are_clear_errors() {
     let e = err(&duplex(&["synth", "--preset", "tiny", "--out", path(&dir.join("config.json"))]));
     assert!(e.contains("cannot write"), "{e}");
 }
+
+/// `--hollow` writes DeepSeek-R1's published config at its full 671B shape
+/// (688 GB of shards, over the default --max-size) in a few MB of disk.
+#[test]
+fn hollow_writes_deepseek_r1_in_no_disk() {
+    use std::os::unix::fs::MetadataExt;
+    let config = concat!(env!("CARGO_MANIFEST_DIR"), "/../../deploy/models/deepseek-r1/config.json");
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("r1");
+    let out = duplex(&["synth", "--config", config, "--hollow", "--out", path(&dir)]);
+    ok(&out);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("wrote a hollow 688."), "{stderr}");
+    let (mut apparent, mut disk) = (0, 0);
+    for entry in std::fs::read_dir(&dir).unwrap() {
+        let meta = entry.unwrap().metadata().unwrap();
+        apparent += meta.len();
+        disk += meta.blocks() * 512;
+    }
+    assert!(apparent > 688_000_000_000, "{apparent}");
+    assert!(disk < 200_000_000, "{disk} bytes on disk");
+    let written: serde_json::Value = serde_json::from_slice(&std::fs::read(dir.join("config.json")).unwrap()).unwrap();
+    assert_eq!(written["n_routed_experts"], 256);
+}

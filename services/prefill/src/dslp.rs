@@ -120,7 +120,16 @@ impl DslpEngine {
         };
         let results: Vec<Option<(Vec<f32>, SlpReport)>> = std::thread::scope(|scope| {
             let (rank, exchange) = (&rank, &exchange);
-            let others: Vec<_> = (1..self.ranks.len()).map(|r| scope.spawn(move || rank(r, &mut || exchange.aborted()))).collect();
+            // The ranks start at the caller's virtual time (simulator).
+            let started = duplex_kernels::clock::Stamp::now();
+            let others: Vec<_> = (1..self.ranks.len())
+                .map(|r| {
+                    scope.spawn(move || {
+                        started.join();
+                        rank(r, &mut || exchange.aborted())
+                    })
+                })
+                .collect();
             let first = rank(0, &mut || should_stop() || exchange.aborted());
             let mut all = vec![first];
             for h in others {

@@ -212,6 +212,7 @@ impl CpuBackend<'_> {
                 let HostWeight::PerHead(key_t) = w.get("kv_b_proj.key_t")? else {
                     return Err(ForwardError::BadModule("kv_b_proj.key_t is not per head".into()));
                 };
+                let key_t = key_t.heads();
                 let mut q_latent = vec![0.0f32; heads * dc];
                 let q_pe: Vec<f32> = q.chunks(dq).flat_map(|h| h[dn..].iter().copied()).collect();
                 {

@@ -41,6 +41,7 @@ use crate::weights::{HostWeight, Weights};
 use duplex_kernels::linear::OwnedWeight;
 use duplex_kernels::device::emulated::Jitter;
 use duplex_kernels::device::{Device, DeviceError, DevicePtr, DeviceWeight, Event, HostBytes, Matrix, Op, PagedKv, Staging, StreamId, StreamKind};
+use duplex_kernels::clock::Stamp;
 use std::sync::{mpsc, Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
@@ -247,8 +248,23 @@ pub struct HybridEngine {
     /// Counts CPU MoE calls, for the jitter's random delays.
     moe_calls: std::cell::Cell<u64>,
     budget: DeviceBudget,
+    /// Where routed experts run instead of the model's CPU pool (the simulator's model of one).
+    expert_pool: Option<Arc<dyn ExpertPool>>,
     /// The resident weights and the KV pool, given back on drop.
     _resident: Allocations,
+}
+
+/// Where the hybrid placement runs a layer's routed experts: the host's CPU
+/// pool ([`crate::cpu::CpuRuntime`]), or the simulator's model of one.
+pub trait ExpertPool: Send + Sync {
+    /// The summed output `[n, d]` of `jobs` (host weights) over the rows `xs` (`[n, d]`).
+    fn sum(&self, xs: &[f32], n: usize, d: usize, jobs: &[ExpertJob<HostWeight>], p: Precision) -> Result<Vec<f32>, ForwardError>;
+}
+
+impl ExpertPool for crate::cpu::CpuRuntime {
+    fn sum(&self, xs: &[f32], n: usize, d: usize, jobs: &[ExpertJob<HostWeight>], p: Precision) -> Result<Vec<f32>, ForwardError> {
+        cpu_sum(self, xs, n, d, jobs, p)
+    }
 }
 
 impl HybridEngine {
@@ -269,7 +285,7 @@ impl HybridEngine {
         let key_bands = |layer: usize| -> &[OwnedWeight] {
             let attention = model.modules.iter().find(|m| m.kind == ModuleKind::Attention { layer });
             match attention.and_then(|m| m.weights.find("kv_b_proj.key_t")) {
-                Some(HostWeight::PerHead(heads)) => heads,
+                Some(HostWeight::PerHead(heads)) => heads.heads(),
                 _ => &[],
             }
         };
@@ -382,7 +398,17 @@ impl HybridEngine {
             }
             None => None,
         };
-        Ok(HybridEngine { model, dev, embed, layers, head, streams, copy, workspaces: [None, None], stagings: [None, None], submit: cfg.submit, cache, kv, micro_batches: cfg.micro_batches, defer_experts: cfg.defer_experts, cpu_jitter: cfg.cpu_jitter, moe_calls: Default::default(), budget, _resident: resident })
+        Ok(HybridEngine { model, dev, embed, layers, head, streams, copy, workspaces: [None, None], stagings: [None, None], submit: cfg.submit, cache, kv, micro_batches: cfg.micro_batches, defer_experts: cfg.defer_experts, cpu_jitter: cfg.cpu_jitter, moe_calls: Default::default(), budget, expert_pool: None, _resident: resident })
+    }
+
+    /// Run the routed experts on `pool` instead of the model's CPU pool
+    /// (the simulator's model of a CPU).
+    pub fn set_expert_pool(&mut self, pool: Arc<dyn ExpertPool>) {
+        self.expert_pool = Some(pool);
+    }
+
+    fn expert_pool(&self) -> &dyn ExpertPool {
+        self.expert_pool.as_deref().unwrap_or(&self.model.cpu)
     }
 
     pub fn budget(&self) -> DeviceBudget {
@@ -684,6 +710,7 @@ impl HybridEngine {
                 }
             };
             timings.device_wait += waited.elapsed();
+            task.handed.join();
             let staging = stagings[task.micro].as_ref().ok_or_else(|| ForwardError::BadModule(format!("no staging for micro-batch {}", task.micro)))?;
             self.cpu_task(&task, staging, board, p, timings)?;
         }
@@ -720,7 +747,7 @@ impl HybridEngine {
         }
         for (deferred, id, at) in sums {
             let (_, host) = split_jobs(&routing.jobs(&group, deferred)?)?;
-            let sum = cpu_sum(&self.model.cpu, &xs, n, d, &host, p)?;
+            let sum = self.expert_pool().sum(&xs, n, d, &host, p)?;
             let mut bytes = staging.lock();
             for (o, v) in bytes[t.offset + at..][..4 * n * d].chunks_exact_mut(4).zip(&sum) {
                 o.copy_from_slice(&v.to_le_bytes());
@@ -778,7 +805,7 @@ impl HybridEngine {
         }
         let backend = HybridBackend {
             dev: DeviceBackend::new(&*self.dev, stream, workspace),
-            cpu: &self.model.cpu,
+            cpu: self.expert_pool(),
             kv: self.kv.kv,
             tables,
             host_copies: vec![],
@@ -998,6 +1025,8 @@ struct MoeTask {
     /// The board's entries for the immediate experts' sum and the deferred ones'.
     now: usize,
     deferred: Option<usize>,
+    /// When the stream handed it over (the simulator's virtual time).
+    handed: Stamp,
 }
 
 /// One MoE layer's slot in a staging: the experts' input `[n, d]`, the
@@ -1029,7 +1058,8 @@ struct Board {
 
 #[derive(Default)]
 struct BoardState {
-    done: Vec<bool>,
+    /// Per entry: done, and when (the simulator's virtual time).
+    done: Vec<(bool, Stamp)>,
     aborted: bool,
 }
 
@@ -1041,13 +1071,13 @@ impl Board {
     /// A new entry, not yet done.
     fn add(&self) -> usize {
         let mut st = self.lock();
-        st.done.push(false);
+        st.done.push((false, Stamp::default()));
         st.done.len() - 1
     }
 
     fn finish(&self, id: usize) {
         if let Some(d) = self.lock().done.get_mut(id) {
-            *d = true;
+            *d = (true, Stamp::now());
         }
         self.changed.notify_all();
     }
@@ -1060,8 +1090,11 @@ impl Board {
     /// Block until entry `id` is done or the step is aborted.
     fn wait(&self, id: usize) {
         let mut st = self.lock();
-        while !st.aborted && !st.done.get(id).copied().unwrap_or(true) {
+        while !st.aborted && !st.done.get(id).is_none_or(|d| d.0) {
             st = self.changed.wait(st).unwrap_or_else(|e| e.into_inner());
+        }
+        if let Some((_, done)) = st.done.get(id) {
+            done.join();
         }
     }
 }
@@ -1156,7 +1189,7 @@ struct SeqTable {
 /// for the routed experts (the CPU's) and the KV cache (the device pool).
 pub struct HybridBackend<'a> {
     dev: DeviceBackend<'a>,
-    cpu: &'a crate::cpu::CpuRuntime,
+    cpu: &'a dyn ExpertPool,
     kv: PagedKv,
     tables: Vec<SeqTable>,
     /// Host copies of device matrices the routed experts read: the FFN's
@@ -1298,13 +1331,13 @@ impl HybridBackend<'_> {
         dev.download_to(stream, span(weights), &st.staging, offset + layout.weights)?;
         let now = st.board.add();
         let deferred = (defer > 0).then(|| st.board.add());
-        let task = MoeTask { micro: st.micro, layer, rows: n, offset, defer, now, deferred };
+        let task = MoeTask { micro: st.micro, layer, rows: n, offset, defer, now, deferred, handed: Stamp::default() };
         let tasks = st.tasks.clone();
         dev.host_fn(
             stream,
             Box::new(move || {
                 // The host stops listening only once the step has failed.
-                let _ = tasks.send(task);
+                let _ = tasks.send(MoeTask { handed: Stamp::now(), ..task });
             }),
         )?;
         st.handed = Some(dev.record(stream)?);
@@ -1335,7 +1368,7 @@ impl HybridBackend<'_> {
             std::thread::sleep(jitter_delay(j, calls));
         }
         let started = Instant::now();
-        let sum = cpu_sum(self.cpu, xs, n, d, jobs, p)?;
+        let sum = self.cpu.sum(xs, n, d, jobs, p)?;
         self.timings.cpu_moe += started.elapsed();
         let ye = s.ye.rows(0..n).reshape(n, d);
         self.dev.upload_f32(&sum, ye.buf.slice(ye.offset * 4, n * d * 4)?)?;

@@ -16,11 +16,12 @@ use crate::forward::{ModuleKind, Pass};
 use crate::kv_cache::{BlockTable, KvError, KvPool};
 use crate::moe::{router_params, RouterParams};
 use crate::rope::RopeTable;
-use crate::weights::{HostWeight, Weights};
+use crate::weights::{HostWeight, PerHead, Weights};
 use duplex_kernels::device::DeviceError;
-use duplex_kernels::linear::{transpose_rows, OwnedWeight};
+use duplex_kernels::linear::OwnedWeight;
 use duplex_kernels::pool::PoolConfig;
 use std::path::Path;
+use std::sync::Arc;
 use std::time::Duration;
 
 pub use crate::cpu::CpuRuntime;
@@ -233,12 +234,12 @@ impl Model {
                     let (view, rows) = (k_b.view(), m.kv_lora_rank);
                     let per_head = view.format.row_bytes(view.cols) * rows;
                     w.push("v_b_proj", ld.matrix(&format!("{a}.v_b_proj"), h * m.v_head_dim, m.kv_lora_rank)?);
-                    (0..h).map(|head| OwnedWeight { rows, cols: view.cols, format: view.format, data: view.data[head * per_head..(head + 1) * per_head].to_vec(), scales: vec![] }).collect()
+                    PerHead::stored((0..h).map(|head| OwnedWeight { rows, cols: view.cols, format: view.format, data: view.data[head * per_head..(head + 1) * per_head].to_vec(), scales: vec![] }).collect())
                 } else {
-                    (0..h).map(|head| transpose_rows(&kv_b.view(), head * dkv..head * dkv + m.qk_nope_head_dim)).collect()
+                    PerHead::key_bands(kv_b.clone(), dkv, m.qk_nope_head_dim)
                 };
                 w.push("kv_b_proj", HostWeight::Matrix(kv_b));
-                w.push("kv_b_proj.key_t", HostWeight::PerHead(key_t));
+                w.push("kv_b_proj.key_t", HostWeight::PerHead(Arc::new(key_t)));
                 w.push("o_proj", ld.matrix(&format!("{a}.o_proj"), d, h * m.v_head_dim)?);
             }
             AttentionConfig::Gqa(g) => {
@@ -313,7 +314,7 @@ impl Model {
             m.weights
                 .iter()
                 .map(|(name, w)| match w {
-                    HostWeight::PerHead(heads) if gguf_halves => heads.iter().map(|h| h.data.len()).sum(),
+                    HostWeight::PerHead(heads) if gguf_halves => heads.heads().iter().map(|h| h.data.len()).sum(),
                     _ if gguf_halves && name == "kv_b_proj" => 0,
                     _ => w.stored_bytes(),
                 })

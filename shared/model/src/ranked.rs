@@ -38,6 +38,7 @@ use crate::staged::DeviceBackend;
 use crate::weights::Weights;
 use duplex_kernels::device::{self, Device, DevicePtr, DeviceWeight, Event, GqaDims, Matrix, MlaDims, Op, Staging, StreamId};
 use std::ops::Range;
+use duplex_kernels::clock::Stamp;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
@@ -175,6 +176,11 @@ struct ExchangeState<'p> {
     result: Arc<Vec<Parcel>>,
     failed: Option<String>,
     layers: Vec<LayerExchange>,
+    /// The latest arrival at the current collective, and at the last one
+    /// completed (the simulator's virtual time: no rank leaves a collective
+    /// before the last one came).
+    arrived_at: Stamp,
+    completed_at: Stamp,
 }
 
 /// The host side of the ranks' collectives: a rendezvous per collective,
@@ -191,7 +197,7 @@ impl<'p> Exchange<'p> {
     /// `table` (whose blocks hold every position) in `pool`.
     pub fn new(split: ZigZag, pool: &'p mut KvPool, table: BlockTable, layers: usize) -> Self {
         let ranks = split.ranks;
-        let state = ExchangeState { pool, table, generation: 0, deposits: (0..ranks).map(|_| None).collect(), result: Arc::default(), failed: None, layers: vec![LayerExchange::default(); layers] };
+        let state = ExchangeState { pool, table, generation: 0, deposits: (0..ranks).map(|_| None).collect(), result: Arc::default(), failed: None, layers: vec![LayerExchange::default(); layers], arrived_at: Stamp::default(), completed_at: Stamp::default() };
         Exchange { split, state: Mutex::new(state), arrived: Condvar::new() }
     }
 
@@ -241,11 +247,14 @@ impl<'p> Exchange<'p> {
         }
         let generation = st.generation;
         st.deposits[rank] = Some(parcel);
+        st.arrived_at = st.arrived_at.max(Stamp::now());
         if st.deposits.iter().all(Option::is_some) {
             let parcels: Vec<Parcel> = st.deposits.iter_mut().map(|d| d.take().expect("checked")).collect();
             complete(&mut st, &parcels);
             st.result = Arc::new(parcels);
             st.generation += 1;
+            st.completed_at = std::mem::take(&mut st.arrived_at);
+            st.completed_at.join();
             self.arrived.notify_all();
             return Ok(st.result.clone());
         }
@@ -254,6 +263,7 @@ impl<'p> Exchange<'p> {
             // The next collective cannot complete without this rank, so the
             // result is still this one's.
             if st.generation != generation {
+                st.completed_at.join();
                 return Ok(st.result.clone());
             }
             if let Some(e) = failed(&st) {

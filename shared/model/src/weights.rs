@@ -4,7 +4,8 @@
 
 use crate::checkpoint::{HostTensor, Linear};
 use crate::model::ForwardError;
-use duplex_kernels::linear::OwnedWeight;
+use duplex_kernels::linear::{transpose_rows, OwnedWeight};
+use std::sync::{Arc, OnceLock};
 
 /// A module's weights, each under its name within the module (the
 /// checkpoint's name without the layer prefix: `q_a_proj`, `kv_a_layernorm`,
@@ -79,7 +80,42 @@ pub enum HostWeight {
     Vector(Vec<f32>),
     /// Derived on the host for the CPU's fast paths and never staged: per
     /// head, the transpose of MLA's key band of `kv_b_proj`.
-    PerHead(Vec<OwnedWeight>),
+    PerHead(Arc<PerHead>),
+}
+
+/// One weight per head, derived on first use or as stored.
+///
+/// MLA's transposed key bands are made from `kv_b_proj` when a pass (or the
+/// hybrid engine's upload) first asks for them, not at load: loading then
+/// reads none of `kv_b_proj` (61 layers of it are 1 GB of DeepSeek-R1's
+/// mapping, and the bands 0.5 GB of heap), which a hollow checkpoint for
+/// the simulator must not touch and a prefill-only model never needs.
+#[derive(Debug)]
+pub struct PerHead {
+    heads: OnceLock<Vec<OwnedWeight>>,
+    /// What makes them: `kv_b_proj`, and each head's `(stride, key rows)`.
+    key_bands_of: Option<(Linear, usize, usize)>,
+}
+
+impl PerHead {
+    /// Weights a checkpoint stores per head (a GGUF's `attn_k_b`).
+    pub fn stored(heads: Vec<OwnedWeight>) -> Self {
+        PerHead { heads: OnceLock::from(heads), key_bands_of: None }
+    }
+
+    /// The transposes of `kv_b`'s key bands: rows `h * stride..h * stride +
+    /// key_rows` of head `h`, made on first use.
+    pub fn key_bands(kv_b: Linear, stride: usize, key_rows: usize) -> Self {
+        PerHead { heads: OnceLock::new(), key_bands_of: Some((kv_b, stride, key_rows)) }
+    }
+
+    pub fn heads(&self) -> &[OwnedWeight] {
+        self.heads.get_or_init(|| {
+            let (kv_b, stride, key_rows) = self.key_bands_of.as_ref().expect("stored heads are set at construction");
+            let view = kv_b.view();
+            (0..kv_b.rows / stride).map(|h| transpose_rows(&view, h * stride..h * stride + key_rows)).collect()
+        })
+    }
 }
 
 impl HostWeight {

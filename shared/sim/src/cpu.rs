@@ -27,6 +27,7 @@ use crate::hardware::CpuSpec;
 use duplex_kernels::clock;
 use duplex_kernels::device::{DevicePtr, DeviceWeight, GqaDims, Matrix, MlaDims, Op};
 use duplex_kernels::WeightView;
+use duplex_model::hybrid::ExpertPool;
 use duplex_model::backend::{AttentionCall, Backend, ExpertJob, ExpertScratch, RouteCall, Routes, Segment, Tokens};
 use duplex_model::kv_cache::KvPool;
 use duplex_model::model::{ForwardError, Precision};
@@ -96,6 +97,26 @@ impl SimCpu {
         }
         drop(per_kind);
         clock::advance_to(end);
+    }
+
+    /// A layer's routed experts over `rows` rows of `cols` (one parallel
+    /// region, as the CPU backend runs them): each expert's three
+    /// projections read once, over the rows routed to it.
+    fn run_experts(&self, rows: usize, cols: usize, jobs: &[ExpertJob<HostWeight>], p: Precision) -> Result<(), ForwardError> {
+        let threads = self.product_threads(p);
+        let mut total = Duration::ZERO;
+        for job in jobs {
+            let n = match job.tokens {
+                Tokens::All => rows,
+                Tokens::Rows(r) => r.len(),
+            };
+            let (gate, up, down) = (matrix(job.gate)?, matrix(job.up)?, matrix(job.down)?);
+            let bytes = view_bytes(&gate) + view_bytes(&up) + view_bytes(&down);
+            let macs = gate.rows * gate.cols + up.rows * up.cols + down.rows * down.cols;
+            total += self.time(&product(bytes, macs, n, cols, down.rows, p), threads);
+        }
+        self.book("experts", total);
+        Ok(())
     }
 
     /// Book `op` as the device layer costs it, on `threads` threads.
@@ -282,20 +303,7 @@ impl Backend for SimCpuBackend<'_> {
     /// parallel region. Each expert's roofline is its own (few rows stream
     /// weights, many compute), and they add up.
     fn experts(&mut self, x: Matrix, jobs: &[ExpertJob<HostWeight>], _out: Matrix, p: Precision, _scratch: &ExpertScratch) -> Result<(), ForwardError> {
-        let threads = self.cpu.product_threads(p);
-        let mut total = Duration::ZERO;
-        for job in jobs {
-            let rows = match job.tokens {
-                Tokens::All => x.rows,
-                Tokens::Rows(r) => r.len(),
-            };
-            let (gate, up, down) = (matrix(job.gate)?, matrix(job.up)?, matrix(job.down)?);
-            let bytes = view_bytes(&gate) + view_bytes(&up) + view_bytes(&down);
-            let macs = gate.rows * gate.cols + up.rows * up.cols + down.rows * down.cols;
-            total += self.cpu.time(&product(bytes, macs, rows, x.cols, down.rows, p), threads);
-        }
-        self.cpu.book("experts", total);
-        Ok(())
+        self.cpu.run_experts(x.rows, x.cols, jobs, p)
     }
 
     fn store_kv(&mut self, _layer: usize, parts: &[Matrix], seg: &Segment, _pool: &mut KvPool) -> Result<(), ForwardError> {
@@ -319,12 +327,11 @@ impl Backend for SimCpuBackend<'_> {
         let time = |work: &Work, threads: usize| self.cpu.time(work, threads);
         let len = if c.seg.n == 1 {
             let (heads, dkv) = (dims.heads, dims.dn + dims.dv);
-            // The BF16 path reads the per-head transposes of the key band;
-            // the F32 reference reads the key rows of kv_b_proj itself.
-            let key_bytes = match (p, w.find("kv_b_proj.key_t")) {
-                (Precision::Bf16, Some(HostWeight::PerHead(key_t))) => key_t.iter().map(|k| view_bytes(&k.view())).sum(),
-                _ => kv_b_bytes * dims.dn / dkv,
-            };
+            // The key rows of kv_b_proj, read once whichever way the path
+            // holds them (the BF16 path's per-head transposes, made on first
+            // use, are the same elements in the same format; asking for them
+            // here would make them, reading the weights).
+            let key_bytes = kv_b_bytes * dims.dn / dkv;
             // A GGUF's own value half, else kv_b_proj's value rows.
             let value_bytes = match w.find("v_b_proj") {
                 Some(v) => view_bytes(&matrix(v)?),
@@ -365,5 +372,14 @@ impl Backend for SimCpuBackend<'_> {
         // In place over the paged pool, spread over the pool on both paths.
         self.cpu.book_op("attention", &op, self.cpu.threads);
         Ok(())
+    }
+}
+
+/// The hybrid placement's routed experts on the simulated pool: the same
+/// work as the CPU placement's, from the thread that serves them.
+impl ExpertPool for SimCpu {
+    fn sum(&self, _xs: &[f32], n: usize, d: usize, jobs: &[ExpertJob<HostWeight>], p: Precision) -> Result<Vec<f32>, ForwardError> {
+        self.run_experts(n, d, jobs, p)?;
+        Ok(vec![0.0; n * d])
     }
 }

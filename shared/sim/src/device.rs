@@ -9,7 +9,11 @@
 //! - kernels share the device's compute, uploads its host→device link,
 //!   downloads its device→host link: each is a timeline of busy intervals,
 //!   and a command takes the first gap long enough from when it is ready (so
-//!   one stream's kernel can run while another stream still waits);
+//!   one stream's kernel can run while another stream still waits). Copies
+//!   that compute streams make (token ids, row lists, a layer's routes and
+//!   KV entries) go on a lane of their own, as a GPU's second copy engine
+//!   takes them, rather than queueing behind the weights copy streams
+//!   stream in;
 //! - events complete at the virtual time their stream reached them; a host
 //!   thread that waits for one (`synchronize`, a download) advances its own
 //!   virtual time to it; a host function runs with its thread's virtual
@@ -23,9 +27,17 @@
 //! are zeros. The one result the scheduling depends on is routing, so a
 //! simulated router chooses `top_k` distinct experts per token uniformly at
 //! random (seeded; routing's real skew is not modelled) with weights 1/k.
+//!
+//! In its *functional* mode ([`SimConfig::functional`]) the device also
+//! computes, with the emulated device's kernels over real memory: then its
+//! results, routing included, are the real ones, and a run takes the same
+//! data-dependent decisions as on the emulated device, which is how tests
+//! show that the two run the same schedule. Time stays virtual either way.
 
 use duplex_kernels::clock;
 use duplex_kernels::device::arena::Arena;
+use duplex_kernels::device::host_ops::{Executor, Memory};
+use duplex_kernels::pool::{PoolConfig, ThreadPool};
 use duplex_kernels::device::{Device, DeviceError, DevicePtr, Event, HostBytes, Op, Staging, StreamId, StreamKind, Trace, TraceEntry};
 use std::collections::{HashMap, VecDeque};
 use std::sync::mpsc::{channel, Sender};
@@ -55,6 +67,8 @@ pub struct SimConfig {
     /// Seed of the simulated router's choices.
     pub seed: u64,
     pub trace: Option<Arc<Trace>>,
+    /// Compute as well (memory of `memory_bytes` backs the device).
+    pub functional: bool,
 }
 
 /// Where a simulated device's time went.
@@ -63,6 +77,8 @@ pub struct SimStats {
     pub compute_busy: Duration,
     pub h2d_busy: Duration,
     pub d2h_busy: Duration,
+    /// Copies on compute streams.
+    pub inline_copies_busy: Duration,
     pub bytes_uploaded: u64,
     pub bytes_downloaded: u64,
     /// Kernel time per op kind.
@@ -152,11 +168,14 @@ struct Command {
 /// What the stream threads share.
 struct Inner {
     config: SimConfig,
+    /// The functional mode's memory and kernels.
+    computed: Option<(Memory, Mutex<Executor>)>,
     /// Small data written, by page.
     pages: Mutex<HashMap<u64, Box<[u8]>>>,
     compute: Mutex<Timeline>,
     h2d: Mutex<Timeline>,
     d2h: Mutex<Timeline>,
+    inline_copies: Mutex<Timeline>,
     stats: Mutex<SimStats>,
     /// Routes chosen so far (the router's counter-based random stream).
     routed: Mutex<u64>,
@@ -164,6 +183,11 @@ struct Inner {
 
 impl Inner {
     fn write(&self, dst: DevicePtr, bytes: &[u8]) {
+        if let Some((memory, _)) = &self.computed {
+            // Bounds were checked when the command was enqueued.
+            memory.write(dst, bytes).expect("a checked range");
+            return;
+        }
         let mut pages = lock(&self.pages);
         let mut done = 0;
         while done < bytes.len() {
@@ -177,6 +201,9 @@ impl Inner {
     }
 
     fn read(&self, src: DevicePtr) -> Vec<u8> {
+        if let Some((memory, _)) = &self.computed {
+            return memory.bytes(src).expect("a checked range").to_vec();
+        }
         let pages = lock(&self.pages);
         let mut out = vec![0; src.bytes];
         let mut done = 0;
@@ -222,38 +249,40 @@ impl Inner {
         }
     }
 
-    /// Run one command from virtual time `at` (when the stream got there);
-    /// returns when the stream is done with it.
-    fn run(&self, command: Command, at: Duration) -> Duration {
+    /// Run one command of a `kind` stream from virtual time `at` (when the
+    /// stream got there); returns when the stream is done with it.
+    fn run(&self, kind: StreamKind, command: Command, at: Duration) -> Duration {
         let ready = at.max(command.enqueued);
         let cost = &self.config.cost;
         match command.work {
             Work::Upload { src, dst } => {
-                if dst.bytes <= KEPT_WRITE_BYTES {
+                if dst.bytes <= KEPT_WRITE_BYTES || self.computed.is_some() {
                     self.write(dst, src.as_slice());
                 }
-                self.count_upload(dst.bytes);
-                lock(&self.h2d).book(ready, cost.h2d(dst.bytes))
+                self.upload(kind, ready, dst.bytes)
             }
             Work::UploadFrom { src, offset, dst } => {
-                if dst.bytes <= KEPT_WRITE_BYTES {
+                if dst.bytes <= KEPT_WRITE_BYTES || self.computed.is_some() {
                     self.write(dst, &src.lock()[offset..offset + dst.bytes]);
                 }
-                self.count_upload(dst.bytes);
-                lock(&self.h2d).book(ready, cost.h2d(dst.bytes))
+                self.upload(kind, ready, dst.bytes)
             }
             Work::Download { src, reply } => {
-                let end = self.download(ready, src);
+                let end = self.download(kind, ready, src);
                 let _ = reply.send((self.read(src), end));
                 end
             }
             Work::DownloadTo { src, dst, offset } => {
-                let end = self.download(ready, src);
+                let end = self.download(kind, ready, src);
                 dst.lock()[offset..offset + src.bytes].copy_from_slice(&self.read(src));
                 end
             }
             Work::Launch(op) => {
-                self.route(&op);
+                match &self.computed {
+                    // A fault (an index out of range) is the test's to see in the results.
+                    Some((memory, executor)) => lock(executor).run(memory, &op).unwrap_or_else(|e| panic!("simulated device fault: {e}")),
+                    None => self.route(&op),
+                }
                 let len = cost.op(&op);
                 let mut stats = lock(&self.stats);
                 match stats.per_op.iter_mut().find(|(name, _)| *name == op.name()) {
@@ -279,13 +308,16 @@ impl Inner {
         }
     }
 
-    fn download(&self, ready: Duration, src: DevicePtr) -> Duration {
-        lock(&self.stats).bytes_downloaded += src.bytes as u64;
-        lock(&self.d2h).book(ready, self.config.cost.d2h(src.bytes))
+    fn upload(&self, kind: StreamKind, ready: Duration, bytes: usize) -> Duration {
+        lock(&self.stats).bytes_uploaded += bytes as u64;
+        let lane = if kind == StreamKind::Copy { &self.h2d } else { &self.inline_copies };
+        lock(lane).book(ready, self.config.cost.h2d(bytes))
     }
 
-    fn count_upload(&self, bytes: usize) {
-        lock(&self.stats).bytes_uploaded += bytes as u64;
+    fn download(&self, kind: StreamKind, ready: Duration, src: DevicePtr) -> Duration {
+        lock(&self.stats).bytes_downloaded += src.bytes as u64;
+        let lane = if kind == StreamKind::Copy { &self.d2h } else { &self.inline_copies };
+        lock(lane).book(ready, self.config.cost.d2h(src.bytes))
     }
 }
 
@@ -310,12 +342,18 @@ pub struct SimDevice {
 impl SimDevice {
     pub fn new(config: SimConfig) -> Arc<SimDevice> {
         let arena = Mutex::new(Arena::new(config.memory_bytes));
+        let computed = config.functional.then(|| {
+            let pool = ThreadPool::new(&PoolConfig::split(1, 1).expect("one thread"));
+            (Memory::new(config.memory_bytes), Mutex::new(Executor::new(pool, duplex_kernels::cpu::isa::detect())))
+        });
         let inner = Inner {
+            computed,
             config,
             pages: Mutex::default(),
             compute: Mutex::default(),
             h2d: Mutex::default(),
             d2h: Mutex::default(),
+            inline_copies: Mutex::default(),
             stats: Mutex::default(),
             routed: Mutex::new(0),
         };
@@ -327,6 +365,7 @@ impl SimDevice {
         stats.compute_busy = lock(&self.inner.compute).total;
         stats.h2d_busy = lock(&self.inner.h2d).total;
         stats.d2h_busy = lock(&self.inner.d2h).total;
+        stats.inline_copies_busy = lock(&self.inner.inline_copies).total;
         stats
     }
 
@@ -398,7 +437,7 @@ impl Device for SimDevice {
         lock(&self.arena).free(ptr.addr as usize)
     }
 
-    fn create_stream(&self, _kind: StreamKind) -> Result<StreamId, DeviceError> {
+    fn create_stream(&self, kind: StreamKind) -> Result<StreamId, DeviceError> {
         let mut streams = lock(&self.streams);
         let id = streams.len();
         let (queue, commands) = channel::<Command>();
@@ -408,7 +447,7 @@ impl Device for SimDevice {
             .spawn(move || {
                 let mut at = Duration::ZERO;
                 for command in commands {
-                    at = inner.run(command, at);
+                    at = inner.run(kind, command, at);
                 }
             })
             .map_err(|e| DeviceError::Backend(format!("cannot start a stream thread: {e}")))?;
@@ -466,14 +505,14 @@ impl Device for SimDevice {
         self.send(stream, Work::Wait(state))
     }
 
-    /// Whether the stream has got to the event; seeing that it has puts the
-    /// host at least at the event's time.
+    /// Whether the event has completed by the asking thread's virtual time
+    /// (looking takes no time, so it never moves that time on).
     fn query(&self, event: &Event) -> Result<bool, DeviceError> {
         let at = *lock(&Self::event(event)?.at);
-        if let Some(t) = at {
-            clock::advance_to(t);
-        }
-        Ok(at.is_some())
+        Ok(match (at, clock::now()) {
+            (Some(t), Some(now)) => t <= now,
+            (at, _) => at.is_some(),
+        })
     }
 
     fn synchronize(&self, event: &Event) -> Result<(), DeviceError> {

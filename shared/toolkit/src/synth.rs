@@ -13,6 +13,14 @@
 //!
 //! Values are deterministic in `(seed, tensor name)`, independent of sharding
 //! and of the order tensors are written in.
+//!
+//! A *hollow* checkpoint ([`WriteOptions::hollow`]) has the same files,
+//! headers and index but no tensor bytes: each shard is extended to its full
+//! size with `File::set_len`, so it is sparse, reads as zeros and takes no
+//! disk beyond its header. It is for `duplex simulate`, which builds the real
+//! engines for shapes as big as DeepSeek-R1 or Kimi-K2 but never computes
+//! with their weights. Run for real, a hollow checkpoint computes garbage:
+//! every weight and FP8 scale is zero.
 
 use duplex_model::checkpoint::{INDEX_FILE, SINGLE_FILE};
 use duplex_model::config::{Architecture, AttentionConfig, ConfigError, ModelConfig};
@@ -865,13 +873,17 @@ pub struct WriteOptions {
     pub shard_size: u64,
     /// Replace a checkpoint already in the directory.
     pub force: bool,
-    /// Refuse a checkpoint bigger than this before writing anything.
+    /// Refuse a checkpoint bigger than this before writing anything. A
+    /// limit on disk space: a hollow checkpoint, which takes none, ignores it.
     pub max_bytes: Option<u64>,
+    /// Write the files, headers and index but no tensor bytes: sparse shards
+    /// that read as zeros (see the module docs). For the simulator only.
+    pub hollow: bool,
 }
 
 impl Default for WriteOptions {
     fn default() -> Self {
-        WriteOptions { seed: 0, shard_size: DEFAULT_SHARD_SIZE, force: false, max_bytes: None }
+        WriteOptions { seed: 0, shard_size: DEFAULT_SHARD_SIZE, force: false, max_bytes: None, hollow: false }
     }
 }
 
@@ -931,7 +943,7 @@ pub fn write_checkpoint(
     if opts.shard_size == 0 {
         return Err(SynthError::BadOption("the shard size must be positive".into()));
     }
-    if let Some(limit) = opts.max_bytes.filter(|&l| total > l) {
+    if let Some(limit) = opts.max_bytes.filter(|&l| total > l && !opts.hollow) {
         return Err(SynthError::TooLarge { need: total, limit });
     }
     std::fs::create_dir_all(dir).map_err(io_err(dir))?;
@@ -998,6 +1010,13 @@ fn write_files(
         let path = dir.join(&name);
         created.push(path.clone());
         let mut write_tensor_bytes = |w: &mut BufWriter<File>, t: &TensorPlan| -> std::io::Result<()> {
+            if opts.hollow {
+                // Nothing to write: `write_shard` extends the file over the
+                // tensor, which then reads as zeros.
+                done += t.bytes();
+                progress(done, total);
+                return Ok(());
+            }
             let mut gen = Generator::new(t, opts.seed);
             let mut left = t.bytes();
             while left > 0 {
@@ -1043,7 +1062,10 @@ fn write_files(
 }
 
 /// Write one safetensors file: header from the shapes, then each tensor's
-/// bytes from `write_tensor`. Returns the file size.
+/// bytes from `write_tensor`, and set the file's length to the end of the
+/// last tensor (a no-op when every byte was written; a sparse tail over the
+/// tensors `write_tensor` skipped, for a hollow checkpoint). Returns the
+/// file size.
 fn write_shard(
     path: &Path,
     tensors: &[&TensorPlan],
@@ -1069,8 +1091,9 @@ fn write_shard(
     for t in order {
         write_tensor(&mut w, t)?;
     }
-    w.into_inner().map_err(|e| e.into_error())?;
-    Ok(8 + text.len() as u64 + offset)
+    let size = 8 + text.len() as u64 + offset;
+    w.into_inner().map_err(|e| e.into_error())?.set_len(size)?;
+    Ok(size)
 }
 
 /// Parse a size such as `1073741824`, `512M` or `1G` (binary units: K, M,

@@ -12,7 +12,8 @@
 //! fixed budget, and the loader blocks until the unloader has freed enough.
 //!
 //! A release carries the unloader's virtual time ([`Stamp`]): under the
-//! simulator, a loader that waited for space goes on from then.
+//! simulator, a loader that takes a slot, or space of the budget, goes on
+//! from the time its last user released it.
 
 use super::signal::{lock, wait_until, Abort, Aborted};
 use duplex_kernels::clock::Stamp;
@@ -71,55 +72,70 @@ impl ExpertRing {
 
 pub struct DenseBudget {
     base: DevicePtr,
-    /// The allocations, and when the last release happened.
-    arena: Mutex<(Arena, Stamp)>,
+    arena: Mutex<Space>,
     freed: Condvar,
+}
+
+/// The budget's allocations, and the ranges released since, each with when.
+struct Space {
+    arena: Arena,
+    released: Vec<(std::ops::Range<usize>, Stamp)>,
+}
+
+impl Space {
+    fn new(bytes: usize) -> Space {
+        Space { arena: Arena::new(bytes), released: vec![] }
+    }
+
+    /// Continue from the releases of the memory at `range`, which is being
+    /// handed out again: those are forgotten once it covers them whole.
+    fn reuse(&mut self, range: std::ops::Range<usize>) {
+        let overlaps = |r: &std::ops::Range<usize>| r.start < range.end && range.start < r.end;
+        let stamp = self.released.iter().filter(|(r, _)| overlaps(r)).fold(Stamp::default(), |a, (_, s)| a.max(*s));
+        stamp.join();
+        self.released.retain(|(r, _)| !(range.start <= r.start && r.end <= range.end));
+    }
 }
 
 impl DenseBudget {
     pub fn new(dev: &dyn Device, bytes: usize) -> Result<Self, DeviceError> {
         let base = dev.alloc(bytes)?;
-        Ok(DenseBudget { base, arena: Mutex::new((Arena::new(bytes), Stamp::default())), freed: Condvar::new() })
+        Ok(DenseBudget { base, arena: Mutex::new(Space::new(bytes)), freed: Condvar::new() })
     }
 
     pub fn capacity(&self) -> usize {
-        lock(&self.arena).0.capacity()
+        lock(&self.arena).arena.capacity()
     }
 
     /// `bytes` of the budget, once the unloader has freed enough of it (the
     /// caller has checked that `bytes` fits the budget at all).
     pub fn alloc(&self, bytes: usize, abort: &Abort) -> Result<DevicePtr, Aborted> {
-        let (mut offset, mut waited) = (0, false);
-        let arena = wait_until(&self.arena, &self.freed, abort, |(a, _)| match a.alloc(bytes) {
+        let mut offset = 0;
+        let mut space = wait_until(&self.arena, &self.freed, abort, |s| match s.arena.alloc(bytes) {
             Ok(o) => {
                 offset = o;
                 true
             }
-            Err(_) => {
-                waited = true;
-                false
-            }
+            Err(_) => false,
         })?;
-        // Space freed while this thread waited is space of the latest release.
-        if waited {
-            arena.1.join();
-        }
+        space.reuse(offset..offset + bytes);
         Ok(self.base.slice(offset, bytes).expect("the arena lies within the budget"))
     }
 
     pub fn release(&self, ptr: DevicePtr) {
         // Only pointers this budget handed out come back here.
-        let mut arena = lock(&self.arena);
-        let _ = arena.0.free((ptr.addr - self.base.addr) as usize);
-        arena.1 = Stamp::now();
-        drop(arena);
+        let offset = (ptr.addr - self.base.addr) as usize;
+        let mut space = lock(&self.arena);
+        let _ = space.arena.free(offset);
+        space.released.push((offset..offset + ptr.bytes, Stamp::now()));
+        drop(space);
         self.freed.notify_all();
     }
 
     /// Forget every allocation (after an aborted prompt, once the device is idle).
     pub fn reset(&self) {
         let capacity = self.capacity();
-        *lock(&self.arena) = (Arena::new(capacity), Stamp::default());
+        *lock(&self.arena) = Space::new(capacity);
     }
 
     pub fn free(self, dev: &dyn Device) -> Result<(), DeviceError> {

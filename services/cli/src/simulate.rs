@@ -1,0 +1,515 @@
+//! `duplex simulate`: what a model would do on hardware we do not have.
+//!
+//! The real engines run — the CPU placement's program, stream-loading
+//! prefill with its loader, model and unloader threads and ring buffer,
+//! two-device prefill with its exchanges, hybrid decode with its two
+//! micro-batches — against a simulated accelerator and a simulated CPU
+//! (`duplex-sim`) whose ops take the time the hardware description's
+//! roofline gives them on a virtual clock. Model shapes come from a
+//! `config.json`; without weights beside it, a hollow checkpoint (sparse
+//! files, no bytes) is written once into a scratch directory.
+//!
+//! `--calibrate` measures this machine into a description; `--validate`
+//! calibrates, then runs the same workloads for real on this machine (the
+//! CPU engine, and SLP on the emulated device with its paced copies) and
+//! sets the predictions beside the measurements.
+
+use anyhow::{bail, Context, Result};
+use clap::{Args, ValueEnum};
+use duplex_kernels::clock;
+use duplex_kernels::device::emulated::{EmulatedConfig, EmulatedDevice};
+use duplex_kernels::device::Device;
+use duplex_model::hybrid::{HybridConfig, HybridEngine, Submit};
+use duplex_model::{BlockTable, ForwardTimings, Logits, Model, Precision, SeqInput};
+use duplex_prefill::dslp::DslpEngine;
+use duplex_prefill::slp::{SlpConfig, SlpEngine};
+use duplex_sim::calibrate::{self, Calibration};
+use duplex_sim::cpu::SimCpu;
+use duplex_sim::device::{SimConfig, SimDevice, SimStats};
+use duplex_sim::hardware::{DeviceSpec, Hardware};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+#[derive(Args)]
+pub struct SimulateArgs {
+    /// The machine: a shipped description (paper-node, rtx4090-workstation) or a TOML file.
+    #[arg(long, default_value = "paper-node")]
+    hardware: String,
+    /// The model: a directory with its config.json (weights are not needed),
+    /// or a shipped config (deepseek-r1, kimi-k2, qwen3-235b-a22b, mixtral-8x22b).
+    #[arg(long, default_value = "deepseek-r1")]
+    model: String,
+    /// What to run.
+    #[arg(long, value_enum, default_value_t = Workload::All)]
+    workload: Workload,
+    /// Prompt lengths of the prefill sweep.
+    #[arg(long, value_delimiter = ',', default_value = "1024,2048,4096,8192,16384,32768")]
+    prompts: Vec<usize>,
+    /// Contexts at which to decode.
+    #[arg(long, value_delimiter = ',', default_value = "512,32768")]
+    contexts: Vec<usize>,
+    /// Batch sizes to decode at (2 or more: two micro-batches on the hybrid placement).
+    #[arg(long, value_delimiter = ',', default_value = "1,2")]
+    batches: Vec<usize>,
+    /// Decode steps per measurement (the last step's time counts).
+    #[arg(long, default_value_t = 3)]
+    decode_steps: usize,
+    /// Numeric path the engines run.
+    #[arg(long, value_enum, default_value_t = Dtype::Bf16)]
+    dtype: Dtype,
+    /// CPU threads (default: every core the description has).
+    #[arg(long)]
+    threads: Option<usize>,
+    /// Device memory for non-expert weights in SLP, MiB.
+    #[arg(long, default_value_t = 1024)]
+    dense_budget_mib: usize,
+    /// Where hollow checkpoints are written (default: the system's temporary directory).
+    #[arg(long)]
+    scratch: Option<PathBuf>,
+    /// Measure this machine and write its description to `--out` (or print it).
+    #[arg(long)]
+    calibrate: bool,
+    /// With --calibrate/--validate: the emulated device's copy bandwidth, GB/s.
+    #[arg(long, default_value_t = 2.0)]
+    emulated_h2d_gb_per_s: f64,
+    /// Calibrate, then set the predictions for this machine beside real runs
+    /// of the same workloads (the model must have weights: `duplex synth --preset bench`).
+    #[arg(long)]
+    validate: bool,
+    /// Where --calibrate writes.
+    #[arg(long)]
+    out: Option<PathBuf>,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+enum Workload {
+    /// Prefill sweep: CPU, SLP on one device, DSLP on two.
+    Prefill,
+    /// Decode: CPU and hybrid placements at each context and batch.
+    Decode,
+    All,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+enum Dtype {
+    F32,
+    Bf16,
+}
+
+impl From<Dtype> for Precision {
+    fn from(d: Dtype) -> Precision {
+        match d {
+            Dtype::F32 => Precision::F32,
+            Dtype::Bf16 => Precision::Bf16,
+        }
+    }
+}
+
+/// The virtual time the run has reached. Simulated devices and the CPU pool
+/// keep their timelines (and their streams where they got to) from one
+/// measurement to the next, so each measurement starts where the last ended.
+static REACHED_NS: AtomicU64 = AtomicU64::new(0);
+
+/// Run `f` on this thread's virtual clock from where the run has reached:
+/// its result and the virtual time it took.
+fn on_clock<T>(f: impl FnOnce() -> T) -> (T, Duration) {
+    let start = Duration::from_nanos(REACHED_NS.load(Ordering::Relaxed));
+    clock::set(Some(start));
+    let out = f();
+    let end = clock::now().unwrap_or(start);
+    clock::set(None);
+    REACHED_NS.fetch_max(end.as_nanos() as u64, Ordering::Relaxed);
+    (out, end - start)
+}
+
+/// The shipped model configs (deploy/models), embedded.
+const SHIPPED_MODELS: [(&str, &str); 4] = [
+    ("deepseek-r1", include_str!("../../../deploy/models/deepseek-r1/config.json")),
+    ("kimi-k2", include_str!("../../../deploy/models/kimi-k2/config.json")),
+    ("qwen3-235b-a22b", include_str!("../../../deploy/models/qwen3-235b-a22b/config.json")),
+    ("mixtral-8x22b", include_str!("../../../deploy/models/mixtral-8x22b/config.json")),
+];
+
+fn hardware(spec: &str) -> Result<Hardware> {
+    if let Some(hw) = Hardware::builtin(spec) {
+        return Ok(hw);
+    }
+    let path = Path::new(spec);
+    if !path.exists() {
+        bail!("no hardware description {spec:?}: name a shipped one ({}) or a TOML file (`duplex simulate --calibrate --out this-machine.toml` describes this machine)", duplex_sim::hardware::BUILTIN.join(", "));
+    }
+    Ok(Hardware::load(path)?)
+}
+
+/// The model's directory: itself when it holds weights, else a hollow
+/// checkpoint of its config (written once, then reused).
+fn model_dir(spec: &str, scratch: Option<&Path>) -> Result<PathBuf> {
+    let (name, config) = match SHIPPED_MODELS.iter().find(|(n, _)| *n == spec) {
+        Some((name, text)) => (name.to_string(), text.to_string()),
+        None => {
+            let dir = Path::new(spec);
+            if has_weights(dir) {
+                return Ok(dir.to_path_buf());
+            }
+            let config = dir.join("config.json");
+            let text = std::fs::read_to_string(&config).with_context(|| format!("{spec} is neither a shipped model ({}) nor a directory with a config.json", SHIPPED_MODELS.map(|m| m.0).join(", ")))?;
+            (dir.file_name().map_or("model".into(), |n| n.to_string_lossy().into_owned()), text)
+        }
+    };
+    let scratch = scratch.map_or_else(std::env::temp_dir, Path::to_path_buf);
+    // Named by the config's content, so an edited config gets a fresh checkpoint.
+    let digest = {
+        use sha2::Digest;
+        let d = sha2::Sha256::digest(config.as_bytes());
+        d[..6].iter().map(|b| format!("{b:02x}")).collect::<String>()
+    };
+    let dir = scratch.join(format!("duplex-hollow-{name}-{digest}"));
+    if !has_weights(&dir) {
+        let json: serde_json::Value = serde_json::from_str(&config).with_context(|| format!("{name}'s config.json"))?;
+        let synth = duplex_toolkit::synth::SynthConfig::from_json(json, &name)?;
+        let options = duplex_toolkit::synth::WriteOptions { hollow: true, force: true, ..Default::default() };
+        eprintln!("writing a hollow checkpoint of {name} (sparse files, no weights) to {}", dir.display());
+        duplex_toolkit::synth::write_checkpoint(&synth, &dir, &options, &mut |_, _| {})?;
+    }
+    Ok(dir)
+}
+
+/// Whether `dir` holds a checkpoint the engine can open (config and weights).
+fn has_weights(dir: &Path) -> bool {
+    duplex_model::source::ModelSource::locate(dir).and_then(|s| s.open()).is_ok()
+}
+
+fn device(spec: &DeviceSpec, seed: u64) -> Arc<SimDevice> {
+    let memory_bytes = (spec.memory_gib * (1u64 << 30) as f64) as usize;
+    SimDevice::new(SimConfig { name: spec.name.clone(), memory_bytes, cost: Arc::new(spec.clone()), seed, trace: None, functional: false })
+}
+
+/// Token ids for a synthetic prompt (as `duplex bench-engine`'s).
+fn prompt(len: usize, vocab: usize) -> Vec<u32> {
+    (0..len).map(|i| ((i * 7919 + 13) % vocab.min(2048)) as u32).collect()
+}
+
+/// The CPU placement's prefill of `len` tokens, in `duplex bench-engine`'s chunks of 512.
+fn cpu_prefill(model: &Model, cpu: &SimCpu, len: usize, p: Precision) -> Result<Duration> {
+    let mut kv = model.new_kv_pool(len.div_ceil(16), 16);
+    let mut table = BlockTable::default();
+    let tokens = prompt(len, model.cfg.vocab_size);
+    let (result, took) = on_clock(|| -> Result<()> {
+        for c in tokens.chunks(512) {
+            let mut seqs = [SeqInput { table: &mut table, tokens: c }];
+            model.forward_batch_on(cpu.backend(), &mut kv, &mut seqs, p, Logits::Last, &mut ForwardTimings::default(), 0)?;
+        }
+        Ok(())
+    });
+    result.map(|_| took)
+}
+
+/// One SLP prefill of `len` tokens on a fresh simulated device.
+fn slp_prefill(model: &Model, dev: &DeviceSpec, slp: &SlpConfig, len: usize, p: Precision) -> Result<(Duration, SimStats)> {
+    let device = device(dev, 1);
+    let engine = SlpEngine::new(model, device.clone(), slp.clone())?;
+    let mut kv = model.new_kv_pool(len.div_ceil(16), 16);
+    let tokens = prompt(len, model.cfg.vocab_size);
+    let (result, took) = on_clock(|| engine.run(model, &mut kv, &mut BlockTable::default(), &tokens, p, Logits::Last, &mut || false));
+    result?;
+    Ok((took, device.stats()))
+}
+
+/// One DSLP prefill of `len` tokens on fresh simulated devices.
+fn dslp_prefill(model: &Model, devs: &[DeviceSpec], slp: &SlpConfig, len: usize, p: Precision) -> Result<Duration> {
+    let devices: Vec<Arc<dyn Device>> = devs.iter().enumerate().map(|(i, d)| device(d, 1 + i as u64) as Arc<dyn Device>).collect();
+    let engine = DslpEngine::new(model, devices, slp.clone())?;
+    let mut kv = model.new_kv_pool(len.div_ceil(16), 16);
+    let tokens = prompt(len, model.cfg.vocab_size);
+    let (result, took) = on_clock(|| engine.run(model, &mut kv, &mut BlockTable::default(), &tokens, p, Logits::Last, &mut || false));
+    result?;
+    Ok(took)
+}
+
+/// Sequences of `ctx` positions each (their cache is not filled: simulated
+/// attention reads nothing), ready to decode `steps` more.
+fn contexts(model: &Model, batch: usize, ctx: usize, steps: usize) -> Result<(duplex_model::KvPool, Vec<BlockTable>)> {
+    let per_seq = (ctx + steps).div_ceil(16);
+    let mut kv = model.new_kv_pool(per_seq * batch, 16);
+    let mut tables = vec![];
+    for _ in 0..batch {
+        let mut t = BlockTable::default();
+        kv.reserve(&mut t, ctx + steps)?;
+        t.len = ctx;
+        tables.push(t);
+    }
+    Ok((kv, tables))
+}
+
+/// The CPU placement's decode step at batch `batch`, context `ctx`.
+fn cpu_decode(model: &Model, cpu: &SimCpu, batch: usize, ctx: usize, steps: usize, p: Precision) -> Result<Duration> {
+    let (mut kv, mut tables) = contexts(model, batch, ctx, steps)?;
+    let mut last = Duration::ZERO;
+    for step in 0..steps {
+        let tokens: Vec<[u32; 1]> = (0..batch).map(|i| [(i + step) as u32 % 100]).collect();
+        let mut seqs: Vec<SeqInput> = tables.iter_mut().zip(&tokens).map(|(table, t)| SeqInput { table, tokens: t }).collect();
+        let (r, took) = on_clock(|| model.forward_batch_on(cpu.backend(), &mut kv, &mut seqs, p, Logits::Last, &mut ForwardTimings::default(), 0));
+        r?;
+        last = took;
+    }
+    Ok(last)
+}
+
+/// Where a step's time went: busy time of the device's compute, of its
+/// links (weights and bulk copies; a compute stream's own copies), and of
+/// the CPU pool.
+#[derive(Clone, Copy, Debug, Default)]
+struct Busy {
+    compute: Duration,
+    links: Duration,
+    inline_copies: Duration,
+    cpu: Duration,
+}
+
+impl Busy {
+    fn of(dev: &SimDevice, cpu: &SimCpu) -> Busy {
+        let s = dev.stats();
+        Busy { compute: s.compute_busy, links: s.h2d_busy + s.d2h_busy, inline_copies: s.inline_copies_busy, cpu: cpu.busy() }
+    }
+
+    fn since(self, before: Busy) -> Busy {
+        Busy { compute: self.compute - before.compute, links: self.links - before.links, inline_copies: self.inline_copies - before.inline_copies, cpu: self.cpu - before.cpu }
+    }
+
+    /// Each as a share of `step`.
+    fn shares(&self, step: Duration) -> String {
+        let pct = |d: Duration| 100.0 * secs(d) / secs(step).max(1e-12);
+        format!("{:.0}% / {:.0}% / {:.0}%", pct(self.compute), pct(self.links + self.inline_copies), pct(self.cpu))
+    }
+}
+
+/// The hybrid placement's decode step at batch `batch`, context `ctx` (the
+/// last of `steps`), and where its time went.
+fn hybrid_decode(engine: &mut HybridEngine, dev: &SimDevice, cpu: &SimCpu, batch: usize, ctx: usize, steps: usize, p: Precision) -> Result<(Duration, Busy)> {
+    let (mut kv, mut tables) = contexts(&engine.model, batch, ctx, steps)?;
+    let dseqs = tables.iter().map(|t| engine.admit(&kv, t, ctx + steps)).collect::<Result<Vec<_>, _>>()?;
+    let refs: Vec<_> = dseqs.iter().collect();
+    let mut last = (Duration::ZERO, Busy::default());
+    let mut outcome = Ok(());
+    for step in 0..steps {
+        let tokens: Vec<[u32; 1]> = (0..batch).map(|i| [(i + step) as u32 % 100]).collect();
+        let mut seqs: Vec<SeqInput> = tables.iter_mut().zip(&tokens).map(|(table, t)| SeqInput { table, tokens: t }).collect();
+        let before = Busy::of(dev, cpu);
+        let (r, took) = on_clock(|| engine.forward(&mut kv, &mut seqs, &refs, p, Logits::Last));
+        if let Err(e) = r {
+            outcome = Err(e.into());
+            break;
+        }
+        last = (took, Busy::of(dev, cpu).since(before));
+    }
+    for d in dseqs {
+        engine.release(d)?;
+    }
+    outcome.map(|_| last)
+}
+
+fn secs(d: Duration) -> f64 {
+    d.as_secs_f64()
+}
+
+/// Milliseconds, to four significant figures at least.
+fn ms(d: Duration) -> String {
+    let ms = d.as_secs_f64() * 1e3;
+    if ms >= 1000.0 {
+        format!("{ms:.0}")
+    } else {
+        format!("{ms:.4}")
+    }
+}
+
+pub fn run(args: SimulateArgs) -> Result<()> {
+    if args.calibrate || args.validate {
+        let c = Calibration { emulated_h2d_gb_per_s: Some(args.emulated_h2d_gb_per_s), ..Calibration::default() };
+        let hw = calibrate::this_machine(&c)?;
+        if args.calibrate {
+            let text = calibrate::to_toml(&hw);
+            match &args.out {
+                Some(path) => {
+                    std::fs::write(path, text).with_context(|| format!("writing {}", path.display()))?;
+                    println!("wrote {}", path.display());
+                }
+                None => print!("{text}"),
+            }
+            return Ok(());
+        }
+        return validate(&args, &hw);
+    }
+    let hw = hardware(&args.hardware)?;
+    let dir = model_dir(&args.model, args.scratch.as_deref())?;
+    let threads = args.threads.unwrap_or_else(|| hw.cpu.cores());
+    // The engines' own CPU pool stays small: simulated kernels compute nothing.
+    let pool = duplex_kernels::pool::PoolConfig::split(1, 1).map_err(anyhow::Error::msg)?;
+    let t0 = Instant::now();
+    let model = Model::load_with(&dir, &pool, &mut |_, _| {})?;
+    let p: Precision = args.dtype.into();
+    let cfg = &model.cfg;
+    println!("# {} on {}", args.model, hw.name);
+    println!("{} layers, hidden {}, {} routed experts (top {}), {:?}; CPU: {} threads; devices: {} (model loaded in {:.1} s)\n", cfg.num_hidden_layers, cfg.hidden_size, cfg.n_routed_experts, cfg.num_experts_per_tok, p, threads, hw.devices.iter().map(|d| d.name.as_str()).collect::<Vec<_>>().join(", "), t0.elapsed().as_secs_f64());
+    let cpu = Arc::new(SimCpu::new(hw.cpu.clone(), threads, 1));
+    let slp = SlpConfig { dense_budget_bytes: args.dense_budget_mib << 20, ..Default::default() };
+    if matches!(args.workload, Workload::Prefill | Workload::All) {
+        prefill_sweep(&args, &hw, &model, &cpu, &slp, p)?;
+    }
+    if matches!(args.workload, Workload::Decode | Workload::All) {
+        decode_table(&args, &hw, model, &cpu, p)?;
+    }
+    Ok(())
+}
+
+fn prefill_sweep(args: &SimulateArgs, hw: &Hardware, model: &Model, cpu: &SimCpu, slp: &SlpConfig, p: Precision) -> Result<()> {
+    println!("## Prefill (TTFT, virtual time)\n");
+    println!("| prompt tokens | CPU ms | SLP, 1 device ms | SLP tokens/s | device compute / transfer busy | DSLP, {} devices ms | DSLP ÷ SLP |", hw.devices.len());
+    println!("| --- | --- | --- | --- | --- | --- | --- |");
+    let mut turning_point = None;
+    for &len in &args.prompts {
+        if len > model.cfg.max_position_embeddings {
+            println!("| {len} | longer than the model's {} positions | | | | | |", model.cfg.max_position_embeddings);
+            continue;
+        }
+        let on_cpu = cpu_prefill(model, cpu, len, p)?;
+        let (slp_time, dslp_time, busy) = match hw.devices.first() {
+            Some(d) => {
+                let (t, stats) = slp_prefill(model, d, slp, len, p)?;
+                let dslp = if hw.devices.len() >= 2 { Some(dslp_prefill(model, &hw.devices, slp, len, p)?) } else { None };
+                (Some(t), dslp, format!("{:.0}% / {:.0}%", 100.0 * secs(stats.compute_busy) / secs(t), 100.0 * secs(stats.h2d_busy) / secs(t)))
+            }
+            None => (None, None, "-".into()),
+        };
+        if turning_point.is_none() && slp_time.is_some_and(|s| s < on_cpu) {
+            turning_point = Some(len);
+        }
+        let f = |d: Option<Duration>| d.map_or("-".into(), ms);
+        let ratio = match (slp_time, dslp_time) {
+            (Some(s), Some(d)) => format!("{:.2}×", secs(s) / secs(d)),
+            _ => "-".into(),
+        };
+        println!("| {len} | {} | {} | {} | {busy} | {} | {ratio} |", ms(on_cpu), f(slp_time), slp_time.map_or("-".into(), |s| format!("{:.0}", len as f64 / secs(s))), f(dslp_time));
+    }
+    match turning_point {
+        Some(len) => println!("\nSLP beats CPU prefill from {len} tokens (the sweep's first length where it does)."),
+        None => println!("\nSLP beats CPU prefill at none of these lengths."),
+    }
+    println!();
+    Ok(())
+}
+
+fn decode_table(args: &SimulateArgs, hw: &Hardware, model: Model, cpu: &Arc<SimCpu>, p: Precision) -> Result<()> {
+    println!("## Decode (per step, virtual time)\n");
+    println!("| context | batch | CPU placement tokens/s | hybrid placement tokens/s (total) | hybrid step ms | hybrid: device compute / links / CPU busy |");
+    println!("| --- | --- | --- | --- | --- | --- |");
+    let mut cpu_rates = vec![];
+    for &ctx in &args.contexts {
+        for &b in &args.batches {
+            let t = cpu_decode(&model, cpu, b, ctx, args.decode_steps, p)?;
+            cpu_rates.push(((ctx, b), b as f64 / secs(t)));
+        }
+    }
+    let mut hybrid = match hw.devices.last() {
+        Some(d) => {
+            let max_positions = args.contexts.iter().max().copied().unwrap_or(0) + args.decode_steps;
+            let blocks = max_positions.div_ceil(16) * args.batches.iter().max().copied().unwrap_or(1);
+            let cfg = HybridConfig { kv_blocks: blocks, micro_batches: true, defer_experts: 0, cpu_jitter: None, submit: Submit::Stream, expert_cache: None };
+            let dev = device(d, 7);
+            let mut e = HybridEngine::new(model, dev.clone(), cfg, 16)?;
+            e.set_expert_pool(cpu.clone());
+            Some((e, dev))
+        }
+        None => None,
+    };
+    for ((ctx, b), cpu_rate) in cpu_rates {
+        let (rate, ms, busy) = match hybrid.as_mut() {
+            Some((e, dev)) => {
+                let (t, busy) = hybrid_decode(e, dev, cpu, b, ctx, args.decode_steps, p)?;
+                (format!("{:.1}", b as f64 / secs(t)), ms(t), busy.shares(t))
+            }
+            None => ("-".into(), "-".into(), "-".into()),
+        };
+        println!("| {ctx} | {b} | {cpu_rate:.1} | {rate} | {ms} | {busy} |");
+    }
+    println!();
+    Ok(())
+}
+
+/// Predictions for this machine, from `hw` (just calibrated), beside real
+/// runs of the same workloads, interleaved.
+fn validate(args: &SimulateArgs, hw: &Hardware) -> Result<()> {
+    let dir = model_dir(&args.model, args.scratch.as_deref())?;
+    let threads = args.threads.unwrap_or_else(|| hw.cpu.cores());
+    let pool = duplex_kernels::pool::PoolConfig::split(threads, 1).map_err(anyhow::Error::msg)?;
+    let model = Model::load_with(&dir, &pool, &mut |_, _| {})?;
+    let p: Precision = args.dtype.into();
+    let cpu = SimCpu::new(hw.cpu.clone(), threads, 1);
+    let emulated = hw.devices.first().context("the calibration describes no emulated device")?;
+    println!("# Predictions for this machine against real runs ({} on {threads} threads, {p:?})\n", dir.display());
+    println!("| workload | predicted s | measured s min / median / max | predicted ÷ measured (median) |");
+    println!("| --- | --- | --- | --- |");
+    let repeats = 3;
+    let row = |label: String, predicted: Duration, measured: &mut Vec<f64>| {
+        measured.sort_by(f64::total_cmp);
+        let median = measured[measured.len() / 2];
+        println!("| {label} | {:.4} | {:.4} / {:.4} / {:.4} | {:.2} |", secs(predicted), measured[0], median, measured[measured.len() - 1], secs(predicted) / median);
+    };
+    // CPU decode at each context: the real engine's step against the simulated one's.
+    for &ctx in &[512usize, 4096] {
+        if ctx + args.decode_steps > model.cfg.max_position_embeddings {
+            continue;
+        }
+        let mut measured = vec![];
+        let mut predicted = Duration::ZERO;
+        for _ in 0..repeats {
+            predicted = cpu_decode(&model, &cpu, 1, ctx, args.decode_steps, p)?;
+            let (mut kv, mut tables) = contexts(&model, 1, ctx, args.decode_steps)?;
+            let mut t = 0.0;
+            for step in 0..args.decode_steps {
+                let tokens = [step as u32 % 100];
+                let mut seqs = [SeqInput { table: &mut tables[0], tokens: &tokens }];
+                let started = Instant::now();
+                model.forward_batch(&mut kv, &mut seqs, p, Logits::Last, &mut ForwardTimings::default())?;
+                t = started.elapsed().as_secs_f64();
+            }
+            measured.push(t);
+        }
+        row(format!("CPU decode step, context {ctx}"), predicted, &mut measured);
+    }
+    for &len in &[512usize, 2048] {
+        let mut measured = vec![];
+        let mut predicted = Duration::ZERO;
+        for _ in 0..repeats {
+            predicted = cpu_prefill(&model, &cpu, len, p)?;
+            let mut kv = model.new_kv_pool(len.div_ceil(16), 16);
+            let mut table = BlockTable::default();
+            let tokens = prompt(len, model.cfg.vocab_size);
+            let started = Instant::now();
+            for c in tokens.chunks(512) {
+                model.forward(&mut kv, &mut table, c, p, Logits::Last)?;
+            }
+            measured.push(started.elapsed().as_secs_f64());
+        }
+        row(format!("CPU prefill, {len} tokens"), predicted, &mut measured);
+    }
+    // SLP on the emulated device, its copies paced as the description says.
+    let slp = SlpConfig { dense_budget_bytes: args.dense_budget_mib << 20, ..Default::default() };
+    for &len in &[512usize] {
+        let mut measured = vec![];
+        let mut predicted = Duration::ZERO;
+        for _ in 0..repeats {
+            predicted = slp_prefill(&model, emulated, &slp, len, p)?.0;
+            let real = EmulatedDevice::new(EmulatedConfig { memory_bytes: (emulated.memory_gib * (1u64 << 30) as f64) as usize, h2d_bytes_per_second: Some(args.emulated_h2d_gb_per_s * 1e9), compute_threads: threads, jitter: None, trace: None })?;
+            let engine = SlpEngine::new(&model, real, slp.clone())?;
+            let mut kv = model.new_kv_pool(len.div_ceil(16), 16);
+            let tokens = prompt(len, model.cfg.vocab_size);
+            let started = Instant::now();
+            engine.run(&model, &mut kv, &mut BlockTable::default(), &tokens, p, Logits::Last, &mut || false)?;
+            measured.push(started.elapsed().as_secs_f64());
+        }
+        row(format!("SLP prefill on the emulated device, {len} tokens, copies at {:.1} GB/s", args.emulated_h2d_gb_per_s), predicted, &mut measured);
+    }
+    Ok(())
+}
