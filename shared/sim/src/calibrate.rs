@@ -12,7 +12,10 @@
 use crate::hardware::{CpuSpec, DeviceSpec, Hardware};
 use duplex_kernels::cpu::isa::{self, Isa};
 use duplex_kernels::device::emulated::{EmulatedConfig, EmulatedDevice};
-use duplex_kernels::device::{Device, DeviceError, HostBytes, Op, StreamKind};
+use crate::cost::op_work;
+use duplex_kernels::device::{Device, DeviceError, DevicePtr, HostBytes, Op, StreamKind};
+use duplex_kernels::mla::{decode_attention, LatentCache};
+use duplex_kernels::Precision;
 use duplex_kernels::linear::matmul;
 use duplex_kernels::parallel_linear::{par_matmul, LinearScratch};
 use duplex_kernels::pool::{PoolConfig, ThreadPool};
@@ -58,6 +61,9 @@ struct Measured {
     /// path's reference `matmul` (one thread), both compute-bound.
     gemm_bf16: f64,
     gemm_f32: f64,
+    /// FLOP/s of MLA's absorbed decode attention (all threads), counted as
+    /// the cost model counts it.
+    attention: f64,
     /// Bytes/s of one thread's memcpy (an unpaced emulated copy).
     memcpy: f64,
 }
@@ -71,6 +77,7 @@ impl Measured {
         self.moe_layer = self.moe_layer.max(pass.moe_layer);
         self.gemm_bf16 = self.gemm_bf16.max(pass.gemm_bf16);
         self.gemm_f32 = self.gemm_f32.max(pass.gemm_f32);
+        self.attention = self.attention.max(pass.attention);
         self.memcpy = self.memcpy.max(pass.memcpy);
     }
 
@@ -99,6 +106,31 @@ fn gemm_rate(buf: &[u8], rows: usize, cols: usize, n: usize, reps: usize, mut pr
     best
 }
 
+/// FLOP/s of MLA's absorbed decode attention (DeepSeek-V3's 128 heads of
+/// 512 + 64 latent dims) over a `ctx`-token F32 cache that stays in cache,
+/// best of `reps`; FLOPs as [`op_work`] counts them.
+fn attention_rate(pool: &ThreadPool, isa: Isa, ctx: usize, reps: usize) -> f64 {
+    let (heads, dc, dr, block) = (128, 512, 64, 16);
+    let blocks: Vec<Vec<f32>> = (0..ctx.div_ceil(block)).map(|b| (0..block * (dc + dr)).map(|i| ((b * 31 + i) % 17) as f32 / 17.0 - 0.5).collect()).collect();
+    let refs: Vec<&[f32]> = blocks.iter().map(Vec::as_slice).collect();
+    let cache = LatentCache { blocks: &refs, block_size: block, dc, dr };
+    let (q_latent, q_pe) = (vec![0.01f32; heads * dc], vec![0.01f32; heads * dr]);
+    let (mut scratch, mut out) = (vec![], vec![0.0f32; heads * dc]);
+    let shaped = |rows: usize, cols: usize| DevicePtr { addr: 0, bytes: rows * cols * 4 }.matrix(rows, cols);
+    let op = Op::MlaDecode { q_latent: shaped(heads, dc), q_pe: shaped(heads, dr), latents: shaped(ctx, dc + dr), out: shaped(heads, dc), scale: 0.1, precision: Precision::Bf16 };
+    let flops = op_work(&op).flops;
+    let mut run = || decode_attention(pool, isa, LatentCache { blocks: &refs, ..cache }, ctx, &q_latent, &q_pe, 0.1, &mut scratch, &mut out);
+    run();
+    let mut best = 0.0f64;
+    for _ in 0..reps {
+        let t0 = Instant::now();
+        run();
+        best = best.max(flops / t0.elapsed().as_secs_f64());
+    }
+    std::hint::black_box(&out);
+    best
+}
+
 /// One pass of every CPU measurement.
 fn measure_pass(pool: &ThreadPool, isa: Isa, buf: &[u8], copy_to: &mut [u8], quick: bool) -> Measured {
     let mut linear = LinearScratch::default();
@@ -120,6 +152,7 @@ fn measure_pass(pool: &ThreadPool, isa: Isa, buf: &[u8], copy_to: &mut [u8], qui
         moe_layer: moe_layer_bandwidth(pool, isa, buf, 7168, 2048, 8, 1, 1),
         gemm_bf16,
         gemm_f32,
+        attention: attention_rate(pool, isa, if quick { 256 } else { 1024 }, if quick { 3 } else { 10 }),
         memcpy,
     }
 }
@@ -182,6 +215,7 @@ pub fn this_machine(c: &Calibration) -> Result<Hardware, DeviceError> {
         // No kernel here uses AMX, whatever the CPU has.
         amx_bf16_tflops: 0.0,
         gemm_efficiency: 1.0,
+        attention_tflops: best.attention / TERA,
         numa_link_gb_per_s: 0.0,
     };
     let device = DeviceSpec {
@@ -209,7 +243,7 @@ pub fn this_machine(c: &Calibration) -> Result<Hardware, DeviceError> {
     let notes = format!(
         "Calibrated by duplex on {threads} thread(s), ISA {}: DRAM read {:.1} GB/s on 1 thread, {:.1} GB/s on {threads}; \
          FP8 GEMV 7168->2048 {:.2}, 2048->7168 {:.2}, V3 MoE layer {:.2} of the read; par_matmul BF16 path {:.1} GFLOP/s, \
-         F32 reference {:.2} GFLOP/s (1 thread); memcpy {:.1} GB/s; emulated device: launch {:.1} us, copy {:.1} us, \
+         F32 reference {:.2} GFLOP/s (1 thread); MLA decode attention {:.1} GFLOP/s; memcpy {:.1} GB/s; emulated device: launch {:.1} us, copy {:.1} us, \
          uploads {}. Best of {passes} pass(es).",
         isa.name(),
         best.read_one / GB,
@@ -219,6 +253,7 @@ pub fn this_machine(c: &Calibration) -> Result<Hardware, DeviceError> {
         best.moe_layer / best.read_all,
         best.gemm_bf16 / GB,
         best.gemm_f32 / GB,
+        best.attention / GB,
         best.memcpy / GB,
         launch_us,
         copy_us,

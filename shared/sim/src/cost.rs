@@ -250,9 +250,11 @@ impl CpuSpec {
     /// The roofline of `w` on `threads` threads of this CPU (at most all
     /// its cores). Memory: the streaming read of [`Self::read_bandwidth`],
     /// times `gemv_efficiency` for products (they stream weights through
-    /// the GEMV/MoE kernels). Compute: the vector peak of `w.math`, or for
-    /// BF16 products of at least 16 rows the AMX peak where there is one,
-    /// times `gemm_efficiency`, shared out by core: `threads / cores` of it.
+    /// the GEMV/MoE kernels). Compute: for attention, the rate the attention
+    /// kernels reach (`attention_tflops`); else the vector peak of `w.math`,
+    /// or for BF16 products of at least 16 rows the AMX peak where there is
+    /// one, times `gemm_efficiency`; either shared out by core: `threads /
+    /// cores` of it.
     ///
     /// The CPU path's F32 products (the reference) run on one thread in
     /// this codebase; callers pass the threads that actually run the work.
@@ -269,7 +271,11 @@ impl CpuSpec {
             _ => self.f32_tflops,
         };
         let share = threads as f64 / self.cores() as f64;
-        let compute = w.flops / (peak * TERA * self.gemm_efficiency * share);
+        let rate = match w.kind {
+            WorkKind::Attention => self.attention_tflops,
+            _ => peak * self.gemm_efficiency,
+        };
+        let compute = w.flops / (rate * TERA * share);
         seconds(compute.max(w.bytes / bandwidth))
     }
 }

@@ -50,6 +50,9 @@ pub struct CpuSpec {
     pub amx_bf16_tflops: f64,
     /// The fraction of the peak a compute-bound GEMM reaches.
     pub gemm_efficiency: f64,
+    /// What the CPU's attention kernels reach, whole machine: F32 FMAs over
+    /// the F32 cache, a different kernel (and rate) from the products'.
+    pub attention_tflops: f64,
     /// Socket-to-socket bandwidth per direction; 0 for one socket.
     pub numa_link_gb_per_s: f64,
 }
@@ -180,6 +183,7 @@ impl CpuSpec {
         positive("bf16_tflops", self.bf16_tflops)?;
         non_negative("amx_bf16_tflops", self.amx_bf16_tflops)?;
         fraction("gemm_efficiency", self.gemm_efficiency, 1.0)?;
+        positive("attention_tflops", self.attention_tflops)?;
         non_negative("numa_link_gb_per_s", self.numa_link_gb_per_s)?;
         if self.sockets > 1 && self.numa_link_gb_per_s == 0.0 {
             return Err(format!("{} sockets need a `numa_link_gb_per_s`", self.sockets));
