@@ -22,6 +22,7 @@ mod bench_slp;
 mod loadgen;
 mod serve;
 mod simulate;
+mod simulate_plot;
 use std::io::Write;
 use std::path::{Path, PathBuf};
 

@@ -81,6 +81,25 @@ pub struct SimulateArgs {
     /// Where --calibrate writes.
     #[arg(long)]
     out: Option<PathBuf>,
+    /// Also draw the tables as an SVG chart here.
+    #[arg(long)]
+    plot: Option<PathBuf>,
+}
+
+/// One prompt length of the prefill sweep: each placement's TTFT.
+pub struct PrefillPoint {
+    pub tokens: usize,
+    pub cpu: Duration,
+    pub slp: Option<Duration>,
+    pub dslp: Option<Duration>,
+}
+
+/// One context and batch of the decode table: each placement's tokens/s (all sequences together).
+pub struct DecodePoint {
+    pub context: usize,
+    pub batch: usize,
+    pub cpu: f64,
+    pub hybrid: Option<f64>,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
@@ -354,20 +373,27 @@ pub fn run(args: SimulateArgs) -> Result<()> {
     println!("{} layers, hidden {}, {} routed experts (top {}), {:?}; CPU: {} threads; devices: {} (model loaded in {:.1} s)\n", cfg.num_hidden_layers, cfg.hidden_size, cfg.n_routed_experts, cfg.num_experts_per_tok, p, threads, hw.devices.iter().map(|d| d.name.as_str()).collect::<Vec<_>>().join(", "), t0.elapsed().as_secs_f64());
     let cpu = Arc::new(SimCpu::new(hw.cpu.clone(), threads, 1));
     let slp = SlpConfig { dense_budget_bytes: args.dense_budget_mib << 20, ..Default::default() };
+    let mut prefill = vec![];
     if matches!(args.workload, Workload::Prefill | Workload::All) {
-        prefill_sweep(&args, &hw, &model, &cpu, &slp, p)?;
+        prefill = prefill_sweep(&args, &hw, &model, &cpu, &slp, p)?;
     }
+    let mut decode = vec![];
     if matches!(args.workload, Workload::Decode | Workload::All) {
-        decode_table(&args, &hw, model, &cpu, p)?;
+        decode = decode_table(&args, &hw, model, &cpu, p)?;
+    }
+    if let Some(path) = &args.plot {
+        crate::simulate_plot::write(path, &format!("{} on {}", args.model, hw.name), &prefill, &decode)?;
+        println!("plot: {}", path.display());
     }
     Ok(())
 }
 
-fn prefill_sweep(args: &SimulateArgs, hw: &Hardware, model: &Model, cpu: &SimCpu, slp: &SlpConfig, p: Precision) -> Result<()> {
+fn prefill_sweep(args: &SimulateArgs, hw: &Hardware, model: &Model, cpu: &SimCpu, slp: &SlpConfig, p: Precision) -> Result<Vec<PrefillPoint>> {
     println!("## Prefill (TTFT, virtual time)\n");
     println!("| prompt tokens | CPU ms | SLP, 1 device ms | SLP tokens/s | device compute / transfer busy | DSLP, {} devices ms | DSLP ÷ SLP |", hw.devices.len());
     println!("| --- | --- | --- | --- | --- | --- | --- |");
     let mut turning_point = None;
+    let mut points = vec![];
     for &len in &args.prompts {
         if len > model.cfg.max_position_embeddings {
             println!("| {len} | longer than the model's {} positions | | | | | |", model.cfg.max_position_embeddings);
@@ -382,6 +408,7 @@ fn prefill_sweep(args: &SimulateArgs, hw: &Hardware, model: &Model, cpu: &SimCpu
             }
             None => (None, None, "-".into()),
         };
+        points.push(PrefillPoint { tokens: len, cpu: on_cpu, slp: slp_time, dslp: dslp_time });
         if turning_point.is_none() && slp_time.is_some_and(|s| s < on_cpu) {
             turning_point = Some(len);
         }
@@ -397,10 +424,10 @@ fn prefill_sweep(args: &SimulateArgs, hw: &Hardware, model: &Model, cpu: &SimCpu
         None => println!("\nSLP beats CPU prefill at none of these lengths."),
     }
     println!();
-    Ok(())
+    Ok(points)
 }
 
-fn decode_table(args: &SimulateArgs, hw: &Hardware, model: Model, cpu: &Arc<SimCpu>, p: Precision) -> Result<()> {
+fn decode_table(args: &SimulateArgs, hw: &Hardware, model: Model, cpu: &Arc<SimCpu>, p: Precision) -> Result<Vec<DecodePoint>> {
     println!("## Decode (per step, virtual time)\n");
     println!("| context | batch | CPU placement tokens/s | hybrid placement tokens/s (total) | hybrid step ms | hybrid: device compute / links / CPU busy |");
     println!("| --- | --- | --- | --- | --- | --- |");
@@ -423,18 +450,20 @@ fn decode_table(args: &SimulateArgs, hw: &Hardware, model: Model, cpu: &Arc<SimC
         }
         None => None,
     };
+    let mut points = vec![];
     for ((ctx, b), cpu_rate) in cpu_rates {
-        let (rate, ms, busy) = match hybrid.as_mut() {
+        let (hybrid_rate, ms, busy) = match hybrid.as_mut() {
             Some((e, dev)) => {
                 let (t, busy) = hybrid_decode(e, dev, cpu, b, ctx, args.decode_steps, p)?;
-                (format!("{:.1}", b as f64 / secs(t)), ms(t), busy.shares(t))
+                (Some(b as f64 / secs(t)), ms(t), busy.shares(t))
             }
-            None => ("-".into(), "-".into(), "-".into()),
+            None => (None, "-".into(), "-".into()),
         };
-        println!("| {ctx} | {b} | {cpu_rate:.1} | {rate} | {ms} | {busy} |");
+        println!("| {ctx} | {b} | {cpu_rate:.1} | {} | {ms} | {busy} |", hybrid_rate.map_or("-".into(), |r| format!("{r:.1}")));
+        points.push(DecodePoint { context: ctx, batch: b, cpu: cpu_rate, hybrid: hybrid_rate });
     }
     println!();
-    Ok(())
+    Ok(points)
 }
 
 /// Predictions for this machine, from `hw` (just calibrated), beside real

@@ -1,6 +1,6 @@
 //! `duplex simulate` end to end, in seconds: the shipped paper node with the
-//! tiny DeepSeek-V3 fixture (real weights) and a hollow checkpoint of a
-//! config alone; clear errors for what it cannot use.
+//! tiny DeepSeek-V3 fixture (real weights), its tables and chart, and a
+//! hollow checkpoint of a config alone; clear errors for what it cannot use.
 
 use std::path::Path;
 use std::process::{Command, Output};
@@ -30,7 +30,9 @@ fn number(cell: &str) -> f64 {
 
 #[test]
 fn simulates_prefill_and_decode_on_the_paper_node() {
-    let out = duplex(&["simulate", "--hardware", "paper-node", "--model", &fixture("tiny-dsv3"), "--prompts", "64,256", "--contexts", "32,200", "--batches", "1,2", "--threads", "64"]);
+    let plot = tempfile::NamedTempFile::with_suffix(".svg").unwrap();
+    let plot_path = plot.path().to_string_lossy().into_owned();
+    let out = duplex(&["simulate", "--hardware", "paper-node", "--model", &fixture("tiny-dsv3"), "--prompts", "64,256", "--contexts", "32,200", "--batches", "1,2", "--threads", "64", "--plot", &plot_path]);
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(out.status.success(), "{text}\n{}", String::from_utf8_lossy(&out.stderr));
     let prefill = rows(&text, "## Prefill");
@@ -45,6 +47,10 @@ fn simulates_prefill_and_decode_on_the_paper_node() {
     assert_eq!(decode.len(), 4, "{text}");
     for r in &decode {
         assert!(number(&r[2]) > 0.0 && number(&r[3]) > 0.0, "{r:?}");
+    }
+    let svg = std::fs::read_to_string(plot.path()).unwrap();
+    for label in ["SLP, 1 device", "DSLP", "CPU, batch 1", "hybrid, batch 2"] {
+        assert!(svg.contains(label), "the chart has a line for {label}");
     }
 }
 
