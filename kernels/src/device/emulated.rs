@@ -53,11 +53,13 @@ pub struct Jitter {
 }
 
 /// Busy time and traffic so far.
-#[derive(Clone, Copy, Debug, Default)]
+#[derive(Clone, Debug, Default)]
 pub struct EmulatedStats {
     pub bytes_uploaded: u64,
     pub copy_busy: Duration,
     pub compute_busy: Duration,
+    /// Kernel time per op kind, in the order kinds first ran.
+    pub per_op: Vec<(&'static str, Duration)>,
 }
 
 enum Command {
@@ -105,6 +107,7 @@ struct Inner {
     bytes_uploaded: AtomicU64,
     copy_busy_ns: AtomicU64,
     compute_busy_ns: AtomicU64,
+    per_op: Mutex<Vec<(&'static str, Duration)>>,
 }
 
 impl Inner {
@@ -165,7 +168,13 @@ impl Inner {
                 if let Err(e) = executor.run(&self.memory, &op) {
                     self.fail(e);
                 }
-                self.compute_busy_ns.fetch_add(started.elapsed().as_nanos() as u64, Ordering::Relaxed);
+                let took = started.elapsed();
+                self.compute_busy_ns.fetch_add(took.as_nanos() as u64, Ordering::Relaxed);
+                let mut per_op = lock(&self.per_op);
+                match per_op.iter_mut().find(|(name, _)| *name == op.name()) {
+                    Some((_, t)) => *t += took,
+                    None => per_op.push((op.name(), took)),
+                }
             }
             Command::Record(event) => {
                 *lock(&event.at) = Some(Instant::now());
@@ -205,6 +214,7 @@ impl EmulatedDevice {
             bytes_uploaded: AtomicU64::new(0),
             copy_busy_ns: AtomicU64::new(0),
             compute_busy_ns: AtomicU64::new(0),
+            per_op: Mutex::default(),
             config,
         };
         let arena = Mutex::new(Arena::new(inner.config.memory_bytes));
@@ -217,6 +227,7 @@ impl EmulatedDevice {
             bytes_uploaded: i.bytes_uploaded.load(Ordering::Relaxed),
             copy_busy: Duration::from_nanos(i.copy_busy_ns.load(Ordering::Relaxed)),
             compute_busy: Duration::from_nanos(i.compute_busy_ns.load(Ordering::Relaxed)),
+            per_op: lock(&i.per_op).clone(),
         }
     }
 

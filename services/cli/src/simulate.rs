@@ -22,7 +22,7 @@ use duplex_kernels::device::Device;
 use duplex_model::hybrid::{HybridConfig, HybridEngine, Submit};
 use duplex_model::{BlockTable, ForwardTimings, Logits, Model, Precision, SeqInput};
 use duplex_prefill::dslp::DslpEngine;
-use duplex_prefill::slp::{SlpConfig, SlpEngine};
+use duplex_prefill::slp::{LayerTiming, SlpConfig, SlpEngine, SlpReport};
 use duplex_sim::calibrate::{self, Calibration};
 use duplex_sim::cpu::SimCpu;
 use duplex_sim::device::{SimConfig, SimDevice, SimStats};
@@ -71,6 +71,11 @@ pub struct SimulateArgs {
     /// Measure this machine and write its description to `--out` (or print it).
     #[arg(long)]
     calibrate: bool,
+    /// With --calibrate/--validate: the emulated device's compute threads (a
+    /// GPU's compute does not share the host's cores; as `bench-slp --devices`
+    /// gives each device one).
+    #[arg(long, default_value_t = 1)]
+    device_threads: usize,
     /// With --calibrate/--validate: the emulated device's copy bandwidth, GB/s.
     #[arg(long, default_value_t = 2.0)]
     emulated_h2d_gb_per_s: f64,
@@ -210,30 +215,32 @@ fn prompt(len: usize, vocab: usize) -> Vec<u32> {
     (0..len).map(|i| ((i * 7919 + 13) % vocab.min(2048)) as u32).collect()
 }
 
-/// The CPU placement's prefill of `len` tokens, in `duplex bench-engine`'s chunks of 512.
-fn cpu_prefill(model: &Model, cpu: &SimCpu, len: usize, p: Precision) -> Result<Duration> {
+/// The CPU placement's prefill of `len` tokens, in `duplex bench-engine`'s
+/// chunks of 512, and its split into attention and FFN.
+fn cpu_prefill(model: &Model, cpu: &SimCpu, len: usize, p: Precision) -> Result<(Duration, ForwardTimings)> {
     let mut kv = model.new_kv_pool(len.div_ceil(16), 16);
     let mut table = BlockTable::default();
     let tokens = prompt(len, model.cfg.vocab_size);
+    let mut timings = ForwardTimings::default();
     let (result, took) = on_clock(|| -> Result<()> {
         for c in tokens.chunks(512) {
             let mut seqs = [SeqInput { table: &mut table, tokens: c }];
-            model.forward_batch_on(cpu.backend(), &mut kv, &mut seqs, p, Logits::Last, &mut ForwardTimings::default(), 0)?;
+            model.forward_batch_on(cpu.backend(), &mut kv, &mut seqs, p, Logits::Last, &mut timings, 0)?;
         }
         Ok(())
     });
-    result.map(|_| took)
+    result.map(|_| (took, timings))
 }
 
 /// One SLP prefill of `len` tokens on a fresh simulated device.
-fn slp_prefill(model: &Model, dev: &DeviceSpec, slp: &SlpConfig, len: usize, p: Precision) -> Result<(Duration, SimStats)> {
+fn slp_prefill(model: &Model, dev: &DeviceSpec, slp: &SlpConfig, len: usize, p: Precision) -> Result<(Duration, SimStats, SlpReport)> {
     let device = device(dev, 1);
     let engine = SlpEngine::new(model, device.clone(), slp.clone())?;
     let mut kv = model.new_kv_pool(len.div_ceil(16), 16);
     let tokens = prompt(len, model.cfg.vocab_size);
     let (result, took) = on_clock(|| engine.run(model, &mut kv, &mut BlockTable::default(), &tokens, p, Logits::Last, &mut || false));
-    result?;
-    Ok((took, device.stats()))
+    let (_, report) = result?;
+    Ok((took, device.stats(), report))
 }
 
 /// One DSLP prefill of `len` tokens on fresh simulated devices.
@@ -345,7 +352,7 @@ fn ms(d: Duration) -> String {
 
 pub fn run(args: SimulateArgs) -> Result<()> {
     if args.calibrate || args.validate {
-        let c = Calibration { emulated_h2d_gb_per_s: Some(args.emulated_h2d_gb_per_s), ..Calibration::default() };
+        let c = Calibration { threads: args.threads.unwrap_or(0), device_threads: args.device_threads, emulated_h2d_gb_per_s: Some(args.emulated_h2d_gb_per_s), ..Calibration::default() };
         let hw = calibrate::this_machine(&c)?;
         if args.calibrate {
             let text = calibrate::to_toml(&hw);
@@ -399,10 +406,10 @@ fn prefill_sweep(args: &SimulateArgs, hw: &Hardware, model: &Model, cpu: &SimCpu
             println!("| {len} | longer than the model's {} positions | | | | | |", model.cfg.max_position_embeddings);
             continue;
         }
-        let on_cpu = cpu_prefill(model, cpu, len, p)?;
+        let (on_cpu, _) = cpu_prefill(model, cpu, len, p)?;
         let (slp_time, dslp_time, busy) = match hw.devices.first() {
             Some(d) => {
-                let (t, stats) = slp_prefill(model, d, slp, len, p)?;
+                let (t, stats, _) = slp_prefill(model, d, slp, len, p)?;
                 let dslp = if hw.devices.len() >= 2 { Some(dslp_prefill(model, &hw.devices, slp, len, p)?) } else { None };
                 (Some(t), dslp, format!("{:.0}% / {:.0}%", 100.0 * secs(stats.compute_busy) / secs(t), 100.0 * secs(stats.h2d_busy) / secs(t)))
             }
@@ -507,38 +514,68 @@ fn validate(args: &SimulateArgs, hw: &Hardware) -> Result<()> {
         }
         row(format!("CPU decode step, context {ctx}"), predicted, &mut measured);
     }
+    let mut splits = vec![];
     for &len in &[512usize, 2048] {
         let mut measured = vec![];
-        let mut predicted = Duration::ZERO;
+        let (mut predicted, mut split) = (Duration::ZERO, (ForwardTimings::default(), ForwardTimings::default()));
         for _ in 0..repeats {
-            predicted = cpu_prefill(&model, &cpu, len, p)?;
+            let (t, timings) = cpu_prefill(&model, &cpu, len, p)?;
+            predicted = t;
             let mut kv = model.new_kv_pool(len.div_ceil(16), 16);
             let mut table = BlockTable::default();
             let tokens = prompt(len, model.cfg.vocab_size);
+            let mut real = ForwardTimings::default();
             let started = Instant::now();
             for c in tokens.chunks(512) {
-                model.forward(&mut kv, &mut table, c, p, Logits::Last)?;
+                model.forward_batch(&mut kv, &mut [SeqInput { table: &mut table, tokens: c }], p, Logits::Last, &mut real)?;
             }
             measured.push(started.elapsed().as_secs_f64());
+            split = (timings, real);
         }
         row(format!("CPU prefill, {len} tokens"), predicted, &mut measured);
+        splits.push((len, split));
     }
     // SLP on the emulated device, its copies paced as the description says.
     let slp = SlpConfig { dense_budget_bytes: args.dense_budget_mib << 20, ..Default::default() };
+    let mut slp_split = None;
     for &len in &[512usize] {
         let mut measured = vec![];
         let mut predicted = Duration::ZERO;
+        let mut split = (SlpReport::default(), SlpReport::default());
+        let (mut per_op, mut measured_per_op) = (vec![], vec![]);
         for _ in 0..repeats {
-            predicted = slp_prefill(&model, emulated, &slp, len, p)?.0;
-            let real = EmulatedDevice::new(EmulatedConfig { memory_bytes: (emulated.memory_gib * (1u64 << 30) as f64) as usize, h2d_bytes_per_second: Some(args.emulated_h2d_gb_per_s * 1e9), compute_threads: threads, jitter: None, trace: None })?;
-            let engine = SlpEngine::new(&model, real, slp.clone())?;
+            let (t, stats, predicted_report) = slp_prefill(&model, emulated, &slp, len, p)?;
+            predicted = t;
+            per_op = stats.per_op;
+            let real = EmulatedDevice::new(EmulatedConfig { memory_bytes: (emulated.memory_gib * (1u64 << 30) as f64) as usize, h2d_bytes_per_second: Some(args.emulated_h2d_gb_per_s * 1e9), compute_threads: args.device_threads, jitter: None, trace: None })?;
+            let engine = SlpEngine::new(&model, real.clone(), slp.clone())?;
             let mut kv = model.new_kv_pool(len.div_ceil(16), 16);
             let tokens = prompt(len, model.cfg.vocab_size);
             let started = Instant::now();
-            engine.run(&model, &mut kv, &mut BlockTable::default(), &tokens, p, Logits::Last, &mut || false)?;
+            let (_, report) = engine.run(&model, &mut kv, &mut BlockTable::default(), &tokens, p, Logits::Last, &mut || false)?;
             measured.push(started.elapsed().as_secs_f64());
+            split = (predicted_report, report);
+            measured_per_op = real.stats().per_op;
         }
         row(format!("SLP prefill on the emulated device, {len} tokens, copies at {:.1} GB/s", args.emulated_h2d_gb_per_s), predicted, &mut measured);
+        slp_split = Some((len, split, per_op, measured_per_op));
+    }
+    println!("\nWhere the time went (predicted / measured, the last round):\n");
+    println!("| workload | attention s | FFN s | device compute s | transfer s |");
+    println!("| --- | --- | --- | --- | --- |");
+    for (len, (sim, real)) in splits {
+        println!("| CPU prefill, {len} tokens | {:.3} / {:.3} | {:.3} / {:.3} | | |", secs(sim.attention), secs(real.attention), secs(sim.ffn), secs(real.ffn));
+    }
+    if let Some((len, (sim, real), per_op, measured_per_op)) = slp_split {
+        let sum = |r: &SlpReport, f: fn(&LayerTiming) -> Duration| secs(r.layers.iter().map(f).sum());
+        println!("| SLP prefill, {len} tokens | | | {:.3} / {:.3} | {:.3} / {:.3} |", sum(&sim, |l| l.compute), sum(&real, |l| l.compute), sum(&sim, |l| l.transfer), sum(&real, |l| l.transfer));
+        println!("\nKernel time of the SLP prefill by op, predicted / measured (s):\n");
+        println!("| op | predicted s | measured s |");
+        println!("| --- | --- | --- |");
+        for (op, t) in &per_op {
+            let real = measured_per_op.iter().find(|(o, _)| o == op).map_or(0.0, |(_, t)| secs(*t));
+            println!("| {op} | {:.3} | {real:.3} |", secs(*t));
+        }
     }
     Ok(())
 }

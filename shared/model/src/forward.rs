@@ -23,7 +23,7 @@ use crate::kv_cache::{BlockTable, KvPool};
 use crate::model::{ForwardError, ForwardTimings, Logits, Model, Precision, SeqInput};
 use crate::weights::Weights;
 use duplex_kernels::device::{DevicePtr, Matrix};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 /// One unit of the program: what a placement loads, and the pass runs, at once.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -268,6 +268,27 @@ pub struct ExpertShard {
 }
 
 /// One pass of a batch of sequences through the model's modules.
+/// A point in time as the pass's timings count it: the thread's virtual
+/// time under the simulator, else the real clock's.
+#[derive(Clone, Copy)]
+struct Moment {
+    real: Instant,
+    simulated: Option<Duration>,
+}
+
+impl Moment {
+    fn now() -> Moment {
+        Moment { real: Instant::now(), simulated: duplex_kernels::clock::now() }
+    }
+
+    fn since(self, earlier: Moment) -> Duration {
+        match (self.simulated, earlier.simulated) {
+            (Some(now), Some(then)) => now.saturating_sub(then),
+            _ => self.real - earlier.real,
+        }
+    }
+}
+
 pub struct Pass<'m, B: Backend> {
     model: &'m Model,
     pub(crate) backend: B,
@@ -290,7 +311,7 @@ pub struct Pass<'m, B: Backend> {
     pending_deferred: bool,
     timings: ForwardTimings,
     /// When the running module started, and whether it is attention.
-    clock: Option<(Instant, bool)>,
+    clock: Option<(Moment, bool)>,
 }
 
 impl<'m, B: Backend> Pass<'m, B> {
@@ -424,12 +445,13 @@ impl<'m, B: Backend> Pass<'m, B> {
     }
 
     fn tick(&mut self, attention: bool) {
-        let now = Instant::now();
+        let now = Moment::now();
         if let Some((since, was_attention)) = self.clock.replace((now, attention)) {
+            let spent = now.since(since);
             if was_attention {
-                self.timings.attention += now - since;
+                self.timings.attention += spent;
             } else {
-                self.timings.ffn += now - since;
+                self.timings.ffn += spent;
             }
         }
     }

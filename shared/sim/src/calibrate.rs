@@ -14,7 +14,7 @@ use duplex_kernels::cpu::isa::{self, Isa};
 use duplex_kernels::device::emulated::{EmulatedConfig, EmulatedDevice};
 use crate::cost::op_work;
 use duplex_kernels::device::{Device, DeviceError, DevicePtr, HostBytes, Op, StreamKind};
-use duplex_kernels::mla::{decode_attention, LatentCache};
+use duplex_kernels::mla::{decode_attention, prefill_attention, LatentCache, MlaDims};
 use duplex_kernels::Precision;
 use duplex_kernels::linear::matmul;
 use duplex_kernels::parallel_linear::{par_matmul, LinearScratch};
@@ -29,8 +29,10 @@ const TERA: f64 = 1e12;
 /// What to calibrate.
 #[derive(Clone, Debug)]
 pub struct Calibration {
-    /// CPU threads, and the emulated device's compute threads (0: every core).
+    /// CPU threads (0: every core).
     pub threads: usize,
+    /// The emulated device's compute threads (0: as many as the CPU's).
+    pub device_threads: usize,
     /// The emulated device's paced upload bandwidth (`bench-slp
     /// --h2d-gb-per-s`); `None`: memcpy speed, which is measured.
     pub emulated_h2d_gb_per_s: Option<f64>,
@@ -42,7 +44,7 @@ pub struct Calibration {
 
 impl Default for Calibration {
     fn default() -> Self {
-        Calibration { threads: 0, emulated_h2d_gb_per_s: None, device_memory_mib: 8192, quick: false }
+        Calibration { threads: 0, device_threads: 0, emulated_h2d_gb_per_s: None, device_memory_mib: 8192, quick: false }
     }
 }
 
@@ -61,9 +63,10 @@ struct Measured {
     /// path's reference `matmul` (one thread), both compute-bound.
     gemm_bf16: f64,
     gemm_f32: f64,
-    /// FLOP/s of MLA's absorbed decode attention (all threads), counted as
-    /// the cost model counts it.
+    /// FLOP/s of MLA's absorbed decode attention and of its prefill form's
+    /// causal attention (all threads), counted as the cost model counts them.
     attention: f64,
+    prefill_attention: f64,
     /// Bytes/s of one thread's memcpy (an unpaced emulated copy).
     memcpy: f64,
 }
@@ -78,6 +81,7 @@ impl Measured {
         self.gemm_bf16 = self.gemm_bf16.max(pass.gemm_bf16);
         self.gemm_f32 = self.gemm_f32.max(pass.gemm_f32);
         self.attention = self.attention.max(pass.attention);
+        self.prefill_attention = self.prefill_attention.max(pass.prefill_attention);
         self.memcpy = self.memcpy.max(pass.memcpy);
     }
 
@@ -131,6 +135,32 @@ fn attention_rate(pool: &ThreadPool, isa: Isa, ctx: usize, reps: usize) -> f64 {
     best
 }
 
+/// FLOP/s of MLA's prefill-form causal attention (16 heads of DeepSeek-V3's
+/// dims) for `n` queries after `start` cached positions, best of `reps`;
+/// FLOPs as [`op_work`] counts them.
+fn prefill_attention_rate(pool: &ThreadPool, isa: Isa, start: usize, n: usize, reps: usize) -> f64 {
+    let dims = MlaDims { heads: 16, dn: 128, dr: 64, dv: 128, dc: 512 };
+    let ctx = start + n;
+    let fill = |len: usize| -> Vec<f32> { (0..len).map(|i| ((i % 23) as f32 - 11.0) / 23.0).collect() };
+    let q = fill(n * dims.heads * (dims.dn + dims.dr));
+    let kv = fill(ctx * dims.heads * (dims.dn + dims.dv));
+    let latents = fill(ctx * (dims.dc + dims.dr));
+    let mut out = vec![0.0f32; n * dims.heads * dims.dv];
+    let shaped = |rows: usize, cols: usize| DevicePtr { addr: 0, bytes: rows * cols * 4 }.matrix(rows, cols);
+    let op = Op::MlaPrefill { q: shaped(n, dims.heads * (dims.dn + dims.dr)), kv: shaped(ctx, dims.heads * (dims.dn + dims.dv)), latents: shaped(ctx, dims.dc + dims.dr), out: shaped(n, dims.heads * dims.dv), start, dims, scale: 0.1, precision: Precision::Bf16 };
+    let flops = op_work(&op).flops;
+    let mut run = || prefill_attention(pool, isa, &q, &kv, &latents, &mut out, start, dims, 0.1, Precision::Bf16);
+    run();
+    let mut best = 0.0f64;
+    for _ in 0..reps {
+        let t0 = Instant::now();
+        run();
+        best = best.max(flops / t0.elapsed().as_secs_f64());
+    }
+    std::hint::black_box(&out);
+    best
+}
+
 /// One pass of every CPU measurement.
 fn measure_pass(pool: &ThreadPool, isa: Isa, buf: &[u8], copy_to: &mut [u8], quick: bool) -> Measured {
     let mut linear = LinearScratch::default();
@@ -153,8 +183,28 @@ fn measure_pass(pool: &ThreadPool, isa: Isa, buf: &[u8], copy_to: &mut [u8], qui
         gemm_bf16,
         gemm_f32,
         attention: attention_rate(pool, isa, if quick { 256 } else { 1024 }, if quick { 3 } else { 10 }),
+        prefill_attention: prefill_attention_rate(pool, isa, if quick { 128 } else { 512 }, if quick { 64 } else { 256 }, if quick { 1 } else { 3 }),
         memcpy,
     }
+}
+
+/// Bytes/s an emulated device's activation ops move: an `Add` of two
+/// `[512, 2048]` matrices (the device copies activations out of its memory
+/// and back, on its stream's thread), best of `count`.
+fn emulated_op_bandwidth(config: EmulatedConfig, count: usize) -> Result<f64, DeviceError> {
+    let device = EmulatedDevice::new(EmulatedConfig { memory_bytes: 16 << 20, ..config })?;
+    let stream = device.create_stream(StreamKind::Compute)?;
+    let (rows, cols) = (512, 2048);
+    let (h, delta) = (device.alloc(rows * cols * 4)?, device.alloc(rows * cols * 4)?);
+    let add = Op::Add { h: h.matrix(rows, cols), delta: delta.matrix(rows, cols), precision: Precision::Bf16 };
+    let mut best = 0.0f64;
+    for _ in 0..count {
+        let t0 = Instant::now();
+        device.launch(stream, &add)?;
+        device.synchronize(&device.record(stream)?)?;
+        best = best.max(op_work(&add).bytes / t0.elapsed().as_secs_f64());
+    }
+    Ok(best)
 }
 
 /// The emulated device's fixed costs, in µs: one launch (of an op with
@@ -196,9 +246,22 @@ pub fn this_machine(c: &Calibration) -> Result<Hardware, DeviceError> {
     for _ in 0..passes {
         best.keep_best(measure_pass(&pool, isa, &buf, &mut copy_to, c.quick));
     }
+    // The emulated device computes with the same kernels on a pool of its
+    // own: measured again where that pool is smaller.
+    let device_threads = if c.device_threads == 0 { threads } else { c.device_threads.min(threads) };
+    let (device_gemm, device_attention) = if device_threads == threads {
+        (best.gemm_bf16, best.prefill_attention)
+    } else {
+        let pool = ThreadPool::new(&PoolConfig::split(device_threads, 1).map_err(DeviceError::Invalid)?);
+        let mut linear = LinearScratch::default();
+        let gemm = gemm_rate(&buf, 2048, 2048, if c.quick { 128 } else { 512 }, passes + 1, |w, x, out| par_matmul(&pool, isa, w, x, x.len() / w.cols, out, &mut linear));
+        (gemm, prefill_attention_rate(&pool, isa, 512, 256, passes))
+    };
+    let device_read = (best.read_one * device_threads as f64).min(best.read_all);
     drop((buf, copy_to, pool));
     let h2d = c.emulated_h2d_gb_per_s.map(|g| g * GB);
-    let config = EmulatedConfig { memory_bytes: 1 << 20, h2d_bytes_per_second: h2d, compute_threads: threads, jitter: None, trace: None };
+    let config = EmulatedConfig { memory_bytes: 1 << 20, h2d_bytes_per_second: h2d, compute_threads: device_threads, jitter: None, trace: None };
+    let op_bandwidth = emulated_op_bandwidth(config.clone(), if c.quick { 3 } else { 10 })?;
     let (launch_us, copy_us) = emulated_fixed_costs(config, commands)?;
     let fraction = best.gemv_fraction();
     let cpu = CpuSpec {
@@ -216,20 +279,24 @@ pub fn this_machine(c: &Calibration) -> Result<Hardware, DeviceError> {
         amx_bf16_tflops: 0.0,
         gemm_efficiency: 1.0,
         attention_tflops: best.attention / TERA,
+        prefill_attention_tflops: best.prefill_attention / TERA,
         numa_link_gb_per_s: 0.0,
     };
     let device = DeviceSpec {
         name: "emulated".into(),
         memory_gib: c.device_memory_mib as f64 / 1024.0,
         // The emulated device computes with the CPU kernels on its own
-        // `threads`-thread pool: F32 products are the one-thread reference.
+        // `device_threads`-thread pool: F32 products are the one-thread reference.
         f32_tflops: best.gemm_f32 / TERA,
-        bf16_tflops: best.gemm_bf16 / TERA,
+        bf16_tflops: device_gemm / TERA,
         fp8_tflops: 0.0,
-        // What weight streaming reaches; its elementwise ops, run on the
-        // stream's one thread, are modelled as fast (they are small).
-        memory_gb_per_s: best.read_all * fraction / GB,
+        // What its ops reach moving activations (each copied out of its
+        // memory and back, on the stream's thread), or weight streaming if
+        // slower still.
+        memory_gb_per_s: op_bandwidth.min(device_read * fraction) / GB,
         gemm_efficiency: 1.0,
+        // Its attention is the CPU's prefill kernel, at its own rate.
+        attention_efficiency: (device_attention / device_gemm).min(1.0),
         bandwidth_efficiency: 1.0,
         // Uploads are paced to the given bandwidth exactly, or run at
         // memcpy speed; downloads always run at memcpy speed.
@@ -239,11 +306,13 @@ pub fn this_machine(c: &Calibration) -> Result<Hardware, DeviceError> {
         link_latency_us: copy_us,
         launch_us,
         peer_to_peer: false,
+        // Every upload goes through its one paced engine.
+        copy_engines: 1,
     };
     let notes = format!(
         "Calibrated by duplex on {threads} thread(s), ISA {}: DRAM read {:.1} GB/s on 1 thread, {:.1} GB/s on {threads}; \
          FP8 GEMV 7168->2048 {:.2}, 2048->7168 {:.2}, V3 MoE layer {:.2} of the read; par_matmul BF16 path {:.1} GFLOP/s, \
-         F32 reference {:.2} GFLOP/s (1 thread); MLA decode attention {:.1} GFLOP/s; memcpy {:.1} GB/s; emulated device: launch {:.1} us, copy {:.1} us, \
+         F32 reference {:.2} GFLOP/s (1 thread); MLA decode attention {:.1} GFLOP/s, prefill attention {:.1} GFLOP/s; memcpy {:.1} GB/s; emulated device: launch {:.1} us, copy {:.1} us, \
          uploads {}. Best of {passes} pass(es).",
         isa.name(),
         best.read_one / GB,
@@ -254,6 +323,7 @@ pub fn this_machine(c: &Calibration) -> Result<Hardware, DeviceError> {
         best.gemm_bf16 / GB,
         best.gemm_f32 / GB,
         best.attention / GB,
+        best.prefill_attention / GB,
         best.memcpy / GB,
         launch_us,
         copy_us,

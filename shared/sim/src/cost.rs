@@ -214,13 +214,15 @@ impl DeviceSpec {
 
     /// The roofline: the slower of the compute and the memory time, plus
     /// one launch. Products and attention on the BF16 path meet the BF16
-    /// peak; everything else the F32 peak.
+    /// peak; everything else the F32 peak. Attention reaches its own
+    /// fraction of the peak, products theirs.
     pub fn time(&self, w: &Work) -> Duration {
         let peak = match (w.kind, w.math) {
             (WorkKind::Matmul | WorkKind::Attention, Math::Bf16) => self.bf16_tflops,
             _ => self.f32_tflops,
         };
-        let compute = w.flops / (peak * TERA * self.gemm_efficiency);
+        let efficiency = if w.kind == WorkKind::Attention { self.attention_efficiency } else { self.gemm_efficiency };
+        let compute = w.flops / (peak * TERA * efficiency);
         let memory = w.bytes / (self.memory_gb_per_s * GB * self.bandwidth_efficiency);
         seconds(compute.max(memory) + self.launch_us * 1e-6)
     }
@@ -251,7 +253,8 @@ impl CpuSpec {
     /// its cores). Memory: the streaming read of [`Self::read_bandwidth`],
     /// times `gemv_efficiency` for products (they stream weights through
     /// the GEMV/MoE kernels). Compute: for attention, the rate the attention
-    /// kernels reach (`attention_tflops`); else the vector peak of `w.math`,
+    /// kernels reach (`attention_tflops` for one query row, as decode runs,
+    /// `prefill_attention_tflops` for more); else the vector peak of `w.math`,
     /// or for BF16 products of at least 16 rows the AMX peak where there is
     /// one, times `gemm_efficiency`; either shared out by core: `threads /
     /// cores` of it.
@@ -272,7 +275,8 @@ impl CpuSpec {
         };
         let share = threads as f64 / self.cores() as f64;
         let rate = match w.kind {
-            WorkKind::Attention => self.attention_tflops,
+            WorkKind::Attention if w.rows <= 1 => self.attention_tflops,
+            WorkKind::Attention => self.prefill_attention_tflops,
             _ => peak * self.gemm_efficiency,
         };
         let compute = w.flops / (rate * TERA * share);

@@ -9,11 +9,11 @@
 //! - kernels share the device's compute, uploads its host→device link,
 //!   downloads its device→host link: each is a timeline of busy intervals,
 //!   and a command takes the first gap long enough from when it is ready (so
-//!   one stream's kernel can run while another stream still waits). Copies
-//!   that compute streams make (token ids, row lists, a layer's routes and
-//!   KV entries) go on a lane of their own, as a GPU's second copy engine
-//!   takes them, rather than queueing behind the weights copy streams
-//!   stream in;
+//!   one stream's kernel can run while another stream still waits). With
+//!   two copy engines ([`CostModel::copy_engines`]), copies that compute
+//!   streams make (token ids, row lists, a layer's routes and KV entries)
+//!   go on a lane of their own rather than queueing behind the weights copy
+//!   streams stream in; with one (the emulated device) every copy waits its turn;
 //! - events complete at the virtual time their stream reached them; a host
 //!   thread that waits for one (`synchronize`, a download) advances its own
 //!   virtual time to it; a host function runs with its thread's virtual
@@ -50,6 +50,10 @@ pub trait CostModel: Send + Sync {
     fn op(&self, op: &Op) -> Duration;
     fn h2d(&self, bytes: usize) -> Duration;
     fn d2h(&self, bytes: usize) -> Duration;
+    /// Copy engines: 2 gives compute streams' copies a lane of their own.
+    fn copy_engines(&self) -> usize {
+        2
+    }
 }
 
 /// Writes at most this long are kept (activations, ids, tables); longer ones
@@ -310,14 +314,21 @@ impl Inner {
 
     fn upload(&self, kind: StreamKind, ready: Duration, bytes: usize) -> Duration {
         lock(&self.stats).bytes_uploaded += bytes as u64;
-        let lane = if kind == StreamKind::Copy { &self.h2d } else { &self.inline_copies };
-        lock(lane).book(ready, self.config.cost.h2d(bytes))
+        lock(self.lane(kind, &self.h2d)).book(ready, self.config.cost.h2d(bytes))
     }
 
     fn download(&self, kind: StreamKind, ready: Duration, src: DevicePtr) -> Duration {
         lock(&self.stats).bytes_downloaded += src.bytes as u64;
-        let lane = if kind == StreamKind::Copy { &self.d2h } else { &self.inline_copies };
-        lock(lane).book(ready, self.config.cost.d2h(src.bytes))
+        lock(self.lane(kind, &self.d2h)).book(ready, self.config.cost.d2h(src.bytes))
+    }
+
+    /// Where a `kind` stream's copy in the direction of `bulk` goes.
+    fn lane<'a>(&'a self, kind: StreamKind, bulk: &'a Mutex<Timeline>) -> &'a Mutex<Timeline> {
+        if kind == StreamKind::Copy || self.config.cost.copy_engines() < 2 {
+            bulk
+        } else {
+            &self.inline_copies
+        }
     }
 }
 
@@ -552,5 +563,9 @@ impl CostModel for crate::hardware::DeviceSpec {
 
     fn d2h(&self, bytes: usize) -> Duration {
         self.d2h_time(bytes)
+    }
+
+    fn copy_engines(&self) -> usize {
+        self.copy_engines
     }
 }

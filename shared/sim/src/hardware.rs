@@ -51,8 +51,11 @@ pub struct CpuSpec {
     /// The fraction of the peak a compute-bound GEMM reaches.
     pub gemm_efficiency: f64,
     /// What the CPU's attention kernels reach, whole machine: F32 FMAs over
-    /// the F32 cache, a different kernel (and rate) from the products'.
+    /// the F32 cache, a different kernel (and rate) from the products'. One
+    /// query row a head (decode), and many (prefill's causal attention over
+    /// expanded keys), are different kernels again.
     pub attention_tflops: f64,
+    pub prefill_attention_tflops: f64,
     /// Socket-to-socket bandwidth per direction; 0 for one socket.
     pub numa_link_gb_per_s: f64,
 }
@@ -73,6 +76,9 @@ pub struct DeviceSpec {
     pub memory_gb_per_s: f64,
     /// The fraction of the peak FLOP rate a compute-bound GEMM reaches.
     pub gemm_efficiency: f64,
+    /// The fraction of the peak a compute-bound attention kernel reaches
+    /// (prefill's causal attention; decode's is memory-bound).
+    pub attention_efficiency: f64,
     /// The fraction of `memory_gb_per_s` a streaming kernel reaches.
     pub bandwidth_efficiency: f64,
     /// Host→device and device→host link bandwidth, per direction.
@@ -86,6 +92,10 @@ pub struct DeviceSpec {
     pub launch_us: f64,
     /// Whether devices copy to each other directly (else through the host).
     pub peer_to_peer: bool,
+    /// Copy engines: with 2, a compute stream's own copies (ids, row lists,
+    /// routes) do not queue behind the weights a copy stream streams in;
+    /// with 1, every copy takes the one engine in turn.
+    pub copy_engines: usize,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -184,6 +194,7 @@ impl CpuSpec {
         non_negative("amx_bf16_tflops", self.amx_bf16_tflops)?;
         fraction("gemm_efficiency", self.gemm_efficiency, 1.0)?;
         positive("attention_tflops", self.attention_tflops)?;
+        positive("prefill_attention_tflops", self.prefill_attention_tflops)?;
         non_negative("numa_link_gb_per_s", self.numa_link_gb_per_s)?;
         if self.sockets > 1 && self.numa_link_gb_per_s == 0.0 {
             return Err(format!("{} sockets need a `numa_link_gb_per_s`", self.sockets));
@@ -203,6 +214,10 @@ impl DeviceSpec {
         non_negative("fp8_tflops", self.fp8_tflops)?;
         positive("memory_gb_per_s", self.memory_gb_per_s)?;
         fraction("gemm_efficiency", self.gemm_efficiency, 1.0)?;
+        fraction("attention_efficiency", self.attention_efficiency, 1.0)?;
+        if !(1..=2).contains(&self.copy_engines) {
+            return Err(format!("`copy_engines` is 1 or 2, got {}", self.copy_engines));
+        }
         fraction("bandwidth_efficiency", self.bandwidth_efficiency, 1.0)?;
         positive("h2d_gb_per_s", self.h2d_gb_per_s)?;
         positive("d2h_gb_per_s", self.d2h_gb_per_s)?;

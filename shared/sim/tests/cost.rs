@@ -197,7 +197,7 @@ fn a_typo_or_a_bad_figure_is_refused_by_name() {
 
 #[test]
 fn quick_calibration_measures_this_machine() {
-    let hw = calibrate::this_machine(&Calibration { threads: 0, emulated_h2d_gb_per_s: Some(8.0), device_memory_mib: 1024, quick: true }).expect("calibrates");
+    let hw = calibrate::this_machine(&Calibration { threads: 0, device_threads: 0, emulated_h2d_gb_per_s: Some(8.0), device_memory_mib: 1024, quick: true }).expect("calibrates");
     println!("{}", calibrate::to_toml(&hw));
     let cpu = &hw.cpu;
     for (what, v) in [("read", cpu.dram_read_gb_per_s), ("core read", cpu.core_read_gb_per_s), ("f32", cpu.f32_tflops), ("bf16", cpu.bf16_tflops)] {
