@@ -13,6 +13,9 @@ const COLORS: [RGBColor; 6] = [RGBColor(0x4c, 0x72, 0xb0), RGBColor(0xdd, 0x84, 
 
 type Area<'a> = DrawingArea<SVGBackend<'a>, plotters::coord::Shift>;
 
+/// A placement's TTFT at one point of the sweep, if it ran.
+type TtftOf = fn(&PrefillPoint) -> Option<std::time::Duration>;
+
 /// A named line of `(x, y)` points.
 struct Series {
     name: String,
@@ -25,7 +28,7 @@ pub fn write(path: &Path, title: &str, prefill: &[PrefillPoint], decode: &[Decod
     let root = root.titled(title, ("sans-serif", 18))?;
     let panels = root.split_evenly((1, 2));
     let rate = |tokens: usize, t: std::time::Duration| tokens as f64 / t.as_secs_f64().max(1e-12);
-    let placements: [(&str, fn(&PrefillPoint) -> Option<std::time::Duration>); 3] = [("CPU", |p| Some(p.cpu)), ("SLP, 1 device", |p| p.slp), ("DSLP", |p| p.dslp)];
+    let placements: [(&str, TtftOf); 3] = [("CPU", |p| Some(p.cpu)), ("SLP, 1 device", |p| p.slp), ("DSLP", |p| p.dslp)];
     let prefill_series: Vec<Series> = placements
         .iter()
         .map(|(name, of)| Series { name: name.to_string(), points: prefill.iter().filter_map(|p| of(p).map(|t| (p.tokens as f64, rate(p.tokens, t)))).collect() })

@@ -87,14 +87,16 @@ async fn grpc_generate_streams_every_token_then_finished() {
     assert_eq!(timings.prefill_path, "decode");
     assert!(timings.total_seconds >= timings.time_to_first_token_seconds && timings.queue_seconds > 0.0, "{timings:?}");
 
-    let r = router.mock.record();
-    assert_eq!(r.decodes.len(), 1);
-    assert!(r.allocs.is_empty() && r.prefills.is_empty());
-    let d = &r.decodes[0];
-    assert!(d.prefilled.is_none());
-    assert_eq!((d.prompt.as_slice(), d.max_tokens), ([5, 6, 7].as_slice(), 5));
-    assert_eq!(d.sampling.as_ref().unwrap().top_logprobs, Some(2));
-    drop(r); // the record's lock
+    {
+        // The record's lock, released before waiting below.
+        let r = router.mock.record();
+        assert_eq!(r.decodes.len(), 1);
+        assert!(r.allocs.is_empty() && r.prefills.is_empty());
+        let d = &r.decodes[0];
+        assert!(d.prefilled.is_none());
+        assert_eq!((d.prompt.as_slice(), d.max_tokens), ([5, 6, 7].as_slice(), 5));
+        assert_eq!(d.sampling.as_ref().unwrap().top_logprobs, Some(2));
+    }
     // The mock's stream guard drops after the last event went out: wait for it.
     router.wait_for("the decode stream to finish, not be cancelled", |r| r.streams_finished.len() == 1).await;
     assert!(router.mock.record().streams_cancelled.is_empty());
