@@ -99,15 +99,9 @@ fn gemm_rate(buf: &[u8], rows: usize, cols: usize, n: usize, reps: usize, mut pr
     let w = fp8_view(buf, 0, rows, cols, &scales);
     let x: Vec<f32> = (0..n * cols).map(|i| ((i % 29) as f32 - 14.0) / 14.0).collect();
     let mut out = vec![0.0f32; n * rows];
-    product(&w, &x, &mut out);
-    let mut best = 0.0f64;
-    for _ in 0..reps {
-        let t0 = Instant::now();
-        product(&w, &x, &mut out);
-        best = best.max(2.0 * (n * rows * cols) as f64 / t0.elapsed().as_secs_f64());
-    }
+    let rate = best_rate(2.0 * (n * rows * cols) as f64, reps, || product(&w, &x, &mut out));
     std::hint::black_box(&out);
-    best
+    rate
 }
 
 /// FLOP/s of MLA's absorbed decode attention (DeepSeek-V3's 128 heads of
@@ -123,15 +117,20 @@ fn attention_rate(pool: &ThreadPool, isa: Isa, ctx: usize, reps: usize) -> f64 {
     let shaped = |rows: usize, cols: usize| DevicePtr { addr: 0, bytes: rows * cols * 4 }.matrix(rows, cols);
     let op = Op::MlaDecode { q_latent: shaped(heads, dc), q_pe: shaped(heads, dr), latents: shaped(ctx, dc + dr), out: shaped(heads, dc), scale: 0.1, precision: Precision::Bf16 };
     let flops = op_work(&op).flops;
-    let mut run = || decode_attention(pool, isa, LatentCache { blocks: &refs, ..cache }, ctx, &q_latent, &q_pe, 0.1, &mut scratch, &mut out);
+    let rate = best_rate(flops, reps, || decode_attention(pool, isa, LatentCache { blocks: &refs, ..cache }, ctx, &q_latent, &q_pe, 0.1, &mut scratch, &mut out));
+    std::hint::black_box(&out);
+    rate
+}
+
+/// `work` units per second of `run`, best of `reps` after a warm-up.
+fn best_rate(work: f64, reps: usize, mut run: impl FnMut()) -> f64 {
     run();
     let mut best = 0.0f64;
     for _ in 0..reps {
         let t0 = Instant::now();
         run();
-        best = best.max(flops / t0.elapsed().as_secs_f64());
+        best = best.max(work / t0.elapsed().as_secs_f64());
     }
-    std::hint::black_box(&out);
     best
 }
 
@@ -149,16 +148,9 @@ fn prefill_attention_rate(pool: &ThreadPool, isa: Isa, start: usize, n: usize, r
     let shaped = |rows: usize, cols: usize| DevicePtr { addr: 0, bytes: rows * cols * 4 }.matrix(rows, cols);
     let op = Op::MlaPrefill { q: shaped(n, dims.heads * (dims.dn + dims.dr)), kv: shaped(ctx, dims.heads * (dims.dn + dims.dv)), latents: shaped(ctx, dims.dc + dims.dr), out: shaped(n, dims.heads * dims.dv), start, dims, scale: 0.1, precision: Precision::Bf16 };
     let flops = op_work(&op).flops;
-    let mut run = || prefill_attention(pool, isa, &q, &kv, &latents, &mut out, start, dims, 0.1, Precision::Bf16);
-    run();
-    let mut best = 0.0f64;
-    for _ in 0..reps {
-        let t0 = Instant::now();
-        run();
-        best = best.max(flops / t0.elapsed().as_secs_f64());
-    }
+    let rate = best_rate(flops, reps, || prefill_attention(pool, isa, &q, &kv, &latents, &mut out, start, dims, 0.1, Precision::Bf16));
     std::hint::black_box(&out);
-    best
+    rate
 }
 
 /// One pass of every CPU measurement.
