@@ -351,6 +351,9 @@ fn ms(d: Duration) -> String {
 }
 
 pub fn run(args: SimulateArgs) -> Result<()> {
+    if args.prompts.contains(&0) || args.batches.contains(&0) || args.decode_steps == 0 || args.threads == Some(0) || args.device_threads == 0 {
+        bail!("--prompts, --batches, --decode-steps, --threads and --device-threads take counts of at least 1");
+    }
     if args.calibrate || args.validate {
         let c = Calibration { threads: args.threads.unwrap_or(0), device_threads: args.device_threads, emulated_h2d_gb_per_s: Some(args.emulated_h2d_gb_per_s), ..Calibration::default() };
         let hw = calibrate::this_machine(&c)?;
@@ -438,8 +441,10 @@ fn decode_table(args: &SimulateArgs, hw: &Hardware, model: Model, cpu: &Arc<SimC
     println!("## Decode (per step, virtual time)\n");
     println!("| context | batch | CPU placement tokens/s | hybrid placement tokens/s (total) | hybrid step ms | hybrid: device compute / links / CPU busy |");
     println!("| --- | --- | --- | --- | --- | --- |");
+    let max_positions = model.cfg.max_position_embeddings;
+    let (contexts, too_long): (Vec<usize>, Vec<usize>) = args.contexts.iter().partition(|&&c| c + args.decode_steps <= max_positions);
     let mut cpu_rates = vec![];
-    for &ctx in &args.contexts {
+    for &ctx in &contexts {
         for &b in &args.batches {
             let t = cpu_decode(&model, cpu, b, ctx, args.decode_steps, p)?;
             cpu_rates.push(((ctx, b), b as f64 / secs(t)));
@@ -447,13 +452,21 @@ fn decode_table(args: &SimulateArgs, hw: &Hardware, model: Model, cpu: &Arc<SimC
     }
     let mut hybrid = match hw.devices.last() {
         Some(d) => {
-            let max_positions = args.contexts.iter().max().copied().unwrap_or(0) + args.decode_steps;
-            let blocks = max_positions.div_ceil(16) * args.batches.iter().max().copied().unwrap_or(1);
+            let positions = contexts.iter().max().copied().unwrap_or(0) + args.decode_steps;
+            let blocks = positions.div_ceil(16) * args.batches.iter().max().copied().unwrap_or(1);
             let cfg = HybridConfig { kv_blocks: blocks, micro_batches: true, defer_experts: 0, cpu_jitter: None, submit: Submit::Stream, expert_cache: None };
             let dev = device(d, 7);
-            let mut e = HybridEngine::new(model, dev.clone(), cfg, 16)?;
-            e.set_expert_pool(cpu.clone());
-            Some((e, dev))
+            // A placement that does not fit is a finding, not a failure of the run.
+            match HybridEngine::new(model, dev.clone(), cfg, 16) {
+                Ok(mut e) => {
+                    e.set_expert_pool(cpu.clone());
+                    Some((e, dev))
+                }
+                Err(e) => {
+                    println!("(the hybrid placement does not run on {}: {e})\n", d.name);
+                    None
+                }
+            }
         }
         None => None,
     };
@@ -468,6 +481,9 @@ fn decode_table(args: &SimulateArgs, hw: &Hardware, model: Model, cpu: &Arc<SimC
         };
         println!("| {ctx} | {b} | {cpu_rate:.1} | {} | {ms} | {busy} |", hybrid_rate.map_or("-".into(), |r| format!("{r:.1}")));
         points.push(DecodePoint { context: ctx, batch: b, cpu: cpu_rate, hybrid: hybrid_rate });
+    }
+    for ctx in too_long {
+        println!("| {ctx} | | longer than the model's {max_positions} positions | | | |");
     }
     println!();
     Ok(points)
