@@ -572,33 +572,40 @@ pub enum TraceEntry {
 /// [`Trace::per_stream`] gives.
 #[derive(Debug, Default)]
 pub struct Trace {
-    streams: Mutex<Vec<Vec<TraceEntry>>>,
+    streams: Mutex<Vec<StreamTrace>>,
+}
+
+#[derive(Clone, Debug, Default)]
+struct StreamTrace {
+    entries: Vec<TraceEntry>,
+    records: usize,
 }
 
 impl Trace {
-    pub fn log(&self, stream: StreamId, entry: TraceEntry) {
+    fn with_stream<T>(&self, stream: StreamId, f: impl FnOnce(&mut StreamTrace) -> T) -> T {
         let mut streams = self.streams.lock().unwrap_or_else(|e| e.into_inner());
         if streams.len() <= stream.0 {
-            streams.resize_with(stream.0 + 1, Vec::new);
+            streams.resize_with(stream.0 + 1, StreamTrace::default);
         }
-        streams[stream.0].push(entry);
+        f(&mut streams[stream.0])
+    }
+
+    pub fn log(&self, stream: StreamId, entry: TraceEntry) {
+        self.with_stream(stream, |s| s.entries.push(entry));
     }
 
     /// Log a record on `stream`; returns the event's name in later waits.
     pub fn record(&self, stream: StreamId) -> (usize, usize) {
-        let mut streams = self.streams.lock().unwrap_or_else(|e| e.into_inner());
-        if streams.len() <= stream.0 {
-            streams.resize_with(stream.0 + 1, Vec::new);
-        }
-        let entries = &mut streams[stream.0];
-        let n = entries.iter().filter(|e| **e == TraceEntry::Record).count();
-        entries.push(TraceEntry::Record);
-        (stream.0, n)
+        self.with_stream(stream, |s| {
+            s.entries.push(TraceEntry::Record);
+            s.records += 1;
+            (stream.0, s.records - 1)
+        })
     }
 
     /// Each stream's commands, in order.
     pub fn per_stream(&self) -> Vec<Vec<TraceEntry>> {
-        self.streams.lock().unwrap_or_else(|e| e.into_inner()).clone()
+        self.streams.lock().unwrap_or_else(|e| e.into_inner()).iter().map(|s| s.entries.clone()).collect()
     }
 }
 
