@@ -174,6 +174,8 @@ struct Inner {
     config: SimConfig,
     /// The functional mode's memory and kernels.
     computed: Option<(Memory, Mutex<Executor>)>,
+    /// A fault of the functional mode's kernels, sticky as a GPU's is.
+    failure: Mutex<Option<DeviceError>>,
     /// Small data written, by page.
     pages: Mutex<HashMap<u64, Box<[u8]>>>,
     compute: Mutex<Timeline>,
@@ -283,8 +285,13 @@ impl Inner {
             }
             Work::Launch(op) => {
                 match &self.computed {
-                    // A fault (an index out of range) is the test's to see in the results.
-                    Some((memory, executor)) => lock(executor).run(memory, &op).unwrap_or_else(|e| panic!("simulated device fault: {e}")),
+                    Some((memory, executor)) => {
+                        if lock(&self.failure).is_none() {
+                            if let Err(e) = lock(executor).run(memory, &op) {
+                                lock(&self.failure).get_or_insert(e);
+                            }
+                        }
+                    }
                     None => self.route(&op),
                 }
                 let len = cost.op(&op);
@@ -359,6 +366,7 @@ impl SimDevice {
         });
         let inner = Inner {
             computed,
+            failure: Mutex::new(None),
             config,
             pages: Mutex::default(),
             compute: Mutex::default(),
@@ -380,7 +388,16 @@ impl SimDevice {
         stats
     }
 
+    /// An earlier fault, as every later call reports it.
+    fn failed(&self) -> Result<(), DeviceError> {
+        match &*lock(&self.inner.failure) {
+            Some(e) => Err(DeviceError::Backend(format!("an earlier operation failed: {e}"))),
+            None => Ok(()),
+        }
+    }
+
     fn send(&self, stream: StreamId, work: Work) -> Result<(), DeviceError> {
+        self.failed()?;
         let streams = lock(&self.streams);
         let s = streams.get(stream.0).ok_or_else(|| DeviceError::Invalid(format!("no stream {}", stream.0)))?;
         if let Some(trace) = &self.inner.config.trace {
@@ -480,6 +497,7 @@ impl Device for SimDevice {
         self.send(stream, Work::Download { src, reply })?;
         let (bytes, at) = result.recv().map_err(|_| DeviceError::Backend(format!("stream {} stopped before the download", stream.0)))?;
         clock::advance_to(at);
+        self.failed()?;
         Ok(bytes)
     }
 
@@ -520,6 +538,7 @@ impl Device for SimDevice {
     /// (looking takes no time, so it never moves that time on).
     fn query(&self, event: &Event) -> Result<bool, DeviceError> {
         let at = *lock(&Self::event(event)?.at);
+        self.failed()?;
         Ok(match (at, clock::now()) {
             (Some(t), Some(now)) => t <= now,
             (at, _) => at.is_some(),
@@ -528,7 +547,7 @@ impl Device for SimDevice {
 
     fn synchronize(&self, event: &Event) -> Result<(), DeviceError> {
         clock::advance_to(Self::event(event)?.wait());
-        Ok(())
+        self.failed()
     }
 
     fn elapsed(&self, from: &Event, to: &Event) -> Result<Duration, DeviceError> {
