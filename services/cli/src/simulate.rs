@@ -25,7 +25,9 @@ use duplex_prefill::dslp::DslpEngine;
 use duplex_prefill::slp::{LayerTiming, SlpConfig, SlpEngine, SlpReport};
 use duplex_sim::calibrate::{self, Calibration};
 use duplex_sim::cpu::SimCpu;
-use duplex_sim::device::{SimConfig, SimDevice, SimStats};
+use duplex_kernels::device::Op;
+use duplex_kernels::WeightFormat;
+use duplex_sim::device::{CostModel, SimConfig, SimDevice, SimStats};
 use duplex_sim::hardware::{DeviceSpec, Hardware};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -65,6 +67,10 @@ pub struct SimulateArgs {
     /// Device memory for non-expert weights in SLP, MiB.
     #[arg(long, default_value_t = 1024)]
     dense_budget_mib: usize,
+    /// What if products of FP8 weights ran at the device's FP8 peak (FP8
+    /// tensor-core kernels, as the paper's engine has) instead of widened to BF16.
+    #[arg(long)]
+    fp8_products: bool,
     /// Where hollow checkpoints are written (default: the system's temporary directory).
     #[arg(long)]
     scratch: Option<PathBuf>,
@@ -205,9 +211,39 @@ fn has_weights(dir: &Path) -> bool {
     duplex_model::source::ModelSource::locate(dir).and_then(|s| s.open()).is_ok()
 }
 
-fn device(spec: &DeviceSpec, seed: u64) -> Arc<SimDevice> {
+fn device(spec: &DeviceSpec, seed: u64, fp8_products: bool) -> Arc<SimDevice> {
     let memory_bytes = (spec.memory_gib * (1u64 << 30) as f64) as usize;
-    SimDevice::new(SimConfig { name: spec.name.clone(), memory_bytes, cost: Arc::new(spec.clone()), seed, trace: None, functional: false })
+    let cost: Arc<dyn CostModel> = if fp8_products { Arc::new(Fp8Products(spec.clone())) } else { Arc::new(spec.clone()) };
+    SimDevice::new(SimConfig { name: spec.name.clone(), memory_bytes, cost, seed, trace: None, functional: false })
+}
+
+/// `--fp8-products`: a what-if. Duplex's kernels widen FP8 weights and
+/// multiply in BF16; an engine with FP8 tensor-core products (the paper's
+/// quotes 419 FP8 TFLOPS) runs those products at the device's FP8 peak,
+/// at the same efficiency. Everything else is costed as built.
+struct Fp8Products(DeviceSpec);
+
+impl CostModel for Fp8Products {
+    fn op(&self, op: &Op) -> Duration {
+        match op {
+            Op::Gemm { w, .. } | Op::GemmBatched { w, .. } if matches!(w.format, WeightFormat::Fp8E4m3 { .. }) && self.0.fp8_tflops > 0.0 => {
+                DeviceSpec { bf16_tflops: self.0.fp8_tflops, ..self.0.clone() }.op_time(op)
+            }
+            _ => self.0.op_time(op),
+        }
+    }
+
+    fn h2d(&self, bytes: usize) -> Duration {
+        self.0.h2d_time(bytes)
+    }
+
+    fn d2h(&self, bytes: usize) -> Duration {
+        self.0.d2h_time(bytes)
+    }
+
+    fn copy_engines(&self) -> usize {
+        self.0.copy_engines
+    }
 }
 
 /// Token ids for a synthetic prompt (as `duplex bench-engine`'s).
@@ -233,8 +269,8 @@ fn cpu_prefill(model: &Model, cpu: &SimCpu, len: usize, p: Precision) -> Result<
 }
 
 /// One SLP prefill of `len` tokens on a fresh simulated device.
-fn slp_prefill(model: &Model, dev: &DeviceSpec, slp: &SlpConfig, len: usize, p: Precision) -> Result<(Duration, SimStats, SlpReport)> {
-    let device = device(dev, 1);
+fn slp_prefill(model: &Model, dev: &DeviceSpec, fp8: bool, slp: &SlpConfig, len: usize, p: Precision) -> Result<(Duration, SimStats, SlpReport)> {
+    let device = device(dev, 1, fp8);
     let engine = SlpEngine::new(model, device.clone(), slp.clone())?;
     let mut kv = model.new_kv_pool(len.div_ceil(16), 16);
     let tokens = prompt(len, model.cfg.vocab_size);
@@ -244,8 +280,8 @@ fn slp_prefill(model: &Model, dev: &DeviceSpec, slp: &SlpConfig, len: usize, p: 
 }
 
 /// One DSLP prefill of `len` tokens on fresh simulated devices.
-fn dslp_prefill(model: &Model, devs: &[DeviceSpec], slp: &SlpConfig, len: usize, p: Precision) -> Result<Duration> {
-    let devices: Vec<Arc<dyn Device>> = devs.iter().enumerate().map(|(i, d)| device(d, 1 + i as u64) as Arc<dyn Device>).collect();
+fn dslp_prefill(model: &Model, devs: &[DeviceSpec], fp8: bool, slp: &SlpConfig, len: usize, p: Precision) -> Result<Duration> {
+    let devices: Vec<Arc<dyn Device>> = devs.iter().enumerate().map(|(i, d)| device(d, 1 + i as u64, fp8) as Arc<dyn Device>).collect();
     let engine = DslpEngine::new(model, devices, slp.clone())?;
     let mut kv = model.new_kv_pool(len.div_ceil(16), 16);
     let tokens = prompt(len, model.cfg.vocab_size);
@@ -379,7 +415,7 @@ pub fn run(args: SimulateArgs) -> Result<()> {
     let model = Model::load_with(&dir, &pool, &mut |_, _| {})?;
     let p: Precision = args.dtype.into();
     let cfg = &model.cfg;
-    println!("# {} on {}", args.model, hw.name);
+    println!("# {} on {}{}", args.model, hw.name, if args.fp8_products { " (what if: FP8 weights multiplied at the FP8 peak)" } else { "" });
     println!("{} layers, hidden {}, {} routed experts (top {}), {:?}; CPU: {} threads; devices: {} (model loaded in {:.1} s)\n", cfg.num_hidden_layers, cfg.hidden_size, cfg.n_routed_experts, cfg.num_experts_per_tok, p, threads, hw.devices.iter().map(|d| d.name.as_str()).collect::<Vec<_>>().join(", "), t0.elapsed().as_secs_f64());
     let cpu = Arc::new(SimCpu::new(hw.cpu.clone(), threads, 1));
     let slp = SlpConfig { dense_budget_bytes: args.dense_budget_mib << 20, ..Default::default() };
@@ -412,8 +448,8 @@ fn prefill_sweep(args: &SimulateArgs, hw: &Hardware, model: &Model, cpu: &SimCpu
         let (on_cpu, _) = cpu_prefill(model, cpu, len, p)?;
         let (slp_time, dslp_time, busy) = match hw.devices.first() {
             Some(d) => {
-                let (t, stats, _) = slp_prefill(model, d, slp, len, p)?;
-                let dslp = if hw.devices.len() >= 2 { Some(dslp_prefill(model, &hw.devices, slp, len, p)?) } else { None };
+                let (t, stats, _) = slp_prefill(model, d, args.fp8_products, slp, len, p)?;
+                let dslp = if hw.devices.len() >= 2 { Some(dslp_prefill(model, &hw.devices, args.fp8_products, slp, len, p)?) } else { None };
                 (Some(t), dslp, format!("{:.0}% / {:.0}%", 100.0 * secs(stats.compute_busy) / secs(t), 100.0 * secs(stats.h2d_busy) / secs(t)))
             }
             None => (None, None, "-".into()),
@@ -455,7 +491,7 @@ fn decode_table(args: &SimulateArgs, hw: &Hardware, model: Model, cpu: &Arc<SimC
             let positions = contexts.iter().max().copied().unwrap_or(0) + args.decode_steps;
             let blocks = positions.div_ceil(16) * args.batches.iter().max().copied().unwrap_or(1);
             let cfg = HybridConfig { kv_blocks: blocks, micro_batches: true, defer_experts: 0, cpu_jitter: None, submit: Submit::Stream, expert_cache: None };
-            let dev = device(d, 7);
+            let dev = device(d, 7, args.fp8_products);
             // A placement that does not fit is a finding, not a failure of the run.
             match HybridEngine::new(model, dev.clone(), cfg, 16) {
                 Ok(mut e) => {
@@ -560,7 +596,7 @@ fn validate(args: &SimulateArgs, hw: &Hardware) -> Result<()> {
         let mut split = (SlpReport::default(), SlpReport::default());
         let (mut per_op, mut measured_per_op) = (vec![], vec![]);
         for _ in 0..repeats {
-            let (t, stats, predicted_report) = slp_prefill(&model, emulated, &slp, len, p)?;
+            let (t, stats, predicted_report) = slp_prefill(&model, emulated, false, &slp, len, p)?;
             predicted = t;
             per_op = stats.per_op;
             let real = EmulatedDevice::new(EmulatedConfig { memory_bytes: (emulated.memory_gib * (1u64 << 30) as f64) as usize, h2d_bytes_per_second: Some(args.emulated_h2d_gb_per_s * 1e9), compute_threads: args.device_threads, jitter: None, trace: None })?;
