@@ -20,6 +20,9 @@ use std::io::Write;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 
+mod common;
+use common::Rng;
+
 /// Device memory for the tests (they share one device).
 const MEMORY: usize = 256 << 20;
 
@@ -63,35 +66,6 @@ fn kernels_that_do_not_compile_fail_instead_of_skipping() {
 
 fn emulated_device() -> Arc<EmulatedDevice> {
     EmulatedDevice::new(EmulatedConfig { memory_bytes: 64 << 20, compute_threads: 2, ..Default::default() }).expect("emulated device")
-}
-
-/// xorshift64*: reproducible inputs without a dependency.
-struct Rng(u64);
-
-impl Rng {
-    fn new(seed: u64) -> Self {
-        Rng(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1)
-    }
-
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545_F491_4F6C_DD1D)
-    }
-
-    /// Uniform in `[lo, hi)`.
-    fn f32(&mut self, lo: f32, hi: f32) -> f32 {
-        lo + (hi - lo) * ((self.next() >> 40) as f32 / (1u64 << 24) as f32)
-    }
-
-    fn f32s(&mut self, n: usize, lo: f32, hi: f32) -> Vec<f32> {
-        (0..n).map(|_| self.f32(lo, hi)).collect()
-    }
-
-    fn below(&mut self, n: usize) -> usize {
-        (self.next() % n as u64) as usize
-    }
 }
 
 fn f32_bytes(xs: &[f32]) -> Vec<u8> {

@@ -8,23 +8,10 @@ use duplex_kernels::device::{self, Device, DevicePtr, DeviceWeight, HostBytes, M
 use duplex_kernels::{Precision, WeightFormat};
 use std::sync::Arc;
 
+mod common;
+use common::Rng;
+
 const FP8: WeightFormat = WeightFormat::Fp8E4m3 { block: [128, 128] };
-
-/// xorshift64*: reproducible inputs without a dependency.
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545_F491_4F6C_DD1D)
-    }
-
-    fn f32s(&mut self, n: usize, lo: f32, hi: f32) -> Vec<f32> {
-        (0..n).map(|_| lo + (hi - lo) * ((self.next() >> 40) as f32 / (1u64 << 24) as f32)).collect()
-    }
-}
 
 fn bytes_of(xs: &[f32]) -> Vec<u8> {
     xs.iter().flat_map(|x| x.to_le_bytes()).collect()
@@ -73,7 +60,7 @@ fn same_as_one_gemm_each(d: &Arc<EmulatedDevice>, s: StreamId, op: Op, out_all: 
 fn batched_gemm_equals_one_gemm_per_batch() {
     let d = EmulatedDevice::new(EmulatedConfig { memory_bytes: 64 << 20, compute_threads: 1, ..Default::default() }).unwrap();
     let s = d.create_stream(StreamKind::Compute).unwrap();
-    let mut rng = Rng(0x5eed);
+    let mut rng = Rng::new(0x5eed);
     for format in [WeightFormat::F32, WeightFormat::Bf16, WeightFormat::F16, FP8] {
         let (heads, rows, cols) = (3, 256, 160);
         // Row bands of one matrix: batch b is rows b·rows.. (scale blocks whole).
