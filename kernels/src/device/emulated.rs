@@ -17,7 +17,7 @@
 
 use super::arena::Arena;
 use super::host_ops::{Executor, Memory};
-use super::{Device, DeviceError, DevicePtr, Event, HostBytes, Op, Staging, StreamId, StreamKind, Trace, TraceEntry};
+use super::{Device, DeviceError, DevicePtr, Event, HostBytes, Op, Staging, StreamId, StreamKind};
 use crate::pool::{PoolConfig, ThreadPool};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc::{channel, Sender};
@@ -35,13 +35,11 @@ pub struct EmulatedConfig {
     pub compute_threads: usize,
     /// Random delays before each stream command (tests).
     pub jitter: Option<Jitter>,
-    /// Log every stream's commands here (tests comparing schedules).
-    pub trace: Option<Arc<Trace>>,
 }
 
 impl Default for EmulatedConfig {
     fn default() -> Self {
-        EmulatedConfig { memory_bytes: 256 << 20, h2d_bytes_per_second: None, compute_threads: 0, jitter: None, trace: None }
+        EmulatedConfig { memory_bytes: 256 << 20, h2d_bytes_per_second: None, compute_threads: 0, jitter: None }
     }
 }
 
@@ -77,8 +75,6 @@ enum Command {
 struct EventState {
     at: Mutex<Option<Instant>>,
     done: Condvar,
-    /// Its name in the trace, when tracing.
-    traced: Option<(usize, usize)>,
 }
 
 impl EventState {
@@ -235,21 +231,6 @@ impl EmulatedDevice {
         self.inner.failed()?;
         let streams = lock(&self.streams);
         let s = streams.get(stream.0).ok_or_else(|| DeviceError::Invalid(format!("no stream {}", stream.0)))?;
-        if let Some(trace) = &self.inner.config.trace {
-            let entry = match &command {
-                Command::Upload { dst, .. } => Some(TraceEntry::Upload { bytes: dst.bytes }),
-                Command::Download { src, .. } => Some(TraceEntry::Download { bytes: src.bytes }),
-                Command::DownloadTo { src, .. } => Some(TraceEntry::DownloadTo { bytes: src.bytes }),
-                Command::UploadFrom { dst, .. } => Some(TraceEntry::UploadFrom { bytes: dst.bytes }),
-                Command::Launch(op) => Some(TraceEntry::Launch(op.name())),
-                Command::Record(_) => None, // logged by `record`, which names the event
-                Command::Wait(e) => e.traced.map(|(stream, record)| TraceEntry::Wait { stream, record }),
-                Command::HostFn(_) => Some(TraceEntry::HostFn),
-            };
-            if let Some(entry) = entry {
-                trace.log(stream, entry);
-            }
-        }
         s.queue.send(command).map_err(|_| DeviceError::Backend(format!("stream {} has stopped", stream.0)))
     }
 
@@ -354,8 +335,7 @@ impl Device for EmulatedDevice {
     }
 
     fn record(&self, stream: StreamId) -> Result<Event, DeviceError> {
-        let traced = self.inner.config.trace.as_ref().map(|t| t.record(stream));
-        let state = Arc::new(EventState { at: Mutex::new(None), done: Condvar::new(), traced });
+        let state = Arc::new(EventState { at: Mutex::new(None), done: Condvar::new() });
         self.send(stream, Command::Record(state.clone()))?;
         Ok(Event(state))
     }

@@ -23,6 +23,7 @@
 pub mod arena;
 pub mod emulated;
 pub mod host_ops;
+pub mod traced;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 
@@ -547,65 +548,6 @@ pub trait Device: Send + Sync {
     /// such figure).
     fn compute_busy(&self) -> Option<Duration> {
         None
-    }
-}
-
-/// One command as a stream was given it, for comparing the schedules of two
-/// runs (the simulator's proof that it runs the production scheduling).
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub enum TraceEntry {
-    Upload { bytes: usize },
-    Download { bytes: usize },
-    DownloadTo { bytes: usize },
-    UploadFrom { bytes: usize },
-    Launch(&'static str),
-    /// The stream's next event (they are numbered per stream from 0).
-    Record,
-    /// A wait for event `record` of stream `stream`.
-    Wait { stream: usize, record: usize },
-    HostFn,
-}
-
-/// Every command given to a device's streams, in the order each stream got
-/// them. Only the order within a stream is a property of the program (how
-/// streams interleave depends on timing), so that is what
-/// [`Trace::per_stream`] gives.
-#[derive(Debug, Default)]
-pub struct Trace {
-    streams: Mutex<Vec<StreamTrace>>,
-}
-
-#[derive(Clone, Debug, Default)]
-struct StreamTrace {
-    entries: Vec<TraceEntry>,
-    records: usize,
-}
-
-impl Trace {
-    fn with_stream<T>(&self, stream: StreamId, f: impl FnOnce(&mut StreamTrace) -> T) -> T {
-        let mut streams = self.streams.lock().unwrap_or_else(|e| e.into_inner());
-        if streams.len() <= stream.0 {
-            streams.resize_with(stream.0 + 1, StreamTrace::default);
-        }
-        f(&mut streams[stream.0])
-    }
-
-    pub fn log(&self, stream: StreamId, entry: TraceEntry) {
-        self.with_stream(stream, |s| s.entries.push(entry));
-    }
-
-    /// Log a record on `stream`; returns the event's name in later waits.
-    pub fn record(&self, stream: StreamId) -> (usize, usize) {
-        self.with_stream(stream, |s| {
-            s.entries.push(TraceEntry::Record);
-            s.records += 1;
-            (stream.0, s.records - 1)
-        })
-    }
-
-    /// Each stream's commands, in order.
-    pub fn per_stream(&self) -> Vec<Vec<TraceEntry>> {
-        self.streams.lock().unwrap_or_else(|e| e.into_inner()).iter().map(|s| s.entries.clone()).collect()
     }
 }
 

@@ -85,7 +85,7 @@ fn print(label: &str, report: &SlpReport, wall: Duration, tokens: usize) {
 
 /// An emulated device with `compute_threads` and a copy engine paced at `rate` bytes/s.
 fn emulated(args: &BenchSlpArgs, rate: Option<f64>, compute_threads: usize) -> Result<Arc<dyn Device>> {
-    Ok(EmulatedDevice::new(EmulatedConfig { memory_bytes: args.device_memory_mib << 20, h2d_bytes_per_second: rate, compute_threads, jitter: None, trace: None })?)
+    Ok(EmulatedDevice::new(EmulatedConfig { memory_bytes: args.device_memory_mib << 20, h2d_bytes_per_second: rate, compute_threads, jitter: None })?)
 }
 
 fn slp_config(args: &BenchSlpArgs) -> SlpConfig {

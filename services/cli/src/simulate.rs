@@ -213,7 +213,7 @@ fn has_weights(dir: &Path) -> bool {
 fn device(spec: &DeviceSpec, seed: u64, fp8_products: bool) -> Arc<SimDevice> {
     let memory_bytes = (spec.memory_gib * (1u64 << 30) as f64) as usize;
     let cost: Arc<dyn CostModel> = if fp8_products { Arc::new(Fp8Products(spec.clone())) } else { Arc::new(spec.clone()) };
-    SimDevice::new(SimConfig { name: spec.name.clone(), memory_bytes, cost, seed, trace: None, functional: false })
+    SimDevice::new(SimConfig { name: spec.name.clone(), memory_bytes, cost, seed, functional: false })
 }
 
 /// `--fp8-products`: a what-if. Duplex's kernels widen FP8 weights and
@@ -598,7 +598,7 @@ fn validate(args: &SimulateArgs, hw: &Hardware) -> Result<()> {
             let (t, stats, predicted_report) = slp_prefill(&model, emulated, false, &slp, len, p)?;
             predicted = t;
             per_op = stats.per_op;
-            let real = EmulatedDevice::new(EmulatedConfig { memory_bytes: (emulated.memory_gib * (1u64 << 30) as f64) as usize, h2d_bytes_per_second: Some(args.emulated_h2d_gb_per_s * 1e9), compute_threads: args.device_threads, jitter: None, trace: None })?;
+            let real = EmulatedDevice::new(EmulatedConfig { memory_bytes: (emulated.memory_gib * (1u64 << 30) as f64) as usize, h2d_bytes_per_second: Some(args.emulated_h2d_gb_per_s * 1e9), compute_threads: args.device_threads, jitter: None })?;
             let engine = SlpEngine::new(&model, real.clone(), slp.clone())?;
             let mut kv = model.new_kv_pool(len.div_ceil(16), 16);
             let tokens = prompt(len, model.cfg.vocab_size);

@@ -141,7 +141,7 @@ fn open_named_device(cfg: &PrefillConfig, device: NamedDevice) -> anyhow::Result
 fn emulated_device(cfg: &PrefillConfig) -> anyhow::Result<Arc<dyn Device>> {
     let memory_mib = if cfg.device_memory_mib == 0 { 4096 } else { cfg.device_memory_mib };
     let rate = (cfg.emulated_h2d_gb_per_s > 0.0).then_some(cfg.emulated_h2d_gb_per_s * 1e9);
-    let config = EmulatedConfig { memory_bytes: memory_mib << 20, h2d_bytes_per_second: rate, compute_threads: cfg.threads, jitter: None, trace: None };
+    let config = EmulatedConfig { memory_bytes: memory_mib << 20, h2d_bytes_per_second: rate, compute_threads: cfg.threads, jitter: None };
     Ok(EmulatedDevice::new(config)?)
 }
 

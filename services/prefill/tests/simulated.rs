@@ -11,7 +11,8 @@
 
 use duplex_kernels::clock;
 use duplex_kernels::device::emulated::{EmulatedConfig, EmulatedDevice};
-use duplex_kernels::device::{Device, Op, Trace};
+use duplex_kernels::device::traced::Traced;
+use duplex_kernels::device::{Device, Op};
 use duplex_model::{BlockTable, Logits, Model, Precision, BUNDLED_MODEL};
 use duplex_prefill::dslp::DslpEngine;
 use duplex_prefill::slp::{SlpConfig, SlpEngine, SlpReport};
@@ -49,8 +50,8 @@ impl CostModel for Fixed {
     }
 }
 
-fn sim(cost: Fixed, functional: bool, trace: Option<Arc<Trace>>) -> Arc<SimDevice> {
-    SimDevice::new(SimConfig { name: "test device".into(), memory_bytes: MEMORY, cost: Arc::new(cost), seed: 7, trace, functional })
+fn sim(cost: Fixed, functional: bool) -> Arc<SimDevice> {
+    SimDevice::new(SimConfig { name: "test device".into(), memory_bytes: MEMORY, cost: Arc::new(cost), seed: 7, functional })
 }
 
 fn prefill(device: Arc<dyn Device>, ring_slots: Option<usize>, tokens: &[u32]) -> (Vec<f32>, SlpReport) {
@@ -65,14 +66,12 @@ fn prefill(device: Arc<dyn Device>, ring_slots: Option<usize>, tokens: &[u32]) -
 fn the_simulated_device_runs_the_emulated_devices_schedule() {
     let tokens: Vec<u32> = (0..37).map(|i| (i * 7 + 3) % 200).collect();
     for ring in [None, Some(2)] {
-        let emulated_trace = Arc::new(Trace::default());
-        let emulated = EmulatedDevice::new(EmulatedConfig { memory_bytes: MEMORY, trace: Some(emulated_trace.clone()), ..Default::default() }).unwrap();
-        let (real_logits, _) = prefill(emulated, ring, &tokens);
+        let emulated_trace = Traced::new(EmulatedDevice::new(EmulatedConfig { memory_bytes: MEMORY, ..Default::default() }).unwrap());
+        let (real_logits, _) = prefill(emulated_trace.clone(), ring, &tokens);
 
-        let sim_trace = Arc::new(Trace::default());
-        let device = sim(Fixed { op: Duration::from_micros(10), bytes_per_second: 1e9 }, true, Some(sim_trace.clone()));
+        let sim_trace = Traced::new(sim(Fixed { op: Duration::from_micros(10), bytes_per_second: 1e9 }, true));
         clock::set(Some(Duration::ZERO));
-        let (sim_logits, _) = prefill(device, ring, &tokens);
+        let (sim_logits, _) = prefill(sim_trace.clone(), ring, &tokens);
         clock::set(None);
 
         let (real, simulated) = (emulated_trace.per_stream(), sim_trace.per_stream());
@@ -89,7 +88,7 @@ fn the_simulated_device_runs_the_emulated_devices_schedule() {
 
 /// The virtual time a prefill takes, and its transfer and kernel time.
 fn timed(cost: Fixed, tokens: usize) -> (Duration, Duration, Duration) {
-    let device = sim(cost, false, None);
+    let device = sim(cost, false);
     let prompt: Vec<u32> = (0..tokens as u32).collect();
     clock::set(Some(Duration::ZERO));
     let (_, report) = prefill(device.clone(), Some(2), &prompt);
@@ -132,10 +131,10 @@ fn dslp(devices: Vec<Arc<dyn Device>>, tokens: &[u32]) -> Vec<f32> {
 #[test]
 fn two_device_prefill_runs_the_same_schedule_and_halves_a_transfer_bound_pass() {
     let tokens: Vec<u32> = (0..41).map(|i| (i * 11 + 5) % 200).collect();
-    let traces: Vec<Arc<Trace>> = (0..4).map(|_| Arc::new(Trace::default())).collect();
-    let emulated: Vec<Arc<dyn Device>> = traces[..2].iter().map(|t| EmulatedDevice::new(EmulatedConfig { memory_bytes: MEMORY, trace: Some(t.clone()), ..Default::default() }).unwrap() as Arc<dyn Device>).collect();
-    let real = dslp(emulated, &tokens);
-    let simulated: Vec<Arc<dyn Device>> = traces[2..].iter().map(|t| sim(Fixed { op: Duration::from_micros(10), bytes_per_second: 1e9 }, true, Some(t.clone())) as Arc<dyn Device>).collect();
+    let mut traces: Vec<Arc<Traced>> = (0..2).map(|_| Traced::new(EmulatedDevice::new(EmulatedConfig { memory_bytes: MEMORY, ..Default::default() }).unwrap())).collect();
+    traces.extend((0..2).map(|_| Traced::new(sim(Fixed { op: Duration::from_micros(10), bytes_per_second: 1e9 }, true))));
+    let real = dslp(traces[..2].iter().map(|t| t.clone() as Arc<dyn Device>).collect(), &tokens);
+    let simulated: Vec<Arc<dyn Device>> = traces[2..].iter().map(|t| t.clone() as Arc<dyn Device>).collect();
     clock::set(Some(Duration::ZERO));
     let predicted = dslp(simulated, &tokens);
     clock::set(None);
@@ -154,10 +153,10 @@ fn two_device_prefill_runs_the_same_schedule_and_halves_a_transfer_bound_pass() 
     let slow = || Fixed { op: Duration::from_micros(1), bytes_per_second: 0.05e9 };
     let prompt: Vec<u32> = (0..48).collect();
     clock::set(Some(Duration::ZERO));
-    prefill(sim(slow(), false, None), Some(2), &prompt);
+    prefill(sim(slow(), false), Some(2), &prompt);
     let one = clock::now().unwrap();
     clock::set(Some(Duration::ZERO));
-    dslp(vec![sim(slow(), false, None), sim(slow(), false, None)], &prompt);
+    dslp(vec![sim(slow(), false), sim(slow(), false)], &prompt);
     let two = clock::now().unwrap();
     clock::set(None);
     eprintln!("transfer-bound prefill: one device {one:?}, two {two:?}");

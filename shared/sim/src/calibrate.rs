@@ -252,7 +252,7 @@ pub fn this_machine(c: &Calibration) -> Result<Hardware, DeviceError> {
     let device_read = (best.read_one * device_threads as f64).min(best.read_all);
     drop((buf, copy_to, pool));
     let h2d = c.emulated_h2d_gb_per_s.map(|g| g * GB);
-    let config = EmulatedConfig { memory_bytes: 1 << 20, h2d_bytes_per_second: h2d, compute_threads: device_threads, jitter: None, trace: None };
+    let config = EmulatedConfig { memory_bytes: 1 << 20, h2d_bytes_per_second: h2d, compute_threads: device_threads, jitter: None };
     let op_bandwidth = emulated_op_bandwidth(config.clone(), if c.quick { 3 } else { 10 })?;
     let (launch_us, copy_us) = emulated_fixed_costs(config, commands)?;
     let fraction = best.gemv_fraction();

@@ -38,7 +38,7 @@ use duplex_kernels::clock;
 use duplex_kernels::device::arena::Arena;
 use duplex_kernels::device::host_ops::{Executor, Memory};
 use duplex_kernels::pool::{PoolConfig, ThreadPool};
-use duplex_kernels::device::{Device, DeviceError, DevicePtr, Event, HostBytes, Op, Staging, StreamId, StreamKind, Trace, TraceEntry};
+use duplex_kernels::device::{Device, DeviceError, DevicePtr, Event, HostBytes, Op, Staging, StreamId, StreamKind};
 use std::collections::{HashMap, VecDeque};
 use std::sync::mpsc::{channel, Sender};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
@@ -70,7 +70,6 @@ pub struct SimConfig {
     pub cost: Arc<dyn CostModel>,
     /// Seed of the simulated router's choices.
     pub seed: u64,
-    pub trace: Option<Arc<Trace>>,
     /// Compute as well (memory of `memory_bytes` backs the device).
     pub functional: bool,
 }
@@ -137,7 +136,6 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 struct EventState {
     at: Mutex<Option<Duration>>,
     done: Condvar,
-    traced: Option<(usize, usize)>,
 }
 
 impl EventState {
@@ -400,21 +398,6 @@ impl SimDevice {
         self.failed()?;
         let streams = lock(&self.streams);
         let s = streams.get(stream.0).ok_or_else(|| DeviceError::Invalid(format!("no stream {}", stream.0)))?;
-        if let Some(trace) = &self.inner.config.trace {
-            let entry = match &work {
-                Work::Upload { dst, .. } => Some(TraceEntry::Upload { bytes: dst.bytes }),
-                Work::Download { src, .. } => Some(TraceEntry::Download { bytes: src.bytes }),
-                Work::DownloadTo { src, .. } => Some(TraceEntry::DownloadTo { bytes: src.bytes }),
-                Work::UploadFrom { dst, .. } => Some(TraceEntry::UploadFrom { bytes: dst.bytes }),
-                Work::Launch(op) => Some(TraceEntry::Launch(op.name())),
-                Work::Record(_) => None, // logged by `record`, which names the event
-                Work::Wait(e) => e.traced.map(|(stream, record)| TraceEntry::Wait { stream, record }),
-                Work::HostFn(_) => Some(TraceEntry::HostFn),
-            };
-            if let Some(entry) = entry {
-                trace.log(stream, entry);
-            }
-        }
         let enqueued = clock::now().unwrap_or_default();
         s.queue.send(Command { work, enqueued }).map_err(|_| DeviceError::Backend(format!("stream {} has stopped", stream.0)))
     }
@@ -523,8 +506,7 @@ impl Device for SimDevice {
     }
 
     fn record(&self, stream: StreamId) -> Result<Event, DeviceError> {
-        let traced = self.inner.config.trace.as_ref().map(|t| t.record(stream));
-        let state = Arc::new(EventState { at: Mutex::new(None), done: Condvar::new(), traced });
+        let state = Arc::new(EventState { at: Mutex::new(None), done: Condvar::new() });
         self.send(stream, Work::Record(state.clone()))?;
         Ok(Event::new(state))
     }

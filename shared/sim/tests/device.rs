@@ -24,7 +24,7 @@ impl CostModel for Fixed {
 }
 
 fn device(functional: bool) -> Arc<SimDevice> {
-    SimDevice::new(SimConfig { name: "test".into(), memory_bytes: 64 << 20, cost: Arc::new(Fixed), seed: 1, trace: None, functional })
+    SimDevice::new(SimConfig { name: "test".into(), memory_bytes: 64 << 20, cost: Arc::new(Fixed), seed: 1, functional })
 }
 
 #[test]

@@ -7,7 +7,8 @@
 
 use duplex_kernels::clock;
 use duplex_kernels::device::emulated::{EmulatedConfig, EmulatedDevice};
-use duplex_kernels::device::{Device, Op, Trace};
+use duplex_kernels::device::traced::Traced;
+use duplex_kernels::device::{Device, Op};
 use duplex_model::backend::ExpertJob;
 use duplex_model::hybrid::{DeviceSeq, ExpertPool, HybridConfig, HybridEngine, Submit};
 use duplex_model::weights::HostWeight;
@@ -85,14 +86,12 @@ fn prompts(n: usize) -> Vec<Vec<u32>> {
 
 #[test]
 fn the_simulated_device_runs_the_emulated_devices_hybrid_schedule() {
-    let emulated_trace = Arc::new(Trace::default());
-    let emulated = EmulatedDevice::new(EmulatedConfig { memory_bytes: MEMORY, compute_threads: 1, trace: Some(emulated_trace.clone()), ..Default::default() }).unwrap();
-    let (real, _) = decode(&mut engine(emulated, true), &prompts(2), 2);
+    let emulated_trace = Traced::new(EmulatedDevice::new(EmulatedConfig { memory_bytes: MEMORY, compute_threads: 1, ..Default::default() }).unwrap());
+    let (real, _) = decode(&mut engine(emulated_trace.clone(), true), &prompts(2), 2);
 
-    let sim_trace = Arc::new(Trace::default());
-    let sim = SimDevice::new(SimConfig { name: "test".into(), memory_bytes: MEMORY, cost: Arc::new(Fixed(Duration::from_micros(5))), seed: 1, trace: Some(sim_trace.clone()), functional: true });
+    let sim_trace = Traced::new(SimDevice::new(SimConfig { name: "test".into(), memory_bytes: MEMORY, cost: Arc::new(Fixed(Duration::from_micros(5))), seed: 1, functional: true }));
     clock::set(Some(Duration::ZERO));
-    let (simulated, _) = decode(&mut engine(sim, true), &prompts(2), 2);
+    let (simulated, _) = decode(&mut engine(sim_trace.clone(), true), &prompts(2), 2);
     clock::set(None);
 
     let (a, b) = (emulated_trace.per_stream(), sim_trace.per_stream());
@@ -108,7 +107,7 @@ fn the_simulated_device_runs_the_emulated_devices_hybrid_schedule() {
 
 /// The virtual time of a decode step at batch `n`.
 fn step_time(n: usize, micro_batches: bool) -> Duration {
-    let sim = SimDevice::new(SimConfig { name: "test".into(), memory_bytes: MEMORY, cost: Arc::new(Fixed(Duration::from_micros(20))), seed: 1, trace: None, functional: false });
+    let sim = SimDevice::new(SimConfig { name: "test".into(), memory_bytes: MEMORY, cost: Arc::new(Fixed(Duration::from_micros(20))), seed: 1, functional: false });
     let mut e = engine(sim, micro_batches);
     e.set_expert_pool(Arc::new(FixedPool(Duration::from_micros(200))));
     clock::set(Some(Duration::ZERO));
