@@ -23,6 +23,7 @@ mod loadgen;
 mod serve;
 mod simulate;
 mod simulate_plot;
+mod simulate_serve;
 use std::io::Write;
 use std::path::{Path, PathBuf};
 

@@ -28,6 +28,11 @@ use duplex_sim::calibrate::{self, Calibration};
 use duplex_sim::cpu::SimCpu;
 use duplex_sim::device::{CostModel, SimConfig, SimDevice, SimStats};
 use duplex_sim::hardware::{DeviceSpec, Hardware};
+use crate::loadgen::scenarios::Scenarios;
+use crate::simulate_serve::{self, Deployment, ServeSettings};
+use duplex_decode::DecodeConfig;
+use duplex_router::RouterConfig;
+use crate::loadgen::workload::Dist;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -88,9 +93,49 @@ pub struct SimulateArgs {
     /// of the same workloads (the model must have weights: `duplex synth --preset bench`).
     #[arg(long)]
     validate: bool,
-    /// Where --calibrate writes.
+    /// Where --calibrate writes its description, or a serving workload its
+    /// report (`duplex bench --out`'s JSON).
     #[arg(long)]
     out: Option<PathBuf>,
+    /// Serving, `scenarios`: which of the paper's §4.5 mixes (1P, 1D, 1P+1D, 2D, 1P+2D, or all).
+    #[arg(long, default_value = "all")]
+    scenario: Scenarios,
+    /// Serving, `scenarios`: P's prompt (the paper's 24K).
+    #[arg(long, default_value_t = 24576)]
+    long_prompt_tokens: u32,
+    /// Serving, `scenarios`: P's output tokens.
+    #[arg(long, default_value_t = 2)]
+    long_output_tokens: u32,
+    /// Serving, `scenarios`: D's prompt (the paper's 10 tokens).
+    #[arg(long, default_value_t = 10)]
+    short_prompt_tokens: u32,
+    /// Serving, `scenarios`: D's output tokens (the paper's 480).
+    #[arg(long, default_value_t = 480)]
+    decode_tokens: u32,
+    /// Serving, `open`: Poisson arrivals per second.
+    #[arg(long, default_value_t = 0.5)]
+    rate: f64,
+    /// Serving, `open`: how many requests arrive.
+    #[arg(long, default_value_t = 16)]
+    requests: usize,
+    /// Serving, `open`: prompt lengths (`N`, `uniform:MIN-MAX`, `normal:MEAN,SD`).
+    #[arg(long, default_value = "uniform:32-8192")]
+    prompt_tokens: Dist,
+    /// Serving, `open`: output lengths.
+    #[arg(long, default_value = "uniform:16-256")]
+    output_tokens: Dist,
+    /// Serving: seed of the prompts and arrivals.
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// Serving: long prompts never take two-device prefill (as if the
+    /// prefill worker had one device).
+    #[arg(long)]
+    no_dslp: bool,
+    /// Serving: a router or decode-worker setting, as in duplex.toml
+    /// (`prefill_threshold_tokens=4096`, `dslp_idle_window_seconds=0`,
+    /// `max_batch_size=6`, `micro_batches=false`, ...); repeatable.
+    #[arg(long = "set", value_name = "KEY=VALUE")]
+    settings: Vec<String>,
     /// Also draw the tables as an SVG chart here.
     #[arg(long)]
     plot: Option<PathBuf>,
@@ -118,7 +163,13 @@ enum Workload {
     Prefill,
     /// Decode: CPU and hybrid placements at each context and batch.
     Decode,
+    /// Prefill sweep and decode table.
     All,
+    /// Serving: the paper's §4.5 mixes of a long prefill (P) and decodes (D),
+    /// every request at once, through the router's policy and the batcher.
+    Scenarios,
+    /// Serving: an open loop of Poisson arrivals.
+    Open,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
@@ -143,7 +194,7 @@ static REACHED_NS: AtomicU64 = AtomicU64::new(0);
 
 /// Run `f` on this thread's virtual clock from where the run has reached:
 /// its result and the virtual time it took.
-fn on_clock<T>(f: impl FnOnce() -> T) -> (T, Duration) {
+pub(crate) fn on_clock<T>(f: impl FnOnce() -> T) -> (T, Duration) {
     let start = Duration::from_nanos(REACHED_NS.load(Ordering::Relaxed));
     clock::set(Some(start));
     let out = f();
@@ -210,7 +261,7 @@ fn has_weights(dir: &Path) -> bool {
     duplex_model::source::ModelSource::locate(dir).and_then(|s| s.open()).is_ok()
 }
 
-fn device(spec: &DeviceSpec, seed: u64, fp8_products: bool) -> Arc<SimDevice> {
+pub(crate) fn device(spec: &DeviceSpec, seed: u64, fp8_products: bool) -> Arc<SimDevice> {
     let memory_bytes = (spec.memory_gib * (1u64 << 30) as f64) as usize;
     let cost: Arc<dyn CostModel> = if fp8_products { Arc::new(Fp8Products(spec.clone())) } else { Arc::new(spec.clone()) };
     SimDevice::new(SimConfig { name: spec.name.clone(), memory_bytes, cost, seed, functional: false })
@@ -418,6 +469,9 @@ pub fn run(args: SimulateArgs) -> Result<()> {
     println!("{} layers, hidden {}, {} routed experts (top {}), {:?}; CPU: {} threads; devices: {} (model loaded in {:.1} s)\n", cfg.num_hidden_layers, cfg.hidden_size, cfg.n_routed_experts, cfg.num_experts_per_tok, p, threads, hw.devices.iter().map(|d| d.name.as_str()).collect::<Vec<_>>().join(", "), t0.elapsed().as_secs_f64());
     let cpu = Arc::new(SimCpu::new(hw.cpu.clone(), threads, 1));
     let slp = SlpConfig { dense_budget_bytes: args.dense_budget_mib << 20, ..Default::default() };
+    if matches!(args.workload, Workload::Scenarios | Workload::Open) {
+        return serve(&args, &hw, model, cpu, slp, p);
+    }
     let mut prefill = vec![];
     if matches!(args.workload, Workload::Prefill | Workload::All) {
         prefill = prefill_sweep(&args, &hw, &model, &cpu, &slp, p)?;
@@ -431,6 +485,72 @@ pub fn run(args: SimulateArgs) -> Result<()> {
         println!("plot: {}", path.display());
     }
     Ok(())
+}
+
+/// The serving workloads, on the disaggregated deployment: the first
+/// device prefills, the second decodes beside the CPU.
+fn serve(args: &SimulateArgs, hw: &Hardware, model: Model, cpu: Arc<SimCpu>, slp: SlpConfig, p: Precision) -> Result<()> {
+    let [prefill_spec, decode_spec, ..] = hw.devices.as_slice() else {
+        bail!("serving workloads simulate the disaggregated deployment, a prefill device and a decode device; {} describes {}", hw.name, hw.devices.len());
+    };
+    let (router, decode) = serving_configs(&args.settings)?;
+    let settings = ServeSettings {
+        closed: args.workload == Workload::Scenarios,
+        scenarios: args.scenario.clone(),
+        long_prompt_tokens: args.long_prompt_tokens,
+        long_output_tokens: args.long_output_tokens,
+        short_prompt_tokens: args.short_prompt_tokens,
+        decode_tokens: args.decode_tokens,
+        rate: args.rate,
+        requests: args.requests,
+        prompt_tokens: args.prompt_tokens.clone(),
+        output_tokens: args.output_tokens.clone(),
+        seed: args.seed,
+        dslp: !args.no_dslp,
+        router,
+        decode,
+    };
+    if !(settings.rate.is_finite() && settings.rate > 0.0) || settings.requests == 0 {
+        bail!("--rate must be a positive number and --requests at least 1");
+    }
+    let devices = [device(prefill_spec, 1, args.fp8_products), device(decode_spec, 7, args.fp8_products), device(decode_spec, 2, args.fp8_products)];
+    let mut deployment = Deployment::new(model, devices, cpu, slp, &settings, p)?;
+    let report = simulate_serve::run(&mut deployment, &settings, &args.model, &hw.name)?;
+    if let Some(path) = &args.out {
+        std::fs::write(path, report.to_json()?).with_context(|| format!("writing {}", path.display()))?;
+        println!("report: {}", path.display());
+    }
+    if let Some(path) = &args.plot {
+        crate::loadgen::plot::write(path, &report)?;
+        println!("plot: {}", path.display());
+    }
+    Ok(())
+}
+
+/// The router's and the decode worker's settings: their defaults, with
+/// each `--set KEY=VALUE` applied to whichever has the key.
+fn serving_configs(sets: &[String]) -> Result<(RouterConfig, DecodeConfig)> {
+    let mut router = serde_json::to_value(RouterConfig::default())?;
+    let mut decode = serde_json::to_value(DecodeConfig::default())?;
+    for set in sets {
+        let (key, text) = set.split_once('=').with_context(|| format!("--set {set:?}: expected KEY=VALUE"))?;
+        // Numbers and booleans as such; anything else is a string.
+        let value = serde_json::from_str(text).unwrap_or_else(|_| serde_json::Value::String(text.into()));
+        let mut found = false;
+        for config in [&mut router, &mut decode] {
+            if let Some(slot) = config.get_mut(key) {
+                *slot = value.clone();
+                found = true;
+            }
+        }
+        if !found {
+            bail!("--set {key}: neither a router nor a decode-worker setting (see deploy/duplex.toml)");
+        }
+    }
+    let router: RouterConfig = serde_json::from_value(router).context("--set: the router's settings")?;
+    let decode: DecodeConfig = serde_json::from_value(decode).context("--set: the decode worker's settings")?;
+    router.validate().map_err(|e| anyhow::anyhow!("--set: {e}"))?;
+    Ok((router, decode))
 }
 
 fn prefill_sweep(args: &SimulateArgs, hw: &Hardware, model: &Model, cpu: &SimCpu, slp: &SlpConfig, p: Precision) -> Result<Vec<PrefillPoint>> {

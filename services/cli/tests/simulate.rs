@@ -80,3 +80,77 @@ fn a_config_alone_gets_a_hollow_checkpoint_and_bad_input_is_refused() {
     assert!(!nothing.status.success());
     assert!(String::from_utf8_lossy(&nothing.stderr).contains("config.json"), "{}", String::from_utf8_lossy(&nothing.stderr));
 }
+
+/// `duplex simulate --workload W --out F` on the tiny fixture and the paper
+/// node, with prompts of 128 tokens or more sent to the prefill worker: the
+/// report's JSON.
+fn serve(workload: &str, extra: &[&str]) -> serde_json::Value {
+    let json = tempfile::NamedTempFile::with_suffix(".json").unwrap();
+    let (path, model) = (json.path().to_string_lossy().into_owned(), fixture_dsv3());
+    let mut args = vec!["simulate", "--hardware", "paper-node", "--model", &model, "--threads", "64", "--workload", workload, "--set", "prefill_threshold_tokens=128", "--out", &path];
+    args.extend(extra);
+    let out = duplex(&args);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{text}\n{}", String::from_utf8_lossy(&out.stderr));
+    assert!(text.contains("## Serving") && text.contains("Where the time went"), "{text}");
+    serde_json::from_str(&std::fs::read_to_string(json.path()).unwrap()).unwrap()
+}
+
+fn fixture_dsv3() -> String {
+    fixture("tiny-dsv3")
+}
+
+/// The samples of run `name` of kind `kind`.
+fn samples<'a>(report: &'a serde_json::Value, name: &str, kind: &str) -> Vec<&'a serde_json::Value> {
+    let run = report["runs"].as_array().unwrap().iter().find(|r| r["name"] == name).unwrap_or_else(|| panic!("no run {name}"));
+    run["samples"].as_array().unwrap().iter().filter(|s| s["kind"] == kind).collect()
+}
+
+fn ms(sample: &serde_json::Value, field: &str) -> f64 {
+    sample[field].as_f64().unwrap_or_else(|| panic!("{field} in {sample}"))
+}
+
+#[test]
+fn serving_scenarios_route_by_the_policy_and_batch_decodes_on_virtual_time() {
+    let report = serve("scenarios", &["--scenario", "1P+2D", "--long-prompt-tokens", "300", "--short-prompt-tokens", "8", "--decode-tokens", "24"]);
+    let names: Vec<&str> = report["runs"].as_array().unwrap().iter().map(|r| r["name"].as_str().unwrap()).collect();
+    assert_eq!(names, ["1P", "1D", "1P+2D"], "the mix and its baselines");
+    for run in report["runs"].as_array().unwrap() {
+        for s in run["samples"].as_array().unwrap() {
+            assert!(s.get("error").is_none(), "{s}");
+            let want = if s["kind"] == "P" { 2 } else { 24 };
+            assert_eq!(s["output_tokens"], want, "{s}");
+            assert!(ms(s, "e2e_ms") >= ms(s, "ttft_ms") && ms(s, "ttft_ms") > 0.0, "{s}");
+        }
+    }
+    // Nothing had decoded when P came alone: both devices. In the mix the
+    // decodes had just run: one device, by the policy's idle window.
+    let (alone, mixed) = (samples(&report, "1P", "P")[0], samples(&report, "1P+2D", "P")[0]);
+    assert_eq!((alone["prefill_path"].as_str(), mixed["prefill_path"].as_str()), (Some("dslp"), Some("slp")));
+    assert!(ms(mixed, "ttft_ms") > ms(alone, "ttft_ms"), "one device takes longer than two");
+    // Two decodes share each step: each token comes later, but not twice as late.
+    let (one, two) = (ms(samples(&report, "1D", "D")[0], "tpot_ms"), ms(samples(&report, "1P+2D", "D")[0], "tpot_ms"));
+    assert!(two > one && two < 2.0 * one, "TPOT alone {one} ms, two at once {two} ms");
+}
+
+#[test]
+fn open_loop_serving_sends_at_poisson_times_and_refuses_what_it_cannot_simulate() {
+    let report = serve("open", &["--rate", "4", "--requests", "6", "--prompt-tokens", "uniform:8-300", "--output-tokens", "4", "--seed", "3"]);
+    let s = samples(&report, "open", "open");
+    assert_eq!(s.len(), 6);
+    assert!(s.windows(2).all(|w| ms(w[0], "start_s") <= ms(w[1], "start_s")), "arrivals in order");
+    assert!(s.iter().all(|s| s["output_tokens"] == 4 && s.get("error").is_none()), "{s:?}");
+    let routes: Vec<&str> = s.iter().map(|s| s["prefill_path"].as_str().unwrap()).collect();
+    assert!(routes.contains(&"decode_chunked") && routes.iter().any(|r| *r != "decode_chunked"), "short prompts chunked, long ones to the prefill worker: {routes:?}");
+
+    let model = fixture_dsv3();
+    let one_device = duplex(&["simulate", "--hardware", "rtx4090-workstation", "--model", &model, "--workload", "scenarios"]);
+    assert!(!one_device.status.success());
+    assert!(String::from_utf8_lossy(&one_device.stderr).contains("a prefill device and a decode device"), "{}", String::from_utf8_lossy(&one_device.stderr));
+    let unknown = duplex(&["simulate", "--model", &model, "--workload", "open", "--set", "no_such_setting=1"]);
+    assert!(!unknown.status.success());
+    assert!(String::from_utf8_lossy(&unknown.stderr).contains("no_such_setting: neither a router nor a decode-worker setting"), "{}", String::from_utf8_lossy(&unknown.stderr));
+    let bad = duplex(&["simulate", "--model", &model, "--workload", "open", "--set", "dslp_idle_window_seconds=-1"]);
+    assert!(!bad.status.success());
+    assert!(String::from_utf8_lossy(&bad.stderr).contains("dslp_idle_window_seconds"), "{}", String::from_utf8_lossy(&bad.stderr));
+}

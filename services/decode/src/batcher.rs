@@ -128,6 +128,19 @@ pub struct Limits {
     pub max_waiting_requests: usize,
 }
 
+impl Limits {
+    /// The worker's limits as configured, for a context of `context_length`.
+    pub fn of(cfg: &crate::DecodeConfig, context_length: usize) -> Limits {
+        Limits {
+            context_length,
+            lease_timeout: Duration::from_secs(cfg.lease_timeout_seconds),
+            max_batch_size: cfg.max_batch_size.max(1),
+            prefill_chunk_tokens: cfg.prefill_chunk_tokens.max(1),
+            max_waiting_requests: cfg.max_waiting_requests,
+        }
+    }
+}
+
 struct Sequence {
     request_id: String,
     prompt: Vec<u32>,
@@ -254,6 +267,10 @@ impl Batcher {
         Batcher { engine, kv, limits, precision, waiting: VecDeque::new(), ready: VecDeque::new(), running: vec![], stats }
     }
 
+    pub fn model(&self) -> &duplex_model::Model {
+        self.engine.model()
+    }
+
     /// Run until every sender of `commands` is gone.
     pub fn run(mut self, commands: Receiver<Command>) {
         // However the loop ends, a panic included, Stats says so from then on.
@@ -278,18 +295,29 @@ impl Batcher {
             } else {
                 commands.try_recv().ok()
             };
-            if let Some(c) = first {
-                self.handle(c);
-                while let Ok(c) = commands.try_recv() {
-                    self.handle(c);
-                }
-            }
-            for id in self.kv.expire_leases(self.limits.lease_timeout) {
-                tracing::warn!("freed the KV lease of request {id}: not admitted within {:?}", self.limits.lease_timeout);
-            }
-            self.step();
-            self.export_gauges();
+            self.turn(first.into_iter().chain(std::iter::from_fn(|| commands.try_recv().ok())));
         }
+    }
+
+    /// One turn of the loop: take `commands`, free expired leases, run a
+    /// step if anything can run. `run` turns as commands arrive; `duplex
+    /// simulate` turns it on a virtual clock, handing each command over
+    /// when its simulated time comes.
+    pub fn turn(&mut self, commands: impl IntoIterator<Item = Command>) {
+        for c in commands {
+            self.handle(c);
+        }
+        for id in self.kv.expire_leases(self.limits.lease_timeout) {
+            tracing::warn!("freed the KV lease of request {id}: not admitted within {:?}", self.limits.lease_timeout);
+        }
+        self.step();
+        self.export_gauges();
+    }
+
+    /// Whether a turn would run a step: some sequence holds its blocks.
+    /// (Requests waiting for blocks wait for a step or a freed lease.)
+    pub fn has_work(&self) -> bool {
+        !self.running.is_empty() || !self.ready.is_empty()
     }
 
     fn handle(&mut self, command: Command) {

@@ -167,6 +167,18 @@ impl DecodeConfig {
         Ok(Some(ExpertCacheConfig { experts, assignment, prefetch, policy }))
     }
 
+    /// The hybrid placement's settings (with a device).
+    pub fn hybrid(&self, model: &duplex_model::Model) -> anyhow::Result<duplex_model::hybrid::HybridConfig> {
+        Ok(duplex_model::hybrid::HybridConfig {
+            kv_blocks: self.device_kv_blocks,
+            micro_batches: self.micro_batches,
+            defer_experts: self.defer_experts,
+            cpu_jitter: None,
+            submit: self.submit()?,
+            expert_cache: self.expert_cache(model)?,
+        })
+    }
+
     pub fn submit(&self) -> anyhow::Result<Submit> {
         match self.expert_submit.as_str() {
             "stream" => Ok(Submit::Stream),

@@ -27,7 +27,7 @@ use config::DeviceKind;
 pub use config::DecodeConfig;
 use duplex_kernels::device::emulated::{EmulatedConfig, EmulatedDevice};
 use duplex_kernels::device::Device;
-use duplex_model::hybrid::{HybridConfig, HybridEngine};
+use duplex_model::hybrid::HybridEngine;
 use engine::Engine;
 use duplex_ipc::{KvGeometry, KvSegment};
 use duplex_proto::worker::decode_worker_server::DecodeWorkerServer;
@@ -95,13 +95,13 @@ fn start_engine(cfg: &DecodeConfig) -> anyhow::Result<Started> {
     let epoch = segment.epoch();
     tracing::info!("KV segment {}: {n_blocks} blocks of {block_size} tokens, epoch {epoch}", segment.path().display());
     let kv = KvAllocator::new(segment.into_pool(true)?, epoch).with_prefix_caching(cfg.prefix_caching);
-    let limits = Limits { context_length, lease_timeout: std::time::Duration::from_secs(cfg.lease_timeout_seconds), max_batch_size: cfg.max_batch_size.max(1), prefill_chunk_tokens: cfg.prefill_chunk_tokens.max(1), max_waiting_requests: cfg.max_waiting_requests };
+    let limits = Limits::of(cfg, context_length);
     let vocab = model.cfg.vocab_size;
     let device = open_device(cfg)?;
     let engine = match device.clone() {
         None => Engine::Cpu(model),
         Some(device) => {
-            let hybrid = HybridConfig { kv_blocks: cfg.device_kv_blocks, micro_batches: cfg.micro_batches, defer_experts: cfg.defer_experts, cpu_jitter: None, submit: cfg.submit()?, expert_cache: cfg.expert_cache(&model)? };
+            let hybrid = cfg.hybrid(&model)?;
             Engine::Hybrid(HybridEngine::new(model, device, hybrid, block_size)?)
         }
     };

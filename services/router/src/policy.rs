@@ -162,6 +162,12 @@ impl DecodeTracker {
         }
     }
 
+    fn left(&self, at: Instant) {
+        let mut state = self.lock();
+        state.decoding -= 1;
+        state.last_left = Some(at);
+    }
+
     fn lock(&self) -> std::sync::MutexGuard<'_, TrackerState> {
         // The state stays consistent whatever panicked while holding it.
         self.state.lock().unwrap_or_else(|e| e.into_inner())
@@ -173,11 +179,17 @@ pub struct Decoding<'a> {
     tracker: &'a DecodeTracker,
 }
 
+impl Decoding<'_> {
+    /// The request left at `at` (a simulated run's clock), not now.
+    pub fn end_at(self, at: Instant) {
+        self.tracker.left(at);
+        std::mem::forget(self);
+    }
+}
+
 impl Drop for Decoding<'_> {
     fn drop(&mut self) {
-        let mut state = self.tracker.lock();
-        state.decoding -= 1;
-        state.last_left = Some(Instant::now());
+        self.tracker.left(Instant::now());
     }
 }
 

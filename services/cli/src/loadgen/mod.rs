@@ -15,10 +15,10 @@
 //! that output lengths are exactly as asked and runs are comparable.
 
 mod chat;
-mod plot;
-mod report;
-mod scenarios;
-mod workload;
+pub(crate) mod plot;
+pub(crate) mod report;
+pub(crate) mod scenarios;
+pub(crate) mod workload;
 
 use anyhow::{bail, Context, Result};
 use clap::{ArgGroup, Args};

@@ -22,7 +22,8 @@ pub struct Sample {
     pub tpot_ms: Option<f64>,
     /// Until the stream finished (or failed).
     pub e2e_ms: f64,
-    /// Which worker prefilled the prompt (`decode` or `prefill`), as the server reported.
+    /// Which worker prefilled the prompt (`decode` or `prefill`), as the server
+    /// reported; in `duplex simulate`, the route (`decode_chunked`, `slp`, `dslp`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub prefill_path: Option<String>,
     /// The gRPC status code's name, if the request failed.
