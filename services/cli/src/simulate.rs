@@ -29,7 +29,8 @@ use duplex_sim::cpu::SimCpu;
 use duplex_sim::device::{CostModel, SimConfig, SimDevice, SimStats};
 use duplex_sim::hardware::{DeviceSpec, Hardware};
 use crate::loadgen::scenarios::Scenarios;
-use crate::simulate_serve::{self, Deployment, ServeSettings};
+use crate::loadgen::chat::Chat;
+use crate::simulate_serve::{self, Deployment, Mode, ServeSettings};
 use duplex_decode::DecodeConfig;
 use duplex_router::RouterConfig;
 use crate::loadgen::workload::Dist;
@@ -124,6 +125,18 @@ pub struct SimulateArgs {
     /// Serving, `open`: output lengths.
     #[arg(long, default_value = "uniform:16-256")]
     output_tokens: Dist,
+    /// Serving, `chat`: turns of the conversation.
+    #[arg(long, default_value_t = 4)]
+    chat_turns: u32,
+    /// Serving, `chat`: the first turn's prompt tokens.
+    #[arg(long, default_value_t = 8192)]
+    chat_first_tokens: u32,
+    /// Serving, `chat`: each later turn's new message.
+    #[arg(long, default_value_t = 256)]
+    chat_message_tokens: u32,
+    /// Serving, `chat`: each answer's tokens.
+    #[arg(long, default_value_t = 256)]
+    chat_answer_tokens: u32,
     /// Serving: seed of the prompts and arrivals.
     #[arg(long, default_value_t = 0)]
     seed: u64,
@@ -170,6 +183,8 @@ enum Workload {
     Scenarios,
     /// Serving: an open loop of Poisson arrivals.
     Open,
+    /// Serving: one conversation resent turn by turn (the prefix cache's case).
+    Chat,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
@@ -469,7 +484,7 @@ pub fn run(args: SimulateArgs) -> Result<()> {
     println!("{} layers, hidden {}, {} routed experts (top {}), {:?}; CPU: {} threads; devices: {} (model loaded in {:.1} s)\n", cfg.num_hidden_layers, cfg.hidden_size, cfg.n_routed_experts, cfg.num_experts_per_tok, p, threads, hw.devices.iter().map(|d| d.name.as_str()).collect::<Vec<_>>().join(", "), t0.elapsed().as_secs_f64());
     let cpu = Arc::new(SimCpu::new(hw.cpu.clone(), threads, 1));
     let slp = SlpConfig { dense_budget_bytes: args.dense_budget_mib << 20, ..Default::default() };
-    if matches!(args.workload, Workload::Scenarios | Workload::Open) {
+    if matches!(args.workload, Workload::Scenarios | Workload::Open | Workload::Chat) {
         return serve(&args, &hw, model, cpu, slp, p);
     }
     let mut prefill = vec![];
@@ -494,8 +509,18 @@ fn serve(args: &SimulateArgs, hw: &Hardware, model: Model, cpu: Arc<SimCpu>, slp
         bail!("serving workloads simulate the disaggregated deployment, a prefill device and a decode device; {} describes {}", hw.name, hw.devices.len());
     };
     let (router, decode) = serving_configs(&args.settings)?;
+    let mode = match args.workload {
+        Workload::Scenarios => Mode::Scenarios,
+        Workload::Open => Mode::Open,
+        _ => {
+            if [args.chat_turns, args.chat_first_tokens, args.chat_message_tokens, args.chat_answer_tokens].contains(&0) {
+                bail!("--chat-turns, --chat-first-tokens, --chat-message-tokens and --chat-answer-tokens take counts of at least 1");
+            }
+            Mode::Chat(Chat { turns: args.chat_turns, first_tokens: args.chat_first_tokens, message_tokens: args.chat_message_tokens, answer_tokens: args.chat_answer_tokens, per_turn: vec![] })
+        }
+    };
     let settings = ServeSettings {
-        closed: args.workload == Workload::Scenarios,
+        mode,
         scenarios: args.scenario.clone(),
         long_prompt_tokens: args.long_prompt_tokens,
         long_output_tokens: args.long_output_tokens,

@@ -23,6 +23,7 @@
 //! the DRAM bandwidth that SLP's weight streaming and the CPU's experts
 //! share (each side gets the description's full bandwidth).
 
+use crate::loadgen::chat::{Chat, ChatTurn};
 use crate::loadgen::report::{self, ClosedLoop, OpenLoop, Outcome, Report, RunReport, Sample, Workload};
 use crate::loadgen::scenarios::{Kind, Scenarios};
 use crate::loadgen::workload::{self, Dist};
@@ -52,8 +53,7 @@ use tokio::sync::{mpsc, oneshot};
 
 /// The serving workloads' settings (`duplex simulate` flags).
 pub struct ServeSettings {
-    /// The §4.5 scenarios (closed), else the open loop.
-    pub closed: bool,
+    pub mode: Mode,
     pub scenarios: Scenarios,
     /// P: a long prompt and a few output tokens; D: a short prompt, many.
     pub long_prompt_tokens: u32,
@@ -72,6 +72,16 @@ pub struct ServeSettings {
     pub decode: DecodeConfig,
 }
 
+/// Which serving workload.
+pub enum Mode {
+    /// The paper's §4.5 mixes (`scenarios`).
+    Scenarios,
+    /// Poisson arrivals (`open`).
+    Open,
+    /// One conversation, turn by turn (`chat`).
+    Chat(Chat),
+}
+
 /// One request's life on the virtual clock.
 struct Request {
     kind: &'static str,
@@ -81,15 +91,16 @@ struct Request {
     route: Option<Route>,
     events: Option<mpsc::UnboundedReceiver<SeqEvent>>,
     lease: Option<oneshot::Receiver<Result<KvLease, duplex_decode::error::DecodeError>>>,
-    /// When each token reached the client.
+    /// When each token reached the client, and which it was.
     tokens: Vec<Duration>,
+    ids: Vec<u32>,
     done: Option<Duration>,
     error: Option<String>,
 }
 
 impl Request {
     fn new(kind: &'static str, prompt: Vec<u32>, max_tokens: usize, arrives: Duration) -> Request {
-        Request { kind, prompt, max_tokens, arrives, route: None, events: None, lease: None, tokens: vec![], done: None, error: None }
+        Request { kind, prompt, max_tokens, arrives, route: None, events: None, lease: None, tokens: vec![], ids: vec![], done: None, error: None }
     }
 
     fn fail(&mut self, at: Duration, why: String) {
@@ -119,7 +130,7 @@ impl Request {
             },
             gaps_ms,
             message: self.error.clone(),
-            token_ids: vec![],
+            token_ids: self.ids.clone(),
         }
     }
 }
@@ -175,9 +186,11 @@ impl Deployment {
         // (a full batch and two leases behind it, at most): the bytes are
         // never touched, but the address space must be granted.
         let longest = workload_positions(settings).min(context_length);
-        let in_flight = match settings.closed {
-            true => settings.scenarios.0.iter().map(|s| s.slots.len()).max().unwrap_or(1),
-            false => settings.requests.min(cfg.max_batch_size + 2),
+        let in_flight = match settings.mode {
+            Mode::Scenarios => settings.scenarios.0.iter().map(|s| s.slots.len()).max().unwrap_or(1),
+            Mode::Open => settings.requests.min(cfg.max_batch_size + 2),
+            // The conversation, cached, and the fresh prompt beside it.
+            Mode::Chat(_) => 2,
         };
         let blocks = longest.div_ceil(16) * in_flight;
         let kv = KvAllocator::new(model.new_kv_pool(blocks, 16), 1).with_prefix_caching(cfg.prefix_caching);
@@ -246,8 +259,9 @@ impl Deployment {
                 let Some(events) = r.events.as_mut() else { continue };
                 while let Ok(event) = events.try_recv() {
                     match event {
-                        SeqEvent::Token { finish, .. } => {
+                        SeqEvent::Token { token, finish } => {
                             r.tokens.push(t);
+                            r.ids.push(token.id);
                             if finish.is_some() {
                                 r.done = Some(t);
                             }
@@ -291,7 +305,7 @@ impl Deployment {
                 let two_devices = r.route == Some(Route::Dslp) && lendable;
                 let begin = now.max(*prefill_free);
                 clock::set(Some(begin));
-                let ran = prefill(batcher.model(), slp, dslp, &r.prompt, precision, two_devices, revoke_at);
+                let ran = prefill(batcher.model(), slp, dslp, &r.prompt, lease.cached_tokens as usize, precision, two_devices, revoke_at);
                 let end = clock::now().unwrap_or(begin);
                 clock::set(Some(t));
                 *prefill_free = end;
@@ -303,6 +317,7 @@ impl Deployment {
                         }
                         // The first token streams to the client as the prefill ends.
                         r.tokens.push(end);
+                        r.ids.push(first.id);
                         if r.max_tokens == 1 {
                             r.done = Some(end);
                             later.push(free_lease(i));
@@ -331,7 +346,13 @@ impl Deployment {
                     settled = false;
                     clock::set(Some(next.max(t)))
                 }
-                None if requests.iter().all(|r| r.done.is_some()) => return Ok((start, requests.iter().filter_map(|r| r.done).max().unwrap_or(t))),
+                None if requests.iter().all(|r| r.done.is_some()) => {
+                    // The run has reached its last request's end (a prefill's
+                    // may lie past the decode worker's clock).
+                    let end = requests.iter().filter_map(|r| r.done).max().unwrap_or(t).max(t);
+                    clock::set(Some(end));
+                    return Ok((start, end));
+                }
                 None => {
                     let stuck = requests.iter().filter(|r| r.done.is_none()).count();
                     bail!("{stuck} requests wait for KV blocks that nothing running will free (the simulated host KV pool is too small for this workload)")
@@ -363,16 +384,27 @@ fn admission(i: usize, r: &Request, events: mpsc::UnboundedSender<SeqEvent>, pre
     }
 }
 
-/// One prefill on the prefill worker, from this thread's clock: DSLP on
+/// One prefill on the prefill worker, from this thread's clock, of the
+/// prompt past its `cached` tokens (the lease's prefix-cache hit): DSLP on
 /// both devices when `two_devices` (stopped, as its lease is revoked, at
 /// `revoke_at`), else or then SLP on the prefill device. Returns the first
 /// token and whether DSLP ran it to the end.
-fn prefill(model: &Model, slp: &Option<SlpEngine>, dslp: &Option<DslpEngine>, prompt: &[u32], p: Precision, two_devices: bool, revoke_at: Option<Duration>) -> Result<(SampledToken, bool)> {
-    // The KV's bytes are not simulated: a scratch pool stands for the lease's blocks.
-    let scratch = || model.new_kv_pool(prompt.len().div_ceil(16), 16);
-    if let Some(d) = dslp.as_ref().filter(|d| two_devices && d.accepts(prompt.len())) {
+#[allow(clippy::too_many_arguments)]
+fn prefill(model: &Model, slp: &Option<SlpEngine>, dslp: &Option<DslpEngine>, prompt: &[u32], cached: usize, p: Precision, two_devices: bool, revoke_at: Option<Duration>) -> Result<(SampledToken, bool)> {
+    // The KV's bytes are not simulated: a scratch pool stands for the
+    // lease's blocks, the cached prefix in its first.
+    let scratch = || -> Result<(duplex_model::KvPool, BlockTable)> {
+        let mut kv = model.new_kv_pool(prompt.len().div_ceil(16), 16);
+        let mut table = BlockTable::default();
+        kv.reserve(&mut table, cached)?;
+        table.len = cached;
+        Ok((kv, table))
+    };
+    let rest = &prompt[cached..];
+    if let Some(d) = dslp.as_ref().filter(|d| two_devices && d.accepts(rest.len())) {
         let mut revoked = || revoke_at.is_some_and(|at| clock::now().is_some_and(|now| now >= at));
-        match d.run(model, &mut scratch(), &mut BlockTable::default(), prompt, p, Logits::Last, &mut revoked) {
+        let (mut kv, mut table) = scratch()?;
+        match d.run(model, &mut kv, &mut table, rest, p, Logits::Last, &mut revoked) {
             Ok((logits, _)) => return Ok((first_token(&logits), true)),
             Err(SlpError::Cancelled) => {}
             Err(e) => return Err(e.into()),
@@ -383,7 +415,8 @@ fn prefill(model: &Model, slp: &Option<SlpEngine>, dslp: &Option<DslpEngine>, pr
         (None, Some(d)) => d.single(),
         (None, None) => bail!("the prefill worker has no engine"),
     };
-    let (logits, _) = one.run(model, &mut scratch(), &mut BlockTable::default(), prompt, p, Logits::Last, &mut || false)?;
+    let (mut kv, mut table) = scratch()?;
+    let (logits, _) = one.run(model, &mut kv, &mut table, rest, p, Logits::Last, &mut || false)?;
     Ok((first_token(&logits), false))
 }
 
@@ -395,9 +428,10 @@ fn first_token(logits: &[f32]) -> SampledToken {
 
 /// Positions the longest request of the workload needs.
 fn workload_positions(s: &ServeSettings) -> usize {
-    match s.closed {
-        true => (s.long_prompt_tokens + s.long_output_tokens).max(s.short_prompt_tokens + s.decode_tokens) as usize,
-        false => dist_max(&s.prompt_tokens) + dist_max(&s.output_tokens),
+    match &s.mode {
+        Mode::Scenarios => (s.long_prompt_tokens + s.long_output_tokens).max(s.short_prompt_tokens + s.decode_tokens) as usize,
+        Mode::Open => dist_max(&s.prompt_tokens) + dist_max(&s.output_tokens),
+        Mode::Chat(chat) => chat.positions() as usize,
     }
 }
 
@@ -450,54 +484,21 @@ fn random_prompt(rng: &mut ChaCha8Rng, len: usize, vocab: usize) -> Vec<u32> {
     (0..len).map(|_| rng.gen_range(0..vocab as u32)).collect()
 }
 
-/// Run the workloads; print `duplex bench`'s tables and where the time went.
-pub fn run(dep: &mut Deployment, settings: &ServeSettings, model_name: &str, hardware: &str) -> Result<Report> {
-    let closed = settings.closed;
-    let model = dep.batcher.model();
-    let (vocab, context) = (model.cfg.vocab_size, model.cfg.max_position_embeddings);
-    let mut rng = ChaCha8Rng::seed_from_u64(settings.seed);
-    // Each run: its name and its requests, arrival times from its start.
-    let mut plans: Vec<(String, Vec<Request>)> = vec![];
-    if closed {
-        let (p, d) = (settings.long_prompt_tokens as usize, settings.short_prompt_tokens as usize);
-        let (p_out, d_out) = (settings.long_output_tokens as usize, settings.decode_tokens as usize);
-        if p + p_out > context || d + d_out > context {
-            bail!("P ({p} + {p_out} tokens) or D ({d} + {d_out} tokens) exceeds the model's context of {context}");
-        }
-        for scenario in &settings.scenarios.0 {
-            // Every slot's request arrives at once, as in the paper's §4.5.
-            let requests = scenario
-                .slots
-                .iter()
-                .map(|kind| match kind {
-                    Kind::P => Request::new(kind.name(), random_prompt(&mut rng, p, vocab), p_out, Duration::ZERO),
-                    Kind::D => Request::new(kind.name(), random_prompt(&mut rng, d, vocab), d_out, Duration::ZERO),
-                })
-                .collect();
-            plans.push((scenario.name.to_string(), requests));
-        }
-    } else {
-        let times = workload::arrivals(settings.rate, Some(settings.requests), None, &mut rng);
-        let requests = times
-            .iter()
-            .map(|&at| {
-                let len = (settings.prompt_tokens.sample(&mut rng) as usize).min(context - 1);
-                let out = (settings.output_tokens.sample(&mut rng) as usize).min(context - len).max(1);
-                Request::new("open", random_prompt(&mut rng, len, vocab), out, Duration::from_secs_f64(at))
-            })
-            .collect();
-        plans.push(("open".into(), requests));
-    }
-    let mut runs = vec![];
-    let mut time_went = String::from("| run | virtual s | prefill device compute | prefill device links | decode device compute | decode device links | CPU | routes |\n| --- | --- | --- | --- | --- | --- | --- | --- |\n");
-    for (name, mut requests) in plans {
-        let before = Busy::of(dep);
-        let revoked = dep.revoked;
-        let wall = Instant::now();
-        let (span, _) = crate::simulate::on_clock(|| dep.run(&mut requests));
+/// Runs requests on the deployment one batch at a time, keeping the table
+/// of where each batch's time went.
+struct Player<'a> {
+    dep: &'a mut Deployment,
+    time_went: String,
+}
+
+impl Player<'_> {
+    /// Run `requests` from the time the run has reached; their outcomes,
+    /// and the virtual time from their start to the last one's end.
+    fn play(&mut self, name: &str, mut requests: Vec<Request>) -> Result<(Vec<Outcome>, Duration)> {
+        let (before, revoked, wall) = (Busy::of(self.dep), self.dep.revoked, Instant::now());
+        let (span, _) = crate::simulate::on_clock(|| self.dep.run(&mut requests));
         let (start, end) = span?;
         let span = end - start;
-        let outcomes: Vec<Outcome> = requests.iter().map(|r| r.outcome(start)).collect();
         let mut routes: Vec<String> = vec![];
         for route in [Route::DecodeChunked, Route::Slp, Route::Dslp] {
             let n = requests.iter().filter(|r| r.route == Some(route)).count();
@@ -505,38 +506,107 @@ pub fn run(dep: &mut Deployment, settings: &ServeSettings, model_name: &str, har
                 routes.push(format!("{n} {}", route.as_str()));
             }
         }
-        if dep.revoked > revoked {
-            routes.push(format!("{} DSLP stopped by a decode request", dep.revoked - revoked));
+        if self.dep.revoked > revoked {
+            routes.push(format!("{} DSLP stopped by a decode request", self.dep.revoked - revoked));
         }
-        time_went += &format!("| {name} | {:.2} | {} | {} |\n", span.as_secs_f64(), Busy::of(dep).row_since(&before, span), routes.join(", "));
+        self.time_went += &format!("| {name} | {:.2} | {} | {} |\n", span.as_secs_f64(), Busy::of(self.dep).row_since(&before, span), routes.join(", "));
         eprintln!("{name}: {} requests, {:.2} virtual s, simulated in {:.1} s", requests.len(), span.as_secs_f64(), wall.elapsed().as_secs_f64());
-        runs.push(RunReport::new(&name, &outcomes, span.as_secs_f64()));
+        Ok((requests.iter().map(|r| r.outcome(start)).collect(), span))
     }
-    report::add_slowdowns(&mut runs);
-    let workload = if closed {
-        Workload::Closed(ClosedLoop {
-            long_prompt_tokens: settings.long_prompt_tokens,
-            long_output_tokens: settings.long_output_tokens,
-            short_prompt_tokens: settings.short_prompt_tokens,
-            decode_tokens: settings.decode_tokens,
-            scenario_seconds: 0.0,
-            calibration: None,
-        })
-    } else {
-        Workload::Open(OpenLoop {
-            rate: settings.rate,
-            duration_s: None,
-            requests: Some(settings.requests),
-            prompt_tokens: settings.prompt_tokens.to_string(),
-            output_tokens: settings.output_tokens.to_string(),
-            prompts_file: None,
-        })
+}
+
+/// Run the workload; print `duplex bench`'s tables and where the time went.
+pub fn run(dep: &mut Deployment, settings: &ServeSettings, model_name: &str, hardware: &str) -> Result<Report> {
+    let model = dep.batcher.model();
+    let (vocab, context) = (model.cfg.vocab_size, model.cfg.max_position_embeddings);
+    let mut rng = ChaCha8Rng::seed_from_u64(settings.seed);
+    let mut player = Player {
+        dep,
+        time_went: String::from("| run | virtual s | prefill device compute | prefill device links | decode device compute | decode device links | CPU | routes |\n| --- | --- | --- | --- | --- | --- | --- | --- |\n"),
+    };
+    let mut runs = vec![];
+    let workload = match &settings.mode {
+        Mode::Scenarios => {
+            let (p, d) = (settings.long_prompt_tokens as usize, settings.short_prompt_tokens as usize);
+            let (p_out, d_out) = (settings.long_output_tokens as usize, settings.decode_tokens as usize);
+            if p + p_out > context || d + d_out > context {
+                bail!("P ({p} + {p_out} tokens) or D ({d} + {d_out} tokens) exceeds the model's context of {context}");
+            }
+            for scenario in &settings.scenarios.0 {
+                // Every slot's request arrives at once, as in the paper's §4.5.
+                let requests = scenario
+                    .slots
+                    .iter()
+                    .map(|kind| match kind {
+                        Kind::P => Request::new(kind.name(), random_prompt(&mut rng, p, vocab), p_out, Duration::ZERO),
+                        Kind::D => Request::new(kind.name(), random_prompt(&mut rng, d, vocab), d_out, Duration::ZERO),
+                    })
+                    .collect();
+                let (outcomes, span) = player.play(scenario.name, requests)?;
+                runs.push(RunReport::new(scenario.name, &outcomes, span.as_secs_f64()));
+            }
+            report::add_slowdowns(&mut runs);
+            Workload::Closed(ClosedLoop {
+                long_prompt_tokens: settings.long_prompt_tokens,
+                long_output_tokens: settings.long_output_tokens,
+                short_prompt_tokens: settings.short_prompt_tokens,
+                decode_tokens: settings.decode_tokens,
+                scenario_seconds: 0.0,
+                calibration: None,
+            })
+        }
+        Mode::Open => {
+            let times = workload::arrivals(settings.rate, Some(settings.requests), None, &mut rng);
+            let requests = times
+                .iter()
+                .map(|&at| {
+                    let len = (settings.prompt_tokens.sample(&mut rng) as usize).min(context - 1);
+                    let out = (settings.output_tokens.sample(&mut rng) as usize).min(context - len).max(1);
+                    Request::new("open", random_prompt(&mut rng, len, vocab), out, Duration::from_secs_f64(at))
+                })
+                .collect();
+            let (outcomes, span) = player.play("open", requests)?;
+            runs.push(RunReport::new("open", &outcomes, span.as_secs_f64()));
+            Workload::Open(OpenLoop {
+                rate: settings.rate,
+                duration_s: None,
+                requests: Some(settings.requests),
+                prompt_tokens: settings.prompt_tokens.to_string(),
+                output_tokens: settings.output_tokens.to_string(),
+                prompts_file: None,
+            })
+        }
+        Mode::Chat(chat) => {
+            if chat.positions() > context as u64 {
+                bail!("{} chat turns need {} positions, more than the model's context of {context}", chat.turns, chat.positions());
+            }
+            // As `duplex bench --chat-turns`: each turn resends the whole
+            // conversation, then a fresh prompt of its length shares no prefix.
+            let mut chat = chat.clone();
+            let mut history = random_prompt(&mut rng, chat.first_tokens as usize, vocab);
+            for turn in 1..=chat.turns {
+                let name = format!("turn {turn}");
+                let (mut answer, a) = player.play(&name, vec![Request::new("chat", history.clone(), chat.answer_tokens as usize, Duration::ZERO)])?;
+                let (fresh, b) = player.play(&format!("{name}, fresh"), vec![Request::new("fresh", random_prompt(&mut rng, history.len(), vocab), 1, Duration::ZERO)])?;
+                let answer = answer.remove(0);
+                chat.per_turn.push(ChatTurn { turn, prompt_tokens: history.len() as u32, ttft_ms: answer.sample.ttft_ms, fresh_ttft_ms: fresh[0].sample.ttft_ms });
+                history.extend(&answer.token_ids);
+                history.extend(random_prompt(&mut rng, chat.message_tokens as usize, vocab));
+                runs.push(RunReport::new(&name, &[answer, fresh.into_iter().next().expect("one request")], (a + b).as_secs_f64()));
+            }
+            Workload::Chat(chat)
+        }
+    };
+    let title = match settings.mode {
+        Mode::Scenarios => "the paper's §4.5 scenarios: every request at once",
+        Mode::Open => "open loop, Poisson arrivals",
+        Mode::Chat(_) => "multi-turn chat, each turn against a fresh prompt of its length",
     };
     let report = Report { target: format!("duplex simulate on {hardware}"), model: model_name.to_string(), context_length: context as u32, seed: settings.seed, workload, runs };
-    println!("## Serving ({}, virtual time)\n", if closed { "the paper's §4.5 scenarios: every request at once" } else { "open loop, Poisson arrivals" });
+    println!("## Serving ({title}, virtual time)\n");
     println!("{}", report.tables());
-    println!("Where the time went (busy share of each run's span):\n");
-    println!("{time_went}");
+    println!("Where the time went (busy share of each run's span; a device's links in both directions summed):\n");
+    println!("{}", player.time_went);
     Ok(report)
 }
 
@@ -558,7 +628,7 @@ mod tests {
         let (a, b) = (&hw.devices[0], &hw.devices[1]);
         let devices = [crate::simulate::device(a, 1, false), crate::simulate::device(b, 7, false), crate::simulate::device(b, 2, false)];
         let settings = ServeSettings {
-            closed: true,
+            mode: Mode::Scenarios,
             scenarios: "1P+1D".parse().unwrap(),
             long_prompt_tokens: P_TOKENS as u32,
             long_output_tokens: 2,

@@ -154,3 +154,18 @@ fn open_loop_serving_sends_at_poisson_times_and_refuses_what_it_cannot_simulate(
     assert!(!bad.status.success());
     assert!(String::from_utf8_lossy(&bad.stderr).contains("dslp_idle_window_seconds"), "{}", String::from_utf8_lossy(&bad.stderr));
 }
+
+#[test]
+fn chat_turns_resend_the_conversation_and_face_a_fresh_prompt_each() {
+    let report = serve("chat", &["--chat-turns", "3", "--chat-first-tokens", "300", "--chat-message-tokens", "40", "--chat-answer-tokens", "20"]);
+    let turns = report["workload"]["per_turn"].as_array().unwrap();
+    let lengths: Vec<u64> = turns.iter().map(|t| t["prompt_tokens"].as_u64().unwrap()).collect();
+    assert_eq!(lengths, [300, 360, 420], "each turn resends the last one, its answer and a new message");
+    for t in turns {
+        assert!(ms(t, "ttft_ms") > 0.0 && ms(t, "fresh_ttft_ms") > 0.0, "{t}");
+    }
+    for turn in 1..=3 {
+        let chat = samples(&report, &format!("turn {turn}"), "chat");
+        assert_eq!(chat[0]["output_tokens"], 20);
+    }
+}

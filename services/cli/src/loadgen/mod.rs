@@ -14,7 +14,7 @@
 //! Every request uses greedy sampling and ignores end-of-sequence tokens, so
 //! that output lengths are exactly as asked and runs are comparable.
 
-mod chat;
+pub(crate) mod chat;
 pub(crate) mod plot;
 pub(crate) mod report;
 pub(crate) mod scenarios;
