@@ -30,7 +30,7 @@ use crate::loadgen::workload::{self, Dist};
 use anyhow::{bail, Context, Result};
 use duplex_decode::batcher::{Admission, Batcher, Command, Limits, Prefilled, SeqEvent};
 use duplex_decode::engine::Engine;
-use duplex_decode::kv_alloc::KvAllocator;
+use duplex_decode::kv_alloc::{BlockLease, KvAllocator};
 use duplex_decode::DecodeConfig;
 use duplex_kernels::clock;
 use duplex_model::hybrid::HybridEngine;
@@ -39,7 +39,6 @@ use duplex_model::{BlockTable, Logits, Model, Precision};
 use duplex_prefill::dslp::DslpEngine;
 use duplex_prefill::slp::{SlpConfig, SlpEngine, SlpError};
 use duplex_proto::stats::StatsCell;
-use duplex_proto::worker::KvLease;
 use duplex_router::policy::{DecodeActivity, DecodeTracker, Decoding, PrefillPolicy, Route};
 use duplex_router::RouterConfig;
 use duplex_sim::cpu::SimCpu;
@@ -90,7 +89,7 @@ struct Request {
     arrives: Duration,
     route: Option<Route>,
     events: Option<mpsc::UnboundedReceiver<SeqEvent>>,
-    lease: Option<oneshot::Receiver<Result<KvLease, duplex_decode::error::DecodeError>>>,
+    lease: Option<oneshot::Receiver<Result<BlockLease, duplex_decode::error::DecodeError>>>,
     /// When each token reached the client, and which it was.
     tokens: Vec<Duration>,
     ids: Vec<u32>,

@@ -49,14 +49,13 @@
 use crate::constraint::{fill_masks, Constrained};
 use crate::engine::{Engine, StepTimings};
 use crate::error::DecodeError;
-use crate::kv_alloc::KvAllocator;
+use crate::kv_alloc::{BlockLease, KvAllocator};
 use crate::prefix_cache::BlockHashes;
 use duplex_model::hybrid::{AdmitError, DeviceSeq};
 use duplex_model::model::ForwardError;
 use duplex_model::sampling::{SampledToken, Sampler, SamplingParams};
 use duplex_model::{BlockTable, Precision, SeqInput};
 use duplex_proto::stats::StatsCell;
-use duplex_proto::worker::KvLease;
 use duplex_text::{FinishReason, FinishRule};
 use duplex_telemetry as names;
 use std::collections::{HashSet, VecDeque};
@@ -66,7 +65,7 @@ use std::time::{Duration, Instant};
 use tokio::sync::{mpsc, oneshot};
 
 pub type EventSender = mpsc::UnboundedSender<SeqEvent>;
-pub type LeaseReply = oneshot::Sender<Result<KvLease, DecodeError>>;
+pub type LeaseReply = oneshot::Sender<Result<BlockLease, DecodeError>>;
 
 /// What a sequence's stream carries: tokens until the one with `finish`,
 /// or an error; nothing after either.
@@ -100,7 +99,7 @@ pub struct Admission {
 }
 
 pub struct Prefilled {
-    pub lease: KvLease,
+    pub lease: BlockLease,
     /// Sampled by the prefill worker, which said it was not the last.
     pub first_token: SampledToken,
 }

@@ -27,12 +27,23 @@ use crate::error::DecodeError;
 use crate::prefix_cache::{BlockHash, BlockHashes, PrefixCache};
 use duplex_model::kv_cache::KvError;
 use duplex_model::{BlockTable, KvPool};
-use duplex_proto::worker::KvLease;
 use duplex_telemetry as names;
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
+
+/// Blocks lent to the prefill worker for one prompt, as the router passes
+/// them on (`server.rs` maps this to the wire's `KvLease`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct BlockLease {
+    /// The pool the blocks belong to (a restarted worker's pool is another).
+    pub pool_epoch: u64,
+    pub request_id: String,
+    pub blocks: Vec<u32>,
+    /// Leading prompt tokens already in the blocks (a prefix-cache hit).
+    pub cached_tokens: u32,
+}
 
 pub struct KvAllocator {
     pool: KvPool,
@@ -190,10 +201,10 @@ impl KvAllocator {
     /// cached blocks `hits`, which the lease reports as `cached_tokens`: the
     /// prefill worker starts after them. Fails while the pool is short,
     /// taking nothing.
-    pub fn lease(&mut self, request_id: &str, prompt: Vec<u32>, tokens: usize, hits: &[u32], positions: usize) -> Result<KvLease, KvError> {
+    pub fn lease(&mut self, request_id: &str, prompt: Vec<u32>, tokens: usize, hits: &[u32], positions: usize) -> Result<BlockLease, KvError> {
         debug_assert!(0 < tokens && tokens <= positions && (prompt.is_empty() || prompt.len() == tokens));
         let table = self.allocate(tokens, hits, positions)?;
-        let lease = KvLease { pool_epoch: self.epoch, request_id: request_id.to_string(), blocks: table.blocks.clone(), cached_tokens: table.len as u32 };
+        let lease = BlockLease { pool_epoch: self.epoch, request_id: request_id.to_string(), blocks: table.blocks.clone(), cached_tokens: table.len as u32 };
         self.leases.insert(request_id.to_string(), Lease { table, tokens, prompt, positions, granted: Instant::now() });
         Ok(lease)
     }
@@ -222,7 +233,7 @@ impl KvAllocator {
     /// exactly that prompt and need: one made for less would have to grow
     /// here, where the pool may be short, and one made for more would hold
     /// blocks the sequence never uses.
-    pub fn take_lease(&mut self, request_id: &str, lease: &KvLease, prompt: &[u32], positions: usize) -> Result<BlockTable, DecodeError> {
+    pub fn take_lease(&mut self, request_id: &str, lease: &BlockLease, prompt: &[u32], positions: usize) -> Result<BlockTable, DecodeError> {
         let filled = prompt.len();
         if lease.pool_epoch != self.epoch {
             return Err(DecodeError::FailedPrecondition(format!(
@@ -323,7 +334,7 @@ mod tests {
     use super::*;
 
     /// A lease without the prompt (an AllocateKv that did not send it).
-    fn lease_blind(kv: &mut KvAllocator, id: &str, tokens: usize, positions: usize) -> Result<KvLease, KvError> {
+    fn lease_blind(kv: &mut KvAllocator, id: &str, tokens: usize, positions: usize) -> Result<BlockLease, KvError> {
         kv.lease(id, vec![], tokens, &[], positions)
     }
 
@@ -356,11 +367,11 @@ mod tests {
         assert!(lease_blind(&mut kv, "b", 16 * 6, 16 * 6).is_err(), "only 5 blocks are free");
         assert_eq!(kv.used_blocks(), 3, "a failed lease takes nothing");
 
-        let stale = KvLease { pool_epoch: 6, ..lease.clone() };
+        let stale = BlockLease { pool_epoch: 6, ..lease.clone() };
         assert!(matches!(kv.take_lease("a", &stale, &prompt, 48).unwrap_err(), DecodeError::FailedPrecondition(_)));
-        let forged = KvLease { blocks: vec![5, 6, 7], ..lease.clone() };
+        let forged = BlockLease { blocks: vec![5, 6, 7], ..lease.clone() };
         assert!(matches!(kv.take_lease("a", &forged, &prompt, 48).unwrap_err(), DecodeError::InvalidArgument(_)));
-        let claims_cached = KvLease { cached_tokens: 16, ..lease.clone() };
+        let claims_cached = BlockLease { cached_tokens: 16, ..lease.clone() };
         assert!(matches!(kv.take_lease("a", &claims_cached, &prompt, 48).unwrap_err(), DecodeError::InvalidArgument(_)));
         // Another prompt length, or another need, than the lease was made for.
         assert!(matches!(kv.take_lease("a", &lease, &(0..41).collect::<Vec<u32>>(), 48).unwrap_err(), DecodeError::InvalidArgument(_)));

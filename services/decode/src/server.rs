@@ -5,6 +5,7 @@
 
 use crate::batcher::{Admission, Command, Prefilled, SeqEvent};
 use crate::error::DecodeError;
+use crate::kv_alloc::BlockLease;
 use crate::lease::{DeviceLender, Lendable, LeaseStream};
 use duplex_grammar::{ConstraintSpec, GrammarCompiler};
 use duplex_proto::worker::decode_worker_server::DecodeWorker;
@@ -115,7 +116,7 @@ impl DecodeService {
                 if first_token.last {
                     return Err(Status::invalid_argument("prefilled.first_token is marked last: a finished request has nothing to decode"));
                 }
-                Some(Prefilled { lease, first_token: (&first_token).into() })
+                Some(Prefilled { lease: block_lease(lease), first_token: (&first_token).into() })
             }
         };
         // Compiled here, off the engine thread. The router compiled it
@@ -164,7 +165,7 @@ impl DecodeWorker for DecodeService {
                 .await?
                 .map_err(status)?;
             tracing::debug!(blocks = lease.blocks.len(), "KV lease granted");
-            Ok(Response::new(lease))
+            Ok(Response::new(KvLease { pool_epoch: lease.pool_epoch, request_id: lease.request_id, blocks: lease.blocks, cached_tokens: lease.cached_tokens }))
         }
         .instrument(span)
         .await
@@ -262,4 +263,9 @@ impl DeviceLease for LeaseService {
         .instrument(span)
         .await
     }
+}
+
+/// A lease as the router passed it on.
+fn block_lease(l: KvLease) -> BlockLease {
+    BlockLease { pool_epoch: l.pool_epoch, request_id: l.request_id, blocks: l.blocks, cached_tokens: l.cached_tokens }
 }

@@ -13,7 +13,7 @@ use duplex_model::{KvPool, Model, Precision};
 use duplex_proto::stats::StatsCell;
 use duplex_decode::error::DecodeError;
 use duplex_decode::server::status;
-use duplex_proto::worker::KvLease;
+use duplex_decode::kv_alloc::BlockLease;
 use std::sync::atomic::Ordering::Relaxed;
 use std::sync::mpsc::Sender;
 use std::sync::Arc;
@@ -74,7 +74,7 @@ fn send_admission(commands: &Sender<Command>, id: &str, prompt_len: usize, max_t
     receiver
 }
 
-type LeaseAnswer = oneshot::Receiver<Result<KvLease, DecodeError>>;
+type LeaseAnswer = oneshot::Receiver<Result<BlockLease, DecodeError>>;
 
 /// AllocateKv as the router sends it: the prompt's length and max_tokens.
 fn ask_lease(commands: &Sender<Command>, id: &str, tokens: usize, max_tokens: usize) -> LeaseAnswer {
@@ -85,7 +85,7 @@ fn ask_lease(commands: &Sender<Command>, id: &str, tokens: usize, max_tokens: us
 
 /// Admit a request whose prompt "the prefill worker" ran into `lease`. (The
 /// blocks hold whatever they held: these tests are about blocks, not tokens.)
-fn admit_leased(commands: &Sender<Command>, id: &str, prompt_len: usize, max_tokens: usize, lease: KvLease) -> Events {
+fn admit_leased(commands: &Sender<Command>, id: &str, prompt_len: usize, max_tokens: usize, lease: BlockLease) -> Events {
     let first_token = SampledToken { id: 7, logprob: -1.0, top_logprobs: vec![] };
     send_admission(commands, id, prompt_len, max_tokens, &[], Some(Prefilled { lease, first_token }))
 }
@@ -98,7 +98,7 @@ fn free_kv(commands: &Sender<Command>, id: &str) -> bool {
 
 /// The answer to an AllocateKv, within a generous bound (an error as the
 /// server would send it).
-fn answer(lease: &mut LeaseAnswer) -> Result<KvLease, Status> {
+fn answer(lease: &mut LeaseAnswer) -> Result<BlockLease, Status> {
     let deadline = Instant::now() + Duration::from_secs(20);
     loop {
         match lease.try_recv() {
@@ -198,7 +198,7 @@ fn leases_hold_the_whole_need_so_prefilled_requests_always_finish() {
     let (commands, stats) = start(10);
     let (prompt_len, max_tokens) = (30, 34); // 64 positions: 4 blocks (the prompt alone: 2)
     let mut asks: Vec<LeaseAnswer> = (0..5).map(|i| ask_lease(&commands, &format!("p{i}"), prompt_len, max_tokens)).collect();
-    let mut leases: Vec<KvLease> = asks.drain(..2).map(|mut ask| answer(&mut ask).unwrap()).collect();
+    let mut leases: Vec<BlockLease> = asks.drain(..2).map(|mut ask| answer(&mut ask).unwrap()).collect();
     // Two leases hold 8 of the 10 blocks; the other three wait in line.
     wait_until("three leases waiting", || stats.waiting.load(Relaxed) == 3 && stats.kv_blocks_used.load(Relaxed) == 8);
     assert!(asks.iter_mut().all(still_waiting));

@@ -15,7 +15,7 @@ use duplex_model::sampling::SamplingParams;
 use duplex_model::{Model, Precision};
 use duplex_prefill::engine::{Command as PrefillCommand, Engine as PrefillEngine, Job, KvSource, Lease};
 use duplex_proto::stats::StatsCell;
-use duplex_proto::worker::KvLease;
+use duplex_decode::kv_alloc::BlockLease;
 use std::path::Path;
 use std::sync::atomic::Ordering::Relaxed;
 use std::sync::mpsc::Sender;
@@ -115,7 +115,7 @@ impl Workers {
         rx
     }
 
-    fn lease(&self, id: &str, prompt: &[u32], max_tokens: usize) -> Result<KvLease, DecodeError> {
+    fn lease(&self, id: &str, prompt: &[u32], max_tokens: usize) -> Result<BlockLease, DecodeError> {
         let (reply, answer) = oneshot::channel();
         self.decode.send(Command::AllocateKv { request_id: id.into(), tokens: prompt.len(), prompt: prompt.to_vec(), max_tokens, reply }).unwrap();
         answer.blocking_recv().unwrap()
@@ -123,7 +123,7 @@ impl Workers {
 
     /// The router's long-prompt path: AllocateKv, Prefill into the lease,
     /// then Decode taking the lease over. The first token and the rest.
-    fn generate_leased(&self, id: &str, prompt: &[u32], max_tokens: usize) -> (KvLease, Vec<u32>) {
+    fn generate_leased(&self, id: &str, prompt: &[u32], max_tokens: usize) -> (BlockLease, Vec<u32>) {
         let lease = self.lease(id, prompt, max_tokens).unwrap();
         let (reply, answer) = oneshot::channel();
         let job_lease = Lease { pool_epoch: lease.pool_epoch, blocks: lease.blocks.clone(), cached_tokens: lease.cached_tokens };
