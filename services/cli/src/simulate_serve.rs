@@ -140,6 +140,8 @@ enum Due {
     Arrive,
     /// Its prefill ended: the decode worker admits it with its lease.
     Admit(Box<Prefilled>),
+    /// Its lease showed it mostly cached: the decode worker prefills the rest.
+    Chunked,
 }
 
 /// The simulated deployment: a prefill worker with one device (and the
@@ -244,6 +246,11 @@ impl Deployment {
                             commands.push(Command::AllocateKv { request_id: i.to_string(), tokens: r.prompt.len(), prompt: r.prompt.clone(), max_tokens: r.max_tokens, reply });
                         }
                     }
+                    Due::Chunked => {
+                        decoding[i] = Some(tracker.begin());
+                        r.events = Some(rx);
+                        commands.push(Command::Admit(Box::new(admission(i, r, tx, None))));
+                    }
                     Due::Admit(prefilled) => {
                         decoding[i] = Some(tracker.begin());
                         r.events = Some(rx);
@@ -291,13 +298,22 @@ impl Deployment {
                     }
                 };
                 requests[i].lease = None;
+                // The router's second look, now that the lease says how much
+                // of the prompt the prefix cache holds: the lease goes back
+                // (before the admission, which finds the same cached blocks).
+                if let Some((route, _)) = policy.reroute(requests[i].prompt.len(), lease.cached_tokens as usize) {
+                    requests[i].route = Some(route);
+                    later.push(free_lease(i));
+                    due.push((t, i, Due::Chunked));
+                    continue;
+                }
                 // The decode worker lends its device only while nothing
                 // decodes there; a request reaching it during the run (a
                 // short prompt arriving, a prefilled one admitted) takes it back.
                 let lendable = !batcher.has_work() && !matches!(tracker.activity(instant(base, now)), DecodeActivity::Busy(_));
                 let revoke_at = due
                     .iter()
-                    .filter(|(_, j, what)| matches!(what, Due::Admit(_)) || requests[*j].prompt.len() < policy.chunked_prefill_max_tokens as usize)
+                    .filter(|(_, j, what)| matches!(what, Due::Admit(_) | Due::Chunked) || requests[*j].prompt.len() < policy.chunked_prefill_max_tokens as usize)
                     .map(|d| d.0)
                     .min();
                 let r = &mut requests[i];

@@ -168,4 +168,10 @@ fn chat_turns_resend_the_conversation_and_face_a_fresh_prompt_each() {
         let chat = samples(&report, &format!("turn {turn}"), "chat");
         assert_eq!(chat[0]["output_tokens"], 20);
     }
+    // Turn 2 finds turn 1's prompt cached: its 60 new tokens, below the
+    // threshold, are chunked on the decode worker instead of streaming
+    // every weight through SLP as its fresh twin does.
+    let (cached, fresh) = (samples(&report, "turn 2", "chat")[0], samples(&report, "turn 2", "fresh")[0]);
+    assert_eq!((cached["prefill_path"].as_str(), fresh["prefill_path"].as_str()), (Some("decode_chunked"), Some("slp")));
+    assert!(ms(cached, "ttft_ms") < ms(fresh, "ttft_ms"), "{cached} {fresh}");
 }

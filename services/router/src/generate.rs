@@ -155,30 +155,41 @@ impl Router {
     async fn run(&self, req: &GenerationRequest, tx: &mpsc::Sender<Result<Event, Error>>, held: &mut Held) -> Result<FinishReason, Abort> {
         let router_wait = req.arrival.elapsed();
         let prefill_has_dslp = self.workers.readiness().prefill_has_dslp();
-        let (route, reason) = self.policy.route(req.prompt.len(), prefill_has_dslp, self.decoding.activity(Instant::now()));
+        let (mut route, mut reason) = self.policy.route(req.prompt.len(), prefill_has_dslp, self.decoding.activity(Instant::now()));
+        // A long prompt's KV lease, taken before its route is final.
+        let mut leased = None;
+        if route != Route::DecodeChunked {
+            // Held from before the call: AllocateKv may succeed on the
+            // worker after this request has given up waiting.
+            *held = Held::Lease;
+            // The lease holds the whole request (prompt plus max_tokens),
+            // so once granted it can always run to its end; the decode
+            // worker queues it until that much is free. It starts with the
+            // prompt's cached prefix, which the prefill worker skips.
+            let kv_wait = Instant::now();
+            let lease = self.workers.allocate_kv(&req.id, &req.prompt, req.max_tokens).await?;
+            let kv_wait = kv_wait.elapsed();
+            match self.policy.reroute(req.prompt.len(), lease.cached_tokens as usize) {
+                Some((chunked, why)) => {
+                    // The decode worker finds the same cached blocks itself.
+                    self.workers.free_kv(&req.id).await?;
+                    *held = Held::Nothing;
+                    (route, reason) = (chunked, why);
+                }
+                None => leased = Some((lease, kv_wait)),
+            }
+        }
         tracing::info!(route = route.as_str(), %reason, "prefill route");
         counter!(names::PREFILL_ROUTE, "route" => route.as_str()).increment(1);
         let path = route.path();
         let mut out = Output::new(&self.model, req, tx, path);
         // Held while the request is on the decode worker.
-        let (stream, prefill_queue, _decoding) = match route {
-            Route::DecodeChunked => {
+        let (stream, prefill_queue, _decoding) = match leased {
+            None => {
                 let decoding = self.decoding.begin();
                 (self.workers.decode(decode_request(req, None)).await?, None, decoding)
             }
-            Route::Slp | Route::Dslp => {
-                // Held from before the call: AllocateKv may succeed on the
-                // worker after this request has given up waiting.
-                *held = Held::Lease;
-                // The lease holds the whole request (prompt plus max_tokens),
-                // so once granted it can always run to its end; the decode
-                // worker queues it until that much is free. It starts with
-                // the prompt's cached prefix, which the prefill worker skips.
-                // (The path was chosen by the whole prompt's length: the
-                // cached part is known only now.)
-                let kv_wait = Instant::now();
-                let lease = self.workers.allocate_kv(&req.id, &req.prompt, req.max_tokens).await?;
-                let kv_wait = kv_wait.elapsed();
+            Some((lease, kv_wait)) => {
                 *held = Held::Prefilling;
                 let prefill_req = PrefillRequest {
                     request_id: req.id.clone(),

@@ -87,6 +87,8 @@ pub enum Reason {
     Decoding(usize),
     RecentDecode { ago: Duration, window: Duration },
     DecodeIdle { ago: Option<Duration>, window: Duration },
+    /// Long, but all but `new` tokens were in the prefix cache.
+    MostlyCached { tokens: usize, new: usize, max: u32 },
 }
 
 impl fmt::Display for Reason {
@@ -99,6 +101,7 @@ impl fmt::Display for Reason {
             Reason::RecentDecode { ago, window } => write!(f, "a request decoded {:.1} s ago, within dslp_idle_window_seconds ({})", ago.as_secs_f64(), window.as_secs_f64()),
             Reason::DecodeIdle { ago: Some(ago), window } => write!(f, "no request has decoded for {:.1} s (dslp_idle_window_seconds is {})", ago.as_secs_f64(), window.as_secs_f64()),
             Reason::DecodeIdle { ago: None, .. } => write!(f, "no request has decoded since the router started"),
+            Reason::MostlyCached { tokens, new, max } => write!(f, "{tokens} prompt tokens, but only {new} not in the prefix cache, below prefill_threshold_tokens ({max})"),
         }
     }
 }
@@ -130,6 +133,16 @@ impl PrefillPolicy {
             DecodeActivity::Idle(Some(ago)) if ago < window => (Route::Slp, Reason::RecentDecode { ago, window }),
             DecodeActivity::Idle(ago) => (Route::Dslp, Reason::DecodeIdle { ago, window }),
         }
+    }
+
+    /// A long prompt's route again once its KV lease says how much of it
+    /// the prefix cache holds: chunked on the decode worker when what is
+    /// left is short (a chat's next turn), which then finds the same cached
+    /// blocks; `None` keeps the route. What a prefill costs is the tokens it
+    /// computes, but the cached part is known only from the lease.
+    pub fn reroute(&self, prompt_tokens: usize, cached_tokens: usize) -> Option<(Route, Reason)> {
+        let new = prompt_tokens.saturating_sub(cached_tokens);
+        (choose(new, self.chunked_prefill_max_tokens) == PrefillPath::Decode).then_some((Route::DecodeChunked, Reason::MostlyCached { tokens: prompt_tokens, new, max: self.chunked_prefill_max_tokens }))
     }
 }
 
@@ -196,6 +209,15 @@ impl Drop for Decoding<'_> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_mostly_cached_long_prompt_is_chunked_on_the_decode_worker() {
+        assert_eq!(POLICY.reroute(10_000, 9_000), Some((Route::DecodeChunked, Reason::MostlyCached { tokens: 10_000, new: 1_000, max: 2048 })));
+        assert_eq!(POLICY.reroute(10_000, 7_952), None, "2,048 new tokens keep the prefill worker");
+        assert_eq!(POLICY.reroute(10_000, 0), None);
+        let why = POLICY.reroute(5000, 4000).unwrap().1.to_string();
+        assert!(why.contains("only 1000 not in the prefix cache"), "{why}");
+    }
 
     #[test]
     fn threshold_is_inclusive() {

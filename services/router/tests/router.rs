@@ -789,3 +789,33 @@ async fn long_prompts_take_dslp_when_decode_is_idle_and_the_worker_has_it() {
     generate_all(&router, tokens_request(long, 2)).await.unwrap();
     assert_eq!(routes(&router), [PrefillRoute::Slp]);
 }
+
+/// A long prompt whose KV lease says the prefix cache holds all but a few of
+/// its tokens (a chat's next turn) is prefilled where short prompts are: the
+/// router gives the lease back and sends it to the decode worker, which finds
+/// the same cached blocks itself. Past the threshold of new tokens it keeps
+/// the prefill worker.
+#[tokio::test]
+async fn a_mostly_cached_long_prompt_is_chunked_on_the_decode_worker() {
+    let router = start(MockConfig { cached_tokens: 32, ..Default::default() }, |c| c.prefill_threshold_tokens = 16).await;
+    let prompt: Vec<u32> = (10..50).collect(); // 40 tokens, 8 of them not cached
+    let msgs = generate_all(&router, tokens_request(prompt.clone(), 3)).await.unwrap();
+    assert_eq!(token_ids(&msgs), [40, 41, 42]);
+    assert_eq!(finished(&msgs).timings.as_ref().unwrap().prefill_path, "decode");
+    {
+        let r = router.mock.record();
+        assert!(r.prefills.is_empty(), "{r:#?}");
+        assert_eq!((r.allocs.len(), r.frees.len(), r.decodes.len()), (1, 1, 1), "{r:#?}");
+        assert_eq!(r.frees[0], r.allocs[0].request_id, "the lease is given back");
+        assert_eq!((r.decodes[0].prompt.as_slice(), r.decodes[0].prefilled.is_none()), (prompt.as_slice(), true));
+        assert!(r.leases.is_empty(), "{r:#?}");
+    }
+
+    // 24 new tokens: the prefill worker's, with the lease.
+    router.mock.configure(|c| c.cached_tokens = 16);
+    let msgs = generate_all(&router, tokens_request(prompt, 3)).await.unwrap();
+    assert_eq!(finished(&msgs).timings.as_ref().unwrap().prefill_path, "prefill");
+    let r = router.mock.record();
+    assert_eq!((r.allocs.len(), r.frees.len(), r.prefills.len(), r.decodes.len()), (2, 1, 1, 2), "{r:#?}");
+    assert!(r.decodes[1].prefilled.is_some());
+}

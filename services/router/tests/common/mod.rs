@@ -44,6 +44,9 @@ pub struct MockConfig {
     pub hold_after_last: Duration,
     /// What the prefill worker's Stats says of its two-device prefill.
     pub prefill_dslp_devices: u32,
+    /// The prompt tokens a KV lease says the prefix cache holds (at most
+    /// all but the prompt's last).
+    pub cached_tokens: u32,
 }
 
 impl Default for MockConfig {
@@ -58,6 +61,7 @@ impl Default for MockConfig {
             prefill_down: false,
             hold_after_last: Duration::ZERO,
             prefill_dslp_devices: 0,
+            cached_tokens: 0,
         }
     }
 }
@@ -147,7 +151,8 @@ impl DecodeWorker for Decode {
         }
         let blocks: Vec<u32> = (used as u32..(used + need) as u32).collect();
         r.leases.insert(req.request_id.clone(), blocks.clone());
-        Ok(Response::new(KvLease { pool_epoch: 7, request_id: req.request_id, blocks, cached_tokens: 0 }))
+        let cached_tokens = config.cached_tokens.min(req.tokens.saturating_sub(1));
+        Ok(Response::new(KvLease { pool_epoch: 7, request_id: req.request_id, blocks, cached_tokens }))
     }
 
     async fn free_kv(&self, request: Request<FreeKvRequest>) -> Result<Response<FreeKvResponse>, Status> {
