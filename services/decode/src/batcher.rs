@@ -27,11 +27,10 @@
 //! prefix: a sequence here then prefills only the rest, a lease tells the
 //! prefill worker where to start. Cached blocks no request holds count as
 //! free, so the cache changes how much a request needs, never whether the
-//! pool can grant it. On the CPU engine a sequence's full blocks are
-//! registered as each step writes them, prompt and output alike (the next
-//! turn of a chat resends the answer); with a device the KV of what this
-//! worker computes lives on the device only, so only the blocks the prefill
-//! worker wrote are.
+//! pool can grant it. A sequence's full blocks are registered as each step
+//! writes them, prompt and output alike (the next turn of a chat resends
+//! the answer); with a device they are first copied back from its device
+//! blocks into its host blocks, where the cache can share them.
 //!
 //! Requests that do not fit yet wait in one queue, leases and sequences
 //! alike, first come first served: the front waits for blocks and holds
@@ -624,17 +623,24 @@ impl Batcher {
         }
     }
 
-    /// Register the blocks the step filled in the prefix cache: on the CPU
-    /// engine only, where the KV is written into the host pool (with a
-    /// device, what this worker computes stays in device blocks).
+    /// Register the blocks the step filled in the prefix cache. The CPU
+    /// engine wrote them into the host pool; with a device they are copied
+    /// back from the sequence's device blocks first (a block's worth of
+    /// entries each `block_size` tokens, far less than the step computes).
     fn cache_written(&mut self, members: &[(usize, usize)]) {
-        if !self.kv.prefix_caching() || !matches!(self.engine, Engine::Cpu(_)) {
+        if !self.kv.prefix_caching() {
             return;
         }
         let block_size = self.kv.block_size();
         for &(i, _) in members {
             let seq = &mut self.running[i];
-            if seq.table.len / block_size <= seq.registered {
+            let full = seq.table.len / block_size;
+            if full <= seq.registered {
+                continue;
+            }
+            if let Err(e) = self.engine.write_back(self.kv.pool_mut(), &seq.table, seq.device.as_ref(), seq.registered..full) {
+                // The sequence runs on; only the cache misses these blocks.
+                tracing::warn!(request_id = %seq.request_id, "prefix cache: copying KV blocks back from the device: {e}");
                 continue;
             }
             // The tokens written: the prompt, then the output fed back so far.

@@ -5,6 +5,8 @@
 use duplex_model::hybrid::{AdmitError, DeviceSeq, HybridEngine, HybridTimings};
 use duplex_model::model::ForwardError;
 use duplex_model::{BlockTable, ForwardTimings, KvPool, Logits, Model, Precision, SeqInput};
+use duplex_kernels::device::DeviceError;
+use std::ops::Range;
 use std::time::Duration;
 
 // One per worker, built once: the size of its variants does not matter.
@@ -83,6 +85,17 @@ impl Engine {
         match self {
             Engine::Cpu(_) => Ok(None),
             Engine::Hybrid(h) => h.admit(host, table, positions).map(Some),
+        }
+    }
+
+    /// Make the host blocks `blocks` of `table` hold what the steps wrote,
+    /// for the prefix cache: the CPU engine writes them itself; the hybrid
+    /// placement copies them back from the sequence's device blocks.
+    pub fn write_back(&mut self, host: &mut KvPool, table: &BlockTable, seq: Option<&DeviceSeq>, blocks: Range<usize>) -> Result<(), DeviceError> {
+        match (self, seq) {
+            (Engine::Cpu(_), _) => Ok(()),
+            (Engine::Hybrid(h), Some(seq)) => h.write_back(host, table, seq, blocks),
+            (Engine::Hybrid(_), None) => Err(DeviceError::Invalid("a running sequence without device KV blocks".into())),
         }
     }
 

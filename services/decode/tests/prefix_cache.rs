@@ -11,6 +11,8 @@ use duplex_decode::error::DecodeError;
 use duplex_decode::engine::Engine;
 use duplex_decode::kv_alloc::{KvAllocator, PrefixCacheCounters};
 use duplex_ipc::{KvGeometry, KvSegment};
+use duplex_kernels::device::emulated::{EmulatedConfig, EmulatedDevice};
+use duplex_model::hybrid::{HybridConfig, HybridEngine, Submit};
 use duplex_model::sampling::SamplingParams;
 use duplex_model::{Model, Precision};
 use duplex_prefill::engine::{Command as PrefillCommand, Engine as PrefillEngine, Job, KvSource, Lease};
@@ -41,6 +43,19 @@ struct Workers {
 }
 
 fn start(dir: &Path, kv_blocks: usize, prefix_caching: bool) -> Workers {
+    start_with(dir, kv_blocks, prefix_caching, Placement::Cpu)
+}
+
+/// Where the decode worker runs its steps.
+#[derive(Clone, Copy)]
+enum Placement {
+    Cpu,
+    /// The hybrid placement on an emulated device: the KV of what it
+    /// computes lives in device blocks.
+    Hybrid,
+}
+
+fn start_with(dir: &Path, kv_blocks: usize, prefix_caching: bool, placement: Placement) -> Workers {
     let model = model();
     let name = duplex_ipc::kv_segment_name("test");
     let geometry = KvGeometry { n_blocks: kv_blocks, block_size: BLOCK, n_layers: model.cfg.num_hidden_layers, entry_dim: model.cfg.kv_entry_dim() };
@@ -50,7 +65,15 @@ fn start(dir: &Path, kv_blocks: usize, prefix_caching: bool) -> Workers {
     let counters = kv.prefix_cache_counters();
     let stats = Arc::new(StatsCell::new(1024, "test".into()));
     let limits = Limits { context_length: 1024, lease_timeout: Duration::from_secs(60), max_batch_size: 4, prefill_chunk_tokens: 40, max_waiting_requests: 64 };
-    let batcher = Batcher::new(Engine::Cpu(model), kv, limits, Precision::F32, stats.clone());
+    let engine = match placement {
+        Placement::Cpu => Engine::Cpu(model),
+        Placement::Hybrid => {
+            let device = EmulatedDevice::new(EmulatedConfig { memory_bytes: 64 << 20, compute_threads: 1, ..Default::default() }).unwrap();
+            let config = HybridConfig { kv_blocks: 32, micro_batches: true, defer_experts: 0, cpu_jitter: None, submit: Submit::Stream, expert_cache: None };
+            Engine::Hybrid(HybridEngine::new(model, device, config, BLOCK).unwrap())
+        }
+    };
+    let batcher = Batcher::new(engine, kv, limits, Precision::F32, stats.clone());
     let (decode, receiver) = std::sync::mpsc::channel();
     std::thread::spawn(move || batcher.run(receiver));
     let engine = PrefillEngine::new(self::model(), KvSource::new(dir.to_path_buf(), name), 24, Precision::F32, None, Arc::new(StatsCell::new(1024, "test".into())));
@@ -161,8 +184,20 @@ fn chat_turn(history: &[u32], answer: &[u32], seed: u32) -> Vec<u32> {
 /// included.
 #[test]
 fn a_chat_gets_the_same_tokens_with_and_without_the_cache_on_the_decode_path() {
+    chat_on_the_decode_path(Placement::Cpu);
+}
+
+/// The same with the hybrid placement, whose steps write the KV into
+/// device blocks: the full ones are copied back to the host for the cache,
+/// so the next turn finds the answer as on the CPU engine.
+#[test]
+fn a_chat_gets_the_same_tokens_with_and_without_the_cache_on_the_hybrid_placement() {
+    chat_on_the_decode_path(Placement::Hybrid);
+}
+
+fn chat_on_the_decode_path(placement: Placement) {
     let (dir_on, dir_off) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
-    let (on, off) = (start(dir_on.path(), 64, true), start(dir_off.path(), 64, false));
+    let (on, off) = (start_with(dir_on.path(), 64, true, placement), start_with(dir_off.path(), 64, false, placement));
     let mut prompt = tokens(1, 40);
     for turn in 0..3 {
         let hits_before = on.hits();

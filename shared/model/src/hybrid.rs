@@ -43,6 +43,7 @@ use duplex_kernels::device::emulated::Jitter;
 use duplex_kernels::device::{Device, DeviceError, DevicePtr, DeviceWeight, Event, HostBytes, Matrix, Op, PagedKv, Staging, StreamId, StreamKind};
 use duplex_kernels::clock::Stamp;
 use std::sync::{mpsc, Arc, Condvar, Mutex};
+use std::ops::Range;
 use std::time::{Duration, Instant};
 
 /// Bound on MLA's expanded keys and values in a pass's workspace (heads are
@@ -460,6 +461,25 @@ impl HybridEngine {
                 Err(e.into())
             }
         }
+    }
+
+    /// Copy the entries of `seq`'s blocks `blocks` (indices into its table)
+    /// back into `table`'s host blocks, so that the prefix cache can share
+    /// them: what the steps compute lives in device blocks only. Call it
+    /// between steps; every pass has ended by then (each ends in a download).
+    pub fn write_back(&mut self, host: &mut KvPool, table: &BlockTable, seq: &DeviceSeq, blocks: Range<usize>) -> Result<(), DeviceError> {
+        let kv = self.kv.kv;
+        let block_bytes = DeviceKv::block_bytes(kv.n_layers, kv.block_size, kv.entry_dim);
+        for i in blocks {
+            let (Some(&on_device), Some(&on_host)) = (seq.blocks.get(i), table.blocks.get(i)) else {
+                return Err(DeviceError::Invalid(format!("block {i} of a sequence with {} device and {} host blocks", seq.blocks.len(), table.blocks.len())));
+            };
+            let bytes = self.dev.download(self.copy, kv.pool.slice(on_device as usize * block_bytes, block_bytes)?)?;
+            for (dst, src) in host.block_mut(on_host).iter_mut().zip(bytes.chunks_exact(4)) {
+                *dst = f32::from_le_bytes([src[0], src[1], src[2], src[3]]);
+            }
+        }
+        Ok(())
     }
 
     /// Give a sequence's blocks back (on every exit path of a sequence).

@@ -156,6 +156,13 @@ impl KvPool {
         &self.data.floats()[block as usize * len..][..len]
     }
 
+    /// Every layer's entries in block `block`, to fill from a copy made
+    /// elsewhere (a device's pool).
+    pub fn block_mut(&mut self, block: u32) -> &mut [f32] {
+        let len = self.n_layers * self.block_size * self.entry_dim;
+        &mut self.data.floats_mut()[block as usize * len..][..len]
+    }
+
     /// The cache entry of `layer` at `pos`: `[latent.., k_pe..]`.
     pub fn entry(&self, table: &BlockTable, layer: usize, pos: usize) -> &[f32] {
         let o = self.offset(table, layer, pos);
