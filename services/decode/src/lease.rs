@@ -4,20 +4,19 @@
 //! decode request arriving during two-device prefill waits about one
 //! layer's work, not the whole prefill).
 //!
-//! A lease is a server stream (`DeviceLease.LeaseDevice`): its first event
-//! grants or refuses it, and a granted lease lasts until the borrower drops
-//! the stream, so a prefill worker that is killed (its connection closes)
-//! releases it at once. A decode admission that finds a lease sends
-//! `revoked` on its stream and waits until the stream is dropped, at most
-//! `revoke_wait`; past that it warns and goes on, and the lease is marked
-//! abandoned so that later admissions do not wait on it again. One lease at
-//! a time, and none while an admission is on its way to the engine or the
-//! engine has sequences (the server asks it, after `reserve`, in the same
-//! command queue as the admissions, so none can slip in between).
+//! A lease is a server stream (`DeviceLease.LeaseDevice`, onto which
+//! `server` maps [`LeaseEvent`]s): its first event grants or refuses it,
+//! and a granted lease lasts until the borrower drops the stream, so a
+//! prefill worker that is killed (its connection closes) releases it at
+//! once. A decode admission that finds a lease sends `revoked` on its
+//! stream and waits until the stream is dropped, at most `revoke_wait`;
+//! past that it warns and goes on, and the lease is marked abandoned so
+//! that later admissions do not wait on it again. One lease at a time, and
+//! none while an admission is on its way to the engine or the engine has
+//! sequences (the server asks it, after `reserve`, in the same command
+//! queue as the admissions, so none can slip in between).
 
 use duplex_kernels::device::Device;
-use duplex_proto::worker::device_lease_event::Event;
-use duplex_proto::worker::{DeviceLeaseEvent, DeviceLeaseGranted, DeviceLeaseRefused, DeviceLeaseRevoked};
 use duplex_telemetry as names;
 use std::pin::Pin;
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -66,13 +65,21 @@ struct Holder {
     revoked: bool,
     /// Revoked and not given back within `revoke_wait`: admissions no longer wait on it.
     abandoned: bool,
-    events: mpsc::UnboundedSender<DeviceLeaseEvent>,
+    events: mpsc::UnboundedSender<LeaseEvent>,
     /// Closed (its sender dropped) when the lease ends.
     released: watch::Receiver<()>,
 }
 
-fn event(event: Event) -> DeviceLeaseEvent {
-    DeviceLeaseEvent { event: Some(event) }
+/// What a lease's holder is told, in order: `Granted` or `Refused` first,
+/// then at most `Revoked`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum LeaseEvent {
+    /// The device is lent until the stream is dropped.
+    Granted,
+    /// Not lent; the stream ends.
+    Refused { reason: String },
+    /// A decode request arrived: give the device back (drop the stream).
+    Revoked,
 }
 
 impl DeviceLender {
@@ -124,7 +131,7 @@ impl DeviceLender {
                         if h.granted {
                             tracing::info!("a decode request arrived: revoking the device lease of request {}", h.request_id);
                             metrics::counter!(names::DEVICE_LEASE_REVOCATIONS).increment(1);
-                            let _ = h.events.send(event(Event::Revoked(DeviceLeaseRevoked {})));
+                            let _ = h.events.send(LeaseEvent::Revoked);
                         }
                     }
                     Some((h.id, h.request_id.clone(), h.released.clone()))
@@ -192,7 +199,7 @@ impl Drop for Release {
 
 /// A lease reserved while the engine is asked whether it is idle.
 pub struct Reservation {
-    events: mpsc::UnboundedReceiver<DeviceLeaseEvent>,
+    events: mpsc::UnboundedReceiver<LeaseEvent>,
     release: Release,
 }
 
@@ -216,7 +223,7 @@ impl Reservation {
         match refusal {
             None => {
                 holder.granted = true;
-                let _ = holder.events.send(event(Event::Granted(DeviceLeaseGranted {})));
+                let _ = holder.events.send(LeaseEvent::Granted);
                 tracing::info!("device lent to request {}", holder.request_id);
                 metrics::counter!(names::DEVICE_LEASES, "outcome" => "granted").increment(1);
                 drop(state);
@@ -233,7 +240,7 @@ impl Reservation {
 
 /// The lease's events; dropping it ends the lease.
 pub struct LeaseStream {
-    events: UnboundedReceiverStream<DeviceLeaseEvent>,
+    events: UnboundedReceiverStream<LeaseEvent>,
     _release: Option<Release>,
 }
 
@@ -243,13 +250,13 @@ impl LeaseStream {
         tracing::info!("device lease refused: {reason}");
         metrics::counter!(names::DEVICE_LEASES, "outcome" => "refused").increment(1);
         let (events, receiver) = mpsc::unbounded_channel();
-        let _ = events.send(event(Event::Refused(DeviceLeaseRefused { reason })));
+        let _ = events.send(LeaseEvent::Refused { reason });
         LeaseStream { events: UnboundedReceiverStream::new(receiver), _release: None }
     }
 }
 
 impl Stream for LeaseStream {
-    type Item = DeviceLeaseEvent;
+    type Item = LeaseEvent;
 
     fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
         Pin::new(&mut self.events).poll_next(cx)

@@ -9,8 +9,9 @@
 //! attention and the rest on the device, routed experts on the CPU, two
 //! micro-batches overlapped.
 //!
-//! The engine (`batcher`, `kv_alloc`, `engine`) speaks its own types;
-//! `server` alone maps them to the worker protocol and `tonic::Status`.
+//! The engine (`batcher`, `kv_alloc`, `engine`) and the device lease
+//! (`lease`) speak their own types; `server` alone maps them to the worker
+//! protocol and `tonic::Status`.
 
 pub mod batcher;
 pub mod config;

@@ -6,13 +6,14 @@
 use crate::batcher::{Admission, Command, Prefilled, SeqEvent};
 use crate::error::DecodeError;
 use crate::kv_alloc::BlockLease;
-use crate::lease::{DeviceLender, Lendable, LeaseStream};
+use crate::lease::{DeviceLender, LeaseEvent, LeaseStream, Lendable};
 use duplex_grammar::{ConstraintSpec, GrammarCompiler};
 use duplex_proto::worker::decode_worker_server::DecodeWorker;
+use duplex_proto::worker::device_lease_event::Event;
 use duplex_proto::worker::device_lease_server::DeviceLease;
 use duplex_proto::worker::{
-    AllocateKvRequest, CancelRequest, CancelResponse, DecodeEvent, DecodeRequest, DeviceLeaseEvent, DeviceLeaseRequest, FreeKvRequest, FreeKvResponse, KvLease, SampledToken, StatsRequest,
-    WorkerStats,
+    AllocateKvRequest, CancelRequest, CancelResponse, DecodeEvent, DecodeRequest, DeviceLeaseEvent, DeviceLeaseGranted, DeviceLeaseRefused, DeviceLeaseRequest, DeviceLeaseRevoked,
+    FreeKvRequest, FreeKvResponse, KvLease, SampledToken, StatsRequest, WorkerStats,
 };
 use duplex_proto::stats::StatsCell;
 use std::pin::Pin;
@@ -258,11 +259,21 @@ impl DeviceLease for LeaseService {
                     reservation.grant(sequences)
                 }
             };
-            Ok(Response::new(Box::pin(stream.map(Ok::<_, Status>)) as Self::LeaseDeviceStream))
+            Ok(Response::new(Box::pin(stream.map(|e| Ok::<_, Status>(lease_event(e)))) as Self::LeaseDeviceStream))
         }
         .instrument(span)
         .await
     }
+}
+
+/// A device lease's event as the protocol sends it.
+fn lease_event(e: LeaseEvent) -> DeviceLeaseEvent {
+    let event = match e {
+        LeaseEvent::Granted => Event::Granted(DeviceLeaseGranted {}),
+        LeaseEvent::Refused { reason } => Event::Refused(DeviceLeaseRefused { reason }),
+        LeaseEvent::Revoked => Event::Revoked(DeviceLeaseRevoked {}),
+    };
+    DeviceLeaseEvent { event: Some(event) }
 }
 
 /// A lease as the router passed it on.

@@ -7,7 +7,7 @@
 use duplex_decode::batcher::{Batcher, Command, Limits};
 use duplex_decode::engine::Engine;
 use duplex_decode::kv_alloc::KvAllocator;
-use duplex_decode::lease::{DeviceLender, LeaseStream, Lendable};
+use duplex_decode::lease::{DeviceLender, LeaseEvent, LeaseStream, Lendable};
 use duplex_decode::server::{DecodeService, LeaseService};
 use duplex_kernels::device::emulated::{EmulatedConfig, EmulatedDevice};
 use duplex_kernels::device::Device;
@@ -28,17 +28,17 @@ fn lender(budget_bytes: Option<u64>, revoke_wait: Duration) -> Arc<DeviceLender>
 }
 
 /// The stream's next event, within a second.
-async fn next(stream: &mut LeaseStream) -> Option<Event> {
-    tokio::time::timeout(Duration::from_secs(1), stream.next()).await.expect("an event or the end within 1 s").map(|e| e.event.expect("an event"))
+async fn next(stream: &mut LeaseStream) -> Option<LeaseEvent> {
+    tokio::time::timeout(Duration::from_secs(1), stream.next()).await.expect("an event or the end within 1 s")
 }
 
 fn granted(lender: &Arc<DeviceLender>) -> LeaseStream {
     lender.reserve("long", 1 << 20).expect("reserved").grant(0)
 }
 
-fn refusal(event: Option<Event>) -> String {
+fn refusal(event: Option<LeaseEvent>) -> String {
     match event {
-        Some(Event::Refused(r)) => r.reason,
+        Some(LeaseEvent::Refused { reason }) => reason,
         other => panic!("expected a refusal, got {other:?}"),
     }
 }
@@ -47,7 +47,7 @@ fn refusal(event: Option<Event>) -> String {
 async fn granted_when_idle_and_released_when_the_stream_is_dropped() {
     let lender = lender(None, Duration::from_secs(5));
     let mut stream = granted(&lender);
-    assert!(matches!(next(&mut stream).await, Some(Event::Granted(_))));
+    assert_eq!(next(&mut stream).await, Some(LeaseEvent::Granted));
     assert!(lender.is_lent());
     // Held: the stream stays open, with nothing more to say.
     assert!(tokio::time::timeout(Duration::from_millis(100), stream.next()).await.is_err(), "no event while nothing happens");
@@ -57,7 +57,7 @@ async fn granted_when_idle_and_released_when_the_stream_is_dropped() {
     drop(stream);
     assert!(!lender.is_lent(), "dropping the stream ends the lease");
     let mut again = granted(&lender);
-    assert!(matches!(next(&mut again).await, Some(Event::Granted(_))), "lent again once given back");
+    assert_eq!(next(&mut again).await, Some(LeaseEvent::Granted), "lent again once given back");
 }
 
 #[tokio::test]
@@ -95,7 +95,7 @@ async fn the_spare_memory_of_a_device_bounds_the_loan() {
 async fn an_admission_revokes_the_lease_and_waits_only_until_it_is_given_back() {
     let lender = lender(None, Duration::from_secs(5));
     let mut stream = granted(&lender);
-    assert!(matches!(next(&mut stream).await, Some(Event::Granted(_))));
+    assert_eq!(next(&mut stream).await, Some(LeaseEvent::Granted));
     let started = Instant::now();
     let admission = tokio::spawn({
         let lender = lender.clone();
@@ -104,7 +104,7 @@ async fn an_admission_revokes_the_lease_and_waits_only_until_it_is_given_back() 
             Instant::now()
         }
     });
-    assert!(matches!(next(&mut stream).await, Some(Event::Revoked(_))), "the holder is told");
+    assert_eq!(next(&mut stream).await, Some(LeaseEvent::Revoked), "the holder is told");
     // The borrower needs a while to stop (its next module); the admission waits.
     tokio::time::sleep(Duration::from_millis(300)).await;
     assert!(!admission.is_finished(), "the admission waits for the device");
@@ -139,12 +139,12 @@ async fn an_admission_during_the_grant_refuses_it() {
 async fn the_wait_is_bounded_and_an_abandoned_lease_is_not_waited_on_again() {
     let lender = lender(None, Duration::from_millis(300));
     let mut stream = granted(&lender);
-    assert!(matches!(next(&mut stream).await, Some(Event::Granted(_))));
+    assert_eq!(next(&mut stream).await, Some(LeaseEvent::Granted));
     let started = Instant::now();
     drop(lender.admit().await);
     let waited = started.elapsed();
     assert!(waited >= Duration::from_millis(300) && waited < Duration::from_secs(1), "waited {waited:?}");
-    assert!(matches!(next(&mut stream).await, Some(Event::Revoked(_))));
+    assert_eq!(next(&mut stream).await, Some(LeaseEvent::Revoked));
     let started = Instant::now();
     drop(lender.admit().await);
     assert!(started.elapsed() < Duration::from_millis(100), "the next admission does not wait: {:?}", started.elapsed());
