@@ -819,3 +819,32 @@ async fn a_mostly_cached_long_prompt_is_chunked_on_the_decode_worker() {
     assert_eq!((r.allocs.len(), r.frees.len(), r.prefills.len(), r.decodes.len()), (2, 1, 1, 2), "{r:#?}");
     assert!(r.decodes[1].prefilled.is_some());
 }
+
+/// `/v1/models`'s `max_model_len` and ModelInfo's `context_length` are the
+/// longest request the server can run: the context, or less when the
+/// decode worker's KV pool holds fewer tokens. The router reads the pool's
+/// size from the Stats it polls, so a pool that shrinks shows up within a
+/// poll or two.
+#[tokio::test]
+async fn max_model_len_is_the_context_or_what_the_kv_pool_holds() {
+    async fn max_model_len(router: &common::TestRouter) -> u64 {
+        let v: Value = reqwest::get(format!("{}/v1/models", router.http)).await.unwrap().json().await.unwrap();
+        v["data"][0]["max_model_len"].as_u64().expect("max_model_len is a number")
+    }
+    async fn context_length(router: &common::TestRouter) -> u32 {
+        router.grpc_client().await.model_info(duplex_proto::v1::ModelInfoRequest {}).await.unwrap().into_inner().context_length
+    }
+    let router = start(MockConfig::default(), |_| {}).await;
+    // 256 blocks of 16 tokens hold 4096 tokens: the context of 1024 bounds.
+    assert_eq!((max_model_len(&router).await, context_length(&router).await), (1024, 1024));
+
+    // 10 blocks of 16 tokens: the pool bounds.
+    router.mock.configure(|c| c.kv_blocks_total = 10);
+    let polled = async {
+        while max_model_len(&router).await != 160 {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    };
+    timeout(TIMEOUT, polled).await.expect("max_model_len never became the pool's 160 tokens");
+    assert_eq!(context_length(&router).await, 160);
+}

@@ -10,8 +10,8 @@ use super::ApiKey;
 use crate::error::Error;
 use super::access_log::AccessLog;
 use super::openai_response::{
-    ApiFinishReason, ChatChoice, FunctionCallOut, FunctionDelta, ToolCallDelta, ToolCallOut, ChatChunkChoice, ChatDelta, ChatLogprobs, ChatMessageOut, CompletionChoice, CompletionLogprobs, Envelope, ModelCard,
-    ModelList, TextOffsets, Usage, UsageField,
+    ApiFinishReason, ChatChoice, FunctionCallOut, FunctionDelta, ToolCallDelta, ToolCallOut, ChatChunkChoice, ChatDelta, ChatLogprobs, ChatMessageOut, CompletionChoice, CompletionLogprobs, Envelope,
+    ErrorBody, ErrorDetail, Health, ModelCard, ModelList, TextOffsets, Usage, UsageField,
 };
 use crate::generate::{count_refused, Event, Finished, Router, Token};
 use crate::request::{Prompt, RequestOptions};
@@ -36,7 +36,7 @@ use futures::StreamExt;
 use metrics_exporter_prometheus::PrometheusHandle;
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
-use serde_json::{json, Value};
+use serde_json::Value;
 use std::convert::Infallible;
 use std::sync::Arc;
 use std::time::{SystemTime, UNIX_EPOCH};
@@ -105,8 +105,8 @@ impl ApiError {
         ApiError { param, ..ApiError::new(StatusCode::BAD_REQUEST, "invalid_request_error", message) }
     }
 
-    fn body(&self) -> Value {
-        json!({"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}})
+    fn body(&self) -> ErrorBody<'_> {
+        ErrorBody { error: ErrorDetail { message: &self.message, kind: self.kind, param: self.param.as_deref(), code: self.code } }
     }
 }
 
@@ -776,7 +776,7 @@ impl App {
                     Err(e) => {
                         let e = ApiError::from(e);
                         log.finish(e.status.as_u16(), None);
-                        yield sse(e.body());
+                        yield sse(json_value(&e.body()));
                         break;
                     }
                 }
@@ -874,7 +874,7 @@ async fn models(State(app): State<App>) -> Json<ModelList> {
 /// 200 while both workers answer their Stats, 503 otherwise.
 async fn health(State(app): State<App>) -> Response {
     match app.router.workers.readiness().check() {
-        Ok(()) => Json(json!({"status": "ok"})).into_response(),
+        Ok(()) => Json(Health { status: "ok" }).into_response(),
         Err(e) => ApiError::from(e).into_response(),
     }
 }
@@ -890,6 +890,15 @@ fn unix_now() -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn the_error_body_is_openais() {
+        let e = ApiError::invalid(Some("n".into()), "bad n");
+        assert_eq!(serde_json::to_string(&e.body()).unwrap(), r#"{"error":{"message":"bad n","type":"invalid_request_error","param":"n","code":null}}"#);
+        let e = ApiError::from(Error::Unauthenticated("no key".into()));
+        assert_eq!(serde_json::to_value(e.body()).unwrap(), json!({"error": {"message": e.message, "type": "invalid_request_error", "param": null, "code": "invalid_api_key"}}));
+    }
 
     #[test]
     fn prompts_in_every_accepted_shape() {

@@ -93,7 +93,7 @@ pub struct CompletionLogprobs {
     pub tokens: Vec<String>,
     pub token_logprobs: Vec<f32>,
     /// One object per token: candidate text to logprob.
-    pub top_logprobs: Vec<serde_json::Map<String, serde_json::Value>>,
+    pub top_logprobs: Vec<TopLogprobs>,
     /// Where each token starts in the returned text, in characters.
     pub text_offset: Vec<usize>,
 }
@@ -206,6 +206,35 @@ impl ChatLogprobs {
     }
 }
 
+/// One token's candidates as the completions API shows them: an object
+/// from each candidate's text to its logprob, in the engine's order (the
+/// likeliest first).
+#[derive(Debug, Default)]
+pub struct TopLogprobs(Vec<(String, f32)>);
+
+impl FromIterator<(String, f32)> for TopLogprobs {
+    /// Two candidates can decode to the same text (two byte tokens of one
+    /// partial character both read `�`) and an object has each key once: the
+    /// text keeps its first place and takes the later logprob, as a JSON map
+    /// filled in that order would.
+    fn from_iter<I: IntoIterator<Item = (String, f32)>>(candidates: I) -> Self {
+        let mut top = TopLogprobs::default();
+        for (text, logprob) in candidates {
+            match top.0.iter_mut().find(|(t, _)| *t == text) {
+                Some(seen) => seen.1 = logprob,
+                None => top.0.push((text, logprob)),
+            }
+        }
+        top
+    }
+}
+
+impl Serialize for TopLogprobs {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        serializer.collect_map(self.0.iter().map(|(text, logprob)| (text, logprob)))
+    }
+}
+
 /// Where each token starts in the returned completion text, in characters,
 /// kept across the chunks of a stream.
 ///
@@ -249,7 +278,7 @@ impl CompletionLogprobs {
             lp.text_offset.push(offsets.next(tok, t));
             lp.tokens.push(tok.decode(&[t.id]));
             lp.token_logprobs.push(t.logprob.unwrap_or(f32::NAN));
-            lp.top_logprobs.push(t.top_logprobs.iter().map(|p| (p.text.clone(), serde_json::json!(p.logprob))).collect());
+            lp.top_logprobs.push(t.top_logprobs.iter().map(|p| (p.text.clone(), p.logprob)).collect());
         }
         Some(lp)
     }
@@ -271,6 +300,28 @@ pub struct ModelCard {
     /// The longest prompt plus output one request can have here: the
     /// smaller of the context and what the KV pool can hold.
     pub max_model_len: usize,
+}
+
+/// OpenAI's error body: `{"error": {...}}`.
+#[derive(Debug, Serialize)]
+pub struct ErrorBody<'a> {
+    pub error: ErrorDetail<'a>,
+}
+
+#[derive(Debug, Serialize)]
+pub struct ErrorDetail<'a> {
+    pub message: &'a str,
+    #[serde(rename = "type")]
+    pub kind: &'a str,
+    /// The request field at fault, when one is.
+    pub param: Option<&'a str>,
+    pub code: Option<&'a str>,
+}
+
+/// `/health` while both workers answer.
+#[derive(Debug, Serialize)]
+pub struct Health {
+    pub status: &'static str,
 }
 
 #[cfg(test)]
@@ -295,5 +346,11 @@ mod tests {
         let d = serde_json::to_value(ChatDelta { content: Some("hi".into()), ..Default::default() }).unwrap();
         assert_eq!(d, json!({"content": "hi"}));
         assert_eq!(serde_json::to_value(ApiFinishReason::ToolCalls).unwrap(), json!("tool_calls"));
+    }
+
+    #[test]
+    fn top_logprobs_are_an_object_in_the_engines_order() {
+        let top: TopLogprobs = [("b".to_string(), -0.5), ("a".to_string(), -1.5), ("b".to_string(), -2.0)].into_iter().collect();
+        assert_eq!(serde_json::to_string(&top).unwrap(), r#"{"b":-2.0,"a":-1.5}"#);
     }
 }
