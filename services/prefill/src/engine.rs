@@ -483,11 +483,16 @@ fn record_slp(report: &SlpReport) {
     metrics::counter!(names::PREFILL_SLP_STREAMED_BYTES).increment(report.bytes_streamed);
     metrics::histogram!(names::PREFILL_SLP_STALL).record(report.stall.as_secs_f64());
     metrics::gauge!(names::PREFILL_SLP_OVERLAP).set(report.overlap_efficiency());
+    // What a layer costs, beside which a decode request's wait for a lent
+    // device (at most about one layer) can be judged.
+    let layers: Duration = report.layers.iter().map(|l| l.measured).sum();
     tracing::info!(
-        "stream-loading prefill: ring {} slots, {} bytes streamed, compute stalled {:.3} s, overlap efficiency {:.2}",
+        "stream-loading prefill: ring {} slots, {} bytes streamed, compute stalled {:.3} s, overlap efficiency {:.2}, {} layers in {:.3} s",
         report.ring_slots,
         report.bytes_streamed,
         report.stall.as_secs_f64(),
-        report.overlap_efficiency()
+        report.overlap_efficiency(),
+        report.layers.len(),
+        layers.as_secs_f64()
     );
 }
