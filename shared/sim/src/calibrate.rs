@@ -9,7 +9,7 @@
 //! interleaved so that a noisy neighbour slows them alike (as bench-kernels
 //! does).
 
-use crate::hardware::{CpuSpec, DeviceSpec, Hardware};
+use crate::hardware::{CpuSpec, DeviceSpec, Hardware, RowFractions};
 use duplex_kernels::cpu::isa::{self, Isa};
 use duplex_kernels::device::emulated::{EmulatedConfig, EmulatedDevice};
 use crate::cost::op_work;
@@ -90,6 +90,16 @@ impl Measured {
     fn gemv_fraction(&self) -> f64 {
         (self.gemv_gate_up + self.gemv_down + self.moe_layer) / (3.0 * self.read_all)
     }
+}
+
+/// How a product's rate varies with its rows: the rate at each of `rows`
+/// as a fraction of `reference` (the rate at `reference_rows`, which is the
+/// description's peak), by `rate_at`, with the reference's own point.
+fn row_fractions(rows: &[usize], reference_rows: usize, reference: f64, mut rate_at: impl FnMut(usize) -> f64) -> RowFractions {
+    let mut points: Vec<[f64; 2]> = rows.iter().map(|&n| [n as f64, rate_at(n) / reference]).collect();
+    points.push([reference_rows as f64, 1.0]);
+    points.sort_by(|a, b| a[0].total_cmp(&b[0]));
+    RowFractions(points)
 }
 
 /// FLOP/s of `n` tokens through an FP8 `rows × cols` weight held at the
@@ -241,13 +251,21 @@ pub fn this_machine(c: &Calibration) -> Result<Hardware, DeviceError> {
     // The emulated device computes with the same kernels on a pool of its
     // own: measured again where that pool is smaller.
     let device_threads = if c.device_threads == 0 { threads } else { c.device_threads.min(threads) };
-    let (device_gemm, device_attention) = if device_threads == threads {
-        (best.gemm_bf16, best.prefill_attention)
+    // The products' rate at other row counts, against the peak's (a routed
+    // expert in a prefill sees few rows; long prompts' dense products many).
+    let (reference_rows, other_rows): (usize, &[usize]) = if c.quick { (128, &[16, 512]) } else { (512, &[16, 32, 64, 128, 256, 1024, 2048]) };
+    let products = |pool: &ThreadPool, reference: f64| {
+        let mut linear = LinearScratch::default();
+        row_fractions(other_rows, reference_rows, reference, |n| gemm_rate(&buf, 2048, 2048, n, passes + 1, |w, x, out| par_matmul(pool, isa, w, x, x.len() / w.cols, out, &mut linear)))
+    };
+    let cpu_rows = products(&pool, best.gemm_bf16);
+    let (device_gemm, device_attention, device_rows) = if device_threads == threads {
+        (best.gemm_bf16, best.prefill_attention, cpu_rows.clone())
     } else {
         let pool = ThreadPool::new(&PoolConfig::split(device_threads, 1).map_err(DeviceError::Invalid)?);
         let mut linear = LinearScratch::default();
-        let gemm = gemm_rate(&buf, 2048, 2048, if c.quick { 128 } else { 512 }, passes + 1, |w, x, out| par_matmul(&pool, isa, w, x, x.len() / w.cols, out, &mut linear));
-        (gemm, prefill_attention_rate(&pool, isa, 512, 256, passes))
+        let gemm = gemm_rate(&buf, 2048, 2048, reference_rows, passes + 1, |w, x, out| par_matmul(&pool, isa, w, x, x.len() / w.cols, out, &mut linear));
+        (gemm, prefill_attention_rate(&pool, isa, 512, 256, passes), products(&pool, gemm))
     };
     let device_read = (best.read_one * device_threads as f64).min(best.read_all);
     drop((buf, copy_to, pool));
@@ -270,6 +288,7 @@ pub fn this_machine(c: &Calibration) -> Result<Hardware, DeviceError> {
         // No kernel here uses AMX, whatever the CPU has.
         amx_bf16_tflops: 0.0,
         gemm_efficiency: 1.0,
+        gemm_row_fractions: cpu_rows,
         attention_tflops: best.attention / TERA,
         prefill_attention_tflops: best.prefill_attention / TERA,
         numa_link_gb_per_s: 0.0,
@@ -287,6 +306,7 @@ pub fn this_machine(c: &Calibration) -> Result<Hardware, DeviceError> {
         // slower still.
         memory_gb_per_s: op_bandwidth.min(device_read * fraction) / GB,
         gemm_efficiency: 1.0,
+        gemm_row_fractions: device_rows,
         // Its attention is the CPU's prefill kernel, at its own rate.
         attention_efficiency: (device_attention / device_gemm).min(1.0),
         bandwidth_efficiency: 1.0,

@@ -221,7 +221,11 @@ impl DeviceSpec {
             (WorkKind::Matmul | WorkKind::Attention, Math::Bf16) => self.bf16_tflops,
             _ => self.f32_tflops,
         };
-        let efficiency = if w.kind == WorkKind::Attention { self.attention_efficiency } else { self.gemm_efficiency };
+        let efficiency = match w.kind {
+            WorkKind::Attention => self.attention_efficiency,
+            WorkKind::Matmul => self.gemm_efficiency * self.gemm_row_fractions.at(w.rows),
+            WorkKind::Elementwise => self.gemm_efficiency,
+        };
         let compute = w.flops / (peak * TERA * efficiency);
         let memory = w.bytes / (self.memory_gb_per_s * GB * self.bandwidth_efficiency);
         seconds(compute.max(memory) + self.launch_us * 1e-6)
@@ -256,8 +260,9 @@ impl CpuSpec {
     /// kernels reach (`attention_tflops` for one query row, as decode runs,
     /// `prefill_attention_tflops` for more); else the vector peak of `w.math`,
     /// or for BF16 products of at least 16 rows the AMX peak where there is
-    /// one, times `gemm_efficiency`; either shared out by core: `threads /
-    /// cores` of it.
+    /// one, times `gemm_efficiency` (and, for products, the fraction their
+    /// rows reach, `gemm_row_fractions`); either shared out by core:
+    /// `threads / cores` of it.
     ///
     /// The CPU path's F32 products (the reference) run on one thread in
     /// this codebase; callers pass the threads that actually run the work.
@@ -277,7 +282,8 @@ impl CpuSpec {
         let rate = match w.kind {
             WorkKind::Attention if w.rows <= 1 => self.attention_tflops,
             WorkKind::Attention => self.prefill_attention_tflops,
-            _ => peak * self.gemm_efficiency,
+            WorkKind::Matmul => peak * self.gemm_efficiency * self.gemm_row_fractions.at(w.rows),
+            WorkKind::Elementwise => peak * self.gemm_efficiency,
         };
         let compute = w.flops / (rate * TERA * share);
         seconds(compute.max(w.bytes / bandwidth))

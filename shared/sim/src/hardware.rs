@@ -50,6 +50,9 @@ pub struct CpuSpec {
     pub amx_bf16_tflops: f64,
     /// The fraction of the peak a compute-bound GEMM reaches.
     pub gemm_efficiency: f64,
+    /// How the products' rate depends on their rows (tokens); see [`RowFractions`].
+    #[serde(default, skip_serializing_if = "RowFractions::is_empty")]
+    pub gemm_row_fractions: RowFractions,
     /// What the CPU's attention kernels reach, whole machine: F32 FMAs over
     /// the F32 cache, a different kernel (and rate) from the products'. One
     /// query row a head (decode), and many (prefill's causal attention over
@@ -58,6 +61,57 @@ pub struct CpuSpec {
     pub prefill_attention_tflops: f64,
     /// Socket-to-socket bandwidth per direction; 0 for one socket.
     pub numa_link_gb_per_s: f64,
+}
+
+/// A product kernel's rate against the rows (tokens) it multiplies, as
+/// measured: pairs `[rows, fraction]`, each the fraction of the rate that
+/// `gemm_efficiency` gives which a product of that many rows reaches.
+/// Between two points the fraction is interpolated in log2(rows); beyond
+/// the first and last it is held. Empty (the shipped GPUs, which cite one
+/// efficiency): every product reaches that rate. A routed expert in a
+/// prefill sees only its share of the tokens (512 tokens over 64 experts,
+/// top 6: about 48 each), and a CPU kernel widening FP8 weights does that
+/// once per weight for all its rows, so few rows run well below the rate.
+#[derive(Clone, Debug, Default, PartialEq, Deserialize, Serialize)]
+#[serde(transparent)]
+pub struct RowFractions(pub Vec<[f64; 2]>);
+
+impl RowFractions {
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+
+    /// The fraction a product of `rows` rows reaches.
+    pub fn at(&self, rows: usize) -> f64 {
+        let points = &self.0;
+        let (Some(first), Some(last)) = (points.first(), points.last()) else { return 1.0 };
+        let x = (rows.max(1) as f64).log2();
+        if x <= first[0].log2() {
+            return first[1];
+        }
+        for pair in points.windows(2) {
+            let (x0, x1) = (pair[0][0].log2(), pair[1][0].log2());
+            if x <= x1 {
+                return pair[0][1] + (pair[1][1] - pair[0][1]) * (x - x0) / (x1 - x0);
+            }
+        }
+        last[1]
+    }
+
+    fn validate(&self) -> Result<(), String> {
+        for pair in self.0.windows(2) {
+            if pair[1][0] <= pair[0][0] {
+                return Err(format!("`gemm_row_fractions` rows must increase: {} then {}", pair[0][0], pair[1][0]));
+            }
+        }
+        for &[rows, share] in &self.0 {
+            if !(rows >= 1.0 && rows.is_finite()) {
+                return Err(format!("`gemm_row_fractions` rows must be at least 1, got {rows}"));
+            }
+            fraction("gemm_row_fractions", share, 2.0)?;
+        }
+        Ok(())
+    }
 }
 
 /// An accelerator and its link to the host.
@@ -76,6 +130,9 @@ pub struct DeviceSpec {
     pub memory_gb_per_s: f64,
     /// The fraction of the peak FLOP rate a compute-bound GEMM reaches.
     pub gemm_efficiency: f64,
+    /// How the products' rate depends on their rows (tokens); see [`RowFractions`].
+    #[serde(default, skip_serializing_if = "RowFractions::is_empty")]
+    pub gemm_row_fractions: RowFractions,
     /// The fraction of the peak a compute-bound attention kernel reaches
     /// (prefill's causal attention; decode's is memory-bound).
     pub attention_efficiency: f64,
@@ -193,6 +250,7 @@ impl CpuSpec {
         positive("bf16_tflops", self.bf16_tflops)?;
         non_negative("amx_bf16_tflops", self.amx_bf16_tflops)?;
         fraction("gemm_efficiency", self.gemm_efficiency, 1.0)?;
+        self.gemm_row_fractions.validate()?;
         positive("attention_tflops", self.attention_tflops)?;
         positive("prefill_attention_tflops", self.prefill_attention_tflops)?;
         non_negative("numa_link_gb_per_s", self.numa_link_gb_per_s)?;
@@ -214,6 +272,7 @@ impl DeviceSpec {
         non_negative("fp8_tflops", self.fp8_tflops)?;
         positive("memory_gb_per_s", self.memory_gb_per_s)?;
         fraction("gemm_efficiency", self.gemm_efficiency, 1.0)?;
+        self.gemm_row_fractions.validate()?;
         fraction("attention_efficiency", self.attention_efficiency, 1.0)?;
         if !(1..=2).contains(&self.copy_engines) {
             return Err(format!("`copy_engines` is 1 or 2, got {}", self.copy_engines));

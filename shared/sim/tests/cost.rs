@@ -6,7 +6,7 @@ use duplex_kernels::router::{RouterParams, ScoringFunc};
 use duplex_kernels::{Precision, WeightFormat};
 use duplex_sim::calibrate::{self, Calibration};
 use duplex_sim::cost::{op_work, WorkKind};
-use duplex_sim::hardware::{Hardware, BUILTIN};
+use duplex_sim::hardware::{Hardware, RowFractions, BUILTIN};
 use std::time::Duration;
 
 const FP8: WeightFormat = WeightFormat::Fp8E4m3 { block: [128, 128] };
@@ -76,6 +76,44 @@ fn prefill_gemm_is_compute_bound() {
     let Op::Gemm { w, x, y, .. } = op else { unreachable!() };
     let f32_op = Op::Gemm { w, x, y, precision: Precision::F32, round: false };
     assert_close(secs(gpu.op_time(&f32_op)), work.flops / (gpu.f32_tflops * 1e12 * gpu.gemm_efficiency) + gpu.launch_us * 1e-6);
+}
+
+/// A measured table of the products' rate against their rows slows the
+/// products with few rows, interpolated in log2(rows) and held beyond its
+/// ends, and leaves other ops alone.
+#[test]
+fn products_with_few_rows_run_at_their_measured_fraction() {
+    let mut gpu = paper().devices[0].clone();
+    let time = |gpu: &duplex_sim::hardware::DeviceSpec, tokens: usize| secs(gpu.op_time(&gemm(tokens, 2048, 7168))) - gpu.launch_us * 1e-6;
+    let plain: Vec<f64> = [8, 16, 32, 64, 4096].iter().map(|&n| time(&gpu, n)).collect();
+    gpu.gemm_row_fractions = RowFractions(vec![[16.0, 0.25], [64.0, 0.75], [512.0, 1.0]]);
+    let at = |n: usize| gpu.gemm_row_fractions.at(n);
+    assert_eq!((at(1), at(16), at(32), at(64), at(512), at(4096)), (0.25, 0.25, 0.5, 0.75, 1.0, 1.0));
+    // 4096 tokens are compute-bound at the full rate: unchanged. 64 and
+    // fewer are compute-bound at this GPU's rate once slowed this much.
+    assert_close(time(&gpu, 4096), plain[4]);
+    for (i, (n, fraction)) in [(16, 0.25), (32, 0.5), (64, 0.75)].into_iter().enumerate() {
+        let work = op_work(&gemm(n, 2048, 7168));
+        let compute = work.flops / (gpu.bf16_tflops * 1e12 * gpu.gemm_efficiency * fraction);
+        let memory = work.bytes / (gpu.memory_gb_per_s * 1e9 * gpu.bandwidth_efficiency);
+        assert_close(time(&gpu, n), compute.max(memory));
+        assert!(time(&gpu, n) >= plain[i + 1], "{n} rows");
+    }
+    // The CPU's products likewise.
+    let mut cpu = paper().cpu;
+    let before = secs(cpu.time(&op_work(&gemm(16, 2048, 7168)), cpu.cores()));
+    cpu.gemm_row_fractions = RowFractions(vec![[16.0, 0.5], [512.0, 1.0]]);
+    let after = secs(cpu.time(&op_work(&gemm(16, 2048, 7168)), cpu.cores()));
+    assert!(after > before * 1.5, "{before} s, then {after} s");
+    // Rows must increase; fractions are in (0, 2].
+    let text = include_str!("../../../deploy/hardware/rtx4090-workstation.toml");
+    let with = |table: &str| text.replace("gemm_efficiency = 0.70", &format!("gemm_efficiency = 0.70\ngemm_row_fractions = {table}"));
+    let hw = Hardware::parse(&with("[[16.0, 0.4], [512.0, 1.0]]"), "rows").expect("a table reads");
+    assert_eq!(hw.devices[0].gemm_row_fractions, RowFractions(vec![[16.0, 0.4], [512.0, 1.0]]));
+    let e = Hardware::parse(&with("[[512.0, 1.0], [16.0, 0.4]]"), "rows").expect_err("rows must increase").to_string();
+    assert!(e.contains("gemm_row_fractions"), "{e}");
+    let e = Hardware::parse(&with("[[16.0, 0.0]]"), "rows").expect_err("a zero fraction").to_string();
+    assert!(e.contains("gemm_row_fractions"), "{e}");
 }
 
 #[test]
@@ -207,6 +245,12 @@ fn quick_calibration_measures_this_machine() {
     let device = &hw.devices[0];
     assert_eq!(device.h2d_gb_per_s, 8.0, "uploads are paced to the given bandwidth");
     assert!(device.d2h_gb_per_s > 0.0 && device.launch_us > 0.0 && device.link_latency_us > 0.0);
+    // The products' rate at other rows than the peak's, the peak's own at 1.
+    for rows in [&cpu.gemm_row_fractions, &device.gemm_row_fractions] {
+        let rows: Vec<f64> = rows.0.iter().map(|p| p[0]).collect();
+        assert_eq!(rows, [16.0, 128.0, 512.0]);
+    }
+    assert_eq!(device.gemm_row_fractions.at(128), 1.0);
     // The written file reads back as the same description.
     assert_eq!(Hardware::parse(&calibrate::to_toml(&hw), "calibrated").expect("reads back"), hw);
 }
