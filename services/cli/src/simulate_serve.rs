@@ -663,7 +663,13 @@ mod tests {
     }
 
     fn prompt(len: usize) -> Vec<u32> {
-        (0..len as u32).map(|i| i * 31 % 1000).collect()
+        prompt_from(0, len)
+    }
+
+    /// A prompt sharing no prefix with those of another `start`: the prefix
+    /// cache finds none of it.
+    fn prompt_from(start: u32, len: usize) -> Vec<u32> {
+        (0..len as u32).map(|i| (start + i * 31) % 1000).collect()
     }
 
     /// Runs `requests` from virtual time zero; the time to each one's first token.
@@ -690,9 +696,10 @@ mod tests {
         assert!(two_devices < one_device, "DSLP {two_devices:?} is faster than SLP {one_device:?}");
         assert_eq!(dep.revoked, 0);
 
-        // A short request arrives halfway through the two-device run.
+        // A short request arrives halfway through the two-device run of
+        // another prompt (the first one's is cached now).
         let halfway = two_devices / 2;
-        let mut mixed = [Request::new("P", prompt(P_TOKENS), 2, Duration::ZERO), Request::new("D", prompt(8), 6, halfway)];
+        let mut mixed = [Request::new("P", prompt_from(7, P_TOKENS), 2, Duration::ZERO), Request::new("D", prompt(8), 6, halfway)];
         let t = ttfts(&mut dep, &mut mixed);
         assert_eq!(dep.revoked, 1, "the decode request took its device back");
         assert_eq!((mixed[0].route, mixed[1].route), (Some(Route::Slp), Some(Route::DecodeChunked)));
