@@ -78,6 +78,10 @@ impl Stack {
             metrics_port: 0,
             threads: 1,
             dtype: "f32".into(),
+            // Admission alone: a prompt sent again must take the lease path
+            // as it did the first time (the prefix cache would find it, and
+            // the router would chunk it on the decode worker).
+            prefix_caching: false,
             ..Default::default()
         };
         tasks.push(tokio::spawn(async move {
@@ -232,7 +236,9 @@ fn long_prompts_needing_three_pools_all_finish_with_their_own_tokens() {
             let (ids, _, finished) = within(300, "the concurrent long prompts", run).await.unwrap().unwrap_or_else(|e| panic!("request {i}: {e}"));
             assert_eq!(ids, alone[i], "request {i} among the others");
             assert_eq!(finished.finish_reason, "length");
-            queue_seconds.push(finished.timings.unwrap().queue_seconds);
+            let timings = finished.timings.unwrap();
+            assert_eq!(timings.prefill_path, "prefill", "request {i} through a lease");
+            queue_seconds.push(timings.queue_seconds);
         }
         let (short_ids, _, _) = within(60, "the short prompt sent meanwhile", short_run).await.unwrap().unwrap();
         assert_eq!(short_ids, short_alone);

@@ -83,10 +83,14 @@ fn decode_path_prefill_path_and_cli_agree() {
             assert!(prefill_path.metric(&decode, name, labels).await.is_some_and(|v| v > 0.0), "decode worker lacks {name}{{{labels}}}");
         }
         let prefill = prefill_path.prefill_metrics_url();
-        // Tokens computed: the second request of the same prompt finds all
-        // but its last block in the prefix cache.
+        // The prompt was prefilled once by the prefill worker: the second
+        // request of it (the SSE one) found all but its last block in the
+        // prefix cache, and its 12 new tokens, below the threshold, were
+        // chunked on the decode worker.
         assert!(prefill_path.metric(&prefill, "duplex_prefill_tokens_total", "worker=\"prefill\"").await.is_some_and(|v| v >= 300.0));
-        assert!(prefill_path.metric(&prefill, "duplex_prefill_tokens_per_second_count", "").await.is_some_and(|v| v >= 2.0));
+        assert_eq!(prefill_path.metric(&prefill, "duplex_prefill_tokens_per_second_count", "").await, Some(1.0));
+        assert_eq!(prefill_path.metric(&router, "duplex_prefill_route_total", "route=\"decode_chunked\"").await, Some(1.0));
+        assert!(prefill_path.log().contains("300 prompt tokens, but only 12 not in the prefix cache"), "{}", prefill_path.log());
         assert_eq!(prefill_path.metric(&prefill, "duplex_prefill_slp_streamed_bytes_total", "").await, None, "no accelerator, no SLP");
 
         // Acceptance 5 of SLP: the prompt (300 tokens, above the 256-token SLP
@@ -104,7 +108,7 @@ fn decode_path_prefill_path_and_cli_agree() {
         assert_eq!(ring, Some(16.0));
         // One stream-loading prefill: the second request of the prompt finds
         // all but its last block in the prefix cache, and its short rest
-        // runs on the CPU.
+        // is chunked on the decode worker.
         assert!(streamed >= 8e6, "{streamed} bytes streamed");
         assert_eq!(stalls, Some(1.0));
         assert!(stall >= 0.0 && overlap > 0.0);

@@ -41,7 +41,12 @@ fn start_on(kv_blocks: usize, device_kv_blocks: Option<usize>) -> (Sender<Comman
             Engine::Hybrid(HybridEngine::new(model, dev, config, 16).unwrap())
         }
     };
-    let batcher = Batcher::new(engine, KvAllocator::new(pool, 1), limits, Precision::F32, stats.clone());
+    // Admission alone: these requests share their prompts, and with the
+    // prefix cache on how many blocks each needs would depend on whether
+    // the one before had registered its first block yet (tests/prefix_cache.rs
+    // tests the cache).
+    let kv = KvAllocator::new(pool, 1).with_prefix_caching(false);
+    let batcher = Batcher::new(engine, kv, limits, Precision::F32, stats.clone());
     let (commands, receiver) = std::sync::mpsc::channel();
     std::thread::spawn(move || batcher.run(receiver));
     (commands, stats)
