@@ -156,8 +156,10 @@ impl Router {
         let router_wait = req.arrival.elapsed();
         let prefill_has_dslp = self.workers.readiness().prefill_has_dslp();
         let (mut route, mut reason) = self.policy.route(req.prompt.len(), prefill_has_dslp, self.decoding.activity(Instant::now()));
-        // A long prompt's KV lease, taken before its route is final.
+        // A long prompt's KV lease, taken before its route is final, and
+        // the wait for one given back (time queued all the same).
         let mut leased = None;
+        let mut lease_given_back_after = Duration::ZERO;
         if route != Route::DecodeChunked {
             // Held from before the call: AllocateKv may succeed on the
             // worker after this request has given up waiting.
@@ -175,6 +177,7 @@ impl Router {
                     self.workers.free_kv(&req.id).await?;
                     *held = Held::Nothing;
                     (route, reason) = (chunked, why);
+                    lease_given_back_after = kv_wait;
                 }
                 None => leased = Some((lease, kv_wait)),
             }
@@ -218,7 +221,7 @@ impl Router {
             }
         };
         let (reason, decode_queue) = out.follow(stream).await?;
-        let queue = prefill_queue.unwrap_or(router_wait + decode_queue);
+        let queue = prefill_queue.unwrap_or(router_wait + lease_given_back_after + decode_queue);
         out.finish(reason, queue).await
     }
 
