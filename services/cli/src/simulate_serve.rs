@@ -231,31 +231,29 @@ impl Deployment {
             while due.first().is_some_and(|d| d.0 <= now) {
                 let (_, i, what) = due.remove(0);
                 let r = &mut requests[i];
-                let (tx, rx) = mpsc::unbounded_channel();
-                match what {
+                // Whether it reaches the decode worker now, and with what
+                // prefill's lease (none: the decode worker prefills it).
+                let admit = match what {
                     Due::Arrive => {
                         let (route, _) = policy.route(r.prompt.len(), dslp.is_some(), tracker.activity(instant(base, now)));
                         r.route = Some(route);
                         if route == Route::DecodeChunked {
-                            decoding[i] = Some(tracker.begin());
-                            r.events = Some(rx);
-                            commands.push(Command::Admit(Box::new(admission(i, r, tx, None))));
+                            Some(None)
                         } else {
                             let (reply, lease) = oneshot::channel();
                             r.lease = Some(lease);
                             commands.push(Command::AllocateKv { request_id: i.to_string(), tokens: r.prompt.len(), prompt: r.prompt.clone(), max_tokens: r.max_tokens, reply });
+                            None
                         }
                     }
-                    Due::Chunked => {
-                        decoding[i] = Some(tracker.begin());
-                        r.events = Some(rx);
-                        commands.push(Command::Admit(Box::new(admission(i, r, tx, None))));
-                    }
-                    Due::Admit(prefilled) => {
-                        decoding[i] = Some(tracker.begin());
-                        r.events = Some(rx);
-                        commands.push(Command::Admit(Box::new(admission(i, r, tx, Some(*prefilled)))));
-                    }
+                    Due::Chunked => Some(None),
+                    Due::Admit(prefilled) => Some(Some(*prefilled)),
+                };
+                if let Some(prefilled) = admit {
+                    let (tx, rx) = mpsc::unbounded_channel();
+                    decoding[i] = Some(tracker.begin());
+                    r.events = Some(rx);
+                    commands.push(Command::Admit(Box::new(admission(i, r, tx, prefilled))));
                 }
             }
             batcher.turn(commands);

@@ -150,16 +150,21 @@ impl KvPool {
         &self.data.floats()[o..o + self.block_size * self.entry_dim]
     }
 
+    /// Floats in one block: every layer's entries for `block_size` positions.
+    fn block_len(&self) -> usize {
+        self.n_layers * self.block_size * self.entry_dim
+    }
+
     /// Every layer's entries in block `block`, as one run of floats.
     pub fn block(&self, block: u32) -> &[f32] {
-        let len = self.n_layers * self.block_size * self.entry_dim;
+        let len = self.block_len();
         &self.data.floats()[block as usize * len..][..len]
     }
 
     /// Every layer's entries in block `block`, to fill from a copy made
     /// elsewhere (a device's pool).
     pub fn block_mut(&mut self, block: u32) -> &mut [f32] {
-        let len = self.n_layers * self.block_size * self.entry_dim;
+        let len = self.block_len();
         &mut self.data.floats_mut()[block as usize * len..][..len]
     }
 
