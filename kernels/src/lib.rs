@@ -39,7 +39,7 @@ pub fn round_bf16_slice(xs: &mut [f32]) {
 }
 
 /// The numeric path of a model, chosen at run time.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
 pub enum Precision {
     /// Everything in F32: the simple reference.
     F32,

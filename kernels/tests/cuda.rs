@@ -822,6 +822,18 @@ fn staging_copies_and_host_functions_keep_stream_order() {
 }
 
 #[test]
+fn graphs_run_what_was_captured_when_launched_and_update_per_shape() {
+    let Some(gpu) = cuda_device() else { return };
+    common::graphs::two_streams_captured_and_launched(&*gpu);
+}
+
+#[test]
+fn graph_capture_refuses_what_the_emulated_device_refuses() {
+    let Some(gpu) = cuda_device() else { return };
+    common::graphs::capture_rules_are_enforced(&*gpu);
+}
+
+#[test]
 fn bad_launches_are_refused_before_the_gpu_sees_them() {
     let Some(gpu) = cuda_device() else { return };
     let dev: &dyn Device = &*gpu;

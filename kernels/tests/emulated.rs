@@ -1,11 +1,13 @@
 //! The emulated accelerator keeps a GPU's rules: bounded memory, in-order
 //! streams, events that order streams, a paced copy engine, sticky faults,
-//! and launches checked before they are queued.
+//! launches checked before they are queued, and CUDA's graph capture.
 
 use duplex_kernels::device::emulated::{EmulatedConfig, EmulatedDevice, Jitter};
 use duplex_kernels::device::{self, Device, DeviceError, HostBytes, Op, StreamKind};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
+
+mod common;
 
 fn dev(config: EmulatedConfig) -> Arc<EmulatedDevice> {
     EmulatedDevice::new(config).unwrap()
@@ -166,4 +168,18 @@ fn staging_ranges_are_checked_and_failures_show_in_query() {
         std::thread::sleep(Duration::from_millis(1));
     }
     assert!(d.query(&before).is_err(), "a faulted device reports it");
+}
+
+#[test]
+fn graphs_run_what_was_captured_when_launched_and_update_per_shape() {
+    common::graphs::two_streams_captured_and_launched(&*dev(EmulatedConfig::default()));
+    // Random delays on every stream command do not change what runs when.
+    for seed in 0..6 {
+        common::graphs::two_streams_captured_and_launched(&*dev(EmulatedConfig { jitter: Some(Jitter { seed, max: Duration::from_micros(200) }), ..Default::default() }));
+    }
+}
+
+#[test]
+fn graph_capture_refuses_what_cuda_refuses() {
+    common::graphs::capture_rules_are_enforced(&*dev(EmulatedConfig::default()));
 }

@@ -10,6 +10,10 @@
 //! - Staging: host memory page-locked with `cuMemHostRegister`, copied to and
 //!   from asynchronously (`cuMemcpy{DtoH,HtoD}Async`), kept alive the same way.
 //! - Events: CUDA events with timing, so [`Device::elapsed`] works on any.
+//! - Graphs: stream capture (thread-local mode), instantiated once per
+//!   shape and then updated in place (`cuGraphExecUpdate`). What a captured
+//!   copy or host function needs (its staging, its closure) is kept by the
+//!   capture, then by the launch until an event after it completes.
 //! - Ops: one NVRTC kernel each, written for clarity first and following the
 //!   CPU references operation for operation (see `kernels/cuda/common.cu`).
 //!
@@ -17,7 +21,7 @@
 //! [`DeviceError::Unavailable`], and any other failure [`DeviceError::Backend`].
 
 use super::arena::Arena;
-use super::{Device, DeviceError, DevicePtr, DeviceWeight, Event, HostBytes, Matrix, Op, Staging, StreamId, StreamKind};
+use super::{Device, DeviceError, DevicePtr, DeviceWeight, Event, Graph, GraphExec, GraphLaunch, HostBytes, Matrix, Op, Staging, StreamId, StreamKind};
 use std::any::Any;
 use crate::router::ScoringFunc;
 use crate::{Precision, WeightFormat};
@@ -340,7 +344,78 @@ pub struct CudaDevice {
     /// read by uploads, and read-only mappings such as a memory-mapped
     /// checkpoint can be registered no other way).
     read_only_register: bool,
+    /// Captures in progress.
+    captures: Mutex<Captures>,
 }
+
+/// Which streams are being captured, and what each capture keeps.
+#[derive(Default)]
+struct Captures {
+    /// Each capturing stream's capture, by the stream it began on.
+    origin_of: HashMap<usize, usize>,
+    /// Each capture by the stream it began on.
+    open: HashMap<usize, CudaCapture>,
+}
+
+/// What a capture in progress keeps alive for its graph.
+#[derive(Default)]
+struct CudaCapture {
+    /// Staging buffers its copies use, and its host functions' closures.
+    keep: Vec<Box<dyn Any + Send + Sync>>,
+    /// Why it failed, if it did: its graph is discarded at its end.
+    failure: Option<DeviceError>,
+}
+
+/// An event recorded in a capture that began on stream `origin`: it
+/// orders that capture's streams, and the host cannot wait for it.
+struct CapturedEvent {
+    event: CudaEvent,
+    origin: usize,
+}
+
+/// A captured graph and what it keeps, destroyed on drop.
+struct CudaGraph {
+    ctx: Arc<CudaContext>,
+    graph: sys::CUgraph,
+    keep: Vec<Box<dyn Any + Send + Sync>>,
+}
+
+// SAFETY: a CUgraph is a handle that any thread may use, one at a time;
+// `CudaGraph` is owned and so used by one thread at a time.
+unsafe impl Send for CudaGraph {}
+
+impl Drop for CudaGraph {
+    fn drop(&mut self) {
+        if !self.graph.is_null() && self.ctx.bind_to_thread().is_ok() {
+            // SAFETY: made by `cuStreamEndCapture` and destroyed only here;
+            // an executable graph made from it does not need it.
+            let _ = unsafe { sys::cuGraphDestroy(self.graph) };
+        }
+    }
+}
+
+/// An executable graph, destroyed on drop (the driver lets a launch in
+/// flight finish first).
+struct CudaExec {
+    ctx: Arc<CudaContext>,
+    exec: sys::CUgraphExec,
+}
+
+// SAFETY: as for `CudaGraph`.
+unsafe impl Send for CudaExec {}
+
+impl Drop for CudaExec {
+    fn drop(&mut self) {
+        if self.ctx.bind_to_thread().is_ok() {
+            // SAFETY: made by `cuGraphInstantiateWithFlags`, destroyed only here.
+            let _ = unsafe { sys::cuGraphExecDestroy(self.exec) };
+        }
+    }
+}
+
+/// A captured host function's closure: a graph may run it at most once
+/// per launch, so it is taken out, not freed, by the call.
+type HostSlot = Mutex<Option<HostFn>>;
 
 /// Run `f`, turning a panic into an error: cudarc panics where a library
 /// lacks a symbol it expects, which is an unusable installation, not a bug here.
@@ -413,6 +488,7 @@ impl CudaDevice {
             streams: Mutex::new(vec![]),
             registered: Mutex::new(HashMap::new()),
             read_only_register,
+            captures: Mutex::default(),
         }))
     }
 
@@ -427,7 +503,35 @@ impl CudaDevice {
     }
 
     fn event(event: &Event) -> Result<&CudaEvent, DeviceError> {
+        if event.0.is::<CapturedEvent>() {
+            return Err(DeviceError::Invalid("the host cannot wait for an event recorded in a graph capture: it marks no point of any stream's run".into()));
+        }
         event.0.downcast_ref::<CudaEvent>().ok_or_else(|| DeviceError::Invalid("an event of another device".into()))
+    }
+
+    /// The stream a capture that `stream` is part of began on.
+    fn capture_of(&self, stream: StreamId) -> Option<usize> {
+        lock(&self.captures).origin_of.get(&stream.0).copied()
+    }
+
+    /// Refuse what a capturing stream may not do, failing its capture.
+    fn refuse_in_capture(&self, stream: StreamId, what: &str) -> Result<(), DeviceError> {
+        let mut captures = lock(&self.captures);
+        let Some(origin) = captures.origin_of.get(&stream.0).copied() else {
+            return Ok(());
+        };
+        let e = DeviceError::Invalid(format!("{what} on stream {} while it is captured into a graph", stream.0));
+        if let Some(c) = captures.open.get_mut(&origin) {
+            c.failure.get_or_insert(e.clone());
+        }
+        Err(e)
+    }
+
+    /// Keep `what` alive for the graph being captured from `origin`.
+    fn keep_for_capture(&self, origin: usize, what: Box<dyn Any + Send + Sync>) {
+        if let Some(c) = lock(&self.captures).open.get_mut(&origin) {
+            c.keep.push(what);
+        }
     }
 
     /// Check that `p` lies in this device's arena and is aligned for
@@ -918,6 +1022,19 @@ extern "C" fn run_host_fn(arg: *mut c_void) {
 
 type HostFn = Box<dyn FnOnce() + Send>;
 
+/// Run a captured host function's closure, if it is still in its slot.
+extern "C" fn run_host_slot(arg: *mut c_void) {
+    // SAFETY: `arg` is a `HostSlot` kept alive by the capture and then by
+    // the graph's launch until the launch has completed.
+    let slot = unsafe { &*(arg as *const HostSlot) };
+    let f = lock(slot).take();
+    if let Some(f) = f {
+        if catch_unwind(AssertUnwindSafe(f)).is_err() {
+            eprintln!("duplex-kernels: a CUDA host function panicked");
+        }
+    }
+}
+
 impl Device for CudaDevice {
     fn describe(&self) -> String {
         self.description.clone()
@@ -955,6 +1072,7 @@ impl Device for CudaDevice {
             return Err(DeviceError::Invalid(format!("upload of {} bytes into a {}-byte range", src.len(), dst.bytes)));
         }
         self.check_ptr(&dst, 1, "upload")?;
+        self.refuse_in_capture(stream, "an upload from host memory a graph would not keep (copy from staging)")?;
         let s = self.stream(stream)?;
         s.release_finished();
         if src.is_empty() {
@@ -972,6 +1090,7 @@ impl Device for CudaDevice {
 
     fn download(&self, stream: StreamId, src: DevicePtr) -> Result<Vec<u8>, DeviceError> {
         self.check_ptr(&src, 1, "download")?;
+        self.refuse_in_capture(stream, "a download the host waits for")?;
         let s = self.stream(stream)?;
         let mut out = vec![0u8; src.bytes];
         if out.is_empty() {
@@ -1017,7 +1136,10 @@ impl Device for CudaDevice {
         self.check_ptr(&src, 1, "download")?;
         let at = dst.addr(offset, src.bytes)?;
         let s = self.stream(stream)?;
-        s.release_finished();
+        let capture = self.capture_of(stream);
+        if capture.is_none() {
+            s.release_finished();
+        }
         if src.bytes == 0 {
             return Ok(());
         }
@@ -1027,25 +1149,24 @@ impl Device for CudaDevice {
         // an event recorded after the copy completes (kept below), and host
         // code reads it only from work ordered after the copy (its contract).
         unsafe { sys::cuMemcpyDtoHAsync_v2(at as *mut c_void, src.addr, src.bytes, s.cuda.cu_stream()) }.result().map_err(backend("device→host copy"))?;
-        let done = s.cuda.record_event(None).map_err(backend("recording a copy's event"))?;
-        lock(&s.in_flight).push_back((done, Box::new(dst.clone())));
-        Ok(())
+        self.keep_until_done(&s, capture, Box::new(dst.clone()))
     }
 
     fn upload_from(&self, stream: StreamId, src: &Arc<Staging>, offset: usize, dst: DevicePtr) -> Result<(), DeviceError> {
         self.check_ptr(&dst, 1, "upload")?;
         let at = src.addr(offset, dst.bytes)?;
         let s = self.stream(stream)?;
-        s.release_finished();
+        let capture = self.capture_of(stream);
+        if capture.is_none() {
+            s.release_finished();
+        }
         if dst.bytes == 0 {
             return Ok(());
         }
         self.bind()?;
         // SAFETY: as for `download_to`, the other way.
         unsafe { sys::cuMemcpyHtoDAsync_v2(dst.addr, at as *const c_void, dst.bytes, s.cuda.cu_stream()) }.result().map_err(backend("host→device copy"))?;
-        let done = s.cuda.record_event(None).map_err(backend("recording a copy's event"))?;
-        lock(&s.in_flight).push_back((done, Box::new(src.clone())));
-        Ok(())
+        self.keep_until_done(&s, capture, Box::new(src.clone()))
     }
 
     fn launch(&self, stream: StreamId, op: &Op) -> Result<(), DeviceError> {
@@ -1059,12 +1180,38 @@ impl Device for CudaDevice {
     fn record(&self, stream: StreamId) -> Result<Event, DeviceError> {
         let s = self.stream(stream)?;
         let event = s.cuda.record_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT)).map_err(backend("recording an event"))?;
-        Ok(Event(Arc::new(event)))
+        Ok(match self.capture_of(stream) {
+            Some(origin) => Event(Arc::new(CapturedEvent { event, origin })),
+            None => Event(Arc::new(event)),
+        })
     }
 
+    /// Waiting on a captured event joins the stream to that capture (the
+    /// driver does so too); a captured stream may not wait on an event
+    /// from outside its capture.
     fn wait_event(&self, stream: StreamId, event: &Event) -> Result<(), DeviceError> {
         let s = self.stream(stream)?;
-        s.cuda.wait(Self::event(event)?).map_err(backend("making a stream wait for an event"))
+        let cuda_event = match event.0.downcast_ref::<CapturedEvent>() {
+            Some(captured) => {
+                let mut captures = lock(&self.captures);
+                if !captures.open.contains_key(&captured.origin) {
+                    return Err(DeviceError::Invalid("an event recorded in a graph capture orders only that capture's streams, and it has ended".into()));
+                }
+                match captures.origin_of.get(&stream.0) {
+                    Some(&o) if o != captured.origin => return Err(DeviceError::Invalid(format!("stream {} is in another capture than the event it would wait on", stream.0))),
+                    Some(_) => {}
+                    None => {
+                        captures.origin_of.insert(stream.0, captured.origin);
+                    }
+                }
+                &captured.event
+            }
+            None => {
+                self.refuse_in_capture(stream, "a wait on an event recorded outside the capture")?;
+                Self::event(event)?
+            }
+        };
+        s.cuda.wait(cuda_event).map_err(backend("making a stream wait for an event"))
     }
 
     fn query(&self, event: &Event) -> Result<bool, DeviceError> {
@@ -1096,6 +1243,18 @@ impl Device for CudaDevice {
     fn host_fn(&self, stream: StreamId, f: Box<dyn FnOnce() + Send>) -> Result<(), DeviceError> {
         let s = self.stream(stream)?;
         self.bind()?;
+        if let Some(origin) = self.capture_of(stream) {
+            // A graph's host node may run more than once: the closure stays
+            // with the capture, and each call takes it if it is still there.
+            let slot: Box<HostSlot> = Box::new(Mutex::new(Some(f)));
+            let arg = &*slot as *const HostSlot as *mut c_void;
+            // SAFETY: `arg` points into `slot`, which the capture, then its
+            // launch, keeps alive until the graph has run.
+            let launched = unsafe { cu::stream::launch_host_function(s.cuda.cu_stream(), run_host_slot, arg) };
+            launched.map_err(backend("capturing a host function"))?;
+            self.keep_for_capture(origin, slot);
+            return Ok(());
+        }
         let arg = Box::into_raw(Box::new(f)) as *mut c_void;
         // SAFETY: `run_host_fn` takes back the box leaked above, once.
         let launched = unsafe { cu::stream::launch_host_function(s.cuda.cu_stream(), run_host_fn, arg) };
@@ -1131,5 +1290,102 @@ impl Device for CudaDevice {
             Err(DriverError(sys::CUresult::CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED)) => Ok(()),
             Err(e) => Err(DeviceError::Backend(format!("page-locking {} bytes of host memory: {e}", key.1))),
         }
+    }
+
+    fn begin_capture(&self, stream: StreamId) -> Result<(), DeviceError> {
+        let s = self.stream(stream)?;
+        self.bind()?;
+        let mut captures = lock(&self.captures);
+        if captures.origin_of.contains_key(&stream.0) {
+            return Err(DeviceError::Invalid(format!("stream {} is already being captured", stream.0)));
+        }
+        // Thread-local: only this thread's calls that could implicitly
+        // synchronize are refused while it captures (other threads of the
+        // worker go on as they were).
+        // SAFETY: a live stream of this context.
+        unsafe { sys::cuStreamBeginCapture_v2(s.cuda.cu_stream(), sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL) }.result().map_err(backend("beginning a graph capture"))?;
+        captures.origin_of.insert(stream.0, stream.0);
+        captures.open.insert(stream.0, CudaCapture::default());
+        Ok(())
+    }
+
+    fn end_capture(&self, stream: StreamId) -> Result<Graph, DeviceError> {
+        let s = self.stream(stream)?;
+        self.bind()?;
+        let capture = {
+            let mut captures = lock(&self.captures);
+            let Some(capture) = captures.open.remove(&stream.0) else {
+                return Err(DeviceError::Invalid(format!("stream {} began no capture", stream.0)));
+            };
+            captures.origin_of.retain(|_, origin| *origin != stream.0);
+            capture
+        };
+        let mut graph: sys::CUgraph = std::ptr::null_mut();
+        // SAFETY: the stream began a capture (above); the driver ends it
+        // whatever happened, and hands back the graph or null.
+        let ended = unsafe { sys::cuStreamEndCapture(s.cuda.cu_stream(), &mut graph) }.result();
+        let graph = CudaGraph { ctx: self.ctx.clone(), graph, keep: capture.keep };
+        if let Some(e) = capture.failure {
+            return Err(e);
+        }
+        ended.map_err(|e| match e.0 {
+            sys::CUresult::CUDA_ERROR_STREAM_CAPTURE_UNJOINED => DeviceError::Invalid(format!("streams forked from stream {} were not joined back before the capture ended", stream.0)),
+            _ => DeviceError::Backend(format!("ending a graph capture: {e}")),
+        })?;
+        if graph.graph.is_null() {
+            return Err(DeviceError::Backend("the driver ended the capture without a graph".into()));
+        }
+        Ok(Graph(Box::new(graph)))
+    }
+
+    fn launch_graph(&self, stream: StreamId, graph: Graph, exec: &mut Option<GraphExec>) -> Result<GraphLaunch, DeviceError> {
+        let s = self.stream(stream)?;
+        if self.capture_of(stream).is_some() {
+            return Err(DeviceError::Invalid(format!("stream {} is being captured: a graph cannot run on it", stream.0)));
+        }
+        let mut graph = graph.0.downcast::<CudaGraph>().map_err(|_| DeviceError::Invalid("a graph of another device".into()))?;
+        self.bind()?;
+        let kept = exec.as_ref().and_then(|e| e.0.downcast_ref::<CudaExec>());
+        let updated = match kept {
+            Some(e) => {
+                // SAFETY: zero is a valid value of this plain C struct.
+                let mut info: sys::CUgraphExecUpdateResultInfo = unsafe { std::mem::zeroed() };
+                // SAFETY: both handles are live; a failed update leaves
+                // `e.exec` as it was (it is then replaced below).
+                unsafe { sys::cuGraphExecUpdate_v2(e.exec, graph.graph, &mut info) }.result().is_ok()
+            }
+            None => false,
+        };
+        let launch = if updated {
+            GraphLaunch::Updated
+        } else {
+            let mut handle: sys::CUgraphExec = std::ptr::null_mut();
+            // SAFETY: a live graph; the executable graph is owned by `CudaExec`.
+            unsafe { sys::cuGraphInstantiateWithFlags(&mut handle, graph.graph, 0) }.result().map_err(backend("instantiating a graph"))?;
+            *exec = Some(GraphExec(Box::new(CudaExec { ctx: self.ctx.clone(), exec: handle })));
+            GraphLaunch::Instantiated
+        };
+        let e = exec.as_ref().and_then(|e| e.0.downcast_ref::<CudaExec>()).expect("made or updated above");
+        // SAFETY: a live executable graph and a live stream of this context.
+        unsafe { sys::cuGraphLaunch(e.exec, s.cuda.cu_stream()) }.result().map_err(backend("launching a graph"))?;
+        // What the captured copies and host functions use stays alive until the launch is done.
+        let keep = std::mem::take(&mut graph.keep);
+        self.keep_until_done(&s, None, Box::new(keep))?;
+        Ok(launch)
+    }
+}
+
+impl CudaDevice {
+    /// Keep `what` (read or written by work just queued on `s`) alive until
+    /// that work is done: by the capture, when `s` is being captured, else
+    /// until an event recorded now completes.
+    fn keep_until_done(&self, s: &Stream, capture: Option<usize>, what: Box<dyn Any + Send + Sync>) -> Result<(), DeviceError> {
+        if let Some(origin) = capture {
+            self.keep_for_capture(origin, what);
+            return Ok(());
+        }
+        let done = s.cuda.record_event(None).map_err(backend("recording a copy's event"))?;
+        lock(&s.in_flight).push_back((done, what));
+        Ok(())
     }
 }

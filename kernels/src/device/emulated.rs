@@ -12,12 +12,21 @@
 //! - `jitter` adds a random delay before every command, to shake out
 //!   ordering bugs in tests.
 //!
+//! - Graphs: a capture records what its streams are given instead of
+//!   sending it, with CUDA's rules (what may not happen while capturing,
+//!   streams joining by events and joined back before the end); launching
+//!   the graph sends it all at once, fenced by events on the launching
+//!   stream. An executable graph is the recorded shape (each command's
+//!   stream and kind), so "updated" means the same shape, as CUDA's update
+//!   needs the same topology.
+//!
 //! A failure inside a stream (an index out of range) is sticky, as a CUDA
 //! fault is: every later call reports it.
 
 use super::arena::Arena;
 use super::host_ops::{Executor, Memory};
-use super::{Device, DeviceError, DevicePtr, Event, HostBytes, Op, Staging, StreamId, StreamKind};
+use super::{Device, DeviceError, DevicePtr, Event, Graph, GraphExec, GraphLaunch, HostBytes, Op, Staging, StreamId, StreamKind};
+use std::collections::{HashMap, HashSet};
 use crate::pool::{PoolConfig, ThreadPool};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc::{channel, Sender};
@@ -71,13 +80,44 @@ enum Command {
     HostFn(Box<dyn FnOnce() + Send>),
 }
 
+impl Command {
+    /// What the command is, for a graph's shape.
+    fn kind(&self) -> &'static str {
+        match self {
+            Command::Upload { .. } => "upload",
+            Command::Download { .. } => "download",
+            Command::DownloadTo { .. } => "download_to",
+            Command::UploadFrom { .. } => "upload_from",
+            Command::Launch(op) => op.name(),
+            Command::Record(_) => "record",
+            Command::Wait(_) => "wait",
+            Command::HostFn(_) => "host_fn",
+        }
+    }
+}
+
 /// An emulated event: when its stream reached it.
 struct EventState {
     at: Mutex<Option<Instant>>,
     done: Condvar,
+    /// Where it was recorded, if in a capture: it then only orders the
+    /// capture's streams, and marks no point the host can wait for.
+    captured: Option<CapturedAt>,
+}
+
+/// An event recorded in capture `generation`, after `position` commands captured from `stream`.
+#[derive(Clone, Copy)]
+struct CapturedAt {
+    generation: u64,
+    stream: StreamId,
+    position: usize,
 }
 
 impl EventState {
+    fn new(captured: Option<CapturedAt>) -> Arc<EventState> {
+        Arc::new(EventState { at: Mutex::new(None), done: Condvar::new(), captured })
+    }
+
     fn wait(&self) -> Instant {
         let mut at = lock(&self.at);
         loop {
@@ -189,10 +229,60 @@ struct Stream {
     thread: Option<JoinHandle<()>>,
 }
 
+/// A capture in progress (one at a time on this device).
+struct Capture {
+    generation: u64,
+    /// The stream it began on, then the streams that joined it.
+    members: Vec<StreamId>,
+    /// Every captured command with its stream, in the order they came.
+    nodes: Vec<(StreamId, Command)>,
+    /// Commands captured from each member so far.
+    counts: HashMap<StreamId, usize>,
+    /// Joined streams with captured work the origin has not waited for.
+    unjoined: HashSet<StreamId>,
+    /// Why the capture failed, if it did: it is discarded at its end.
+    failure: Option<DeviceError>,
+}
+
+impl Capture {
+    fn origin(&self) -> StreamId {
+        self.members[0]
+    }
+
+    fn push(&mut self, stream: StreamId, command: Command) -> usize {
+        if stream != self.origin() {
+            self.unjoined.insert(stream);
+        }
+        self.nodes.push((stream, command));
+        let count = self.counts.entry(stream).or_default();
+        *count += 1;
+        *count
+    }
+
+    /// Fail the capture (as CUDA invalidates one) and say why.
+    fn fail(&mut self, why: String) -> DeviceError {
+        let e = DeviceError::Invalid(why);
+        self.failure.get_or_insert(e.clone());
+        e
+    }
+}
+
+/// A captured graph: its commands with their streams, in capture order.
+struct EmulatedGraph {
+    nodes: Vec<(StreamId, Command)>,
+}
+
+/// An executable graph: the shape it was made for.
+struct EmulatedExec {
+    shape: Vec<(StreamId, &'static str)>,
+}
+
 pub struct EmulatedDevice {
     inner: Arc<Inner>,
     arena: Mutex<Arena>,
     streams: Mutex<Vec<Stream>>,
+    capture: Mutex<Option<Capture>>,
+    captures: AtomicU64,
 }
 
 impl EmulatedDevice {
@@ -214,7 +304,7 @@ impl EmulatedDevice {
             config,
         };
         let arena = Mutex::new(Arena::new(inner.config.memory_bytes));
-        Ok(Arc::new(EmulatedDevice { inner: Arc::new(inner), arena, streams: Mutex::new(vec![]) }))
+        Ok(Arc::new(EmulatedDevice { inner: Arc::new(inner), arena, streams: Mutex::new(vec![]), capture: Mutex::new(None), captures: AtomicU64::new(0) }))
     }
 
     pub fn stats(&self) -> EmulatedStats {
@@ -227,8 +317,33 @@ impl EmulatedDevice {
         }
     }
 
+    /// Give `command` to `stream`, or to the capture it is part of.
     fn send(&self, stream: StreamId, command: Command) -> Result<(), DeviceError> {
         self.inner.failed()?;
+        if let Some(c) = lock(&self.capture).as_mut().filter(|c| c.members.contains(&stream)) {
+            c.push(stream, command);
+            return Ok(());
+        }
+        self.send_now(stream, command)
+    }
+
+    /// Refuse what a capturing stream may not do, failing its capture.
+    fn refuse_in_capture(&self, stream: StreamId, what: &str) -> Result<(), DeviceError> {
+        match lock(&self.capture).as_mut().filter(|c| c.members.contains(&stream)) {
+            Some(c) => Err(c.fail(format!("{what} on stream {} while it is captured into a graph", stream.0))),
+            None => Ok(()),
+        }
+    }
+
+    /// Refuse host waits on an event recorded in a capture.
+    fn host_waitable(state: &EventState) -> Result<(), DeviceError> {
+        match state.captured {
+            Some(_) => Err(DeviceError::Invalid("the host cannot wait for an event recorded in a graph capture: it marks no point of any stream's run".into())),
+            None => Ok(()),
+        }
+    }
+
+    fn send_now(&self, stream: StreamId, command: Command) -> Result<(), DeviceError> {
         let streams = lock(&self.streams);
         let s = streams.get(stream.0).ok_or_else(|| DeviceError::Invalid(format!("no stream {}", stream.0)))?;
         s.queue.send(command).map_err(|_| DeviceError::Backend(format!("stream {} has stopped", stream.0)))
@@ -307,11 +422,13 @@ impl Device for EmulatedDevice {
             return Err(DeviceError::Invalid(format!("upload of {} bytes into a {}-byte range", src.len(), dst.bytes)));
         }
         self.inner.memory.bytes(dst)?; // bounds, checked now rather than on the stream
+        self.refuse_in_capture(stream, "an upload from host memory a graph would not keep (copy from staging)")?;
         self.send(stream, Command::Upload { src: src.clone(), dst })
     }
 
     fn download(&self, stream: StreamId, src: DevicePtr) -> Result<Vec<u8>, DeviceError> {
         self.inner.memory.bytes(src)?;
+        self.refuse_in_capture(stream, "a download the host waits for")?;
         let (reply, result) = channel();
         self.send(stream, Command::Download { src, reply })?;
         result.recv().map_err(|_| DeviceError::Backend(format!("stream {} stopped before the download", stream.0)))?
@@ -335,28 +452,63 @@ impl Device for EmulatedDevice {
     }
 
     fn record(&self, stream: StreamId) -> Result<Event, DeviceError> {
-        let state = Arc::new(EventState { at: Mutex::new(None), done: Condvar::new() });
-        self.send(stream, Command::Record(state.clone()))?;
+        self.inner.failed()?;
+        if let Some(c) = lock(&self.capture).as_mut().filter(|c| c.members.contains(&stream)) {
+            let at = CapturedAt { generation: c.generation, stream, position: c.counts.get(&stream).copied().unwrap_or(0) + 1 };
+            let state = EventState::new(Some(at));
+            c.push(stream, Command::Record(state.clone()));
+            return Ok(Event(state));
+        }
+        let state = EventState::new(None);
+        self.send_now(stream, Command::Record(state.clone()))?;
         Ok(Event(state))
     }
 
+    /// In a capture, CUDA's rules: waiting on one of its events joins a
+    /// stream to it (or, on the origin, joins that event's stream back);
+    /// a captured stream may not wait on an event from outside.
     fn wait_event(&self, stream: StreamId, event: &Event) -> Result<(), DeviceError> {
         let state = Self::event(event)?;
-        self.send(stream, Command::Wait(state))
+        self.inner.failed()?;
+        let mut capture = lock(&self.capture);
+        let current = capture.as_ref().map(|c| c.generation);
+        match (capture.as_mut(), state.captured) {
+            (Some(c), Some(at)) if at.generation == c.generation => {
+                if !c.members.contains(&stream) {
+                    c.members.push(stream);
+                } else if stream == c.origin() && at.stream != stream && c.counts.get(&at.stream) == Some(&at.position) {
+                    c.unjoined.remove(&at.stream);
+                }
+                c.push(stream, Command::Wait(state));
+                Ok(())
+            }
+            (Some(c), None) if c.members.contains(&stream) => Err(c.fail(format!("stream {} is captured into a graph and may not wait on an event recorded outside the capture", stream.0))),
+            (_, Some(at)) if Some(at.generation) != current => Err(DeviceError::Invalid("an event recorded in a graph capture orders only that capture's streams, and it has ended".into())),
+            _ => {
+                drop(capture);
+                self.send_now(stream, Command::Wait(state))
+            }
+        }
     }
 
     fn query(&self, event: &Event) -> Result<bool, DeviceError> {
-        let done = lock(&Self::event(event)?.at).is_some();
+        let state = Self::event(event)?;
+        Self::host_waitable(&state)?;
+        let done = lock(&state.at).is_some();
         self.inner.failed().map(|_| done)
     }
 
     fn synchronize(&self, event: &Event) -> Result<(), DeviceError> {
-        Self::event(event)?.wait();
+        let state = Self::event(event)?;
+        Self::host_waitable(&state)?;
+        state.wait();
         self.inner.failed()
     }
 
     fn elapsed(&self, from: &Event, to: &Event) -> Result<Duration, DeviceError> {
         let (a, b) = (Self::event(from)?, Self::event(to)?);
+        Self::host_waitable(&a)?;
+        Self::host_waitable(&b)?;
         let (a, b) = (*lock(&a.at), *lock(&b.at));
         match (a, b) {
             (Some(a), Some(b)) => Ok(b.saturating_duration_since(a)),
@@ -370,6 +522,88 @@ impl Device for EmulatedDevice {
 
     fn register_host(&self, _src: &HostBytes) -> Result<(), DeviceError> {
         Ok(()) // host memory is the device's memory's neighbour: nothing to pin
+    }
+
+    fn begin_capture(&self, stream: StreamId) -> Result<(), DeviceError> {
+        self.inner.failed()?;
+        if stream.0 >= lock(&self.streams).len() {
+            return Err(DeviceError::Invalid(format!("no stream {}", stream.0)));
+        }
+        let mut capture = lock(&self.capture);
+        if let Some(c) = capture.as_ref() {
+            return Err(DeviceError::Invalid(match c.members.contains(&stream) {
+                true => format!("stream {} is already being captured", stream.0),
+                false => format!("stream {} is being captured: the emulated device captures one graph at a time", c.origin().0),
+            }));
+        }
+        let generation = self.captures.fetch_add(1, Ordering::Relaxed);
+        *capture = Some(Capture { generation, members: vec![stream], nodes: vec![], counts: HashMap::new(), unjoined: HashSet::new(), failure: None });
+        Ok(())
+    }
+
+    fn end_capture(&self, stream: StreamId) -> Result<Graph, DeviceError> {
+        let mut capture = lock(&self.capture);
+        let c = match capture.take() {
+            Some(c) if c.origin() == stream => c,
+            other => {
+                let why = match &other {
+                    Some(c) => format!("the capture began on stream {}, not {}", c.origin().0, stream.0),
+                    None => format!("stream {} is not being captured", stream.0),
+                };
+                *capture = other;
+                return Err(DeviceError::Invalid(why));
+            }
+        };
+        if let Some(e) = c.failure {
+            return Err(e);
+        }
+        if !c.unjoined.is_empty() {
+            let mut streams: Vec<usize> = c.unjoined.iter().map(|s| s.0).collect();
+            streams.sort();
+            return Err(DeviceError::Invalid(format!("streams {streams:?} were not joined back into stream {} before the capture ended", stream.0)));
+        }
+        Ok(Graph(Box::new(EmulatedGraph { nodes: c.nodes })))
+    }
+
+    fn launch_graph(&self, stream: StreamId, graph: Graph, exec: &mut Option<GraphExec>) -> Result<GraphLaunch, DeviceError> {
+        self.inner.failed()?;
+        let graph = graph.0.downcast::<EmulatedGraph>().map_err(|_| DeviceError::Invalid("a graph of another device".into()))?;
+        let mut others: Vec<StreamId> = vec![];
+        for &(s, _) in &graph.nodes {
+            if s != stream && !others.contains(&s) {
+                others.push(s);
+            }
+        }
+        if let Some(c) = lock(&self.capture).as_ref() {
+            if let Some(s) = others.iter().chain([&stream]).find(|s| c.members.contains(s)) {
+                return Err(DeviceError::Invalid(format!("stream {} is being captured: a graph cannot run on it", s.0)));
+            }
+        }
+        let shape: Vec<(StreamId, &'static str)> = graph.nodes.iter().map(|(s, c)| (*s, c.kind())).collect();
+        let kept = exec.as_ref().and_then(|e| e.0.downcast_ref::<EmulatedExec>());
+        let launch = match kept {
+            Some(e) if e.shape == shape => GraphLaunch::Updated,
+            _ => {
+                *exec = Some(GraphExec(Box::new(EmulatedExec { shape })));
+                GraphLaunch::Instantiated
+            }
+        };
+        // The other streams start when `stream` gets here, and `stream`
+        // goes on when they have all finished their part.
+        let start = EventState::new(None);
+        self.send_now(stream, Command::Record(start.clone()))?;
+        for &s in &others {
+            self.send_now(s, Command::Wait(start.clone()))?;
+        }
+        for (s, command) in graph.nodes {
+            self.send_now(s, command)?;
+        }
+        for &s in &others {
+            let end = EventState::new(None);
+            self.send_now(s, Command::Record(end.clone()))?;
+            self.send_now(stream, Command::Wait(end))?;
+        }
+        Ok(launch)
     }
 
     fn compute_busy(&self) -> Option<Duration> {

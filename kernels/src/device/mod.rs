@@ -370,6 +370,35 @@ impl std::fmt::Debug for Event {
     }
 }
 
+/// Work captured from streams ([`Device::begin_capture`]), to run once
+/// with [`Device::launch_graph`]; the backend's own representation.
+pub struct Graph(pub(crate) Box<dyn Any + Send>);
+
+/// A graph made executable, kept to run later graphs of the same shape
+/// ([`Device::launch_graph`]); the backend's own representation.
+pub struct GraphExec(pub(crate) Box<dyn Any + Send>);
+
+impl std::fmt::Debug for Graph {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Graph")
+    }
+}
+
+impl std::fmt::Debug for GraphExec {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("GraphExec")
+    }
+}
+
+/// How [`Device::launch_graph`] got its executable graph.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum GraphLaunch {
+    /// Made anew: the first graph of its shape, or one whose shape differs.
+    Instantiated,
+    /// The kept one, updated in place to the new graph's parameters.
+    Updated,
+}
+
 /// Host memory a copy reads from. It holds its owner, so the memory stays
 /// alive until the asynchronous copy has run.
 #[derive(Clone)]
@@ -543,6 +572,36 @@ pub trait Device: Send + Sync {
     /// Page-lock `src`'s memory so copies from it run at full speed (a no-op
     /// where that means nothing).
     fn register_host(&self, src: &HostBytes) -> Result<(), DeviceError>;
+    /// Record `stream`'s work from now on into a graph instead of running
+    /// it (CUDA's stream capture). Another stream joins the capture by
+    /// waiting on an event recorded on a capturing stream, and must be
+    /// joined back (`stream` waits on an event recorded on it after its
+    /// last captured work) before the capture ends. While capturing, no
+    /// host call may wait for captured work (`download`, or `query`,
+    /// `synchronize` or `elapsed` of an event recorded in the capture), a
+    /// capturing stream may not wait on an event from outside it, and
+    /// copies come from [`Staging`] only (a graph keeps no [`HostBytes`]).
+    /// A capture that fails is discarded by [`Device::end_capture`], which
+    /// must be called either way.
+    fn begin_capture(&self, stream: StreamId) -> Result<(), DeviceError> {
+        let _ = stream;
+        Err(DeviceError::Invalid(format!("{} cannot capture graphs", self.describe())))
+    }
+    /// End the capture begun on `stream`: the recorded work, or why the
+    /// capture failed (its work is then discarded and never runs).
+    fn end_capture(&self, stream: StreamId) -> Result<Graph, DeviceError> {
+        let _ = stream;
+        Err(DeviceError::Invalid(format!("{} cannot capture graphs", self.describe())))
+    }
+    /// Run `graph` on `stream`: after the stream's earlier work, and before
+    /// its later work, which waits for the whole graph. It runs through
+    /// `exec`, the executable graph kept for work of this shape: updated in
+    /// place when `graph` has the shape it was made for (CUDA's
+    /// `cuGraphExecUpdate`: cheap), else made anew (instantiated).
+    fn launch_graph(&self, stream: StreamId, graph: Graph, exec: &mut Option<GraphExec>) -> Result<GraphLaunch, DeviceError> {
+        let _ = (stream, graph, exec);
+        Err(DeviceError::Invalid(format!("{} cannot run graphs", self.describe())))
+    }
     /// Time the device has spent computing so far, where it keeps count
     /// (the emulated device does; a GPU's overlapping streams have no one
     /// such figure).

@@ -2,7 +2,7 @@
 //! device: tests compare two backends' logs to show they were given the
 //! same schedule (the simulator's proof that it runs the production one).
 
-use super::{Device, DeviceError, DevicePtr, Event, HostBytes, Op, Staging, StreamId, StreamKind};
+use super::{Device, DeviceError, DevicePtr, Event, Graph, GraphExec, GraphLaunch, HostBytes, Op, Staging, StreamId, StreamKind};
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
@@ -171,5 +171,18 @@ impl Device for Traced {
 
     fn compute_busy(&self) -> Option<Duration> {
         self.inner.compute_busy()
+    }
+
+    /// Captured work is logged as it is given, as any other.
+    fn begin_capture(&self, stream: StreamId) -> Result<(), DeviceError> {
+        self.inner.begin_capture(stream)
+    }
+
+    fn end_capture(&self, stream: StreamId) -> Result<Graph, DeviceError> {
+        self.inner.end_capture(stream)
+    }
+
+    fn launch_graph(&self, stream: StreamId, graph: Graph, exec: &mut Option<GraphExec>) -> Result<GraphLaunch, DeviceError> {
+        self.inner.launch_graph(stream, graph, exec)
     }
 }

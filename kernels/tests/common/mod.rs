@@ -1,7 +1,10 @@
-//! What the device tests share: reproducible random inputs.
+//! What the device tests share: reproducible random inputs, and the graph
+//! checks every backend runs.
 
 // Each test binary uses part of it.
 #![allow(dead_code)]
+
+pub mod graphs;
 
 /// xorshift64*: reproducible inputs without a dependency.
 pub struct Rng(u64);

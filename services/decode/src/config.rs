@@ -86,8 +86,10 @@ pub struct DecodeConfig {
     /// output. It changes the model's function slightly; 0: off.
     pub defer_experts: usize,
     /// How a device step starts and awaits the CPU's routed experts:
-    /// `stream` (from the device streams through host functions, a step
-    /// queued whole) or `host` (this worker's thread, layer by layer).
+    /// `graph` (as `stream`, the step captured as one device graph and
+    /// launched at once), `stream` (from the device streams through host
+    /// functions, a step queued whole) or `host` (this worker's thread,
+    /// layer by layer).
     pub expert_submit: String,
     /// With a device: routed experts the device's expert cache holds, over
     /// all MoE layers (0: no cache, unless `expert_cache_bytes` sizes it).
@@ -181,9 +183,10 @@ impl DecodeConfig {
 
     pub fn submit(&self) -> anyhow::Result<Submit> {
         match self.expert_submit.as_str() {
+            "graph" => Ok(Submit::Graph),
             "stream" => Ok(Submit::Stream),
             "host" => Ok(Submit::Host),
-            other => anyhow::bail!("expert_submit: unknown mode {other:?}; expected stream or host"),
+            other => anyhow::bail!("expert_submit: unknown mode {other:?}; expected graph, stream or host"),
         }
     }
 }
@@ -216,7 +219,7 @@ impl Default for DecodeConfig {
             device_kv_blocks: 0,
             micro_batches: true,
             defer_experts: 0,
-            expert_submit: "stream".into(),
+            expert_submit: "graph".into(),
             expert_cache_experts: 0,
             expert_cache_bytes: 0,
             expert_assignment: "hybrimoe".into(),
@@ -449,10 +452,12 @@ mod tests {
     }
 
     #[test]
-    fn expert_submit_is_stream_or_host() {
-        assert_eq!(DecodeConfig::default().submit().unwrap(), Submit::Stream);
-        let c = DecodeArgs { expert_submit: Some("host".into()), ..Default::default() }.resolve().unwrap();
-        assert_eq!(c.submit().unwrap(), Submit::Host);
+    fn expert_submit_is_graph_stream_or_host() {
+        assert_eq!(DecodeConfig::default().submit().unwrap(), Submit::Graph);
+        for (name, submit) in [("graph", Submit::Graph), ("stream", Submit::Stream), ("host", Submit::Host)] {
+            let c = DecodeArgs { expert_submit: Some(name.into()), ..Default::default() }.resolve().unwrap();
+            assert_eq!(c.submit().unwrap(), submit);
+        }
         let err = DecodeArgs { expert_submit: Some("callbacks".into()), ..Default::default() }.resolve().unwrap_err().to_string();
         assert!(err.starts_with("expert_submit: ") && err.contains("\"callbacks\""), "{err}");
     }

@@ -22,9 +22,12 @@
 //! staging memory and a host function hands them to the host thread, which
 //! runs the experts as they arrive; a later host function holds the stream
 //! until their sum has landed, and a copy takes it up. Events between the
-//! two streams keep the alternation. With [`Submit::Host`] the host thread
-//! instead queues the work layer by layer and waits on each micro-batch's
-//! routes itself.
+//! two streams keep the alternation. With [`Submit::Graph`] that whole
+//! step is captured as one device graph (a CUDA graph on a GPU) and launched
+//! at once: one launch per step instead of one per kernel, through an
+//! executable graph kept per batch shape and updated in place. With
+//! [`Submit::Host`] the host thread instead queues the work layer by layer
+//! and waits on each micro-batch's routes itself.
 
 use crate::checkpoint::HostTensor;
 use crate::backend::{AttentionCall, Backend, ExpertJob, ExpertScratch, RouteCall, Routes, Segment};
@@ -40,7 +43,8 @@ use crate::staged::DeviceBackend;
 use crate::weights::{HostWeight, Weights};
 use duplex_kernels::linear::OwnedWeight;
 use duplex_kernels::device::emulated::Jitter;
-use duplex_kernels::device::{Device, DeviceError, DevicePtr, DeviceWeight, Event, HostBytes, Matrix, Op, PagedKv, Staging, StreamId, StreamKind};
+use duplex_kernels::device::{Device, DeviceError, DevicePtr, DeviceWeight, Event, GraphExec, GraphLaunch, HostBytes, Matrix, Op, PagedKv, Staging, StreamId, StreamKind};
+use std::collections::HashMap;
 use duplex_kernels::clock::Stamp;
 use std::sync::{mpsc, Arc, Condvar, Mutex};
 use std::ops::Range;
@@ -81,6 +85,10 @@ pub struct HybridTimings {
     pub micro_batches: [usize; 2],
     /// What the expert cache did (all zero without one).
     pub cache: CacheStats,
+    /// Steps launched as graphs: through a graph made anew, and through
+    /// one kept for their shape and updated in place.
+    pub graphs_instantiated: u64,
+    pub graphs_updated: u64,
 }
 
 impl std::ops::AddAssign for HybridTimings {
@@ -93,6 +101,8 @@ impl std::ops::AddAssign for HybridTimings {
         };
         self.micro_batches = [self.micro_batches[0] + o.micro_batches[0], self.micro_batches[1] + o.micro_batches[1]];
         self.cache += o.cache;
+        self.graphs_instantiated += o.graphs_instantiated;
+        self.graphs_updated += o.graphs_updated;
     }
 }
 
@@ -191,10 +201,32 @@ pub enum Submit {
     /// round-trips to the device per layer.
     #[default]
     Stream,
+    /// As `Stream`, with the step captured as one device graph (both
+    /// streams, their copies, events and host functions) and launched at
+    /// once. The executable graph is kept per batch shape and updated in
+    /// place each step, as llama.cpp's CUDA backend does, since the
+    /// context length (and so kernels' parameters) changes every step.
+    /// On a device that cannot capture graphs the engine runs `Stream`,
+    /// saying so at start-up.
+    Graph,
     /// From the host thread, which queues the device work layer by layer
     /// and waits on each micro-batch's routes before running its experts.
     Host,
 }
+
+/// The shape of a step, as far as its device work's topology goes: per
+/// micro-batch, each sequence's new tokens and whether it starts the
+/// sequence (it then attends to its fresh entries without a gather).
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+struct StepShape {
+    micro: [Vec<(usize, bool)>; 2],
+    precision: Precision,
+    want: Logits,
+}
+
+/// Executable graphs kept at most: a decode batch has few shapes (one per
+/// batch size, more while prompts are chunked in), each a little device memory.
+const MAX_GRAPHS: usize = 64;
 
 /// What the resident weights and the KV pool take on the device.
 #[derive(Clone, Copy, Debug, Default)]
@@ -251,6 +283,8 @@ pub struct HybridEngine {
     budget: DeviceBudget,
     /// Where routed experts run instead of the model's CPU pool (the simulator's model of one).
     expert_pool: Option<Arc<dyn ExpertPool>>,
+    /// With [`Submit::Graph`]: the executable graph kept for each step shape.
+    graphs: RefCell<HashMap<StepShape, GraphExec>>,
     /// The resident weights and the KV pool, given back on drop.
     _resident: Allocations,
 }
@@ -399,7 +433,17 @@ impl HybridEngine {
             }
             None => None,
         };
-        Ok(HybridEngine { model, dev, embed, layers, head, streams, copy, workspaces: [None, None], stagings: [None, None], submit: cfg.submit, cache, kv, micro_batches: cfg.micro_batches, defer_experts: cfg.defer_experts, cpu_jitter: cfg.cpu_jitter, moe_calls: Default::default(), budget, expert_pool: None, _resident: resident })
+        let submit = match cfg.submit {
+            Submit::Graph => match can_capture(&*dev, streams[0]) {
+                Ok(()) => Submit::Graph,
+                Err(e) => {
+                    tracing::warn!(device = %dev.describe(), error = %e, "this device cannot capture decode steps as graphs: they are queued on its streams instead (expert_submit = \"stream\")");
+                    Submit::Stream
+                }
+            },
+            other => other,
+        };
+        Ok(HybridEngine { model, dev, embed, layers, head, streams, copy, workspaces: [None, None], stagings: [None, None], submit, cache, kv, micro_batches: cfg.micro_batches, defer_experts: cfg.defer_experts, cpu_jitter: cfg.cpu_jitter, moe_calls: Default::default(), budget, expert_pool: None, graphs: RefCell::default(), _resident: resident })
     }
 
     /// Run the routed experts on `pool` instead of the model's CPU pool
@@ -410,6 +454,12 @@ impl HybridEngine {
 
     fn expert_pool(&self) -> &dyn ExpertPool {
         self.expert_pool.as_deref().unwrap_or(&self.model.cpu)
+    }
+
+    /// How steps are submitted: the configured way, or [`Submit::Stream`]
+    /// where [`Submit::Graph`] was asked of a device that cannot capture.
+    pub fn submit(&self) -> Submit {
+        self.submit
     }
 
     pub fn budget(&self) -> DeviceBudget {
@@ -531,11 +581,13 @@ impl HybridEngine {
         let submit = if self.cache.is_some() { Submit::Host } else { self.submit };
         let (logits, mut timings) = match submit {
             Submit::Host => self.step_host(host, (a, da, wa), (b, db, wb), precision, want)?,
-            Submit::Stream => {
+            Submit::Stream | Submit::Graph => {
                 let n = |seqs: &[SeqInput]| seqs.iter().map(|s| s.tokens.len()).sum::<usize>();
                 let sa = self.staging(0, n(a))?;
                 let sb = if b.is_empty() { None } else { Some(self.staging(1, n(b))?) };
-                self.step_streamed(host, (a, da, wa, sa), (b, db, wb, sb), precision, want)?
+                let shape = |seqs: &[SeqInput]| seqs.iter().map(|s| (s.tokens.len(), s.table.len == 0)).collect();
+                let graph = (submit == Submit::Graph).then(|| StepShape { micro: [shape(a), shape(b)], precision, want });
+                self.step_streamed(host, (a, da, wa, sa), (b, db, wb, sb), precision, want, graph)?
             }
         };
         timings.micro_batches = [a.len(), b.len()];
@@ -603,9 +655,10 @@ impl HybridEngine {
     /// One step with [`Submit::Stream`]: each micro-batch's whole pass is
     /// queued on its stream at once, then this thread runs the CPU experts
     /// that the streams hand it, in the order they arrive, until every MoE
-    /// layer of both has had its experts.
-    #[allow(clippy::type_complexity)]
-    fn step_streamed(&self, host: &mut KvPool, (a, da, wa, sa): (&mut [SeqInput], &[&DeviceSeq], DevicePtr, Arc<Staging>), (b, db, wb, sb): (&mut [SeqInput], &[&DeviceSeq], Option<DevicePtr>, Option<Arc<Staging>>), precision: Precision, want: Logits) -> Result<(Vec<f32>, HybridTimings), ForwardError> {
+    /// layer of both has had its experts. With `graph` (the step's shape,
+    /// [`Submit::Graph`]) the queued work is captured and launched as one graph.
+    #[allow(clippy::type_complexity, clippy::too_many_arguments)]
+    fn step_streamed(&self, host: &mut KvPool, (a, da, wa, sa): (&mut [SeqInput], &[&DeviceSeq], DevicePtr, Arc<Staging>), (b, db, wb, sb): (&mut [SeqInput], &[&DeviceSeq], Option<DevicePtr>, Option<Arc<Staging>>), precision: Precision, want: Logits, graph: Option<StepShape>) -> Result<(Vec<f32>, HybridTimings), ForwardError> {
         let (tasks, arrivals) = mpsc::channel();
         let board = Arc::new(Board::default());
         let streamed = |micro: usize, staging: &Arc<Staging>| Some(Streamed { micro, staging: staging.clone(), tasks: tasks.clone(), board: board.clone(), next_offset: 0, current: None, submitted: 0, handed: None });
@@ -619,10 +672,16 @@ impl HybridEngine {
             pa.defer_experts(self.defer_experts);
         }
         let defer = pb.is_none() && self.defer_experts > 0;
-        let queued = self.queue_step(&mut pa, pb.as_mut(), host, defer);
+        let mut timings = HybridTimings::default();
+        let queued = match graph {
+            None => self.queue_step(&mut pa, pb.as_mut(), host, defer),
+            Some(shape) => self.queue_step_as_graph(&mut pa, pb.as_mut(), host, defer, shape).map(|launch| match launch {
+                GraphLaunch::Instantiated => timings.graphs_instantiated += 1,
+                GraphLaunch::Updated => timings.graphs_updated += 1,
+            }),
+        };
         let ends = [Some(&pa), pb.as_ref()].into_iter().flatten().map(|p| self.dev.record(p.backend.dev.stream)).collect::<Result<Vec<_>, _>>();
         let expected = pa.backend.streamed.as_ref().map_or(0, |s| s.submitted) + pb.as_ref().and_then(|p| p.backend.streamed.as_ref()).map_or(0, |s| s.submitted);
-        let mut timings = HybridTimings::default();
         let served = match (queued, ends) {
             (Ok(()), Ok(ends)) => self.serve_experts(&arrivals, &stagings, expected, &board, &ends, precision, &mut timings),
             (Err(e), _) => Err(e),
@@ -642,6 +701,47 @@ impl HybridEngine {
         let (logits, passes) = Self::finish(pa, pb, a, b)?;
         timings += passes;
         Ok((logits, timings))
+    }
+
+    /// [`Self::queue_step`] captured on A's stream (B's forked from it by an
+    /// event and joined back) and launched as one graph, through the
+    /// executable graph kept for `shape`. A capture that fails is
+    /// discarded: nothing of it runs.
+    fn queue_step_as_graph(&self, pa: &mut Pass<HybridBackend>, pb: Option<&mut Pass<HybridBackend>>, host: &mut KvPool, defer: bool, shape: StepShape) -> Result<GraphLaunch, ForwardError> {
+        let (dev, a) = (&*self.dev, pa.backend.dev.stream);
+        let b = pb.as_ref().map(|p| p.backend.dev.stream);
+        // The graph runs on A: after B's own work so far (its pass's uploads).
+        if let Some(b) = b {
+            dev.wait_event(a, &dev.record(b)?)?;
+        }
+        dev.begin_capture(a)?;
+        let captured = (|| -> Result<(), ForwardError> {
+            if let Some(b) = b {
+                dev.wait_event(b, &dev.record(a)?)?;
+            }
+            self.queue_step(pa, pb, host, defer)?;
+            if let Some(b) = b {
+                dev.wait_event(a, &dev.record(b)?)?;
+            }
+            Ok(())
+        })();
+        let ended = dev.end_capture(a);
+        captured?;
+        let graph = ended?;
+        let mut graphs = self.graphs.borrow_mut();
+        let mut exec = graphs.remove(&shape);
+        if graphs.len() >= MAX_GRAPHS {
+            graphs.clear();
+        }
+        let launched = dev.launch_graph(a, graph, &mut exec)?;
+        if let Some(exec) = exec {
+            graphs.insert(shape, exec);
+        }
+        // B's later work (its logits' download) waits for the whole graph.
+        if let Some(b) = b {
+            dev.wait_event(b, &dev.record(a)?)?;
+        }
+        Ok(launched)
     }
 
     /// The logits of both micro-batches' passes, in order (each pass ends in
@@ -994,6 +1094,12 @@ fn calibrate_residuals(model: &Model, cache: &mut ExpertCache) -> Result<(), For
 
 /// Whether every sequence of a batch decodes (one new token each): Expert
 /// Deferral applies to decode only, as in KTransformers.
+/// Whether `dev` can capture a graph on `stream` (an empty one, discarded).
+fn can_capture(dev: &dyn Device, stream: StreamId) -> Result<(), DeviceError> {
+    dev.begin_capture(stream)?;
+    dev.end_capture(stream).map(drop)
+}
+
 fn seqs_decoding(seqs: &[SeqInput]) -> bool {
     seqs.iter().all(|s| s.tokens.len() == 1)
 }

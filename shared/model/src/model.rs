@@ -85,7 +85,7 @@ pub struct ForwardTimings {
 }
 
 /// Which rows of logits a forward pass returns.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Logits {
     /// One row per input token (teacher forcing).
     All,

@@ -210,7 +210,7 @@ fn hybrid_deferral_equals_the_cpu_engine_and_its_effect_is_quoted() {
         let cpu = load(f);
         let k = cpu.cfg.num_experts_per_tok;
         let v = cpu.cfg.vocab_size;
-        for (defer, submit) in [(1, Submit::Stream), (k - 1, Submit::Stream), (k - 1, Submit::Host)] {
+        for (defer, submit) in [(1, Submit::Graph), (k - 1, Submit::Stream), (k - 1, Submit::Host)] {
             let dev = EmulatedDevice::new(EmulatedConfig { memory_bytes: 64 << 20, compute_threads: 1, ..Default::default() }).unwrap();
             let mut e = HybridEngine::new(load(f), dev, HybridConfig { kv_blocks: 64, micro_batches: true, defer_experts: defer, cpu_jitter: None, submit, expert_cache: None }, 16).unwrap();
             for (i, p) in refs.iter().enumerate().take(2) {

@@ -8,8 +8,8 @@ use duplex_kernels::device::{self, Device, Op, StreamKind};
 use duplex_expert_cache::assign::AssignmentKind;
 use duplex_expert_cache::policy::PolicyKind;
 use duplex_expert_cache::prefetch::PrefetchKind;
-use duplex_model::device_experts::{CacheStats, ExpertCacheConfig};
-use duplex_model::hybrid::{AdmitError, DeviceSeq, HybridConfig, HybridEngine, Submit};
+use duplex_model::device_experts::ExpertCacheConfig;
+use duplex_model::hybrid::{AdmitError, DeviceSeq, HybridConfig, HybridEngine, HybridTimings, Submit};
 use duplex_model::{BlockTable, KvPool, Logits, Model, Precision, SeqInput};
 use duplex_toolkit::reference::{self, argmax, max_abs_diff, Bf16Gate, ReferencePrompt, F32_MAX_ABS_DIFF};
 use std::path::{Path, PathBuf};
@@ -79,10 +79,11 @@ fn hybrid_decode(e: &mut HybridEngine, prompts: &[Vec<u32>], steps: usize, p: Pr
     hybrid_decode_counting(e, prompts, steps, p).0
 }
 
-/// [`hybrid_decode`], with what the expert cache did over the whole run.
-fn hybrid_decode_counting(e: &mut HybridEngine, prompts: &[Vec<u32>], steps: usize, p: Precision) -> (Vec<Vec<Vec<f32>>>, CacheStats) {
+/// [`hybrid_decode`], with the steps' timings summed over the whole run
+/// (what the expert cache did, how steps were launched).
+fn hybrid_decode_counting(e: &mut HybridEngine, prompts: &[Vec<u32>], steps: usize, p: Precision) -> (Vec<Vec<Vec<f32>>>, HybridTimings) {
     let v = e.model.cfg.vocab_size;
-    let mut stats = CacheStats::default();
+    let mut stats = HybridTimings::default();
     let mut host = e.model.new_kv_pool(64, BLOCK);
     let mut tables: Vec<BlockTable> = prompts.iter().map(|_| BlockTable::default()).collect();
     let mut out: Vec<Vec<Vec<f32>>> = prompts.iter().map(|_| vec![]).collect();
@@ -99,7 +100,7 @@ fn hybrid_decode_counting(e: &mut HybridEngine, prompts: &[Vec<u32>], steps: usi
         let mut seqs: Vec<SeqInput> = picked.iter_mut().map(|(i, table)| SeqInput { table, tokens: &prompts[*i] }).collect();
         let ds: Vec<&DeviceSeq> = odd.iter().map(|&i| &dseqs[i]).collect();
         let (logits, timings) = e.forward(&mut host, &mut seqs, &ds, p, Logits::Last).unwrap();
-        stats += timings.cache;
+        stats += timings;
         for (&i, row) in odd.iter().zip(logits.chunks(v)) {
             out[i].push(row.to_vec());
         }
@@ -110,7 +111,7 @@ fn hybrid_decode_counting(e: &mut HybridEngine, prompts: &[Vec<u32>], steps: usi
         let mut seqs: Vec<SeqInput> = tables.iter_mut().zip(&tokens).map(|(table, t)| SeqInput { table, tokens: t }).collect();
         let (logits, timings) = e.forward(&mut host, &mut seqs, &refs, p, Logits::Last).unwrap();
         assert!(timings.cpu_moe > Duration::ZERO || timings.cache.device_experts > 0, "the routed experts ran");
-        stats += timings.cache;
+        stats += timings;
         for (o, row) in out.iter_mut().zip(logits.chunks(v)) {
             o.push(row.to_vec());
         }
@@ -130,13 +131,13 @@ fn hybrid_decode_counting(e: &mut HybridEngine, prompts: &[Vec<u32>], steps: usi
 /// F32: the hybrid placement's tokens equal the CPU engine's, and its logits
 /// lie within 2e-3 of them, at batch 1, 2 and 6 with long and short prompts
 /// mixed, with and without micro-batches, the CPU experts started from the
-/// device streams or from the host.
+/// device streams (each step captured as a graph, or not) or from the host.
 #[test]
 fn f32_hybrid_decode_equals_the_cpu_engine() {
     for f in FIXTURES {
         let all = batch_prompts(f);
         let cpu_model = load(f);
-        for (micro_batches, submit) in [(true, Submit::Stream), (false, Submit::Stream), (true, Submit::Host)] {
+        for (micro_batches, submit) in [(true, Submit::Graph), (false, Submit::Graph), (true, Submit::Stream), (true, Submit::Host)] {
             let mut e = engine(f, micro_batches, submit);
             for batch in [1usize, 2, 6] {
                 let prompts = &all[..batch];
@@ -154,6 +155,26 @@ fn f32_hybrid_decode_equals_the_cpu_engine() {
     }
 }
 
+/// Steps captured as graphs: the first of each shape makes an executable
+/// graph, and later ones of that shape update it in place although the
+/// context (and so kernels' parameters) grows every step; the logits are
+/// the uncaptured steps' bit for bit.
+#[test]
+fn graph_steps_update_the_graph_kept_for_their_shape_and_equal_streamed_steps() {
+    for f in FIXTURES {
+        let prompts = &batch_prompts(f)[..3];
+        let (mut graphed, mut streamed) = (engine(f, true, Submit::Graph), engine(f, true, Submit::Stream));
+        assert_eq!(graphed.submit(), Submit::Graph, "the emulated device captures graphs");
+        let (got, t) = hybrid_decode_counting(&mut graphed, prompts, 6, Precision::F32);
+        let (want, plain) = hybrid_decode_counting(&mut streamed, prompts, 6, Precision::F32);
+        assert_eq!(got, want, "{f}: graphs change the logits");
+        assert_eq!(plain.graphs_instantiated + plain.graphs_updated, 0, "{f}: streamed steps launched graphs");
+        // One prefill step (one shape) and six decode steps (another): two
+        // graphs made, five updated.
+        assert_eq!((t.graphs_instantiated, t.graphs_updated), (2, 5), "{f}");
+    }
+}
+
 /// BF16: decoding the reference prompts token by token on the hybrid
 /// placement (two at once, as two micro-batches) meets the engine's gates
 /// against transformers.
@@ -162,7 +183,7 @@ fn bf16_hybrid_decode_meets_the_reference_gates() {
     for (f, cache) in FIXTURES.iter().flat_map(|f| [(*f, false), (*f, true)]) {
         let refs = prompts(f);
         let mut e = match cache {
-            false => engine(f, true, Submit::Stream),
+            false => engine(f, true, Submit::Graph),
             // With an expert cache of a few experts, DALI assignment and DALI prefetch.
             true => cached_engine(f, None, ExpertCacheConfig { experts: 4, assignment: AssignmentKind::Dali, prefetch: PrefetchKind::Residual, policy: PolicyKind::Workload }),
         };
@@ -209,7 +230,7 @@ fn jittered_streams_and_churn_keep_the_cpu_engines_results() {
     // The third run has an expert cache of two experts, HybriMoE assignment
     // and impact prefetch: its slots are copied, read and replaced under the jitter.
     let cache = ExpertCacheConfig { experts: 2, assignment: AssignmentKind::HybriMoe, prefetch: PrefetchKind::Impact, policy: PolicyKind::Lru };
-    for (submit, expert_cache) in [(Submit::Stream, None), (Submit::Host, None), (Submit::Host, Some(cache))] {
+    for (submit, expert_cache) in [(Submit::Graph, None), (Submit::Stream, None), (Submit::Host, None), (Submit::Host, Some(cache))] {
         let jitter = Jitter { seed: 7, max: Duration::from_micros(300) };
         let mut e = HybridEngine::new(load(f), device(Some(jitter)), HybridConfig { kv_blocks: 24, micro_batches: true, defer_experts: 0, cpu_jitter: Some(jitter), submit, expert_cache }, BLOCK).unwrap();
         // Rounds of 3 sequences reuse the same 24 blocks: each round's blocks
@@ -259,7 +280,7 @@ fn refusals_name_what_does_not_fit() {
 fn a_device_fault_mid_step_is_an_error_not_a_hang() {
     let f = "tiny-qwen3moe";
     let dev = EmulatedDevice::new(EmulatedConfig { memory_bytes: 64 << 20, compute_threads: 1, ..Default::default() }).unwrap();
-    let mut e = HybridEngine::new(load(f), dev.clone(), HybridConfig { kv_blocks: 8, micro_batches: true, defer_experts: 0, cpu_jitter: None, submit: Submit::Stream, expert_cache: None }, BLOCK).unwrap();
+    let mut e = HybridEngine::new(load(f), dev.clone(), HybridConfig { kv_blocks: 8, micro_batches: true, defer_experts: 0, cpu_jitter: None, submit: Submit::Graph, expert_cache: None }, BLOCK).unwrap();
     // A stream of the test's own holds a faulting op until released.
     let s = dev.create_stream(StreamKind::Compute).unwrap();
     let (release, gate) = mpsc::channel::<()>();
@@ -356,7 +377,8 @@ fn f32_expert_cache_keeps_the_cpu_engines_results() {
             let want = cpu_decode(&cpu_model, prompts, 4, Precision::F32);
             for cache in &settings {
                 let mut e = cached_engine(f, None, *cache);
-                let (got, stats) = hybrid_decode_counting(&mut e, prompts, 4, Precision::F32);
+                let (got, timings) = hybrid_decode_counting(&mut e, prompts, 4, Precision::F32);
+                let stats = timings.cache;
                 for (i, (g, w)) in got.iter().zip(&want).enumerate() {
                     for (step, (gs, ws)) in g.iter().zip(w).enumerate() {
                         let d = max_abs_diff(gs, ws);

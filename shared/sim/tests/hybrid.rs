@@ -48,9 +48,24 @@ impl ExpertPool for FixedPool {
 }
 
 fn engine(dev: Arc<dyn Device>, micro_batches: bool) -> HybridEngine {
+    engine_submitting(dev, micro_batches, Submit::Stream)
+}
+
+fn engine_submitting(dev: Arc<dyn Device>, micro_batches: bool, submit: Submit) -> HybridEngine {
     let model = Model::load(Path::new(BUNDLED_MODEL), &mut |_, _| {}).unwrap();
-    let cfg = HybridConfig { kv_blocks: 32, micro_batches, defer_experts: 0, cpu_jitter: None, submit: Submit::Stream, expert_cache: None };
+    let cfg = HybridConfig { kv_blocks: 32, micro_batches, defer_experts: 0, cpu_jitter: None, submit, expert_cache: None };
     HybridEngine::new(model, dev, cfg, BLOCK).unwrap()
+}
+
+/// The simulated accelerator captures no graphs: an engine asked for
+/// graph steps on it queues them on the streams, as it would on any such
+/// device, and says so rather than failing.
+#[test]
+fn graph_steps_fall_back_to_streamed_steps_on_a_device_without_graphs() {
+    let sim = SimDevice::new(SimConfig { name: "test".into(), memory_bytes: MEMORY, cost: Arc::new(Fixed(Duration::from_micros(5))), seed: 1, functional: true });
+    assert_eq!(engine_submitting(sim, true, Submit::Graph).submit(), Submit::Stream);
+    let emulated = EmulatedDevice::new(EmulatedConfig { memory_bytes: MEMORY, compute_threads: 1, ..Default::default() }).unwrap();
+    assert_eq!(engine_submitting(emulated, true, Submit::Graph).submit(), Submit::Graph);
 }
 
 /// Prefill `prompts` on the CPU into the host pool, hand them to the engine,
