@@ -132,7 +132,8 @@ fn serve_paths_give_the_reference_greedy_tokens_mixtral() {
 /// prompt, short ones prefilled by the decode worker itself and the long
 /// one handed over from the prefill worker (its KV copied into the device
 /// pool), gives the reference's greedy tokens alone (batch 1) and with
-/// others in flight (batches of 2 and 6, run as two micro-batches).
+/// others in flight (batches of 2 and 6, run as two micro-batches), each
+/// step launched as one device graph.
 fn serve_hybrid_decode_gives_the_reference_greedy_tokens(name: &str) {
     let _serial = serial();
     let references = references(name);
@@ -160,6 +161,9 @@ fn serve_hybrid_decode_gives_the_reference_greedy_tokens(name: &str) {
         assert!(split > 0.0, "{name}: no step ran as two micro-batches");
         let cpu_moe = server.metric(&decode_metrics, "duplex_decode_step_seconds_count", "part=\"cpu_moe\"").await.unwrap_or(0.0);
         assert!(cpu_moe > 0.0, "{name}: no hybrid step recorded");
+        // Steps are captured as device graphs by default, and a shape seen before updates its graph.
+        let updated = server.metric(&decode_metrics, "duplex_decode_graph_launches_total", "exec=\"updated\"").await.unwrap_or(0.0);
+        assert!(updated > 0.0, "{name}: no step launched through a kept graph");
         let used = server.metric(&decode_metrics, "duplex_decode_device_kv_blocks_used", "").await;
         assert_eq!(used, Some(0.0), "{name}: device KV blocks still held after every request finished");
     });

@@ -653,9 +653,11 @@ fn a_running_server_exports_what_the_dashboard_queries() {
     // The prefill worker on an emulated device with a low stream-loading
     // threshold, so that its SLP metrics are recorded too; then a second
     // server whose decode worker runs the hybrid placement on an emulated
-    // device with an expert cache, for their own metrics. A process's exports are the union of both.
+    // device with an expert cache (its steps host-driven), and a third
+    // without (its steps launched as device graphs), for their own metrics.
+    // A process's exports are the union of all three.
     let mut scrapes: BTreeMap<String, String> = BTreeMap::new();
-    for (decode_device, expert_cache_experts) in [("cpu", 0), ("emulated", 8)] {
+    for (decode_device, expert_cache_experts) in [("cpu", 0), ("emulated", 8), ("emulated", 0)] {
         let server = Server::start(Options { prefill_threshold_tokens: 64, slp_threshold_tokens: Some(64), decode_device, expert_cache_experts, ..Options::default() });
         let scraped = tokio::runtime::Builder::new_multi_thread().enable_all().build().unwrap().block_on(async {
             let mut client = server.grpc_client().await;

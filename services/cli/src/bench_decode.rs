@@ -20,10 +20,11 @@
 //! lowest-weighted routed experts run on the CPU while the device runs the
 //! next layer's attention), the other way to overlap at batch 1.
 //!
-//! The CPU experts are started and awaited from the device streams (the
-//! default, [`Submit::Stream`]); batch 1 and batch 2 also run with the host
-//! thread driving the micro-batches layer by layer ([`Submit::Host`]), to
-//! compare the two.
+//! The CPU experts are started and awaited from the device streams, each
+//! step captured as one device graph (the default, [`Submit::Graph`]);
+//! batch 1 and batch 2 also run queued on the streams without a graph
+//! ([`Submit::Stream`]) and with the host thread driving the micro-batches
+//! layer by layer ([`Submit::Host`]), to compare the three.
 //!
 //! Per-layer figures are a step's totals divided by its layers: the engine
 //! reports its timings per pass, not per layer.
@@ -311,12 +312,12 @@ pub fn run(args: BenchDecodeArgs) -> Result<()> {
     }
 
     let mut placements = vec![];
-    for kind in [(true, 0, Submit::Stream, None), (false, 0, Submit::Stream, None), (true, 0, Submit::Host, None)] {
+    for kind in [(true, 0, Submit::Graph, None), (false, 0, Submit::Graph, None), (true, 0, Submit::Host, None), (true, 0, Submit::Stream, None)] {
         placements.push(placement(&args, &pin, kind, kv_blocks, positions, &host, &tables)?);
     }
     if args.defer > 0 {
         // Deferral applies to a pass of one decoding sequence: an engine of its own.
-        placements.push(placement(&args, &pin, (true, args.defer, Submit::Stream, None), kv_blocks, positions, &host, &tables)?);
+        placements.push(placement(&args, &pin, (true, args.defer, Submit::Graph, None), kv_blocks, positions, &host, &tables)?);
     }
     let budget = placements[0].engine.budget();
     // Written, not printed: a reader that goes away (`| head`) is an error
@@ -353,9 +354,11 @@ pub fn run(args: BenchDecodeArgs) -> Result<()> {
         Config { label: "batch 2, one batch", placement: 1, batch: 2 },
         Config { label: "batch 1, host-driven", placement: 2, batch: 1 },
         Config { label: "batch 2, two micro-batches, host-driven", placement: 2, batch: 2 },
+        Config { label: "batch 1, streamed without a graph", placement: 3, batch: 1 },
+        Config { label: "batch 2, two micro-batches, streamed without a graph", placement: 3, batch: 2 },
     ];
     if args.defer > 0 {
-        configs.push(Config { label: "batch 1, expert deferral", placement: 3, batch: 1 });
+        configs.push(Config { label: "batch 1, expert deferral", placement: 4, batch: 1 });
     }
     // One unmeasured round each: the workspaces are allocated and the pages
     // of the weights and the KV touched on first use.
@@ -399,8 +402,10 @@ pub fn run(args: BenchDecodeArgs) -> Result<()> {
     writeln!(out, "| batch 2 (two micro-batches) ÷ batch 2 (one batch) | {} | 1.00× without overlap |", ratio(1, 2))?;
     writeln!(out, "| batch 1, from the streams ÷ host-driven | {} | 1.00× |", ratio(0, 3))?;
     writeln!(out, "| batch 2 (two micro-batches), from the streams ÷ host-driven | {} | 1.00× |", ratio(1, 4))?;
+    writeln!(out, "| batch 1, a graph per step ÷ streamed without | {} | 1.00× |", ratio(0, 5))?;
+    writeln!(out, "| batch 2 (two micro-batches), a graph per step ÷ streamed without | {} | 1.00× |", ratio(1, 6))?;
     if args.defer > 0 {
-        writeln!(out, "| batch 1 with expert deferral ÷ batch 1 | {} | 1.00× without overlap |", ratio(5, 0))?;
+        writeln!(out, "| batch 1 with expert deferral ÷ batch 1 | {} | 1.00× without overlap |", ratio(7, 0))?;
     }
 
     for p in placements {

@@ -162,9 +162,10 @@ fn a_missing_model_directory_is_a_clear_error() {
     assert!(err.contains("/nonexistent/model is not a model directory"), "{err}");
 }
 
-/// `duplex bench-decode` on the bundled model: the four configurations'
-/// per-layer times, overlap efficiencies and throughputs, and the batch-2 ÷
-/// batch-1 ratio next to the paper's; zero lengths, and a deferral of as
+/// `duplex bench-decode` on the bundled model: the configurations'
+/// per-layer times, overlap efficiencies and throughputs (graph steps,
+/// streamed steps without graphs, deferral), the batch-2 ÷ batch-1 ratio
+/// next to the paper's, and graph ÷ streamed; zero lengths, and a deferral of as
 /// many experts as a token has, are refused by name.
 #[test]
 fn bench_decode_reports_overlap_and_throughput() {
@@ -198,7 +199,7 @@ fn bench_decode_reports_overlap_and_throughput() {
     };
     assert!(stdout.contains("dtype Bf16, context 8, 2 decode steps × 2 rounds"), "{stdout}");
     assert!(stdout.contains("expert deferral: 2 of 4 routed experts per token at batch 1"), "{stdout}");
-    for label in ["batch 1", "batch 2, two micro-batches", "batch 2, one batch", "batch 1, expert deferral"] {
+    for label in ["batch 1", "batch 2, two micro-batches", "batch 2, one batch", "batch 1, streamed without a graph", "batch 2, two micro-batches, streamed without a graph", "batch 1, expert deferral"] {
         let row = cells(label, "| overlap efficiency");
         assert_eq!(row.len(), 6, "{row:?}");
         for ms in [&row[1], &row[2], &row[3]] {
@@ -213,6 +214,8 @@ fn bench_decode_reports_overlap_and_throughput() {
     let paper = cells("batch 2 (two micro-batches) ÷ batch 1", "| ratio of tokens/s");
     assert!(spread(&paper[1])[0] > 0.0, "{paper:?}");
     assert_eq!(paper[2], "paper: 1.56×");
-    let deferral = cells("batch 1 with expert deferral ÷ batch 1", "| ratio of tokens/s");
-    assert!(spread(&deferral[1])[0] > 0.0, "{deferral:?}");
+    for label in ["batch 1 with expert deferral ÷ batch 1", "batch 1, a graph per step ÷ streamed without", "batch 2 (two micro-batches), a graph per step ÷ streamed without"] {
+        let ratio = cells(label, "| ratio of tokens/s");
+        assert!(spread(&ratio[1])[0] > 0.0, "{ratio:?}");
+    }
 }

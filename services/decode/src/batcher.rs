@@ -757,6 +757,11 @@ fn record_step(t: &StepTimings, elapsed: Duration) {
                     metrics::histogram!(names::DECODE_MICRO_BATCH_SIZE, "half" => *half).record(n as f64);
                 }
             }
+            for (exec, n) in [("instantiated", h.graphs_instantiated), ("updated", h.graphs_updated)] {
+                if n > 0 {
+                    metrics::counter!(names::DECODE_GRAPH_LAUNCHES, "exec" => exec).increment(n);
+                }
+            }
             let c = &h.cache;
             if c.layers > 0 {
                 let layers = c.layers as f64;

@@ -100,6 +100,8 @@ metrics_table! {
         "max(device compute, CPU MoE) ÷ step time of each hybrid step, where the device reports its compute time (the emulated device does).";
     DEVICE_KV_BLOCKS_USED = "duplex_decode_device_kv_blocks_used", Gauge, Decode, NONE,
         "Blocks of the decode worker's device KV pool held by running sequences (hybrid placement).";
+    DECODE_GRAPH_LAUNCHES = "duplex_decode_graph_launches_total", Counter, Decode, NONE,
+        "Hybrid decode steps launched as one device graph (expert_submit = graph); label exec = instantiated (a graph made for a new step shape) | updated (the kept graph of the step's shape, updated in place).";
     EXPERT_CACHE_LOOKUPS = "duplex_decode_expert_cache_lookups_total", Counter, Decode, NONE,
         "Activated routed experts looked up in the decode device's expert cache (hybrid placement with expert_cache_experts).";
     EXPERT_CACHE_HITS = "duplex_decode_expert_cache_hits_total", Counter, Decode, NONE,
