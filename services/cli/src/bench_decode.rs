@@ -100,6 +100,8 @@ pub(crate) struct Round {
     cpu: Duration,
     /// The host's time blocked on the device.
     wait: Duration,
+    /// The host's time capturing graph steps and launching them.
+    capture: Duration,
     /// Wall time of the steps.
     pub(crate) measured: Duration,
     pub(crate) tokens: usize,
@@ -246,6 +248,7 @@ pub(crate) fn decode(p: &mut Placement, host: &mut KvPool, tables: &mut [BlockTa
         round.device += timings.device_busy.context("the emulated device reports its compute time")?;
         round.cpu += timings.cpu_moe;
         round.wait += timings.device_wait;
+        round.capture += timings.graph_capture;
         round.cache += timings.cache;
         logits = out;
     }
@@ -389,6 +392,8 @@ pub fn run(args: BenchDecodeArgs) -> Result<()> {
             per_layer(rs, |r| r.wait)
         )?;
     }
+    let per_step = |rs: &[Round]| spread(rs.iter().map(|r| r.capture.as_secs_f64() * 1e3 / args.steps as f64).collect(), 3);
+    writeln!(out, "\nCapturing a step as a graph and launching it, host ms per step (the device starts the step only after; queued without a graph it starts on the first command): batch 1 {}, batch 2 (two micro-batches) {}", per_step(&rounds[0]), per_step(&rounds[1]))?;
     writeln!(out, "\n| configuration | tokens/s (min / median / max) |")?;
     writeln!(out, "| --- | --- |")?;
     for (c, rs) in configs.iter().zip(&rounds) {

@@ -211,6 +211,9 @@ fn bench_decode_reports_overlap_and_throughput() {
         let tps = cells(label, "| tokens/s");
         assert!(spread(&tps[1])[0] > 0.0, "{label}: {tps:?}");
     }
+    let capture = stdout.lines().find(|l| l.starts_with("Capturing a step as a graph")).unwrap_or_else(|| panic!("no capture time in:\n{stdout}"));
+    let batch1 = capture.split("batch 1 ").nth(1).and_then(|r| r.split(", batch 2").next()).unwrap_or_else(|| panic!("{capture}"));
+    assert!(spread(batch1)[0] > 0.0, "{capture}");
     let paper = cells("batch 2 (two micro-batches) ÷ batch 1", "| ratio of tokens/s");
     assert!(spread(&paper[1])[0] > 0.0, "{paper:?}");
     assert_eq!(paper[2], "paper: 1.56×");

@@ -749,6 +749,9 @@ fn record_step(t: &StepTimings, elapsed: Duration) {
         StepTimings::Hybrid(h) => {
             part("cpu_moe", h.cpu_moe);
             part("device_wait", h.device_wait);
+            if h.graphs_instantiated + h.graphs_updated > 0 {
+                part("graph_capture", h.graph_capture);
+            }
             if let Some(busy) = h.device_busy {
                 part("device", busy);
             }

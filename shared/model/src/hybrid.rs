@@ -89,6 +89,10 @@ pub struct HybridTimings {
     /// one kept for their shape and updated in place.
     pub graphs_instantiated: u64,
     pub graphs_updated: u64,
+    /// Capturing graph steps and launching them: host time before the
+    /// device can start the step (queued without a graph, it starts on the
+    /// first command).
+    pub graph_capture: Duration,
 }
 
 impl std::ops::AddAssign for HybridTimings {
@@ -103,6 +107,7 @@ impl std::ops::AddAssign for HybridTimings {
         self.cache += o.cache;
         self.graphs_instantiated += o.graphs_instantiated;
         self.graphs_updated += o.graphs_updated;
+        self.graph_capture += o.graph_capture;
     }
 }
 
@@ -675,10 +680,15 @@ impl HybridEngine {
         let mut timings = HybridTimings::default();
         let queued = match graph {
             None => self.queue_step(&mut pa, pb.as_mut(), host, defer),
-            Some(shape) => self.queue_step_as_graph(&mut pa, pb.as_mut(), host, defer, shape).map(|launch| match launch {
-                GraphLaunch::Instantiated => timings.graphs_instantiated += 1,
-                GraphLaunch::Updated => timings.graphs_updated += 1,
-            }),
+            Some(shape) => {
+                let started = Instant::now();
+                let launched = self.queue_step_as_graph(&mut pa, pb.as_mut(), host, defer, shape);
+                timings.graph_capture = started.elapsed();
+                launched.map(|launch| match launch {
+                    GraphLaunch::Instantiated => timings.graphs_instantiated += 1,
+                    GraphLaunch::Updated => timings.graphs_updated += 1,
+                })
+            }
         };
         let ends = [Some(&pa), pb.as_ref()].into_iter().flatten().map(|p| self.dev.record(p.backend.dev.stream)).collect::<Result<Vec<_>, _>>();
         let expected = pa.backend.streamed.as_ref().map_or(0, |s| s.submitted) + pb.as_ref().and_then(|p| p.backend.streamed.as_ref()).map_or(0, |s| s.submitted);

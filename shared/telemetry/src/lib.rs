@@ -93,7 +93,7 @@ metrics_table! {
     DECODE_BATCH_SIZE = "duplex_decode_batch_size", Histogram, Decode, BATCH,
         "Sequences in one decode-worker step (decoding plus prefilling).";
     DECODE_STEP_TIME = "duplex_decode_step_seconds", Histogram, Decode, LATENCY,
-        "Time of one decode-worker step; label part = total | attention | moe | cpu_moe | device_wait | device; attention and moe on the CPU engine, and on the hybrid placement cpu_moe (routed experts on the CPU), device_wait (the host blocked on the device) and device (its compute, where it reports one).";
+        "Time of one decode-worker step; label part = total | attention | moe | cpu_moe | device_wait | device | graph_capture; attention and moe on the CPU engine, and on the hybrid placement cpu_moe (routed experts on the CPU), device_wait (the host blocked on the device), device (its compute, where it reports one) and graph_capture (capturing the step as a device graph and launching it, before the device starts).";
     DECODE_MICRO_BATCH_SIZE = "duplex_decode_micro_batch_size", Histogram, Decode, BATCH,
         "Sequences in each of a hybrid step's two micro-batches; label half = a | b (b absent when the batch runs unsplit).";
     DECODE_OVERLAP = "duplex_decode_overlap_efficiency", Histogram, Decode, RATIO,
