@@ -157,12 +157,12 @@ if [ "$serve" = 1 ]; then
   if [ ! -x "$bin" ] || ! command -v curl >/dev/null 2>&1 || ! command -v python3 >/dev/null 2>&1; then
     fail "--serve needs $bin (cargo build --bins), curl and python3"
   else
-    # Two servers: the decode worker on the CPU, then on the hybrid placement
-    # (an emulated device, with an expert cache and prefetch), so that the
-    # series of both exist.
-    for decode_device in cpu emulated; do
-    cache=0 prefetch=none
-    if [ "$decode_device" = emulated ]; then cache=8 prefetch=impact; fi
+    # Three servers: the decode worker on the CPU, then on the hybrid
+    # placement (an emulated device) with an expert cache and prefetch (its
+    # steps host-driven), then without (its steps launched as device
+    # graphs), so that the series of all three exist.
+    for setup in cpu:0:none emulated:8:impact emulated:0:none; do
+    IFS=: read -r decode_device cache prefetch <<<"$setup"
     http=$(free_port) grpc=$(free_port) dm=$(free_port) pm=$(free_port) dp=$(free_port) pp=$(free_port)
     # A low prefill threshold, so that one request goes through each worker;
     # the prefill worker on an emulated accelerator with a low stream-loading
@@ -170,7 +170,7 @@ if [ "$serve" = 1 ]; then
     printf '[router]\nprefill_threshold_tokens = 16\n[decode]\nport = %s\nmetrics_port = %s\nthreads = 1\ndevice = "%s"\ndevice_memory_mib = 256\nexpert_cache_experts = %s\nexpert_prefetch = "%s"\n[prefill]\nport = %s\nmetrics_port = %s\nthreads = 1\n' \
       "$dp" "$dm" "$decode_device" "$cache" "$prefetch" "$pp" "$pm" >"$work/duplex.toml"
     printf 'device = "emulated"\nslp_threshold_tokens = 16\ndevice_memory_mib = 64\ndense_budget_mib = 4\n' >>"$work/duplex.toml"
-    "$bin" serve --config "$work/duplex.toml" --http-port "$http" --grpc-port "$grpc" --instance "checkdeploy-$$-$decode_device" --ready-timeout 120 >"$work/serve.log" 2>&1 &
+    "$bin" serve --config "$work/duplex.toml" --http-port "$http" --grpc-port "$grpc" --instance "checkdeploy-$$-$decode_device-$cache" --ready-timeout 120 >"$work/serve.log" 2>&1 &
     pids+=($!)
     for _ in $(seq 1 240); do grep -q "Duplex is ready" "$work/serve.log" && break; kill -0 "${pids[-1]}" 2>/dev/null || break; sleep 0.5; done
     if grep -q "Duplex is ready" "$work/serve.log"; then
