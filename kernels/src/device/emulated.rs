@@ -11,7 +11,6 @@
 //! - Compute: ops run one at a time on the device's own thread pool.
 //! - `jitter` adds a random delay before every command, to shake out
 //!   ordering bugs in tests.
-//!
 //! - Graphs: a capture records what its streams are given instead of
 //!   sending it, with CUDA's rules (what may not happen while capturing,
 //!   streams joining by events and joined back before the end); launching

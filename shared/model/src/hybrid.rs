@@ -17,15 +17,15 @@
 //! micro-batches on two device streams and alternates them layer by layer,
 //! so that the device runs one micro-batch's attention while the CPU runs
 //! the other's experts (the schedule of KTransformers and of the paper's
-//! §3.3.1). By default ([`Submit::Stream`]) a step is queued whole: per MoE
+//! §3.3.1). With [`Submit::Stream`] a step is queued whole: per MoE
 //! layer a stream copies the experts' input and the router's choices into
 //! staging memory and a host function hands them to the host thread, which
 //! runs the experts as they arrive; a later host function holds the stream
 //! until their sum has landed, and a copy takes it up. Events between the
-//! two streams keep the alternation. With [`Submit::Graph`] that whole
-//! step is captured as one device graph (a CUDA graph on a GPU) and launched
-//! at once: one launch per step instead of one per kernel, through an
-//! executable graph kept per batch shape and updated in place. With
+//! two streams keep the alternation. With [`Submit::Graph`] (the default)
+//! that whole step is captured as one device graph (a CUDA graph on a GPU)
+//! and launched at once: one launch per step instead of one per kernel,
+//! through an executable graph kept per batch shape and updated in place. With
 //! [`Submit::Host`] the host thread instead queues the work layer by layer
 //! and waits on each micro-batch's routes itself.
 
@@ -204,7 +204,6 @@ pub enum Submit {
     /// later one (after the shared experts) waits for the sum, which is
     /// copied up. The host thread runs the experts as they arrive and never
     /// round-trips to the device per layer.
-    #[default]
     Stream,
     /// As `Stream`, with the step captured as one device graph (both
     /// streams, their copies, events and host functions) and launched at
@@ -212,7 +211,8 @@ pub enum Submit {
     /// place each step, as llama.cpp's CUDA backend does, since the
     /// context length (and so kernels' parameters) changes every step.
     /// On a device that cannot capture graphs the engine runs `Stream`,
-    /// saying so at start-up.
+    /// saying so at start-up. The default.
+    #[default]
     Graph,
     /// From the host thread, which queues the device work layer by layer
     /// and waits on each micro-batch's routes before running its experts.
@@ -1102,14 +1102,14 @@ fn calibrate_residuals(model: &Model, cache: &mut ExpertCache) -> Result<(), For
     Ok(())
 }
 
-/// Whether every sequence of a batch decodes (one new token each): Expert
-/// Deferral applies to decode only, as in KTransformers.
 /// Whether `dev` can capture a graph on `stream` (an empty one, discarded).
 fn can_capture(dev: &dyn Device, stream: StreamId) -> Result<(), DeviceError> {
     dev.begin_capture(stream)?;
     dev.end_capture(stream).map(drop)
 }
 
+/// Whether every sequence of a batch decodes (one new token each): Expert
+/// Deferral applies to decode only, as in KTransformers.
 fn seqs_decoding(seqs: &[SeqInput]) -> bool {
     seqs.iter().all(|s| s.tokens.len() == 1)
 }
