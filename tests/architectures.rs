@@ -37,16 +37,44 @@ fn references(name: &str) -> Vec<Reference> {
 
 /// `duplex generate` on `model`: greedy, EOS ignored, F32, as JSON.
 fn generate(model: &PathBuf, prompt: &[u32], max_tokens: usize) -> serde_json::Value {
+    generate_with(model, prompt, max_tokens, &[])
+}
+
+/// [`generate`] with `--override-kv` for each of `overrides`.
+fn generate_with(model: &PathBuf, prompt: &[u32], max_tokens: usize, overrides: &[String]) -> serde_json::Value {
     let ids: Vec<String> = prompt.iter().map(|t| t.to_string()).collect();
     let out = Command::new(duplex_bin())
         .args(["generate", "--model"])
         .arg(model)
         .args(["--tokens", &ids.join(","), "--temperature", "0", "--ignore-eos", "--json", "--dtype", "f32"])
         .args(["--max-tokens", &max_tokens.to_string()])
+        .args(overrides.iter().flat_map(|o| ["--override-kv", o.as_str()]))
         .output()
         .expect("run duplex generate");
     assert!(out.status.success(), "duplex generate --model {} failed: {}", model.display(), String::from_utf8_lossy(&out.stderr));
     serde_json::from_slice(&out.stdout).expect("generate --json output")
+}
+
+/// `duplex serve --override-kv` on a GGUF reaches both workers: a long
+/// prompt prefilled by the prefill worker and decoded by the decode worker
+/// gives `duplex generate`'s tokens with the same override (another YaRN
+/// beta), which differ from the tokens without it.
+#[test]
+fn serve_passes_metadata_overrides_to_both_workers() {
+    let _serial = serial();
+    let gguf = fixture("tiny-dsv3-q4km").join("model-Q4_K_M.gguf");
+    let prompt = references("tiny-dsv3-q4km").swap_remove(2).input_ids;
+    assert!(prompt.len() >= 256, "the prompt goes to the prefill worker");
+    let overrides = vec!["deepseek2.rope.scaling.yarn_beta_fast=float:4".to_string()];
+    let tokens = |json: serde_json::Value| -> Vec<u32> { json["tokens"].as_array().unwrap().iter().map(|t| t.as_u64().unwrap() as u32).collect() };
+    let want = tokens(generate_with(&gguf, &prompt, 12, &overrides));
+    assert_ne!(want, tokens(generate(&gguf, &prompt, 12)), "the override changes nothing here: the test could not tell");
+    let server = Server::start(Options { prefill_threshold_tokens: 256, dtype: "f32", model: Some(gguf), override_kv: overrides, ..Options::default() });
+    runtime().block_on(async {
+        let mut client = server.grpc_client().await;
+        let (ids, _, _) = within(120, "generate", collect(&mut client, greedy_request(&prompt, 12))).await.unwrap_or_else(|e| panic!("{e}\nserver log:\n{}", server.log()));
+        assert_eq!(ids, want);
+    });
 }
 
 /// The CLI reproduces the reference continuation of the short prompts

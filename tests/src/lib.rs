@@ -60,6 +60,8 @@ pub struct Options {
     /// With `slp_threshold_tokens`: the emulated devices' paced copy
     /// bandwidth (`emulated_h2d_gb_per_s`); `None` keeps the default.
     pub prefill_h2d_gb_per_s: Option<f64>,
+    /// `duplex serve --override-kv` for each (a GGUF model's metadata overrides).
+    pub override_kv: Vec<String>,
 }
 
 impl Default for Options {
@@ -75,6 +77,7 @@ impl Default for Options {
             prefill_devices: 0,
             dslp_idle_window_seconds: 300.0,
             prefill_h2d_gb_per_s: None,
+            override_kv: vec![],
         }
     }
 }
@@ -126,6 +129,9 @@ impl Server {
         command.args(["serve", "--config"]).arg(&config_path);
         if let Some(model) = &options.model {
             command.arg("--model").arg(model);
+        }
+        for o in &options.override_kv {
+            command.arg("--override-kv").arg(o);
         }
         let mut child = command
             .args(["--instance", &instance, "--ready-timeout", "120"])

@@ -91,16 +91,17 @@ pub fn end_to_end(args: BenchArgs) -> Result<()> {
         Some(weights_dir) => {
             let name = duplex_ipc::weight_segment_name("bench");
             let t0 = Instant::now();
-            let (store, how) = duplex_ipc::WeightStore::open_or_build(weights_dir, &name, dir)?;
+            let source = args.model.source()?;
+            let (store, how) = duplex_ipc::WeightStore::open_or_build_placed(weights_dir, &name, &source, 1, &mut |_, _| {})?;
             println!("weight segment {} {how:?} in {:.1} s", store.path().display(), t0.elapsed().as_secs_f64());
-            let model = duplex_ipc::load_model(&store, dir, &pool_config)?;
+            let model = duplex_ipc::load_model(&store, &source, &pool_config)?;
             println!("{}", store.describe_pages(&store.huge_pages()?));
             _store = Some(store);
             model
         }
         None => {
             let (bar, mut progress) = load_progress(dir);
-            let model = Model::load_with(dir, &pool_config, &mut progress)?;
+            let model = Model::load_source(&args.model.source()?, &pool_config, &mut progress)?;
             bar.finish_and_clear();
             model
         }

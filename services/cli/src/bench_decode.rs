@@ -202,7 +202,7 @@ fn pool_config(args: &BenchDecodeArgs, pin: &Option<Pinning>) -> Result<PoolConf
 pub(crate) fn placement(args: &BenchDecodeArgs, pin: &Option<Pinning>, (micro_batches, defer_experts, submit, expert_cache): (bool, usize, Submit, Option<ExpertCacheConfig>), kv_blocks: usize, positions: usize, host: &KvPool, tables: &[BlockTable]) -> Result<Placement> {
     let dir = &args.model.model;
     let (bar, mut progress) = load_progress(dir);
-    let model = Model::load_with(dir, &pool_config(args, pin)?, &mut progress).with_context(|| format!("loading model from {}", dir.display()))?;
+    let model = Model::load_source(&args.model.source()?, &pool_config(args, pin)?, &mut progress).with_context(|| format!("loading model from {}", dir.display()))?;
     bar.finish_and_clear();
     let memory_bytes = match args.device_memory_mib {
         Some(m) => m << 20,
@@ -272,7 +272,7 @@ pub fn run(args: BenchDecodeArgs) -> Result<()> {
     }
     let dir = &args.model.model;
     duplex_model::check_model_dir(dir).map_err(anyhow::Error::msg)?;
-    let (cfg, _) = duplex_model::source::ModelSource::locate(dir)?.config()?;
+    let (cfg, _) = args.model.source()?.config()?;
     let positions = args.context + args.steps;
     if positions > cfg.max_position_embeddings {
         bail!("--context {} and --steps {} need {positions} positions but the model allows {}", args.context, args.steps, cfg.max_position_embeddings);
@@ -293,7 +293,7 @@ pub fn run(args: BenchDecodeArgs) -> Result<()> {
         pin_current(p.host[0])?;
     }
     let (bar, mut progress) = load_progress(dir);
-    let cpu = Model::load_with(dir, &pool_config(&args, &pin)?, &mut progress).with_context(|| format!("loading model from {}", dir.display()))?;
+    let cpu = Model::load_source(&args.model.source()?, &pool_config(&args, &pin)?, &mut progress).with_context(|| format!("loading model from {}", dir.display()))?;
     bar.finish_and_clear();
     let mut host = cpu.new_kv_pool(2 * per_seq, BLOCK);
     let mut tables = vec![BlockTable::default(), BlockTable::default()];

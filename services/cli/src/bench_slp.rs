@@ -150,7 +150,7 @@ fn compare_devices(model: &Model, args: &BenchSlpArgs, tokens: &[u32]) -> Result
 pub fn run_bench(args: BenchSlpArgs) -> Result<()> {
     let dir = &args.model.model;
     let (bar, mut progress) = load_progress(dir);
-    let model = Model::load_with(dir, &args.pool.config()?, &mut progress)?;
+    let model = Model::load_source(&args.model.source()?, &args.pool.config()?, &mut progress)?;
     bar.finish_and_clear();
     let vocab = model.cfg.vocab_size.min(2048);
     let tokens: Vec<u32> = (0..args.tokens).map(|i| ((i * 7919 + 13) % vocab) as u32).collect();

@@ -140,6 +140,16 @@ struct ModelArgs {
     /// Numeric path: f32 (reference) or bf16.
     #[arg(long, default_value = "bf16")]
     dtype: Precision,
+    /// Override a GGUF model's metadata key, KEY=TYPE:VALUE (TYPE int, float, bool or str), as llama.cpp's --override-kv: e.g. deepseek2.rope.scaling.yarn_beta_fast=float:32. Repeatable; it changes the model, not its tokenizer.
+    #[arg(long)]
+    override_kv: Vec<String>,
+}
+
+impl ModelArgs {
+    /// The model `--model` names, with its `--override-kv`s.
+    fn source(&self) -> Result<duplex_model::source::ModelSource> {
+        Ok(duplex_model::source::ModelSource::locate_with(&self.model, &self.override_kv)?)
+    }
 }
 
 #[derive(Args)]
@@ -349,7 +359,7 @@ fn generate(args: GenerateArgs) -> Result<()> {
     let dir = &args.model.model;
     duplex_model::check_model_dir(dir).map_err(anyhow::Error::msg)?;
     let (bar, mut progress) = load_progress(dir);
-    let mut engine = Engine::load(dir, args.model.dtype, args.max_context, &mut progress)
+    let mut engine = Engine::load_with(dir, &args.model.override_kv, args.model.dtype, args.max_context, &mut progress)
         .with_context(|| format!("loading model from {}", dir.display()))?;
     bar.finish_and_clear();
 
@@ -448,7 +458,7 @@ fn logits(args: LogitsArgs) -> Result<()> {
     duplex_model::check_model_dir(dir).map_err(anyhow::Error::msg)?;
     let tokens = parse_tokens(&args.tokens)?;
     let (bar, mut progress) = load_progress(dir);
-    let model = Model::load(dir, &mut progress).with_context(|| format!("loading model from {}", dir.display()))?;
+    let model = Model::load_source(&args.model.source()?, &duplex_kernels::pool::PoolConfig::all_cores(), &mut progress).with_context(|| format!("loading model from {}", dir.display()))?;
     bar.finish_and_clear();
     let mut pool = model.new_kv_pool(tokens.len().div_ceil(16), 16);
     let logits = model.forward(&mut pool, &mut BlockTable::default(), &tokens, args.model.dtype, Logits::All)?;

@@ -38,6 +38,11 @@ pub struct ServeArgs {
     /// Checkpoint directory.
     #[arg(long, default_value_os_t = duplex_model::bundled_model())]
     model: PathBuf,
+    /// Override a GGUF model's metadata key for both workers, KEY=TYPE:VALUE
+    /// (TYPE int, float, bool or str), as llama.cpp's --override-kv; repeatable
+    /// [default: the config file's `override_kv`].
+    #[arg(long)]
+    override_kv: Vec<String>,
     /// Address every process listens on.
     #[arg(long, default_value = "127.0.0.1")]
     host: String,
@@ -355,8 +360,14 @@ async fn supervise(a: ServeArgs) -> Result<()> {
     // What each process will run with: its section of the config file under
     // the flags given here.
     let config = || a.config.clone();
-    let decode = DecodeArgs { config: config(), ..DecodeArgs::default() }.resolve()?;
-    let prefill = PrefillArgs { config: config(), ..PrefillArgs::default() }.resolve()?;
+    let overrides = || (!a.override_kv.is_empty()).then(|| a.override_kv.clone());
+    let decode = DecodeArgs { config: config(), override_kv: overrides(), ..DecodeArgs::default() }.resolve()?;
+    let prefill = PrefillArgs { config: config(), override_kv: overrides(), ..PrefillArgs::default() }.resolve()?;
+    // The workers share one weight segment, built from one reading of the model.
+    if decode.override_kv != prefill.override_kv {
+        bail!("override_kv differs between [decode] ({:?}) and [prefill] ({:?}): the workers share one weight segment, so give them the same overrides", decode.override_kv, prefill.override_kv);
+    }
+    let source = duplex_model::source::ModelSource::locate_with(&a.model, &decode.override_kv)?;
     let router = RouterArgs { config: config(), ..RouterArgs::default() }.resolve()?;
     let core_sets = worker_cores(&decode, &prefill)?;
     let http_port = a.http_port.unwrap_or(router.http_port);
@@ -378,11 +389,11 @@ async fn supervise(a: ServeArgs) -> Result<()> {
     let started = Instant::now();
     let weights = duplex_ipc::weight_segment_name(&a.instance);
     let build = {
-        let (shm_dir, weights, model, numa_nodes) = (shm_dir.clone(), weights.clone(), a.model.clone(), decode.numa_nodes);
+        let (shm_dir, weights, source, numa_nodes) = (shm_dir.clone(), weights.clone(), source.clone(), decode.numa_nodes);
         tokio::task::spawn_blocking(move || {
             let mut progress = duplex_telemetry::progress::ByteProgress::new("duplex serve: building the weight segment");
             // Placed for the decode worker's pool, whose threads compute the experts.
-            let r = WeightStore::open_or_build_placed(&shm_dir, &weights, &model, numa_nodes, &mut |done, total| progress.update(done, total));
+            let r = WeightStore::open_or_build_placed(&shm_dir, &weights, &source, numa_nodes, &mut |done, total| progress.update(done, total));
             progress.finish();
             r
         })
@@ -428,6 +439,9 @@ async fn supervise(a: ServeArgs) -> Result<()> {
         let mut v = common(sub);
         v.extend(flag("shm-dir", shm_dir.display()));
         v.extend(flag("instance", &a.instance));
+        for o in &a.override_kv {
+            v.extend(flag("override-kv", o));
+        }
         v
     };
     let mut decode_args = worker("decode");

@@ -76,6 +76,38 @@ fn logits_file_matches_reference() {
     assert!(max <= 2e-3, "max |Δlogit| {max}");
 }
 
+/// `--override-kv` on a GGUF: the logits follow the overridden YaRN beta;
+/// a malformed override, one of a Hugging Face model, and a `duplex serve`
+/// whose workers were given different ones are refused before anything runs.
+#[test]
+fn metadata_overrides_reach_the_model_and_bad_ones_are_refused() {
+    let gguf = fixture().join("../tiny-dsv3-q4km/model-Q4_K_M.gguf");
+    let dir = tempfile::tempdir().unwrap();
+    let logits = |extra: &[&str]| -> Vec<u8> {
+        let out_path = dir.path().join("logits.safetensors");
+        let args = [&["logits", "--model", gguf.to_str().unwrap(), "--tokens", "1,2,3,4,5,6,7,8,9,10,11,12", "--dtype", "f32", "--out", out_path.to_str().unwrap()], extra].concat();
+        let out = duplex(&args);
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        std::fs::read(&out_path).unwrap()
+    };
+    let plain = logits(&[]);
+    assert_ne!(logits(&["--override-kv", "deepseek2.rope.scaling.yarn_beta_fast=float:4"]), plain);
+    for (args, needle) in [
+        (vec!["logits", "--model", gguf.to_str().unwrap(), "--tokens", "1", "--out", "/dev/null", "--override-kv", "deepseek2.rope.scaling.yarn_beta_fast=4"], "KEY=TYPE:VALUE"),
+        (vec!["generate", "--tokens", "1", "--override-kv", "a.b=float:1"], "is a Hugging Face model"),
+    ] {
+        let out = duplex(&args);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success() && stderr.contains(needle), "{args:?}: {stderr}");
+    }
+    let config = dir.path().join("workers.toml");
+    std::fs::write(&config, "[decode]\noverride_kv = [\"a.b=float:1\"]\n[prefill]\noverride_kv = [\"a.b=float:2\"]\n").unwrap();
+    let out = duplex(&["serve", "--config", config.to_str().unwrap(), "--model", gguf.to_str().unwrap(), "--shm-dir", dir.path().to_str().unwrap(), "--http-port", "0"]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && stderr.contains("override_kv differs between [decode]") && stderr.contains("a.b=float:2"), "{stderr}");
+    assert!(std::fs::read_dir(dir.path()).unwrap().all(|e| !e.unwrap().file_name().to_string_lossy().starts_with("duplex")), "serve left segments behind");
+}
+
 #[test]
 fn bad_input_is_a_clear_error() {
     let cases: &[(&[&str], &str)] = &[

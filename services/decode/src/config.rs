@@ -13,6 +13,11 @@ use std::path::PathBuf;
 pub struct DecodeConfig {
     /// The model: a Hugging Face directory (config.json, safetensors, tokenizer) or a GGUF model (file, or a directory holding one).
     pub model: PathBuf,
+    /// Overrides of a GGUF model's metadata, each `KEY=TYPE:VALUE` (TYPE
+    /// `int`, `float`, `bool` or `str`) as llama.cpp's `--override-kv`, for
+    /// example `deepseek2.rope.scaling.yarn_beta_fast=float:32`. The prefill
+    /// worker must be given the same ones (they share the weight segment).
+    pub override_kv: Vec<String>,
     pub host: String,
     /// Internal gRPC port the router calls.
     pub port: u16,
@@ -140,6 +145,11 @@ impl DecodeConfig {
         self.dtype.parse().map_err(|e: String| anyhow::anyhow!("dtype: {e}"))
     }
 
+    /// The model, with its metadata overrides.
+    pub fn model_source(&self) -> anyhow::Result<duplex_model::source::ModelSource> {
+        Ok(duplex_model::source::ModelSource::locate_with(&self.model, &self.override_kv)?)
+    }
+
     pub fn device_kind(&self) -> anyhow::Result<DeviceKind> {
         match self.device.as_str() {
             "cpu" => Ok(DeviceKind::Cpu),
@@ -195,6 +205,7 @@ impl Default for DecodeConfig {
     fn default() -> Self {
         DecodeConfig {
             model: duplex_model::bundled_model(),
+            override_kv: vec![],
             host: "127.0.0.1".into(),
             port: 50061,
             unix_socket: None,
@@ -243,6 +254,9 @@ pub struct DecodeArgs {
     /// Checkpoint directory [default: the bundled tiny model].
     #[arg(long)]
     pub model: Option<PathBuf>,
+    /// Override a GGUF model's metadata key, KEY=TYPE:VALUE (TYPE int, float, bool or str); repeatable [default: none].
+    #[arg(long)]
+    pub override_kv: Option<Vec<String>>,
     /// Address to listen on [default: 127.0.0.1].
     #[arg(long)]
     pub host: Option<String>,
@@ -315,7 +329,7 @@ pub struct DecodeArgs {
     /// Routed experts deferred per token when one sequence decodes alone on a device; 0 for none [default: 0].
     #[arg(long)]
     pub defer_experts: Option<usize>,
-    /// How a device step starts the CPU's experts: stream (host functions) or host [default: stream].
+    /// How a device step starts the CPU's experts: graph (one device graph per step), stream (host functions) or host [default: graph].
     #[arg(long)]
     pub expert_submit: Option<String>,
     /// Routed experts the device's expert cache holds; 0 for none [default: 0].
@@ -360,6 +374,7 @@ impl DecodeArgs {
             }
         }
         check("dtype", c.precision().map(drop))?;
+        check("override_kv", c.override_kv.iter().try_for_each(|o| o.parse::<duplex_model::source::MetadataOverride>().map(drop).map_err(|e| anyhow::anyhow!("override_kv: {e}"))))?;
         check("device", c.device_kind().map(drop))?;
         check("expert_submit", c.submit().map(drop))?;
         check("expert_assignment", c.expert_assignment.parse::<duplex_expert_cache::assign::AssignmentKind>().map(drop).map_err(|e| anyhow::anyhow!("expert_assignment: {e}")))?;
@@ -435,6 +450,16 @@ mod tests {
         assert_eq!((c.max_batch_size, c.micro_batches, c.threads, c.cores.as_str()), (12, true, 2, "0"));
         let c = resolve_env(file, &env, &["--max-batch-size", "16", "--threads", "1"]).unwrap();
         assert_eq!((c.max_batch_size, c.micro_batches, c.threads), (16, true, 1));
+    }
+
+    #[test]
+    fn override_kv_comes_from_the_file_or_repeated_flags_and_is_checked() {
+        let c = resolve_env("[decode]\noverride_kv = [\"a.b=float:1\"]\n", &[], &[]).unwrap();
+        assert_eq!(c.override_kv, ["a.b=float:1"]);
+        let c = resolve_env("", &[], &["--override-kv", "a.b=int:2", "--override-kv", "c.d=bool:true"]).unwrap();
+        assert_eq!(c.override_kv, ["a.b=int:2", "c.d=bool:true"]);
+        let err = resolve_env("", &[], &["--override-kv", "a.b=16"]).unwrap_err();
+        assert!(err.starts_with("override_kv: ") && err.contains("KEY=TYPE:VALUE") && err.ends_with("(from flag --override-kv)"), "{err}");
     }
 
     #[test]

@@ -11,6 +11,11 @@ use std::path::PathBuf;
 pub struct PrefillConfig {
     /// The model: a Hugging Face directory (config.json, safetensors, tokenizer) or a GGUF model (file, or a directory holding one).
     pub model: PathBuf,
+    /// Overrides of a GGUF model's metadata, each `KEY=TYPE:VALUE` (TYPE
+    /// `int`, `float`, `bool` or `str`) as llama.cpp's `--override-kv`, for
+    /// example `deepseek2.rope.scaling.yarn_beta_fast=float:32`. The decode
+    /// worker must be given the same ones (they share the weight segment).
+    pub override_kv: Vec<String>,
     pub host: String,
     /// Internal gRPC port the router calls.
     pub port: u16,
@@ -113,6 +118,11 @@ impl PrefillConfig {
         self.dtype.parse().map_err(|e: String| anyhow::anyhow!("dtype: {e}"))
     }
 
+    /// The model, with its metadata overrides.
+    pub fn model_source(&self) -> anyhow::Result<duplex_model::source::ModelSource> {
+        Ok(duplex_model::source::ModelSource::locate_with(&self.model, &self.override_kv)?)
+    }
+
     pub fn device_kind(&self) -> anyhow::Result<DeviceKind> {
         match self.device.as_str() {
             "auto" => Ok(DeviceKind::Auto),
@@ -160,6 +170,7 @@ impl Default for PrefillConfig {
     fn default() -> Self {
         PrefillConfig {
             model: duplex_model::bundled_model(),
+            override_kv: vec![],
             host: "127.0.0.1".into(),
             port: 50071,
             unix_socket: None,
@@ -198,6 +209,9 @@ pub struct PrefillArgs {
     /// Checkpoint directory [default: the bundled tiny model].
     #[arg(long)]
     pub model: Option<PathBuf>,
+    /// Override a GGUF model's metadata key, KEY=TYPE:VALUE (TYPE int, float, bool or str); repeatable [default: none].
+    #[arg(long)]
+    pub override_kv: Option<Vec<String>>,
     /// Address to listen on [default: 127.0.0.1].
     #[arg(long)]
     pub host: Option<String>,
@@ -285,6 +299,7 @@ impl PrefillArgs {
             }
         }
         check("dtype", c.precision().map(drop))?;
+        check("override_kv", c.override_kv.iter().try_for_each(|o| o.parse::<duplex_model::source::MetadataOverride>().map(drop).map_err(|e| anyhow::anyhow!("override_kv: {e}"))))?;
         check("device", c.device_kind().map(drop))?;
         check("devices", c.device_list().map(drop))?;
         check("cores", c.core_list().map(drop))?;
@@ -340,6 +355,16 @@ mod tests {
         assert_eq!((c.chunk_tokens, c.device.as_str(), c.emulated_h2d_gb_per_s), (64, "cpu", 0.0));
         let c = resolve_env(file, &env, &["--chunk-tokens", "32", "--device", "emulated"]).unwrap();
         assert_eq!((c.chunk_tokens, c.device.as_str(), c.emulated_h2d_gb_per_s), (32, "emulated", 0.0));
+    }
+
+    #[test]
+    fn override_kv_comes_from_the_file_or_repeated_flags_and_is_checked() {
+        let c = resolve_env("[prefill]\noverride_kv = [\"a.b=float:1\"]\n", &[], &[]).unwrap();
+        assert_eq!(c.override_kv, ["a.b=float:1"]);
+        let c = resolve_env("", &[], &["--override-kv", "a.b=int:2", "--override-kv", "c.d=bool:true"]).unwrap();
+        assert_eq!(c.override_kv, ["a.b=int:2", "c.d=bool:true"]);
+        let err = resolve_env("", &[], &["--override-kv", "a.b=16"]).unwrap_err();
+        assert!(err.starts_with("override_kv: ") && err.contains("KEY=TYPE:VALUE") && err.ends_with("(from flag --override-kv)"), "{err}");
     }
 
     #[test]

@@ -66,7 +66,7 @@ fn start_engine(cfg: &PrefillConfig, runtime: tokio::runtime::Handle) -> anyhow:
     tracing::info!("{placed}");
     warnings.iter().for_each(|w| tracing::warn!("{w}"));
     let mut progress = duplex_telemetry::progress::ByteProgress::new("building the weight segment");
-    let (model, store, provenance) = duplex_ipc::open_shared_model(&cfg.shm_dir, &cfg.instance, &cfg.model, &pool, &mut |done, total| progress.update(done, total))?;
+    let (model, store, provenance) = duplex_ipc::open_shared_model(&cfg.shm_dir, &cfg.instance, &cfg.model_source()?, &pool, &mut |done, total| progress.update(done, total))?;
     progress.finish();
     tracing::info!("weight segment {} {provenance:?} and model loaded in {:.3} s ({} bytes)", store.path().display(), started.elapsed().as_secs_f64(), store.size_bytes());
     if provenance == duplex_ipc::Provenance::Built && store.placement().nodes > 1 {

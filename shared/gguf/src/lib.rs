@@ -206,6 +206,55 @@ impl Value {
     }
 }
 
+/// A metadata value set from outside the file, as llama.cpp's
+/// `--override-kv KEY=TYPE:VALUE` does (TYPE: `int`, `float`, `bool` or
+/// `str`): it replaces the file's value of KEY, or adds one. For what a
+/// converter wrote wrong or left out (DeepSeek's YaRN betas, say).
+#[derive(Clone, Debug, PartialEq)]
+pub struct MetadataOverride {
+    pub key: String,
+    pub value: Value,
+}
+
+impl std::str::FromStr for MetadataOverride {
+    type Err = String;
+
+    fn from_str(text: &str) -> Result<Self, String> {
+        let bad = |why: &str| format!("{text:?} is not KEY=TYPE:VALUE (TYPE int, float, bool or str): {why}");
+        let (key, typed) = text.split_once('=').ok_or_else(|| bad("no '='"))?;
+        let (ty, value) = typed.split_once(':').ok_or_else(|| bad("no ':' after the type"))?;
+        let key = key.trim();
+        if key.is_empty() {
+            return Err(bad("the key is empty"));
+        }
+        let value = match ty {
+            "int" => Value::I64(value.parse().map_err(|_| bad(&format!("{value:?} is not an integer")))?),
+            "float" => match value.parse::<f64>() {
+                Ok(v) if v.is_finite() => Value::F64(v),
+                _ => return Err(bad(&format!("{value:?} is not a finite number"))),
+            },
+            "bool" => Value::Bool(value.parse().map_err(|_| bad(&format!("{value:?} is not true or false")))?),
+            "str" => Value::String(value.to_string()),
+            other => return Err(bad(&format!("unknown type {other:?}"))),
+        };
+        Ok(MetadataOverride { key: key.to_string(), value })
+    }
+}
+
+impl std::fmt::Display for MetadataOverride {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match &self.value {
+            Value::Bool(b) => write!(f, "{}=bool:{b}", self.key),
+            Value::String(s) => write!(f, "{}=str:{s}", self.key),
+            v => match (v.as_int(), v.as_f64()) {
+                (Some(i), _) => write!(f, "{}=int:{i}", self.key),
+                (None, Some(x)) => write!(f, "{}=float:{x:?}", self.key),
+                _ => write!(f, "{}={v:?}", self.key),
+            },
+        }
+    }
+}
+
 /// One part's metadata, with typed getters whose errors name the file and key.
 #[derive(Clone, Debug)]
 pub struct Metadata {
@@ -216,6 +265,13 @@ pub struct Metadata {
 impl Metadata {
     pub fn get(&self, key: &str) -> Option<&Value> {
         self.entries.get(key)
+    }
+
+    /// Set each override's key to its value, in order (a later one wins).
+    pub fn apply(&mut self, overrides: &[MetadataOverride]) {
+        for o in overrides {
+            self.entries.insert(o.key.clone(), o.value.clone());
+        }
     }
 
     pub fn keys(&self) -> impl Iterator<Item = &str> {
@@ -746,6 +802,11 @@ impl Gguf {
     /// The model's metadata: that of the first part, which holds all of it.
     pub fn metadata(&self) -> &Metadata {
         &self.parts[0].metadata
+    }
+
+    /// Apply `overrides` to the model's metadata (the file is not changed).
+    pub fn override_metadata(&mut self, overrides: &[MetadataOverride]) {
+        self.parts[0].metadata.apply(overrides);
     }
 
     /// The first part's path, which errors about the model name.

@@ -62,18 +62,18 @@ pub fn kv_segment_name(instance: &str) -> String {
 }
 
 /// What a worker does at start: attach to server instance `instance`'s
-/// weight segment (building it from `model_dir` if it is missing or stale)
+/// weight segment (building it from `source` if it is missing or stale)
 /// and load the model from it.
 pub fn open_shared_model(
     shm_dir: &std::path::Path,
     instance: &str,
-    model_dir: &std::path::Path,
+    source: &duplex_model::source::ModelSource,
     pool: &duplex_kernels::pool::PoolConfig,
     progress: &mut dyn FnMut(u64, u64),
 ) -> Result<(duplex_model::Model, WeightStore, Provenance), IpcError> {
     // A worker that builds the segment itself places the experts for its own pool.
-    let (store, provenance) = WeightStore::open_or_build_placed(shm_dir, &weight_segment_name(instance), model_dir, pool.nodes(), progress)?;
-    let model = load_model(&store, model_dir, pool)?;
+    let (store, provenance) = WeightStore::open_or_build_placed(shm_dir, &weight_segment_name(instance), source, pool.nodes(), progress)?;
+    let model = load_model(&store, source, pool)?;
     Ok((model, store, provenance))
 }
 
@@ -94,7 +94,7 @@ pub enum IpcError {
     Corrupt { path: PathBuf, reason: String },
     #[error("{path} holds the weights of another checkpoint (fingerprint {found}, expected {expected})")]
     FingerprintMismatch { path: PathBuf, expected: String, found: String },
-    #[error("{config} is not the config.json (or GGUF) the weight segment {segment} was built from; point at the same model or rebuild the segment")]
+    #[error("{config} (with its override_kv, if any) is not the config.json (or GGUF) the weight segment {segment} was built from; point every process at the same model with the same overrides, or rebuild the segment")]
     ConfigMismatch { config: PathBuf, segment: PathBuf },
     #[error("{name:?} is not a valid segment name: {reason}")]
     BadName { name: String, reason: String },

@@ -111,10 +111,9 @@ fn hex(bytes: &[u8]) -> String {
 /// tensor table). Hex. Any edit that changes a tensor's name, dtype, shape
 /// or place changes it; rewriting tensor data in place with identical
 /// layout does not.
-pub fn checkpoint_fingerprint(model_dir: &Path) -> Result<String, IpcError> {
-    let source = ModelSource::locate(model_dir)?;
+pub fn checkpoint_fingerprint(source: &ModelSource) -> Result<String, IpcError> {
     let (_, identity) = source.config()?;
-    fingerprint_of(&source, &identity)
+    fingerprint_of(source, &identity)
 }
 
 fn fingerprint_of(source: &ModelSource, identity: &[u8]) -> Result<String, IpcError> {
@@ -122,7 +121,7 @@ fn fingerprint_of(source: &ModelSource, identity: &[u8]) -> Result<String, IpcEr
         // Opening maps the shards and parses their headers; it reads no tensor data.
         ModelSource::HuggingFace(dir) => fingerprint_with(dir, &Checkpoint::open(dir, None)?, &sha256_hex(identity)),
         // The identity already holds every part's header.
-        ModelSource::Gguf(_) => Ok(sha256_hex(identity)),
+        ModelSource::Gguf { .. } => Ok(sha256_hex(identity)),
     }
 }
 
@@ -184,16 +183,17 @@ impl WeightStore {
     /// build that fails leaves no files behind: the temp file goes with it,
     /// and so does the lock file when there is no segment to guard.
     pub fn open_or_build_reporting(shm_dir: &Path, name: &str, model_dir: &Path, progress: &mut dyn FnMut(u64, u64)) -> Result<(WeightStore, Provenance), IpcError> {
-        Self::open_or_build_placed(shm_dir, name, model_dir, 1, progress)
+        Self::open_or_build_placed(shm_dir, name, &ModelSource::locate(model_dir)?, 1, progress)
     }
 
     /// [`Self::open_or_build_reporting`] for a CPU pool of `numa_nodes`
     /// nodes: a build places each routed expert's pages in the memory of the
     /// node that computes it (see [`crate::numa`]); [`Self::placement`] says
     /// what was placed. An attached segment keeps the placement it was built with.
-    pub fn open_or_build_placed(shm_dir: &Path, name: &str, model_dir: &Path, numa_nodes: usize, progress: &mut dyn FnMut(u64, u64)) -> Result<(WeightStore, Provenance), IpcError> {
+    /// The model is `source`, with its metadata overrides.
+    pub fn open_or_build_placed(shm_dir: &Path, name: &str, source: &ModelSource, numa_nodes: usize, progress: &mut dyn FnMut(u64, u64)) -> Result<(WeightStore, Provenance), IpcError> {
         let lock = segment::lock(shm_dir, name)?;
-        let result = Self::open_or_build_locked(shm_dir, name, model_dir, numa_nodes, progress);
+        let result = Self::open_or_build_locked(shm_dir, name, source, numa_nodes, progress);
         if result.is_err() && !shm_dir.join(name).exists() {
             let _ = std::fs::remove_file(shm_dir.join(format!("{name}.lock")));
         }
@@ -201,11 +201,10 @@ impl WeightStore {
         result
     }
 
-    fn open_or_build_locked(shm_dir: &Path, name: &str, model_dir: &Path, numa_nodes: usize, progress: &mut dyn FnMut(u64, u64)) -> Result<(WeightStore, Provenance), IpcError> {
-        let source = ModelSource::locate(model_dir)?;
+    fn open_or_build_locked(shm_dir: &Path, name: &str, source: &ModelSource, numa_nodes: usize, progress: &mut dyn FnMut(u64, u64)) -> Result<(WeightStore, Provenance), IpcError> {
         let (cfg, identity) = source.config()?;
         let config_hash = sha256_hex(&identity);
-        let fingerprint = fingerprint_of(&source, &identity)?;
+        let fingerprint = fingerprint_of(source, &identity)?;
         // Whatever is wrong with the existing segment, rebuilding fixes it.
         if let Ok(store) = Self::attach(shm_dir, name, Some(&fingerprint)) {
             return Ok((store, Provenance::Attached));
@@ -416,15 +415,10 @@ pub fn describe_pages(what: &str, path: &Path, size: u64, m: &HugePageMapping) -
 /// Load the model from the store with the configuration of the model at
 /// `model_dir` (its config.json, or its GGUF's metadata), which must be the
 /// one the segment was built from.
-pub fn load_model(store: &WeightStore, model_dir: &Path, pool: &PoolConfig) -> Result<Model, IpcError> {
-    let source = ModelSource::locate(model_dir)?;
+pub fn load_model(store: &WeightStore, source: &ModelSource, pool: &PoolConfig) -> Result<Model, IpcError> {
     let (cfg, identity) = source.config()?;
     if sha256_hex(&identity) != store.config_hash {
-        let config = match &source {
-            ModelSource::HuggingFace(dir) => dir.join("config.json"),
-            ModelSource::Gguf(file) => file.clone(),
-        };
-        return Err(IpcError::ConfigMismatch { config, segment: store.path.clone() });
+        return Err(IpcError::ConfigMismatch { config: source.config_file(), segment: store.path.clone() });
     }
     let ck = store.checkpoint(cfg.quantization.as_ref().map(|q| q.weight_block_size))?;
     Ok(Model::from_checkpoint(cfg, &ck, CpuRuntime::new(pool), &mut |_, _| {})?)
@@ -465,7 +459,7 @@ mod tests {
         eprintln!("build {build_time:?}, attach {:?} ({} bytes)", t.elapsed(), attached.size_bytes());
         assert_eq!(how, Provenance::Attached);
         assert_eq!(built.fingerprint(), attached.fingerprint());
-        assert_eq!(built.fingerprint(), checkpoint_fingerprint(fixture()).unwrap());
+        assert_eq!(built.fingerprint(), checkpoint_fingerprint(&ModelSource::locate(fixture()).unwrap()).unwrap());
         assert_eq!(attached.path(), shm.path().join("w"));
         assert_eq!(attached.data_offset % PAGE, 0);
         assert!(attached.directory.values().all(|t| t.data_offsets.0 % TENSOR_ALIGN == 0));
@@ -484,7 +478,7 @@ mod tests {
             let mut kv = model.new_kv_pool(8, 16);
             model.forward(&mut kv, &mut BlockTable::default(), &tokens, Precision::F32, Logits::All).unwrap()
         };
-        let from_store = load_model(&store, fixture(), &pool).unwrap();
+        let from_store = load_model(&store, &ModelSource::locate(fixture()).unwrap(), &pool).unwrap();
         let from_disk = Model::load_with(fixture(), &pool, &mut |_, _| {}).unwrap();
         assert!(from_disk.skipped_mtp_tensors > 0);
         assert_eq!(from_store.skipped_mtp_tensors, 0);
@@ -498,7 +492,7 @@ mod tests {
         let (store, how) = WeightStore::open_or_build(shm.path(), "g", &gguf).unwrap();
         assert_eq!(how, Provenance::Built);
         assert!(store.directory.values().any(|e| e.dtype == "Q4_K") && store.directory.values().any(|e| e.dtype == "Q6_K"), "k-quants are stored as they are");
-        assert_eq!(store.fingerprint(), checkpoint_fingerprint(&gguf).unwrap());
+        assert_eq!(store.fingerprint(), checkpoint_fingerprint(&ModelSource::locate(&gguf).unwrap()).unwrap());
         // The directory holding it names the same model, so it attaches.
         let (_, how) = WeightStore::open_or_build(shm.path(), "g", gguf.parent().unwrap()).unwrap();
         assert_eq!(how, Provenance::Attached);
@@ -508,13 +502,22 @@ mod tests {
             let mut kv = model.new_kv_pool(8, 16);
             model.forward(&mut kv, &mut BlockTable::default(), &tokens, p, Logits::All).unwrap()
         };
-        let from_store = load_model(&store, &gguf, &pool).unwrap();
+        let from_store = load_model(&store, &ModelSource::locate(&gguf).unwrap(), &pool).unwrap();
         let from_disk = Model::load_with(&gguf, &pool, &mut |_, _| {}).unwrap();
         for p in [Precision::F32, Precision::Bf16] {
             assert_eq!(logits(&from_store, p), logits(&from_disk, p), "{p:?}");
         }
         // Another model's configuration is refused.
-        assert!(matches!(load_model(&store, fixture(), &pool), Err(IpcError::ConfigMismatch { .. })));
+        assert!(matches!(load_model(&store, &ModelSource::locate(fixture()).unwrap(), &pool), Err(IpcError::ConfigMismatch { .. })));
+        // So is the same file read with other metadata overrides (another
+        // YaRN, say): a worker given other overrides than the segment's
+        // builder stops, and with them the segment is rebuilt.
+        let overridden = ModelSource::locate_with(&gguf, &["deepseek2.rope.scaling.yarn_beta_fast=float:4".into()]).unwrap();
+        let e = load_model(&store, &overridden, &pool).err().expect("other overrides, another model");
+        assert!(matches!(e, IpcError::ConfigMismatch { .. }) && e.to_string().contains("override_kv"), "{e}");
+        let (rebuilt, how) = WeightStore::open_or_build_placed(shm.path(), "g", &overridden, 1, &mut |_, _| {}).unwrap();
+        assert_eq!(how, Provenance::Built);
+        assert_eq!(load_model(&rebuilt, &overridden, &pool).unwrap().cfg.rope_scaling.unwrap().beta_fast, 4.0);
     }
 
     #[test]
@@ -568,7 +571,7 @@ mod tests {
         let shm = tempfile::tempdir().unwrap();
         let (a, _) = WeightStore::open_or_build(shm.path(), "w", fixture()).unwrap();
         let copy = fixture_copy();
-        assert_eq!(checkpoint_fingerprint(copy.path()).unwrap(), a.fingerprint(), "the fingerprint depends on contents, not paths");
+        assert_eq!(checkpoint_fingerprint(&ModelSource::locate(copy.path()).unwrap()).unwrap(), a.fingerprint(), "the fingerprint depends on contents, not paths");
         let config = copy.path().join("config.json");
         let mut text = std::fs::read_to_string(&config).unwrap();
         text.push('\n');
@@ -580,8 +583,8 @@ mod tests {
         // The old mapping still works after the rename, and the model loads
         // only with the config the segment was built from.
         a.checkpoint(Some([128, 128])).unwrap();
-        assert!(matches!(load_model(&b, fixture(), &PoolConfig::single_node(1)), Err(IpcError::ConfigMismatch { .. })));
-        load_model(&b, copy.path(), &PoolConfig::single_node(1)).unwrap();
+        assert!(matches!(load_model(&b, &ModelSource::locate(fixture()).unwrap(), &PoolConfig::single_node(1)), Err(IpcError::ConfigMismatch { .. })));
+        load_model(&b, &ModelSource::locate(copy.path()).unwrap(), &PoolConfig::single_node(1)).unwrap();
     }
 
     #[test]
@@ -649,7 +652,7 @@ mod tests {
         let pool = PoolConfig::single_node(1);
         let tokens = [1, 17, 300, 5, 42];
         let logits = |store: &WeightStore| {
-            let model = load_model(store, fixture(), &pool).unwrap();
+            let model = load_model(store, &ModelSource::locate(fixture()).unwrap(), &pool).unwrap();
             let mut kv = model.new_kv_pool(8, 16);
             model.forward(&mut kv, &mut BlockTable::default(), &tokens, Precision::F32, Logits::All).unwrap()
         };
@@ -700,8 +703,8 @@ mod tests {
     fn numa_placement_keeps_the_bytes_and_sets_the_policy() {
         // A tmpfs, where the policy decides where pages go.
         let shm = tempfile::tempdir_in("/dev/shm").unwrap();
-        let (plain, _) = WeightStore::open_or_build_placed(shm.path(), "plain", fixture(), 1, &mut |_, _| {}).unwrap();
-        let (placed, how) = WeightStore::open_or_build_placed(shm.path(), "placed", fixture(), 2, &mut |_, _| {}).unwrap();
+        let (plain, _) = WeightStore::open_or_build_placed(shm.path(), "plain", &ModelSource::locate(fixture()).unwrap(), 1, &mut |_, _| {}).unwrap();
+        let (placed, how) = WeightStore::open_or_build_placed(shm.path(), "placed", &ModelSource::locate(fixture()).unwrap(), 2, &mut |_, _| {}).unwrap();
         assert_eq!(how, Provenance::Built);
         assert_eq!(plain.placement().nodes, 1);
         assert!(plain.placement().placed.is_empty());

@@ -122,7 +122,15 @@ impl Engine {
     /// Load the model and tokenizer in `dir`, with a KV pool for `context`
     /// tokens (capped at the model's `max_position_embeddings`).
     pub fn load(dir: &Path, precision: Precision, context: usize, progress: &mut dyn FnMut(usize, usize)) -> Result<Self, EngineError> {
-        let model = Model::load(dir, progress)?;
+        Self::load_with(dir, &[], precision, context, progress)
+    }
+
+    /// [`Engine::load`] with `overrides` of a GGUF model's metadata
+    /// (`KEY=TYPE:VALUE`, see [`crate::source::ModelSource::locate_with`]);
+    /// they change the model, not its tokenizer.
+    pub fn load_with(dir: &Path, overrides: &[String], precision: Precision, context: usize, progress: &mut dyn FnMut(usize, usize)) -> Result<Self, EngineError> {
+        let source = crate::source::ModelSource::locate_with(dir, overrides)?;
+        let model = Model::load_source(&source, &duplex_kernels::pool::PoolConfig::all_cores(), progress)?;
         let tokenizer = Tokenizer::from_model_path(dir)?;
         if tokenizer.vocab_size() > model.cfg.vocab_size {
             return Err(EngineError::VocabTooSmall { tokenizer: tokenizer.vocab_size(), model: model.cfg.vocab_size });

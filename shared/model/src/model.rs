@@ -36,6 +36,10 @@ pub enum LoadError {
     Checkpoint(#[from] CheckpointError),
     #[error(transparent)]
     Gguf(#[from] duplex_gguf::GgufError),
+    /// Metadata overrides that cannot be applied (malformed, or asked of a
+    /// model that is not a GGUF).
+    #[error("{0}")]
+    Overrides(String),
 }
 
 #[derive(Debug, thiserror::Error, PartialEq)]
@@ -151,7 +155,12 @@ impl Model {
 
     /// [`Model::load`] with an explicit worker pool shape.
     pub fn load_with(dir: &Path, pool: &PoolConfig, progress: &mut dyn FnMut(usize, usize)) -> Result<Self, LoadError> {
-        let (cfg, ck) = crate::source::ModelSource::locate(dir)?.open()?;
+        Self::load_source(&crate::source::ModelSource::locate(dir)?, pool, progress)
+    }
+
+    /// Load the model `source` names (with its metadata overrides).
+    pub fn load_source(source: &crate::source::ModelSource, pool: &PoolConfig, progress: &mut dyn FnMut(usize, usize)) -> Result<Self, LoadError> {
+        let (cfg, ck) = source.open()?;
         Ok(Self::from_checkpoint(cfg, &ck, CpuRuntime::new(pool), progress)?)
     }
 

@@ -1,27 +1,50 @@
 //! What a `--model` path names, opened: a Hugging Face directory
 //! (`config.json` beside safetensors) or a GGUF model (see
-//! `duplex_gguf::locate` for the convention). Everything that loads a model
-//! goes through here, so every process accepts the same paths.
+//! `duplex_gguf::locate` for the convention), with the metadata overrides
+//! asked for a GGUF. Everything that loads a model goes through here, so
+//! every process accepts the same paths and overrides.
 
 use crate::checkpoint::Checkpoint;
 use crate::config::ModelConfig;
 use crate::model::LoadError;
+pub use duplex_gguf::MetadataOverride;
 use std::path::{Path, PathBuf};
 
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq)]
 pub enum ModelSource {
     /// A directory with `config.json` and safetensors.
     HuggingFace(PathBuf),
-    /// A GGUF file (the part to open, for a split set).
-    Gguf(PathBuf),
+    /// A GGUF file (the part to open, for a split set), and overrides of
+    /// its metadata (`--override-kv`), applied in order.
+    Gguf { file: PathBuf, overrides: Vec<MetadataOverride> },
 }
 
 impl ModelSource {
     pub fn locate(path: &Path) -> Result<Self, LoadError> {
         Ok(match duplex_gguf::locate(path)? {
-            Some(file) => ModelSource::Gguf(file),
+            Some(file) => ModelSource::Gguf { file, overrides: vec![] },
             None => ModelSource::HuggingFace(path.to_path_buf()),
         })
+    }
+
+    /// The model at `path` with `overrides` of its GGUF metadata, each
+    /// `KEY=TYPE:VALUE` as llama.cpp's `--override-kv`. Overrides of a
+    /// Hugging Face model are refused: its config.json is the place.
+    pub fn locate_with(path: &Path, overrides: &[String]) -> Result<Self, LoadError> {
+        let parsed = overrides.iter().map(|o| o.parse::<MetadataOverride>()).collect::<Result<Vec<_>, _>>().map_err(|e| LoadError::Overrides(format!("override_kv: {e}")))?;
+        match Self::locate(path)? {
+            ModelSource::Gguf { file, .. } => Ok(ModelSource::Gguf { file, overrides: parsed }),
+            ModelSource::HuggingFace(dir) if parsed.is_empty() => Ok(ModelSource::HuggingFace(dir)),
+            ModelSource::HuggingFace(dir) => Err(LoadError::Overrides(format!("override_kv overrides GGUF metadata, but {} is a Hugging Face model: edit its config.json instead", dir.display()))),
+        }
+    }
+
+    /// The file the configuration comes from, for messages.
+    pub fn config_file(&self) -> PathBuf {
+        match self {
+            ModelSource::HuggingFace(dir) => dir.join("config.json"),
+            ModelSource::Gguf { file, .. } => file.clone(),
+        }
     }
 
     /// The model's configuration and the bytes it was read from, which
@@ -36,8 +59,9 @@ impl ModelSource {
                 let text = std::str::from_utf8(&bytes).map_err(|e| crate::config::ConfigError::Parse { path: origin.clone(), message: e.to_string() })?;
                 Ok((ModelConfig::from_json(text, &origin)?, bytes))
             }
-            ModelSource::Gguf(file) => {
-                let g = duplex_gguf::Gguf::open(file)?;
+            ModelSource::Gguf { file, overrides } => {
+                let mut g = duplex_gguf::Gguf::open(file)?;
+                g.override_metadata(overrides);
                 let mut identity = b"gguf\0".to_vec();
                 for part in g.parts() {
                     let name = part.path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
@@ -45,6 +69,10 @@ impl ModelSource {
                     identity.push(0);
                     identity.extend_from_slice(&part.len().to_le_bytes());
                     identity.extend_from_slice(part.header_bytes());
+                }
+                // A model read with other overrides is another model.
+                for o in overrides {
+                    identity.extend_from_slice(format!("override\0{o}\0").as_bytes());
                 }
                 Ok((crate::gguf::model_config(&g)?, identity))
             }
@@ -59,8 +87,8 @@ impl ModelSource {
                 let ck = Checkpoint::open(dir, cfg.quantization.as_ref().map(|q| q.weight_block_size))?;
                 Ok((cfg, ck))
             }
-            ModelSource::Gguf(file) => {
-                let m = crate::gguf::open(file)?;
+            ModelSource::Gguf { file, overrides } => {
+                let m = crate::gguf::open_with(file, overrides)?;
                 Ok((m.cfg, m.checkpoint))
             }
         }
@@ -71,7 +99,7 @@ impl ModelSource {
     pub fn dir(&self) -> &Path {
         match self {
             ModelSource::HuggingFace(dir) => dir,
-            ModelSource::Gguf(file) => file.parent().unwrap_or(Path::new(".")),
+            ModelSource::Gguf { file, .. } => file.parent().unwrap_or(Path::new(".")),
         }
     }
 }

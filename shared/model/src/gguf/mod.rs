@@ -68,7 +68,13 @@ fn hf_name(arch: &str, gguf_name: &str) -> Option<deepseek2::HfTensor> {
 
 /// Open the GGUF model at `path` (one file or any part of a split set).
 pub fn open(path: &Path) -> Result<GgufModel, GgufError> {
-    let g = Gguf::open(path)?;
+    open_with(path, &[])
+}
+
+/// [`open`], with `overrides` applied to the metadata first.
+pub fn open_with(path: &Path, overrides: &[duplex_gguf::MetadataOverride]) -> Result<GgufModel, GgufError> {
+    let mut g = Gguf::open(path)?;
+    g.override_metadata(overrides);
     let cfg = model_config(&g)?;
     let arch = g.metadata().str("general.architecture")?.unwrap_or_default().to_string();
     let model_err = |message: String| GgufError::Model { path: g.path().to_path_buf(), message };
