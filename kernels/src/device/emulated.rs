@@ -248,14 +248,12 @@ impl Capture {
         self.members[0]
     }
 
-    fn push(&mut self, stream: StreamId, command: Command) -> usize {
+    fn push(&mut self, stream: StreamId, command: Command) {
         if stream != self.origin() {
             self.unjoined.insert(stream);
         }
         self.nodes.push((stream, command));
-        let count = self.counts.entry(stream).or_default();
-        *count += 1;
-        *count
+        *self.counts.entry(stream).or_default() += 1;
     }
 
     /// Fail the capture (as CUDA invalidates one) and say why.

@@ -374,7 +374,7 @@ impl DecodeArgs {
             }
         }
         check("dtype", c.precision().map(drop))?;
-        check("override_kv", c.override_kv.iter().try_for_each(|o| o.parse::<duplex_model::source::MetadataOverride>().map(drop).map_err(|e| anyhow::anyhow!("override_kv: {e}"))))?;
+        check("override_kv", duplex_model::source::ModelSource::parse_overrides(&c.override_kv).map(drop).map_err(anyhow::Error::from))?;
         check("device", c.device_kind().map(drop))?;
         check("expert_submit", c.submit().map(drop))?;
         check("expert_assignment", c.expert_assignment.parse::<duplex_expert_cache::assign::AssignmentKind>().map(drop).map_err(|e| anyhow::anyhow!("expert_assignment: {e}")))?;

@@ -299,7 +299,7 @@ impl PrefillArgs {
             }
         }
         check("dtype", c.precision().map(drop))?;
-        check("override_kv", c.override_kv.iter().try_for_each(|o| o.parse::<duplex_model::source::MetadataOverride>().map(drop).map_err(|e| anyhow::anyhow!("override_kv: {e}"))))?;
+        check("override_kv", duplex_model::source::ModelSource::parse_overrides(&c.override_kv).map(drop).map_err(anyhow::Error::from))?;
         check("device", c.device_kind().map(drop))?;
         check("devices", c.device_list().map(drop))?;
         check("cores", c.core_list().map(drop))?;

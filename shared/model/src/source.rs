@@ -31,12 +31,18 @@ impl ModelSource {
     /// `KEY=TYPE:VALUE` as llama.cpp's `--override-kv`. Overrides of a
     /// Hugging Face model are refused: its config.json is the place.
     pub fn locate_with(path: &Path, overrides: &[String]) -> Result<Self, LoadError> {
-        let parsed = overrides.iter().map(|o| o.parse::<MetadataOverride>()).collect::<Result<Vec<_>, _>>().map_err(|e| LoadError::Overrides(format!("override_kv: {e}")))?;
+        let parsed = Self::parse_overrides(overrides)?;
         match Self::locate(path)? {
             ModelSource::Gguf { file, .. } => Ok(ModelSource::Gguf { file, overrides: parsed }),
             ModelSource::HuggingFace(dir) if parsed.is_empty() => Ok(ModelSource::HuggingFace(dir)),
             ModelSource::HuggingFace(dir) => Err(LoadError::Overrides(format!("override_kv overrides GGUF metadata, but {} is a Hugging Face model: edit its config.json instead", dir.display()))),
         }
+    }
+
+    /// `override_kv` entries, parsed (a config checks them with this before
+    /// any model is opened).
+    pub fn parse_overrides(overrides: &[String]) -> Result<Vec<MetadataOverride>, LoadError> {
+        overrides.iter().map(|o| o.parse::<MetadataOverride>()).collect::<Result<Vec<_>, _>>().map_err(|e| LoadError::Overrides(format!("override_kv: {e}")))
     }
 
     /// The file the configuration comes from, for messages.
