@@ -10,9 +10,12 @@ the numbers meaningless, so run nothing else meanwhile.
 
 Usage: deploy/anchor/compare.py GGUF [--rounds 3] [--threads 2]
          [--duplex target/release/duplex] [--llama-bench PATH] [--extra MODEL]
+         [--weights-dir DIR]
 `--extra MODEL` adds Duplex on another model (e.g. the FP8 original) to every
-round, compared with the same llama.cpp run. Build llama.cpp first with
-deploy/anchor/build-llama-cpp.sh.
+round, compared with the same llama.cpp run. `--weights-dir DIR` adds Duplex
+on the same GGUF with its weight segment in DIR (a hugetlbfs mount: 2 MiB
+pages, as `duplex serve --shm-dir` would use them). Build llama.cpp first
+with deploy/anchor/build-llama-cpp.sh.
 """
 import argparse
 import json
@@ -50,9 +53,9 @@ def llama_cpp(bench, gguf, threads):
     return out
 
 
-def duplex(binary, model, threads):
+def duplex(binary, model, threads, extra_args=()):
     cmd = [binary, "bench-engine", "--model", model, "--threads", str(threads), "--contexts", ",".join(map(str, CONTEXTS)),
-           "--decode-tokens", "32", "--decode-rounds", "1", "--prefill", ",".join(map(str, PROMPTS))]
+           "--decode-tokens", "32", "--decode-rounds", "1", "--prefill", ",".join(map(str, PROMPTS)), *extra_args]
     res = subprocess.run(cmd, capture_output=True, text=True, check=True)
     out = {}
     for line in res.stdout.splitlines():
@@ -73,25 +76,32 @@ def main():
     ap.add_argument("--duplex", default="target/release/duplex")
     ap.add_argument("--llama-bench", default=LCP)
     ap.add_argument("--extra", help="another model for Duplex, compared with the same llama.cpp runs")
+    ap.add_argument("--weights-dir", help="also run Duplex with its weight segment in this directory (e.g. a hugetlbfs mount)")
     ap.add_argument("--contexts", default="512,4096", help="decode contexts")
     ap.add_argument("--prompts", default="512,2048", help="prefill lengths")
     a = ap.parse_args()
     CONTEXTS[:] = [int(c) for c in a.contexts.split(",")]
     PROMPTS[:] = [int(p) for p in a.prompts.split(",")]
-    engines = {"llama.cpp": [], "duplex": [], "duplex (extra)": []}
+    # Duplex's other runs per round: (column title, model, extra arguments).
+    variants = []
+    if a.extra:
+        variants.append((f"{os.path.basename(a.extra.rstrip('/'))} ÷ llama.cpp", a.extra, []))
+    if a.weights_dir:
+        variants.append((f"Duplex, weights in {a.weights_dir} ÷ llama.cpp", a.gguf, ["--weights-dir", a.weights_dir]))
+    engines = {"llama.cpp": [], "duplex": [], **{title: [] for title, _, _ in variants}}
     for r in range(a.rounds):
         print(f"round {r + 1}: {uptime()}", file=sys.stderr)
         engines["llama.cpp"].append(llama_cpp(a.llama_bench, a.gguf, a.threads))
         print(f"  llama.cpp {engines['llama.cpp'][-1]}", file=sys.stderr)
         engines["duplex"].append(duplex(a.duplex, a.gguf, a.threads))
         print(f"  duplex    {engines['duplex'][-1]}", file=sys.stderr)
-        if a.extra:
-            engines["duplex (extra)"].append(duplex(a.duplex, a.extra, a.threads))
-            print(f"  duplex ({a.extra}) {engines['duplex (extra)'][-1]}", file=sys.stderr)
+        for title, model, extra_args in variants:
+            engines[title].append(duplex(a.duplex, model, a.threads, extra_args))
+            print(f"  {title}: {engines[title][-1]}", file=sys.stderr)
     print(f"\n{a.gguf}, {a.threads} threads, {a.rounds} interleaved rounds; after: {uptime()}\n")
     header = "| measurement | llama.cpp tokens/s (min / median / max) | Duplex tokens/s | Duplex ÷ llama.cpp (min / median / max) |"
-    if a.extra:
-        header += f" {os.path.basename(a.extra.rstrip('/'))} ÷ llama.cpp |"
+    for title, _, _ in variants:
+        header += f" {title} |"
     print(header)
     print("|" + " --- |" * (header.count("|") - 1))
     fmt = lambda xs: " / ".join(f"{x:.2f}" for x in (min(xs), statistics.median(xs), max(xs)))
@@ -99,8 +109,8 @@ def main():
         l = [run[key] for run in engines["llama.cpp"]]
         d = [run[key] for run in engines["duplex"]]
         row = f"| {key} | {fmt(l)} | {fmt(d)} | {fmt([x / y for x, y in zip(d, l)])} |"
-        if a.extra:
-            e = [run[key] for run in engines["duplex (extra)"]]
+        for title, _, _ in variants:
+            e = [run[key] for run in engines[title]]
             row += f" {fmt([x / y for x, y in zip(e, l)])} |"
         print(row)
 

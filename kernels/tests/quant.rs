@@ -15,8 +15,8 @@
 use duplex_kernels::cpu::isa;
 use duplex_kernels::quant::blocks::{dequantize_q8_0, dequantize_q8_k};
 use duplex_kernels::quant::{
-    dequantize_row, dot, dot_with, gemv_with, quantize_q8_0, quantize_q8_k, Activations, BlockQ8K, BlockQ8_0, DotPath,
-    QuantError, QuantKind, QK8_0, QK_K,
+    self, dequantize_row, dot, dot_with, gemv_with, quantize_q8_0, quantize_q8_k, Activations, BlockQ8K, BlockQ8_0, DotPath,
+    QuantError, QuantKind, QuantizedTokens, QK8_0, QK_K,
 };
 use proptest::prelude::*;
 use std::path::PathBuf;
@@ -428,6 +428,36 @@ proptest! {
             gemv_with(path, kind, &matrix, rows, &act, &mut y).unwrap();
             for (r, chunk) in matrix.chunks_exact(row.len()).enumerate() {
                 prop_assert_eq!(y[r].to_bits(), dot_with(DotPath::Scalar, kind, chunk, &act).unwrap().to_bits());
+            }
+        }
+    }
+
+    /// The band product of several tokens (`quant::matmul`, what linear
+    /// layers run) is each token's dot product with each row, bit for bit,
+    /// on every path: also where a kernel streams blocks across row ends.
+    #[test]
+    fn matmul_is_each_tokens_rowwise_dot((kind, row, x) in case(any_scale), rows in 1usize..6, tokens in 1usize..4) {
+        let bb = kind.block_bytes();
+        let mut matrix = Vec::new();
+        for r in 0..rows {
+            let shift = (r * bb) % row.len();
+            matrix.extend_from_slice(&row[shift..]);
+            matrix.extend_from_slice(&row[..shift]);
+        }
+        // Token t: x scaled and rotated by t elements, so the tokens differ.
+        let len = x.len();
+        let xs: Vec<f32> = (0..tokens * len).map(|k| (k / len) as f32 + 1.0).zip((0..tokens * len).map(|k| x[(k % len + k / len) % len])).map(|(s, v)| s * v).collect();
+        let mut held = QuantizedTokens::default();
+        held.quantize(kind, &xs, tokens).unwrap();
+        for path in DotPath::supported() {
+            let mut out = vec![f32::NAN; tokens * rows];
+            quant::matmul(path, kind, &matrix, rows, &held, &mut out).unwrap();
+            for t in 0..tokens {
+                let act = Activations::quantize_for(kind, &xs[t * len..(t + 1) * len]).unwrap();
+                for (r, chunk) in matrix.chunks_exact(row.len()).enumerate() {
+                    let want = dot_with(DotPath::Scalar, kind, chunk, &act).unwrap();
+                    prop_assert_eq!(out[t * rows + r].to_bits(), want.to_bits(), "{} on {}: token {} row {}", kind, path, t, r);
+                }
             }
         }
     }

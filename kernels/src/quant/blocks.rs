@@ -113,6 +113,18 @@ impl QuantKind {
         }
     }
 
+    /// Byte offsets of a block's f16 scales (`d`, and `dmin` for Q4_K and
+    /// Q5_K); none for the plain float formats. A generator of blocks must
+    /// set these, as random bytes there may be NaN or infinite.
+    pub const fn f16_offsets(self) -> &'static [usize] {
+        match self {
+            QuantKind::F32 | QuantKind::F16 | QuantKind::Bf16 => &[],
+            QuantKind::Q4_0 | QuantKind::Q5_0 | QuantKind::Q8_0 => &[0],
+            QuantKind::Q4K | QuantKind::Q5K => &[0, 2],
+            QuantKind::Q6K => &[Q6K_D],
+        }
+    }
+
     /// Bytes of a row of `elements` elements, or an error if that is not
     /// whole blocks.
     pub fn row_bytes(self, elements: usize) -> Result<usize, QuantError> {

@@ -1,8 +1,9 @@
 //! AVX2 dot products: `vpmaddubsw` (unsigned weight quant × signed
 //! activation, adjacent pairs summed to i16) then `vpmaddwd` by the
-//! sub-block scale (pairs summed to i32). Each block's i32 sum is reduced
-//! and folded exactly as the scalar reference does (see the module docs of
-//! `quant`).
+//! sub-block scale (pairs summed to i32). A k-quant block's eight i32
+//! lanes are folded into the row's eight f32 lanes, a 32-element block's
+//! sum into one f32, exactly as the scalar reference does (see the module
+//! docs of `quant`).
 //!
 //! `vpmaddubsw` saturates its i16 pair sums, so every use is bounded below
 //! 32767: k-quant quants are at most 63 and activations at most 127 in
@@ -12,7 +13,7 @@
 //! never hold -128.
 
 use super::blocks::{k_scales_mins, BlockQ8K, BlockQ8_0, QuantKind, K_SCALES, Q4K_QS, Q5K_QH, Q5K_QS, Q6K_D, Q6K_QH, Q6K_SCALES};
-use super::{fold_32, fold_k};
+use super::fold_32;
 use std::arch::x86_64::*;
 
 /// 32 bytes from the front of `s` (bounds-checked).
@@ -41,17 +42,6 @@ fn hsum(v: __m256i) -> i32 {
     let s = _mm_add_epi32(s, _mm_shuffle_epi32::<0b01_00_11_10>(s));
     let s = _mm_add_epi32(s, _mm_shuffle_epi32::<0b10_11_00_01>(s));
     _mm_cvtsi128_si32(s)
-}
-
-/// The sums of `a`'s and of `b`'s eight i32 lanes, reduced together.
-#[inline]
-#[target_feature(enable = "avx2,f16c")]
-pub(super) fn hsum2(a: __m256i, b: __m256i) -> (i32, i32) {
-    // [a01 a23 b01 b23 | a45 a67 b45 b67], then the halves added, then pairs.
-    let h = _mm256_hadd_epi32(a, b);
-    let s = _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256::<1>(h));
-    let s = _mm_hadd_epi32(s, s);
-    (_mm_cvtsi128_si32(s), _mm_extract_epi32::<1>(s))
 }
 
 /// The f32 values of two consecutive half-precision numbers at `b[at..at + 4]`
@@ -84,6 +74,23 @@ pub(super) fn min_lanes(mins: [u8; 8], bsums: &[i16; 16]) -> __m256i {
     _mm256_madd_epi16(s, m)
 }
 
+/// `fold_k` on eight lanes at once: the same f32 operations, lane by lane.
+#[inline]
+#[target_feature(enable = "avx2,f16c")]
+pub(super) fn fold_lanes(acc: __m256, d: f32, sumi: __m256i, dmin: f32, summ: __m256i) -> __m256 {
+    let plus = _mm256_add_ps(acc, _mm256_mul_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(sumi)));
+    _mm256_sub_ps(plus, _mm256_mul_ps(_mm256_set1_ps(dmin), _mm256_cvtepi32_ps(summ)))
+}
+
+/// `reduce_k` of eight lanes: halves added, then halves again.
+#[inline]
+#[target_feature(enable = "avx2,f16c")]
+pub(super) fn reduce_lanes(v: __m256) -> f32 {
+    let b = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
+    let c = _mm_add_ps(b, _mm_movehl_ps(b, b));
+    _mm_cvtss_f32(_mm_add_ss(c, _mm_movehdup_ps(c)))
+}
+
 /// Q4_K (`FIVE = false`) or Q5_K row against Q8_K.
 #[target_feature(enable = "avx2,f16c")]
 pub(super) fn dot_q45k<const FIVE: bool>(row: &[u8], y: &[BlockQ8K]) -> f32 {
@@ -91,7 +98,7 @@ pub(super) fn dot_q45k<const FIVE: bool>(row: &[u8], y: &[BlockQ8K]) -> f32 {
     let qs_at = if FIVE { Q5K_QS } else { Q4K_QS };
     let m4 = _mm256_set1_epi8(15);
     let sixteen = _mm256_set1_epi8(16);
-    let mut acc = 0.0f32;
+    let mut acc = _mm256_setzero_ps();
     for (b, yb) in row.chunks_exact(bb).zip(y) {
         let (sc, mn) = k_scales_mins(&b[K_SCALES..K_SCALES + 12]);
         let qh = if FIVE { ld(&b[Q5K_QH..]) } else { _mm256_setzero_si256() };
@@ -117,11 +124,10 @@ pub(super) fn dot_q45k<const FIVE: bool>(row: &[u8], y: &[BlockQ8K]) -> f32 {
             let p1 = _mm256_madd_epi16(p1, _mm256_set1_epi16(sc[2 * c + 1] as i16));
             sum = _mm256_add_epi32(sum, _mm256_add_epi32(p0, p1));
         }
-        let (sumi, summ) = hsum2(sum, min_lanes(mn, &yb.bsums));
         let (d, dmin) = halves_at(b, 0);
-        acc = fold_k(acc, d * yb.d, sumi, dmin * yb.d, summ);
+        acc = fold_lanes(acc, d * yb.d, sum, dmin * yb.d, min_lanes(mn, &yb.bsums));
     }
-    acc
+    reduce_lanes(acc)
 }
 
 /// Q6_K row against Q8_K. The quants are taken unsigned (0..64) and the
@@ -130,7 +136,7 @@ pub(super) fn dot_q45k<const FIVE: bool>(row: &[u8], y: &[BlockQ8K]) -> f32 {
 pub(super) fn dot_q6k(row: &[u8], y: &[BlockQ8K]) -> f32 {
     let m4 = _mm256_set1_epi8(15);
     let m30 = _mm256_set1_epi8(0x30);
-    let mut acc = 0.0f32;
+    let mut acc = _mm256_setzero_ps();
     for (b, yb) in row.chunks_exact(QuantKind::Q6K.block_bytes()).zip(y) {
         let sc = |s: usize| (b[Q6K_SCALES + s] as i8) as i16;
         let mut sum = _mm256_setzero_si256();
@@ -165,9 +171,9 @@ pub(super) fn dot_q6k(row: &[u8], y: &[BlockQ8K]) -> f32 {
         };
         let sum = _mm256_sub_epi32(sum, _mm256_slli_epi32::<5>(_mm256_madd_epi16(sc16, bsums)));
         let d = half_bits(u16::from_le_bytes([b[Q6K_D], b[Q6K_D + 1]]));
-        acc = fold_k(acc, d * yb.d, hsum(sum), 0.0, 0);
+        acc = fold_lanes(acc, d * yb.d, sum, 0.0, _mm256_setzero_si256());
     }
-    acc
+    reduce_lanes(acc)
 }
 
 /// Σ x·y over 32 signed weight bytes and 32 activations.

@@ -10,8 +10,8 @@
 //! times a scale of at most 128, far inside i32.
 
 use super::blocks::{k_scales_mins, BlockQ8K, BlockQ8_0, QuantKind, K_SCALES, Q4K_QS, Q5K_QH, Q5K_QS, Q6K_D, Q6K_QH, Q6K_SCALES};
-use super::dot_avx2::{bytes32, half_bits, halves_at, hsum2, min_lanes, quants32};
-use super::{fold_32, fold_k};
+use super::dot_avx2::{bytes32, fold_lanes, half_bits, halves_at, quants32, reduce_lanes};
+use super::fold_32;
 use std::arch::x86_64::*;
 
 /// 64 bytes from the front of `s`.
@@ -50,18 +50,31 @@ fn ld32_i8(s: &[i8]) -> __m256i {
     unsafe { _mm256_loadu_si256(s.as_ptr().cast()) }
 }
 
-/// A vector whose low eight i32 lanes are `a` and high eight `b`.
-#[inline]
-#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,f16c")]
-fn halves_i32(a: i32, b: i32) -> __m512i {
-    _mm512_inserti64x4::<1>(_mm512_set1_epi32(a), _mm256_set1_epi32(b))
-}
-
 /// A vector whose low 32 bytes are `a` and high 32 bytes `b`.
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,f16c")]
 fn halves_i8(a: u8, b: u8) -> __m512i {
     _mm512_inserti64x4::<1>(_mm512_set1_epi8(a as i8), _mm256_set1_epi8(b as i8))
+}
+
+/// A `vpshufb` control that turns a vector holding eight bytes in every
+/// 128-bit lane into i16 lanes, byte `a` in the low 256 bits and byte `b`
+/// in the high ones, zero-extended.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,f16c")]
+fn pick_i16(a: u8, b: u8) -> __m512i {
+    // The high byte of each i16 has its top bit set: `vpshufb` zeroes it.
+    let lane = |byte: u8| (0x8000u16 | byte as u16) as i16;
+    _mm512_inserti64x4::<1>(_mm512_castsi256_si512(_mm256_set1_epi16(lane(a))), _mm256_set1_epi16(lane(b)))
+}
+
+/// The sum of a product's two 256-bit halves: its sixteen i32 lanes folded
+/// to the eight of `fold_k` (lane l and l + 8 hold the same elements of
+/// two sub-blocks).
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,f16c")]
+fn fold_halves(v: __m512i) -> __m256i {
+    _mm256_add_epi32(_mm512_castsi512_si256(v), _mm512_extracti64x4_epi64::<1>(v))
 }
 
 /// Q4_K (`FIVE = false`) or Q5_K row against Q8_K: the multi-token
@@ -73,16 +86,18 @@ pub(super) fn dot_q45k<const FIVE: bool>(row: &[u8], y: &[BlockQ8K]) -> f32 {
 
 /// Q4_K (`FIVE = false`) or Q5_K row against `T` tokens of Q8_K at once:
 /// each block's weights are unpacked (nibbles, `qh` bits, scales) once for
-/// all of them, which is what a prefill saves; each token's integer sums
+/// all of them, which is what a prefill saves; each token's integer lanes
 /// and f32 fold do not depend on `T`, so every result has the bits of the
 /// one-token product.
 ///
-/// One 64-byte load of qs (half h) holds chunks 2h and 2h + 1: its low
-/// nibbles are sub-blocks 4h (bytes 0..32) and 4h + 2 (bytes 32..64), its
-/// high nibbles 4h + 1 and 4h + 3. `idx_*` pick each one's scale per lane,
-/// and (Q5_K) `bit_*` each one's qh bit per byte; activations 128h.. in
-/// 16-byte quarters a0..a3, b0..b3 meet the low nibbles as [a0 a1 b0 b1],
-/// the high ones as [a2 a3 b2 b3].
+/// Chunk c (32 bytes of qs) holds sub-block 2c in its low nibbles and
+/// 2c + 1 in its high ones: broadcast to both halves of a vector and
+/// shifted by 0 and 4 per half, it is elements 64c..64c + 64 in order, to
+/// meet one plain 64-byte load of activations. `vpmaddubsw` sums pairs (at
+/// most 2 × 31 × 127, no saturation) and `vpdpwssd` multiplies them by
+/// their sub-block's scale (i16 lanes picked from the eight scale bytes)
+/// and sums pairs into the block's i32 lanes: lane l holds elements
+/// 4l..4l + 4 of sub-block 2c, lane l + 8 those of sub-block 2c + 1.
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,f16c")]
 pub(super) fn dot_q45k_multi<const FIVE: bool, const T: usize>(row: &[u8], ys: [&[BlockQ8K]; T]) -> [f32; T] {
     let bb = if FIVE { QuantKind::Q5K } else { QuantKind::Q4K }.block_bytes();
@@ -90,53 +105,50 @@ pub(super) fn dot_q45k_multi<const FIVE: bool, const T: usize>(row: &[u8], ys: [
     let m4 = _mm512_set1_epi8(15);
     let sixteen = _mm512_set1_epi8(16);
     let zero = _mm512_setzero_si512();
-    let idx_lo = [halves_i32(0, 2), halves_i32(4, 6)];
-    let idx_hi = [halves_i32(1, 3), halves_i32(5, 7)];
-    let bit_lo = [halves_i8(1 << 0, 1 << 2), halves_i8(1 << 4, 1 << 6)];
-    let bit_hi = [halves_i8(1 << 1, 1 << 3), halves_i8(1 << 5, 1 << 7)];
-    let mut acc = [0.0f32; T];
+    let nibble_shift = _mm512_inserti64x4::<1>(_mm512_set1_epi16(0), _mm256_set1_epi16(4));
+    let pick_scales = [pick_i16(0, 1), pick_i16(2, 3), pick_i16(4, 5), pick_i16(6, 7)];
+    // i16 lane k of the minimum term's multiplier: min k / 2, against bsums[k].
+    let pick_mins = _mm256_setr_epi16(
+        -0x8000, -0x8000, 0x8001u16 as i16, 0x8001u16 as i16, 0x8002u16 as i16, 0x8002u16 as i16, 0x8003u16 as i16, 0x8003u16 as i16,
+        0x8004u16 as i16, 0x8004u16 as i16, 0x8005u16 as i16, 0x8005u16 as i16, 0x8006u16 as i16, 0x8006u16 as i16, 0x8007u16 as i16, 0x8007u16 as i16,
+    );
+    // Sub-block s's fifth bit is bit s of each qh byte.
+    let fifth_bit = [halves_i8(1 << 0, 1 << 1), halves_i8(1 << 2, 1 << 3), halves_i8(1 << 4, 1 << 5), halves_i8(1 << 6, 1 << 7)];
+    let mut acc = [_mm256_setzero_ps(); T];
     for (i, b) in row.chunks_exact(bb).enumerate() {
         let (sc, mn) = k_scales_mins(&b[K_SCALES..K_SCALES + 12]);
-        let scv = _mm512_castsi256_si512(_mm256_cvtepu8_epi32(_mm_set_epi64x(0, i64::from_le_bytes(sc))));
+        let scales = _mm512_set1_epi64(i64::from_le_bytes(sc));
+        let mins = _mm256_shuffle_epi8(_mm256_set1_epi64x(i64::from_le_bytes(mn)), pick_mins);
         let qh = if FIVE { _mm512_broadcast_i64x4(ld32(&b[Q5K_QH..])) } else { zero };
         // The block's quants and scale lanes, for every token.
-        let mut lo = [zero; 2];
-        let mut hi = [zero; 2];
-        let mut s_lo = [zero; 2];
-        let mut s_hi = [zero; 2];
-        for h in 0..2 {
-            let q = ld64(&b[qs_at + 64 * h..]);
-            lo[h] = _mm512_and_si512(q, m4);
-            hi[h] = _mm512_and_si512(_mm512_srli_epi16::<4>(q), m4);
+        let mut q = [zero; 4];
+        let mut s = [zero; 4];
+        for c in 0..4 {
+            let chunk = _mm512_broadcast_i64x4(ld32(&b[qs_at + 32 * c..]));
+            q[c] = _mm512_and_si512(_mm512_srlv_epi16(chunk, nibble_shift), m4);
             if FIVE {
-                lo[h] = _mm512_mask_add_epi8(lo[h], _mm512_test_epi8_mask(qh, bit_lo[h]), lo[h], sixteen);
-                hi[h] = _mm512_mask_add_epi8(hi[h], _mm512_test_epi8_mask(qh, bit_hi[h]), hi[h], sixteen);
+                q[c] = _mm512_mask_add_epi8(q[c], _mm512_test_epi8_mask(qh, fifth_bit[c]), q[c], sixteen);
             }
-            s_lo[h] = _mm512_permutexvar_epi32(idx_lo[h], scv);
-            s_hi[h] = _mm512_permutexvar_epi32(idx_hi[h], scv);
+            s[c] = _mm512_shuffle_epi8(scales, pick_scales[c]);
         }
         let (d, dmin) = halves_at(b, 0);
         for (t, y) in ys.iter().enumerate() {
             let yb = &y[i];
             let mut sum = zero;
-            for h in 0..2 {
-                let a = ld64_i8(&yb.qs[128 * h..]);
-                let c = ld64_i8(&yb.qs[128 * h + 64..]);
-                let y_lo = _mm512_shuffle_i64x2::<0b01_00_01_00>(a, c);
-                let y_hi = _mm512_shuffle_i64x2::<0b11_10_11_10>(a, c);
-                sum = _mm512_add_epi32(sum, _mm512_mullo_epi32(_mm512_dpbusd_epi32(zero, lo[h], y_lo), s_lo[h]));
-                sum = _mm512_add_epi32(sum, _mm512_mullo_epi32(_mm512_dpbusd_epi32(zero, hi[h], y_hi), s_hi[h]));
+            for c in 0..4 {
+                sum = _mm512_dpwssd_epi32(sum, _mm512_maddubs_epi16(q[c], ld64_i8(&yb.qs[64 * c..])), s[c]);
             }
-            let sum = _mm256_add_epi32(_mm512_castsi512_si256(sum), _mm512_extracti64x4_epi64::<1>(sum));
-            let (sumi, summ) = hsum2(sum, min_lanes(mn, &yb.bsums));
-            acc[t] = fold_k(acc[t], d * yb.d, sumi, dmin * yb.d, summ);
+            // SAFETY: `bsums` is 16 i16, 32 bytes; unaligned load.
+            let bsums = unsafe { _mm256_loadu_si256(yb.bsums.as_ptr().cast()) };
+            acc[t] = fold_lanes(acc[t], d * yb.d, fold_halves(sum), dmin * yb.d, _mm256_madd_epi16(bsums, mins));
         }
     }
-    acc
+    acc.map(|a| reduce_lanes(a))
 }
 
 /// Q6_K row against Q8_K; unsigned quants, the `- 32` taken back through
-/// `bsums` as in the AVX2 kernel.
+/// `bsums` in the lanes of the scalar reference (sub-blocks 2g and 2g + 1
+/// in lane g, as `vpmaddwd` pairs them).
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,f16c")]
 pub(super) fn dot_q6k(row: &[u8], y: &[BlockQ8K]) -> f32 {
     let m4 = _mm512_set1_epi8(15);
@@ -151,15 +163,13 @@ pub(super) fn dot_q6k(row: &[u8], y: &[BlockQ8K]) -> f32 {
         _mm512_add_epi32(_mm512_set1_epi32(first), _mm512_srli_epi32::<2>(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)))
     };
     let idx_q = [idx(0), idx(4), idx(8), idx(12)];
-    let mut acc = 0.0f32;
+    let mut acc = _mm256_setzero_ps();
     for (b, yb) in row.chunks_exact(QuantKind::Q6K.block_bytes()).zip(y) {
-        // SAFETY: 16 readable bytes (the scales); unaligned load.
-        let sc8 = unsafe { _mm_loadu_si128(b[Q6K_SCALES..Q6K_SCALES + 16].as_ptr().cast()) };
+        // SAFETY: 16 readable bytes (the scales) and the 32 bytes of
+        // `bsums`; unaligned loads.
+        let (sc8, bsums) = unsafe { (_mm_loadu_si128(b[Q6K_SCALES..Q6K_SCALES + 16].as_ptr().cast()), _mm256_loadu_si256(yb.bsums.as_ptr().cast())) };
         let scales = _mm512_cvtepi8_epi32(sc8);
-        // SAFETY: `bsums` is 16 i16, 32 bytes; unaligned load.
-        let bsums = _mm512_cvtepi16_epi32(unsafe { _mm256_loadu_si256(yb.bsums.as_ptr().cast()) });
-        // Start from -32 × Σ scale × bsum: the offset of the unsigned quants.
-        let mut sum = _mm512_sub_epi32(zero, _mm512_slli_epi32::<5>(_mm512_mullo_epi32(scales, bsums)));
+        let mut sum = zero;
         for h in 0..2 {
             let ql = ld64(&b[64 * h..]);
             let qh = _mm512_broadcast_i64x4(ld32(&b[Q6K_QH + 32 * h..]));
@@ -173,11 +183,13 @@ pub(super) fn dot_q6k(row: &[u8], y: &[BlockQ8K]) -> f32 {
             sum = _mm512_add_epi32(sum, _mm512_mullo_epi32(d01, _mm512_permutexvar_epi32(idx_q[2 * h], scales)));
             sum = _mm512_add_epi32(sum, _mm512_mullo_epi32(d23, _mm512_permutexvar_epi32(idx_q[2 * h + 1], scales)));
         }
-        let sumi = _mm512_reduce_add_epi32(sum);
+        // Less 32 × Σ scale × bsum, sub-blocks 2g and 2g + 1 in lane g.
+        let offset = _mm256_slli_epi32::<5>(_mm256_madd_epi16(_mm256_cvtepi8_epi16(sc8), bsums));
+        let sumi = _mm256_sub_epi32(fold_halves(sum), offset);
         let d = half_bits(u16::from_le_bytes([b[Q6K_D], b[Q6K_D + 1]]));
-        acc = fold_k(acc, d * yb.d, sumi, 0.0, 0);
+        acc = fold_lanes(acc, d * yb.d, sumi, 0.0, _mm256_setzero_si256());
     }
-    acc
+    reduce_lanes(acc)
 }
 
 /// Per-lane Σ x·y of 64 signed weight bytes and 64 activations: |x| as the
@@ -285,6 +297,55 @@ fn dot_32<const Q: u8>(row: &[u8], y: &[BlockQ8_0]) -> f32 {
         acc = fold_32(acc, halves_at(b, 0).0, half_bits(yb.d.to_bits()), s);
     }
     acc
+}
+
+/// Rows of Q8_0, Q4_0 or Q5_0 weights (`Q` as in `quants32`), `y.len()`
+/// blocks each, against Q8_0: `out[r]` is row r's `dot_32`, bit for bit.
+/// The rows are taken as one stream of blocks, eight at a time across row
+/// ends, so that short rows (MLA's per-head `attn_k_b` has four blocks a
+/// row) cost what long ones do: each row still adds its blocks' products
+/// to its own sum from zero, in block order, which is all `dot_32` does.
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,f16c")]
+pub(super) fn gemv_32<const Q: u8>(matrix: &[u8], y: &[BlockQ8_0], out: &mut [f32]) {
+    let bb = bytes32(Q);
+    let per_row = y.len();
+    let total = out.len() * per_row;
+    let matrix = &matrix[..total * bb];
+    out.fill(0.0);
+    let eights = total / 8;
+    for (e, b) in matrix.chunks_exact(8 * bb).enumerate() {
+        let first = 8 * e;
+        let yb = |k: usize| &y[(first + k) % per_row];
+        let mut v = [_mm512_setzero_si512(); 4];
+        let (mut dx, mut dy) = ([0u16; 8], [0u16; 8]);
+        for p in 0..4 {
+            let (b0, b1) = (&b[2 * p * bb..], &b[(2 * p + 1) * bb..]);
+            let x = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(quants32::<Q>(b0)), quants32::<Q>(b1));
+            v[p] = dot_s8(x, pair_i8(&yb(2 * p).qs, &yb(2 * p + 1).qs));
+            dx[2 * p] = u16::from_le_bytes([b0[0], b0[1]]);
+            dx[2 * p + 1] = u16::from_le_bytes([b1[0], b1[1]]);
+            dy[2 * p] = yb(2 * p).d.to_bits();
+            dy[2 * p + 1] = yb(2 * p + 1).d.to_bits();
+        }
+        // SAFETY: two 16-byte arrays; unaligned loads.
+        let (dx, dy) = unsafe { (_mm_loadu_si128(dx.as_ptr().cast()), _mm_loadu_si128(dy.as_ptr().cast())) };
+        let scale = _mm256_mul_ps(_mm256_cvtph_ps(dx), _mm256_cvtph_ps(dy));
+        let prod = _mm256_mul_ps(_mm256_cvtepi32_ps(sums8(v)), scale);
+        let mut t = [0f32; 8];
+        // SAFETY: 8 writable f32; unaligned store.
+        unsafe { _mm256_storeu_ps(t.as_mut_ptr(), prod) };
+        for (k, p) in t.into_iter().enumerate() {
+            out[(first + k) / per_row] += p;
+        }
+    }
+    // The last blocks, fewer than eight, one at a time.
+    for g in eights * 8..total {
+        let (b, yb) = (&matrix[g * bb..], &y[g % per_row]);
+        let x = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(quants32::<Q>(b)), _mm256_setzero_si256());
+        let (s, _) = hsum_halves(dot_s8(x, pair_i8(&yb.qs, &[0; 32])));
+        let r = g / per_row;
+        out[r] = fold_32(out[r], halves_at(b, 0).0, half_bits(yb.d.to_bits()), s);
+    }
 }
 
 /// Q8_0 row against Q8_0.

@@ -19,11 +19,12 @@
 //! Every path computes each block's integer sums exactly (they are the sums
 //! ggml's reference forms, regrouped; no intermediate can overflow, see the
 //! bounds at each kernel) and then folds the blocks into the f32 result with
-//! the same scalar expression, in block order (`fold_k`, `fold_32`). So
-//! the SIMD paths return the scalar reference's bits exactly, and the tests
-//! say so. Against llama.cpp the integers are identical and only the f32
-//! folding order differs (its generic code keeps eight f32 partial sums per
-//! row, its SIMD code a vector of them), which is f32 rounding.
+//! the same f32 operations, in block order: the k-quants in eight lanes
+//! (`fold_k`, `reduce_k`), the 32-element formats one block at a time
+//! (`fold_32`). So the SIMD paths return the scalar reference's bits
+//! exactly, and the tests say so. Against llama.cpp the integers are
+//! identical and only the f32 folding differs (its SIMD code also keeps a
+//! vector of partial sums per row, grouped otherwise), which is f32 rounding.
 
 pub mod blocks;
 mod dot_scalar;
@@ -176,13 +177,37 @@ fn has_vnni() -> bool {
     false
 }
 
-/// The f32 fold of one k-quant block: `d` and `dmin` are the weight block's
-/// scales times the activation block's, `sumi` the scaled integer dot
-/// product, `summ` the integer minimum term (zero for Q6_K). Every path uses
-/// this one expression, in block order, which is what makes them bit-equal.
+/// Lanes of a k-quant row's f32 sums (see [`fold_k`]).
+const K_LANES: usize = 8;
+
+/// The f32 fold of one k-quant block into its row's eight lane sums.
+///
+/// A block's integer products are split over eight lanes by element:
+/// element `e` (0..256) of the block belongs to lane `(e / 4) % 8`, which
+/// is where an eight- or sixteen-lane integer SIMD product (`vpdpbusd`,
+/// `vpmaddubsw` then `vpmaddwd`) leaves it, sixteen lanes folding to eight
+/// by adding their halves. `sumi[g]` is lane g's scaled integer sum (for
+/// Q6_K less its offset, that of its 16-element sub-blocks 2g and 2g + 1)
+/// and `summ[g]` the minimum term of 32-element sub-block g (Q4_K, Q5_K;
+/// zero for Q6_K); `d` and `dmin` are the weight block's scales times the
+/// activation block's. Every path folds these same lanes with these same
+/// f32 operations (no fused multiply-add), block by block, and reduces them
+/// at the end with [`reduce_k`]: that is what makes them bit-equal. Keeping
+/// the row's sums in lanes, as llama.cpp's SIMD code does, spares each
+/// block a horizontal sum.
 #[inline(always)]
-fn fold_k(acc: f32, d: f32, sumi: i32, dmin: f32, summ: i32) -> f32 {
-    acc + d * sumi as f32 - dmin * summ as f32
+fn fold_k(acc: &mut [f32; K_LANES], d: f32, sumi: &[i32; K_LANES], dmin: f32, summ: &[i32; K_LANES]) {
+    for g in 0..K_LANES {
+        acc[g] = acc[g] + d * sumi[g] as f32 - dmin * summ[g] as f32;
+    }
+}
+
+/// A k-quant row's result: its eight lane sums added in the order an
+/// eight-lane SIMD reduction adds them (halves, then halves again).
+#[inline(always)]
+fn reduce_k(a: &[f32; K_LANES]) -> f32 {
+    let b = [a[0] + a[4], a[1] + a[5], a[2] + a[6], a[3] + a[7]];
+    (b[0] + b[2]) + (b[1] + b[3])
 }
 
 /// The f32 fold of one 32-element block (Q4_0, Q8_0): `sumi` × (weight scale
@@ -518,6 +543,27 @@ fn matmul_where(path: DotPath, kind: QuantKind, matrix: &[u8], rows: usize, acts
         return Ok(());
     }
     let path = runnable(path);
+    #[cfg(target_arch = "x86_64")]
+    if path == DotPath::Avx512Vnni && matches!(kind, QuantKind::Q4_0 | QuantKind::Q5_0 | QuantKind::Q8_0) {
+        // One token at a time over the whole band, its blocks streamed
+        // across row ends (`gemv_32`): the same bits as row by row.
+        for j in 0..n {
+            let op = acts.op(kind, token(j))?;
+            let out = &mut out[j * rows..(j + 1) * rows];
+            // SAFETY: `runnable` lets Avx512Vnni through only on a CPU that
+            // has it; the band is `rows` whole rows of the op's blocks
+            // (checked above against the held tokens' width).
+            unsafe {
+                match op {
+                    Op::Q8_0(y) => dot_avx512::gemv_32::<8>(matrix, y, out),
+                    Op::Q4_0(y) => dot_avx512::gemv_32::<4>(matrix, y, out),
+                    Op::Q5_0(y) => dot_avx512::gemv_32::<5>(matrix, y, out),
+                    Op::Q4K(_) | Op::Q5K(_) | Op::Q6K(_) => unreachable!("{kind} is a 32-element format"),
+                }
+            }
+        }
+        return Ok(());
+    }
     for j0 in (0..n).step_by(GROUP) {
         let mut ops: [Option<Op>; GROUP] = [None; GROUP];
         for (slot, j) in ops.iter_mut().zip(j0..n.min(j0 + GROUP)) {

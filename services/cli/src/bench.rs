@@ -5,7 +5,10 @@
 use crate::{load_progress, BenchArgs, BenchKernelsArgs};
 use anyhow::{bail, Result};
 use duplex_toolkit::reference::argmax;
-use duplex_toolkit::kernel_bench::{gemv_bandwidth, moe_layer_bandwidth, random_fp8, read_bandwidth};
+use duplex_kernels::quant::QuantKind;
+use duplex_toolkit::kernel_bench::{
+    format_gemv_bandwidth, format_moe_layer_bandwidth, gemv_bandwidth, moe_layer_bandwidth, random_blocks, random_fp8, random_moe_layers, read_bandwidth, BenchFormat,
+};
 use duplex_kernels::cpu::isa;
 use duplex_kernels::pool::{PoolConfig, ThreadPool};
 use duplex_model::{BlockTable, ForwardTimings, Logits, Model, SeqInput};
@@ -47,7 +50,17 @@ pub fn kernels(args: BenchKernelsArgs) -> Result<()> {
     // computes when memory is not in the way, next to one thread's DRAM read.
     let one = ThreadPool::new(&PoolConfig::single_node(1));
     let cached = &buf[..512 * 2048];
-    let mut best = [0.0f64; 6];
+    // GGUF k-quants (a Q4_K_M file: gate and up in Q4_K, down in Q6_K in
+    // some layers and Q4_K in the others), each in its own buffer of valid
+    // blocks, in process memory (--buffer-dir moves the FP8 weights only).
+    let len = args.buffer_mib << 20;
+    let (q4k, q6k) = (BenchFormat::Quant(QuantKind::Q4K), BenchFormat::Quant(QuantKind::Q6K));
+    let q4k_buf = random_blocks(&pool, QuantKind::Q4K, len, 2);
+    let q6k_buf = random_blocks(&pool, QuantKind::Q6K, len, 3);
+    let moe_q4 = random_moe_layers(&pool, [q4k; 3], 7168, 2048, len, 4);
+    let moe_q6 = random_moe_layers(&pool, [q4k, q4k, q6k], 7168, 2048, len, 5);
+    let q4k_cached = 512 * QuantKind::Q4K.row_bytes(2048)?;
+    let mut best = [0.0f64; 11];
     for _ in 0..passes {
         let pass = [
             read_bandwidth(&pool, isa, &buf, 1, 1),
@@ -57,6 +70,11 @@ pub fn kernels(args: BenchKernelsArgs) -> Result<()> {
             moe_layer_bandwidth(&pool, isa, weights, 7168, 2048, 8, 1, 1),
             // Each call is short (tens of µs): the best of many.
             (0..64).map(|_| gemv_bandwidth(&one, isa, cached, 512, 2048, 1)).fold(0.0, f64::max),
+            format_gemv_bandwidth(&pool, isa, q4k, &q4k_buf, 2048, 7168, 1),
+            format_gemv_bandwidth(&pool, isa, q6k, &q6k_buf, 7168, 2048, 1),
+            format_moe_layer_bandwidth(&pool, isa, [q4k; 3], &moe_q4, 7168, 2048, 8, 1, 1),
+            format_moe_layer_bandwidth(&pool, isa, [q4k, q4k, q6k], &moe_q6, 7168, 2048, 8, 1, 1),
+            (0..64).map(|_| format_gemv_bandwidth(&one, isa, q4k, &q4k_buf[..q4k_cached], 512, 2048, 1)).fold(0.0, f64::max),
         ];
         best.iter_mut().zip(pass).for_each(|(b, p)| *b = b.max(p));
     }
@@ -70,6 +88,11 @@ pub fn kernels(args: BenchKernelsArgs) -> Result<()> {
     row("FP8 GEMV 2048→7168 (down), batch 1", best[3], all);
     row("MoE layer, V3 dims (8 routed + 1 shared experts), batch 1", best[4], all);
     row("FP8 GEMV 2048→512, 1 thread, weights in cache", best[5], all);
+    row("Q4_K GEMV 7168→2048 (gate/up), batch 1", best[6], all);
+    row("Q6_K GEMV 2048→7168 (down), batch 1", best[7], all);
+    row("MoE layer, V3 dims, Q4_K gate/up/down, batch 1", best[8], all);
+    row("MoE layer, V3 dims, Q4_K gate/up, Q6_K down, batch 1", best[9], all);
+    row("Q4_K GEMV 2048→512, 1 thread, weights in cache", best[10], all);
     Ok(())
 }
 
