@@ -2,9 +2,11 @@
 //! quants by 64 signed activations and sums each four into an i32 lane, with
 //! no intermediate saturation (unlike AVX2's `vpmaddubsw`). A k-quant
 //! sub-block is 8 lanes (32 elements) or 4 lanes (Q6_K's 16), so its scale
-//! is applied per lane with `vpmulld` against a scale vector permuted from
-//! the block's scales, and the block's lanes are reduced once. Each block's
-//! i32 sum is then folded exactly as the scalar reference does.
+//! is applied per lane: Q4_K/Q5_K by `vpdpwssd` of `vpmaddubsw` pairs with
+//! i16 scale lanes, Q6_K by `vpmulld` against a scale vector permuted from
+//! the block's scales. A block's sixteen i32 lanes fold to the eight of
+//! `fold_k` (its halves added), which join the row's eight f32 lanes
+//! exactly as the scalar reference folds them.
 //!
 //! Lane bounds: a `vpdpbusd` lane is at most 4 × 128 × 127 in magnitude,
 //! times a scale of at most 128, far inside i32.
