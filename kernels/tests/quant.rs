@@ -439,9 +439,10 @@ proptest! {
 
     /// The band product of several tokens (`quant::matmul`, what linear
     /// layers run) is each token's dot product with each row, bit for bit,
-    /// on every path: also where a kernel streams blocks across row ends.
+    /// on every path: also where a kernel streams blocks across row ends,
+    /// and where whole groups of eight tokens share each block's unpacking.
     #[test]
-    fn matmul_is_each_tokens_rowwise_dot((kind, row, x) in case(any_scale), rows in 1usize..6, tokens in 1usize..4) {
+    fn matmul_is_each_tokens_rowwise_dot((kind, row, x) in case(any_scale), rows in 1usize..6, tokens in prop::sample::select(vec![1usize, 2, 3, 8, 9, 17])) {
         let matrix = rotated_rows(kind, &row, rows);
         // Token t: x scaled and rotated by t elements, so the tokens differ.
         let len = x.len();
