@@ -55,9 +55,9 @@ pub fn kernels(args: BenchKernelsArgs) -> Result<()> {
     // blocks, in process memory (--buffer-dir moves the FP8 weights only).
     let len = args.buffer_mib << 20;
     let (q4k, q6k) = (BenchFormat::Quant(QuantKind::Q4K), BenchFormat::Quant(QuantKind::Q6K));
+    // All-Q4_K layers are whole Q4_K blocks end to end: the Q4_K GEMVs read them too.
     let q4k_buf = random_blocks(&pool, QuantKind::Q4K, len, 2);
     let q6k_buf = random_blocks(&pool, QuantKind::Q6K, len, 3);
-    let moe_q4 = random_moe_layers(&pool, [q4k; 3], 7168, 2048, len, 4);
     let moe_q6 = random_moe_layers(&pool, [q4k, q4k, q6k], 7168, 2048, len, 5);
     let q4k_cached = 512 * QuantKind::Q4K.row_bytes(2048)?;
     let mut best = [0.0f64; 11];
@@ -72,7 +72,7 @@ pub fn kernels(args: BenchKernelsArgs) -> Result<()> {
             (0..64).map(|_| gemv_bandwidth(&one, isa, cached, 512, 2048, 1)).fold(0.0, f64::max),
             format_gemv_bandwidth(&pool, isa, q4k, &q4k_buf, 2048, 7168, 1),
             format_gemv_bandwidth(&pool, isa, q6k, &q6k_buf, 7168, 2048, 1),
-            format_moe_layer_bandwidth(&pool, isa, [q4k; 3], &moe_q4, 7168, 2048, 8, 1, 1),
+            format_moe_layer_bandwidth(&pool, isa, [q4k; 3], &q4k_buf, 7168, 2048, 8, 1, 1),
             format_moe_layer_bandwidth(&pool, isa, [q4k, q4k, q6k], &moe_q6, 7168, 2048, 8, 1, 1),
             (0..64).map(|_| format_gemv_bandwidth(&one, isa, q4k, &q4k_buf[..q4k_cached], 512, 2048, 1)).fold(0.0, f64::max),
         ];

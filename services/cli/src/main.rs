@@ -88,7 +88,7 @@ impl PoolArgs {
 struct BenchKernelsArgs {
     #[command(flatten)]
     pool: PoolArgs,
-    /// Size of the weight buffer streamed through the kernels, in MiB (keep it far above L3).
+    /// Size of each weight buffer streamed through the kernels, in MiB (keep it far above L3); there are four (FP8, Q4_K, Q6_K, and Q4_K_M MoE layers), made once.
     #[arg(long, default_value_t = 1536)]
     buffer_mib: usize,
     /// Best of this many passes.

@@ -193,7 +193,9 @@ pub fn moe_layer_bandwidth(pool: &ThreadPool, isa: Isa, buf: &[u8], hidden: usiz
 
 /// [`moe_layer_bandwidth`] with the gate, up and down projections in
 /// `formats` (a Q4_K_M file keeps gate and up in Q4_K and down in Q6_K or
-/// Q4_K), from a `buf` made by [`random_moe_layers`] (FP8 takes any bytes).
+/// Q4_K), from a `buf` made by [`random_moe_layers`] (FP8 takes any bytes;
+/// layers of one block format are that format's blocks end to end, so
+/// [`random_blocks`] of it serves as well).
 #[allow(clippy::too_many_arguments)]
 pub fn format_moe_layer_bandwidth(pool: &ThreadPool, isa: Isa, formats: [BenchFormat; 3], buf: &[u8], hidden: usize, inter: usize, active: usize, shared: usize, passes: usize) -> f64 {
     let sizes = moe_matrix_bytes(formats, hidden, inter);
