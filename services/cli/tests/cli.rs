@@ -178,7 +178,12 @@ fn an_installed_binary_finds_the_bundled_model_beside_it() {
         std::fs::copy(entry.path(), share.join(entry.file_name())).unwrap();
     }
     let exe = prefix.path().join("bin/duplex");
-    std::fs::copy(env!("CARGO_BIN_EXE_duplex"), &exe).unwrap();
+    // Copied by a `cp` child, not `std::fs::copy`: a write descriptor open in
+    // this process would be inherited by any child another test thread forks
+    // meanwhile, and exec of the copy then fails with ETXTBSY ("Text file busy")
+    // until that child execs. The descriptor in `cp` is never shared.
+    let copied = Command::new("cp").arg(env!("CARGO_BIN_EXE_duplex")).arg(&exe).status().unwrap();
+    assert!(copied.success(), "cp of the binary failed");
     let out = Command::new(&exe).args(["generate", "--help"]).current_dir("/").output().unwrap();
     let help = String::from_utf8_lossy(&out.stdout);
     assert!(help.contains(&share.display().to_string()), "the default model should be the installed copy:\n{help}");
