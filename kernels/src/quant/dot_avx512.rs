@@ -313,11 +313,20 @@ pub(super) fn gemv_32<const Q: u8>(matrix: &[u8], y: &[BlockQ8_0], out: &mut [f3
     let per_row = y.len();
     let total = out.len() * per_row;
     let matrix = &matrix[..total * bb];
-    out.fill(0.0);
+    out.fill(0.0); // for rows of no blocks
+    // The row being summed (`acc`, stored when the row ends) and the next
+    // block's column: kept in registers and counted, not divided. Indexing
+    // `out` by `block / per_row` (a run-time divisor) had every block wait
+    // for a division and for the previous block's store to its row.
+    let (mut row, mut col, mut acc) = (0usize, 0usize, 0.0f32);
     let eights = total / 8;
-    for (e, b) in matrix.chunks_exact(8 * bb).enumerate() {
-        let first = 8 * e;
-        let yb = |k: usize| &y[(first + k) % per_row];
+    for b in matrix.chunks_exact(8 * bb) {
+        let mut cols = [0usize; 8];
+        for c in &mut cols {
+            *c = col;
+            col = if col + 1 == per_row { 0 } else { col + 1 };
+        }
+        let yb = |k: usize| &y[cols[k]];
         let mut v = [_mm512_setzero_si512(); 4];
         let (mut dx, mut dy) = ([0u16; 8], [0u16; 8]);
         for p in 0..4 {
@@ -336,17 +345,23 @@ pub(super) fn gemv_32<const Q: u8>(matrix: &[u8], y: &[BlockQ8_0], out: &mut [f3
         let mut t = [0f32; 8];
         // SAFETY: 8 writable f32; unaligned store.
         unsafe { _mm256_storeu_ps(t.as_mut_ptr(), prod) };
-        for (k, p) in t.into_iter().enumerate() {
-            out[(first + k) / per_row] += p;
+        for (p, &c) in t.into_iter().zip(&cols) {
+            acc += p;
+            if c + 1 == per_row {
+                (out[row], row, acc) = (acc, row + 1, 0.0);
+            }
         }
     }
     // The last blocks, fewer than eight, one at a time.
-    for g in eights * 8..total {
-        let (b, yb) = (&matrix[g * bb..], &y[g % per_row]);
+    for b in matrix[eights * 8 * bb..].chunks_exact(bb) {
+        let yb = &y[col];
         let x = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(quants32::<Q>(b)), _mm256_setzero_si256());
         let (s, _) = hsum_halves(dot_s8(x, pair_i8(&yb.qs, &[0; 32])));
-        let r = g / per_row;
-        out[r] = fold_32(out[r], halves_at(b, 0).0, half_bits(yb.d.to_bits()), s);
+        acc = fold_32(acc, halves_at(b, 0).0, half_bits(yb.d.to_bits()), s);
+        col += 1;
+        if col == per_row {
+            (out[row], row, acc, col) = (acc, row + 1, 0.0, 0);
+        }
     }
 }
 
