@@ -13,10 +13,28 @@ pub fn dot_f32(isa: Isa, a: &[f32], b: &[f32]) -> f32 {
     match isa.usable() {
         // SAFETY: `usable()` guarantees the features each path enables.
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx512 | Isa::Avx512Bf16 | Isa::Avx512Fp16 => unsafe { x86::dot_avx512(a, b) },
+        Isa::Avx512 | Isa::Avx512Bf16 | Isa::Avx512Fp16 => unsafe { x86::dot_avx512(a.as_ptr(), b) },
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx2 => unsafe { x86::dot_avx2(a, b) },
+        Isa::Avx2 => unsafe { x86::dot_avx2(a.as_ptr(), b) },
         _ => crate::linear::dot(a, b),
+    }
+}
+
+/// [`dot_f32`] for F32 `w` given as its little-endian bytes (any
+/// alignment): a GGUF's F32 router, read where it lies in the weights.
+pub fn dot_f32_bytes(isa: Isa, w: &[u8], x: &[f32]) -> f32 {
+    assert_eq!(w.len(), 4 * x.len(), "dot_f32_bytes: length mismatch");
+    match isa.usable() {
+        // SAFETY: `usable()` guarantees the features; `w` holds `x.len()`
+        // f32 values, which the kernels read with unaligned loads.
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512 | Isa::Avx512Bf16 | Isa::Avx512Fp16 => unsafe { x86::dot_avx512(w.as_ptr().cast(), x) },
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 => unsafe { x86::dot_avx2(w.as_ptr().cast(), x) },
+        _ => {
+            let w: Vec<f32> = w.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect();
+            crate::linear::dot(&w, x)
+        }
     }
 }
 
@@ -164,9 +182,10 @@ pub fn weighted_sum_16(isa: Isa, wt: &[f32], rows: &[&[f32]], out: &mut [f32], w
 mod x86 {
     use std::arch::x86_64::*;
 
+    /// `pa` points at `b.len()` f32 values, which it may hold at any alignment.
     #[target_feature(enable = "avx512f")]
-    pub(super) unsafe fn dot_avx512(a: &[f32], b: &[f32]) -> f32 {
-        let (n, pa, pb) = (a.len(), a.as_ptr(), b.as_ptr());
+    pub(super) unsafe fn dot_avx512(pa: *const f32, b: &[f32]) -> f32 {
+        let (n, pb) = (b.len(), b.as_ptr());
         // Four chains hide the FMA latency.
         let mut acc = [_mm512_setzero_ps(); 4];
         let mut i = 0;
@@ -447,9 +466,10 @@ mod x86 {
         }
     }
 
+    /// `pa` as in [`dot_avx512`].
     #[target_feature(enable = "avx2,fma")]
-    pub(super) unsafe fn dot_avx2(a: &[f32], b: &[f32]) -> f32 {
-        let (n, pa, pb) = (a.len(), a.as_ptr(), b.as_ptr());
+    pub(super) unsafe fn dot_avx2(pa: *const f32, b: &[f32]) -> f32 {
+        let (n, pb) = (b.len(), b.as_ptr());
         let mut acc = [_mm256_setzero_ps(); 4];
         let mut i = 0;
         while i + 32 <= n {
@@ -470,7 +490,8 @@ mod x86 {
         let s = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps::<1>(s));
         let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
         let s = _mm_add_ss(s, _mm_movehdup_ps(s));
-        let tail: f32 = a[i..].iter().zip(&b[i..]).map(|(x, y)| x * y).sum();
+        // SAFETY: i..n lie inside both; unaligned reads.
+        let tail: f32 = (i..n).map(|k| unsafe { pa.add(k).read_unaligned() } * b[k]).sum();
         _mm_cvtss_f32(s) + tail
     }
 
@@ -584,6 +605,22 @@ mod tests {
                 shifted[1..].copy_from_slice(&bytes);
                 let got = dot_bf16_f32(isa, &shifted[1..], &x) as f64;
                 prop_assert!((got - want).abs() / mag < 1e-5, "{isa}: {got} vs {want}");
+            }
+        }
+
+        #[test]
+        fn f32_weight_bytes_dot_matches_scalar(v in prop::collection::vec((-10.0f32..10.0, -10.0f32..10.0), 0..300), offset in 0usize..4) {
+            let (w, x): (Vec<f32>, Vec<f32>) = v.into_iter().unzip();
+            let want: f64 = w.iter().zip(&x).map(|(&a, &b)| a as f64 * b as f64).sum();
+            let mag: f64 = w.iter().zip(&x).map(|(&a, &b)| (a as f64 * b as f64).abs()).sum::<f64>() + 1e-6;
+            // The weights' bytes at every offset from 4-byte alignment.
+            let mut bytes = vec![0u8; offset];
+            bytes.extend(w.iter().flat_map(|f| f.to_le_bytes()));
+            for isa in isa::supported() {
+                let got = dot_f32_bytes(isa, &bytes[offset..], &x);
+                prop_assert!((got as f64 - want).abs() / mag < 1e-5, "{isa}: {got} vs {want}");
+                // The same sums as `dot_f32` on the values themselves.
+                prop_assert_eq!(got.to_bits(), dot_f32(isa, &w, &x).to_bits(), "{}", isa);
             }
         }
 

@@ -11,7 +11,7 @@ use crate::backend::{AttentionCall, Backend, ExpertJob, ExpertScratch, RouteCall
 use crate::kv_cache::KvPool;
 use crate::model::{ForwardError, Precision};
 use crate::weights::{HostWeight, Weights};
-use duplex_kernels::cpu::{convert::f32_to_bf16, elementwise as simd, gemv::matmul_bf16, isa::Isa, vector::dot_bf16_f32};
+use duplex_kernels::cpu::{convert::f32_to_bf16, elementwise as simd, gemv::matmul_bf16, isa::Isa, vector::{dot_bf16_f32, dot_f32_bytes}};
 use duplex_kernels::device::{DevicePtr, Matrix};
 use duplex_kernels::elementwise::{rms_norm, rope, silu_mul, softmax};
 use duplex_kernels::gqa::{gqa_attention, GqaDims, KvBlocks};
@@ -334,13 +334,19 @@ impl Backend for CpuBackend<'_> {
 
     fn router_logits(&mut self, w: &HostWeight, x: Matrix, y: Matrix, p: Precision) -> Result<(), ForwardError> {
         let view = matrix(w)?;
-        if !(p == Precision::Bf16 && view.format == WeightFormat::Bf16) {
+        // A checkpoint's router is BF16, a GGUF's F32.
+        let width = match view.format {
+            WeightFormat::Bf16 => 2,
+            WeightFormat::F32 => 4,
+            _ => 0,
+        };
+        if p != Precision::Bf16 || width == 0 {
             return self.gemm(w, x, y, Precision::F32, false);
         }
-        // SIMD dot products of BF16 weights: exact F32 products, only the
-        // summation order differs from the reference. Spread over the pool
-        // by experts: the router's weights (3.7 MB for V3) are streamed
-        // once per layer like any other matrix.
+        // SIMD dot products of the weights as they are: exact F32 products,
+        // only the summation order differs from the reference. Spread over
+        // the pool by experts: the router's weights (3.7 MB for V3 in BF16)
+        // are streamed once per layer like any other matrix.
         let (rt, a) = (self.rt, &mut *self.arena);
         check(x, a.data.len())?;
         let xs = read(&a.data, x);
@@ -354,7 +360,8 @@ impl Backend for CpuBackend<'_> {
                 // SAFETY: the logits of these experts are written by this task only.
                 let out = unsafe { out.slice_mut(i * view.rows + experts.start, experts.len()) };
                 for (r, o) in experts.clone().zip(out) {
-                    *o = dot_bf16_f32(rt.isa, &view.data[2 * r * view.cols..2 * (r + 1) * view.cols], xi);
+                    let row = &view.data[width * r * view.cols..width * (r + 1) * view.cols];
+                    *o = if width == 2 { dot_bf16_f32(rt.isa, row, xi) } else { dot_f32_bytes(rt.isa, row, xi) };
                 }
             }
         });
