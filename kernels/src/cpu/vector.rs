@@ -20,22 +20,47 @@ pub fn dot_f32(isa: Isa, a: &[f32], b: &[f32]) -> f32 {
     }
 }
 
-/// [`dot_f32`] for F32 `w` given as its little-endian bytes (any
+/// `Σ w[i]·x[i]` for F32 `w` given as its little-endian bytes (any
 /// alignment): a GGUF's F32 router, read where it lies in the weights.
+///
+/// Summed as llama.cpp sums it on AVX-512 (llamafile's tinyBLAS, which takes
+/// F32 × F32 products): sixteen lanes, lane `l` one fused multiply-add
+/// chain over elements `l, l + 16, …` (a partial last group padded with
+/// zeros), then the halving tree of `_mm512_reduce_add_ps`. Router logits
+/// decide which experts run, so one order fewer apart from llama.cpp's keeps
+/// more near-ties on the side llama.cpp puts them. Every level returns the
+/// same bits.
 pub fn dot_f32_bytes(isa: Isa, w: &[u8], x: &[f32]) -> f32 {
     assert_eq!(w.len(), 4 * x.len(), "dot_f32_bytes: length mismatch");
     match isa.usable() {
         // SAFETY: `usable()` guarantees the features; `w` holds `x.len()`
         // f32 values, which the kernels read with unaligned loads.
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx512 | Isa::Avx512Bf16 | Isa::Avx512Fp16 => unsafe { x86::dot_avx512(w.as_ptr().cast(), x) },
+        Isa::Avx512 | Isa::Avx512Bf16 | Isa::Avx512Fp16 => unsafe { x86::lanes16_dot_avx512(w.as_ptr().cast(), x) },
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx2 => unsafe { x86::dot_avx2(w.as_ptr().cast(), x) },
+        Isa::Avx2 => unsafe { x86::lanes16_dot_avx2(w.as_ptr().cast(), x) },
         _ => {
-            let w: Vec<f32> = w.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect();
-            crate::linear::dot(&w, x)
+            let mut lanes = [0.0f32; 16];
+            for (k, (w, &x)) in w.chunks_exact(4).zip(x).enumerate() {
+                let w = f32::from_le_bytes([w[0], w[1], w[2], w[3]]);
+                lanes[k % 16] = w.mul_add(x, lanes[k % 16]);
+            }
+            // The zero padding of a partial last group: `0 · 0 + lane`.
+            if x.len() % 16 != 0 {
+                lanes[x.len() % 16..].iter_mut().for_each(|l| *l = 0f32.mul_add(0.0, *l));
+            }
+            reduce_lanes16(lanes)
         }
     }
+}
+
+/// The halving tree of `_mm512_reduce_add_ps` (GCC's and LLVM's alike):
+/// the high eight lanes onto the low eight, then four onto four, then
+/// lanes 2 and 3 onto 0 and 1, then lane 1 onto lane 0.
+pub fn reduce_lanes16(v: [f32; 16]) -> f32 {
+    let t8: [f32; 8] = std::array::from_fn(|i| v[i] + v[i + 8]);
+    let t4: [f32; 4] = std::array::from_fn(|i| t8[i] + t8[i + 4]);
+    (t4[0] + t4[2]) + (t4[1] + t4[3])
 }
 
 /// `Σ w[i]·x[i]` in f32 for BF16 `w` given as its little-endian bytes (any
@@ -466,6 +491,58 @@ mod x86 {
         }
     }
 
+    /// `dot_f32_bytes`'s sixteen FMA chains and tree; `pa` as in
+    /// [`dot_avx512`].
+    #[target_feature(enable = "avx512f")]
+    pub(super) unsafe fn lanes16_dot_avx512(pa: *const f32, b: &[f32]) -> f32 {
+        let (n, pb) = (b.len(), b.as_ptr());
+        let mut acc = _mm512_setzero_ps();
+        let mut i = 0;
+        while i < n {
+            let m = lanes(n, i);
+            // SAFETY: the lanes under `m` lie inside both; the others read as zero.
+            let (w, x) = unsafe { (_mm512_maskz_loadu_ps(m, pa.add(i)), _mm512_maskz_loadu_ps(m, pb.add(i))) };
+            acc = _mm512_fmadd_ps(w, x, acc);
+            i += 16;
+        }
+        let lo = _mm512_castps512_ps256(acc);
+        let hi = _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(acc)));
+        tree_of_eight(_mm256_add_ps(lo, hi))
+    }
+
+    /// The same chains as [`lanes16_dot_avx512`], lanes 0–7 and 8–15 in two
+    /// vectors; a partial last group is copied out, zero-padded.
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn lanes16_dot_avx2(pa: *const f32, b: &[f32]) -> f32 {
+        let (n, pb) = (b.len(), b.as_ptr());
+        let (mut lo, mut hi) = (_mm256_setzero_ps(), _mm256_setzero_ps());
+        let mut i = 0;
+        while i < n {
+            let (mut w, mut x) = ([0.0f32; 16], [0.0f32; 16]);
+            let len = (n - i).min(16);
+            for k in 0..len {
+                // SAFETY: i + k < n, inside both; unaligned reads.
+                (w[k], x[k]) = unsafe { (pa.add(i + k).read_unaligned(), *pb.add(i + k)) };
+            }
+            // SAFETY: two 16-float arrays.
+            unsafe {
+                lo = _mm256_fmadd_ps(_mm256_loadu_ps(w.as_ptr()), _mm256_loadu_ps(x.as_ptr()), lo);
+                hi = _mm256_fmadd_ps(_mm256_loadu_ps(w.as_ptr().add(8)), _mm256_loadu_ps(x.as_ptr().add(8)), hi);
+            }
+            i += 16;
+        }
+        tree_of_eight(_mm256_add_ps(lo, hi))
+    }
+
+    /// `reduce_lanes16` from its first step on: four onto four, lanes 2
+    /// and 3 onto 0 and 1, lane 1 onto lane 0.
+    #[target_feature(enable = "avx2")]
+    fn tree_of_eight(t8: __m256) -> f32 {
+        let t4 = _mm_add_ps(_mm256_castps256_ps128(t8), _mm256_extractf128_ps::<1>(t8));
+        let t2 = _mm_add_ps(t4, _mm_movehl_ps(t4, t4));
+        _mm_cvtss_f32(_mm_add_ss(t2, _mm_movehdup_ps(t2)))
+    }
+
     /// `pa` as in [`dot_avx512`].
     #[target_feature(enable = "avx2,fma")]
     pub(super) unsafe fn dot_avx2(pa: *const f32, b: &[f32]) -> f32 {
@@ -619,8 +696,8 @@ mod tests {
             for isa in isa::supported() {
                 let got = dot_f32_bytes(isa, &bytes[offset..], &x);
                 prop_assert!((got as f64 - want).abs() / mag < 1e-5, "{isa}: {got} vs {want}");
-                // The same sums as `dot_f32` on the values themselves.
-                prop_assert_eq!(got.to_bits(), dot_f32(isa, &w, &x).to_bits(), "{}", isa);
+                // Every level sums in the same order.
+                prop_assert_eq!(got.to_bits(), dot_f32_bytes(Isa::Portable, &bytes[offset..], &x).to_bits(), "{}", isa);
             }
         }
 
