@@ -46,7 +46,7 @@ pub fn dot_f32_bytes(isa: Isa, w: &[u8], x: &[f32]) -> f32 {
                 lanes[k % 16] = w.mul_add(x, lanes[k % 16]);
             }
             // The zero padding of a partial last group: `0 · 0 + lane`.
-            if x.len() % 16 != 0 {
+            if !x.len().is_multiple_of(16) {
                 lanes[x.len() % 16..].iter_mut().for_each(|l| *l = 0f32.mul_add(0.0, *l));
             }
             reduce_lanes16(lanes)
