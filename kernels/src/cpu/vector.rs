@@ -26,10 +26,9 @@ pub fn dot_f32(isa: Isa, a: &[f32], b: &[f32]) -> f32 {
 /// Summed as llama.cpp sums it on AVX-512 (llamafile's tinyBLAS, which takes
 /// F32 × F32 products): sixteen lanes, lane `l` one fused multiply-add
 /// chain over elements `l, l + 16, …` (a partial last group padded with
-/// zeros), then the halving tree of `_mm512_reduce_add_ps`. Router logits
-/// decide which experts run, so one order fewer apart from llama.cpp's keeps
-/// more near-ties on the side llama.cpp puts them. Every level returns the
-/// same bits.
+/// zeros), then the halving tree of `_mm512_reduce_add_ps`. Every level
+/// returns the same bits: router logits decide which experts run, and near
+/// ties they should not depend on the machine's SIMD level.
 pub fn dot_f32_bytes(isa: Isa, w: &[u8], x: &[f32]) -> f32 {
     assert_eq!(w.len(), 4 * x.len(), "dot_f32_bytes: length mismatch");
     match isa.usable() {
@@ -57,7 +56,7 @@ pub fn dot_f32_bytes(isa: Isa, w: &[u8], x: &[f32]) -> f32 {
 /// The halving tree of `_mm512_reduce_add_ps` (GCC's and LLVM's alike):
 /// the high eight lanes onto the low eight, then four onto four, then
 /// lanes 2 and 3 onto 0 and 1, then lane 1 onto lane 0.
-pub fn reduce_lanes16(v: [f32; 16]) -> f32 {
+fn reduce_lanes16(v: [f32; 16]) -> f32 {
     let t8: [f32; 8] = std::array::from_fn(|i| v[i] + v[i + 8]);
     let t4: [f32; 4] = std::array::from_fn(|i| t8[i] + t8[i + 4]);
     (t4[0] + t4[2]) + (t4[1] + t4[3])
