@@ -249,64 +249,23 @@ fn pair_i8(a: &[i8], b: &[i8]) -> __m512i {
     _mm512_inserti64x4::<1>(_mm512_castsi256_si512(ld32_i8(a)), ld32_i8(b))
 }
 
-/// A Q8_0, Q4_0 or Q5_0 row (`Q` as in `quants32`) against Q8_0, two
-/// blocks per vector.
+/// A Q8_0, Q4_0 or Q5_0 row (`Q` as in `quants32`) against Q8_0: the band
+/// product of one row.
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,f16c")]
 fn dot_32<const Q: u8>(row: &[u8], y: &[BlockQ8_0]) -> f32 {
-    let bb = bytes32(Q);
-    let mut acc = 0.0f32;
-    // Eight blocks at a time: their sums reduced together, their products
-    // formed in one vector (the same f32 operations as `fold_32`, lane by
-    // lane), then added to `acc` one by one in block order.
-    let eights = y.len() / 8;
-    for (b, yb) in row.chunks_exact(8 * bb).zip(y.chunks_exact(8)) {
-        let mut v = [_mm512_setzero_si512(); 4];
-        let (mut dx, mut dy) = ([0u16; 8], [0u16; 8]);
-        for p in 0..4 {
-            let (b0, b1) = (&b[2 * p * bb..], &b[(2 * p + 1) * bb..]);
-            let x = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(quants32::<Q>(b0)), quants32::<Q>(b1));
-            v[p] = dot_s8(x, pair_i8(&yb[2 * p].qs, &yb[2 * p + 1].qs));
-            dx[2 * p] = u16::from_le_bytes([b0[0], b0[1]]);
-            dx[2 * p + 1] = u16::from_le_bytes([b1[0], b1[1]]);
-            dy[2 * p] = yb[2 * p].d.to_bits();
-            dy[2 * p + 1] = yb[2 * p + 1].d.to_bits();
-        }
-        // SAFETY: two 16-byte arrays; unaligned loads.
-        let (dx, dy) = unsafe { (_mm_loadu_si128(dx.as_ptr().cast()), _mm_loadu_si128(dy.as_ptr().cast())) };
-        let scale = _mm256_mul_ps(_mm256_cvtph_ps(dx), _mm256_cvtph_ps(dy));
-        let prod = _mm256_mul_ps(_mm256_cvtepi32_ps(sums8(v)), scale);
-        let mut t = [0f32; 8];
-        // SAFETY: 8 writable f32; unaligned store.
-        unsafe { _mm256_storeu_ps(t.as_mut_ptr(), prod) };
-        for p in t {
-            acc += p;
-        }
-    }
-    let (row, y) = (&row[eights * 8 * bb..], &y[eights * 8..]);
-    let pairs = row.chunks_exact(2 * bb).zip(y.chunks_exact(2));
-    for (b, yb) in pairs {
-        let (b0, b1) = b.split_at(bb);
-        let x = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(quants32::<Q>(b0)), quants32::<Q>(b1));
-        let (s0, s1) = hsum_halves(dot_s8(x, pair_i8(&yb[0].qs, &yb[1].qs)));
-        acc = fold_32(acc, halves_at(b0, 0).0, half_bits(yb[0].d.to_bits()), s0);
-        acc = fold_32(acc, halves_at(b1, 0).0, half_bits(yb[1].d.to_bits()), s1);
-    }
-    // An odd last block: its high half is zero and contributes nothing.
-    if y.len() % 2 == 1 {
-        let (b, yb) = (&row[(y.len() - 1) * bb..], &y[y.len() - 1]);
-        let x = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(quants32::<Q>(b)), _mm256_setzero_si256());
-        let (s, _) = hsum_halves(dot_s8(x, pair_i8(&yb.qs, &[0; 32])));
-        acc = fold_32(acc, halves_at(b, 0).0, half_bits(yb.d.to_bits()), s);
-    }
-    acc
+    let mut out = [0.0f32];
+    gemv_32::<Q>(row, y, &mut out);
+    out[0]
 }
 
 /// Rows of Q8_0, Q4_0 or Q5_0 weights (`Q` as in `quants32`), `y.len()`
-/// blocks each, against Q8_0: `out[r]` is row r's `dot_32`, bit for bit.
-/// The rows are taken as one stream of blocks, eight at a time across row
-/// ends, so that short rows (MLA's per-head `attn_k_b` has four blocks a
-/// row) cost what long ones do: each row still adds its blocks' products
-/// to its own sum from zero, in block order, which is all `dot_32` does.
+/// blocks each, against Q8_0: `out[r]` is row r's `fold_32` sum, bit for
+/// bit. The rows are taken as one stream of blocks, eight at a time across
+/// row ends, so that short rows (MLA's per-head `attn_k_b` has four blocks
+/// a row) cost what long ones do: each row still adds its blocks' products
+/// to its own sum from zero, in block order. Eight blocks' integer sums are
+/// reduced together and their products formed in one vector (the same f32
+/// operations as `fold_32`'s, lane by lane).
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,f16c")]
 pub(super) fn gemv_32<const Q: u8>(matrix: &[u8], y: &[BlockQ8_0], out: &mut [f32]) {
     let bb = bytes32(Q);
