@@ -515,18 +515,23 @@ mod x86 {
     pub(super) unsafe fn lanes16_dot_avx2(pa: *const f32, b: &[f32]) -> f32 {
         let (n, pb) = (b.len(), b.as_ptr());
         let (mut lo, mut hi) = (_mm256_setzero_ps(), _mm256_setzero_ps());
+        let (mut w_tail, mut x_tail) = ([0.0f32; 16], [0.0f32; 16]);
         let mut i = 0;
         while i < n {
-            let (mut w, mut x) = ([0.0f32; 16], [0.0f32; 16]);
-            let len = (n - i).min(16);
-            for k in 0..len {
-                // SAFETY: i + k < n, inside both; unaligned reads.
-                (w[k], x[k]) = unsafe { (pa.add(i + k).read_unaligned(), *pb.add(i + k)) };
-            }
-            // SAFETY: two 16-float arrays.
+            let (w, x) = if n - i >= 16 {
+                // SAFETY: i + 16 <= n, inside both.
+                unsafe { (pa.add(i), pb.add(i)) }
+            } else {
+                for k in 0..n - i {
+                    // SAFETY: i + k < n, inside both; unaligned reads.
+                    (w_tail[k], x_tail[k]) = unsafe { (pa.add(i + k).read_unaligned(), *pb.add(i + k)) };
+                }
+                (w_tail.as_ptr(), x_tail.as_ptr())
+            };
+            // SAFETY: `w` and `x` each point at 16 readable f32.
             unsafe {
-                lo = _mm256_fmadd_ps(_mm256_loadu_ps(w.as_ptr()), _mm256_loadu_ps(x.as_ptr()), lo);
-                hi = _mm256_fmadd_ps(_mm256_loadu_ps(w.as_ptr().add(8)), _mm256_loadu_ps(x.as_ptr().add(8)), hi);
+                lo = _mm256_fmadd_ps(_mm256_loadu_ps(w), _mm256_loadu_ps(x), lo);
+                hi = _mm256_fmadd_ps(_mm256_loadu_ps(w.add(8)), _mm256_loadu_ps(x.add(8)), hi);
             }
             i += 16;
         }
