@@ -440,9 +440,11 @@ proptest! {
     /// The band product of several tokens (`quant::matmul`, what linear
     /// layers run) is each token's dot product with each row, bit for bit,
     /// on every path: also where a kernel streams blocks across row ends,
-    /// and where whole groups of eight tokens share each block's unpacking.
+    /// where whole groups of eight tokens share each block's unpacking, and
+    /// where sixteen tokens take the lanes of one vector, a last group of
+    /// fewer among them (the last 1 of 17 goes alone, the last 5 of 21 in the lanes).
     #[test]
-    fn matmul_is_each_tokens_rowwise_dot((kind, row, x) in case(any_scale), rows in 1usize..6, tokens in prop::sample::select(vec![1usize, 2, 3, 8, 9, 17])) {
+    fn matmul_is_each_tokens_rowwise_dot((kind, row, x) in case(any_scale), rows in 1usize..6, tokens in prop::sample::select(vec![1usize, 2, 3, 6, 8, 9, 16, 17, 21, 22, 37])) {
         let matrix = rotated_rows(kind, &row, rows);
         // Token t: x scaled and rotated by t elements, so the tokens differ.
         let len = x.len();
@@ -457,6 +459,16 @@ proptest! {
                 for (r, chunk) in matrix.chunks_exact(row.len()).enumerate() {
                     let want = dot_with(DotPath::Scalar, kind, chunk, &act).unwrap();
                     prop_assert_eq!(out[t * rows + r].to_bits(), want.to_bits(), "{} on {}: token {} row {}", kind, path, t, r);
+                }
+            }
+            // The tokens a MoE expert picks, in another order: its rows of
+            // the output are those tokens' rows of the whole product.
+            let picked: Vec<(usize, f32)> = (0..tokens).rev().step_by(2).chain((0..tokens).step_by(3)).map(|t| (t, 1.0)).collect();
+            let mut sub = vec![f32::NAN; picked.len() * rows];
+            quant::matmul_picked(path, kind, &matrix, rows, &held, &picked, &mut sub).unwrap();
+            for (j, &(t, _)) in picked.iter().enumerate() {
+                for r in 0..rows {
+                    prop_assert_eq!(sub[j * rows + r].to_bits(), out[t * rows + r].to_bits(), "{} on {}: picked {} (token {}) row {}", kind, path, j, t, r);
                 }
             }
         }

@@ -148,11 +148,25 @@ pub(super) fn dot_q45k_multi<const FIVE: bool, const T: usize>(row: &[u8], ys: [
     acc.map(|a| reduce_lanes(a))
 }
 
-/// Q6_K row against Q8_K; unsigned quants, the `- 32` taken back through
-/// `bsums` in the lanes of the scalar reference (sub-blocks 2g and 2g + 1
-/// in lane g, as `vpmaddwd` pairs them).
+/// Q6_K row against Q8_K: the multi-token kernel for one token.
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,f16c")]
 pub(super) fn dot_q6k(row: &[u8], y: &[BlockQ8K]) -> f32 {
+    dot_q6k_multi::<1>(row, [y])[0]
+}
+
+/// Q6_K row against `T` tokens of Q8_K at once, each block's quants and
+/// scale lanes unpacked once for all of them (as `dot_q45k_multi`); every
+/// result has the bits of the one-token product. The quants are taken
+/// unsigned (0..64) and the `- 32` comes back through `bsums` in the
+/// lanes of the scalar reference (sub-blocks 2g and 2g + 1 in lane g, as
+/// `vpmaddwd` pairs them).
+///
+/// Chunk j (0..4) is elements 64j..64j + 64: `vpmaddubsw` sums pairs (at
+/// most 2 × 63 × 127, no saturation) and `vpdpwssd` multiplies them by
+/// their sub-block's scale (i16 lane m of chunk j is sub-block 4j + m / 8)
+/// and sums pairs into i32 lane l, elements 4l..4l + 4 of the chunk.
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,f16c")]
+pub(super) fn dot_q6k_multi<const T: usize>(row: &[u8], ys: [&[BlockQ8K]; T]) -> [f32; T] {
     let m4 = _mm512_set1_epi8(15);
     let m30 = _mm512_set1_epi8(0x30);
     let zero = _mm512_setzero_si512();
@@ -160,38 +174,52 @@ pub(super) fn dot_q6k(row: &[u8], y: &[BlockQ8K]) -> f32 {
     // for quarters k = 0 | 1 (left by 4 | 2) and k = 2 | 3 (right by 0 | 2).
     let left01 = _mm512_inserti64x4::<1>(_mm512_set1_epi16(4), _mm256_set1_epi16(2));
     let right23 = _mm512_inserti64x4::<1>(_mm512_set1_epi16(0), _mm256_set1_epi16(2));
-    // Lane i of a 64-element product covers elements 4i..4i+4: sub-block i/4.
-    let idx = |first: i32| {
-        _mm512_add_epi32(_mm512_set1_epi32(first), _mm512_srli_epi32::<2>(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)))
+    // i16 lane m of chunk j's scales: sub-block 4j + m / 8.
+    let pick = |j: i16| {
+        let lane = |m: i16| 4 * j + m / 8;
+        _mm512_set_epi16(
+            lane(31), lane(30), lane(29), lane(28), lane(27), lane(26), lane(25), lane(24), lane(23), lane(22), lane(21), lane(20), lane(19), lane(18), lane(17), lane(16),
+            lane(15), lane(14), lane(13), lane(12), lane(11), lane(10), lane(9), lane(8), lane(7), lane(6), lane(5), lane(4), lane(3), lane(2), lane(1), lane(0),
+        )
     };
-    let idx_q = [idx(0), idx(4), idx(8), idx(12)];
-    let mut acc = _mm256_setzero_ps();
-    for (b, yb) in row.chunks_exact(QuantKind::Q6K.block_bytes()).zip(y) {
-        // SAFETY: 16 readable bytes (the scales) and the 32 bytes of
-        // `bsums`; unaligned loads.
-        let (sc8, bsums) = unsafe { (_mm_loadu_si128(b[Q6K_SCALES..Q6K_SCALES + 16].as_ptr().cast()), _mm256_loadu_si256(yb.bsums.as_ptr().cast())) };
-        let scales = _mm512_cvtepi8_epi32(sc8);
-        let mut sum = zero;
+    let pick_scales = [pick(0), pick(1), pick(2), pick(3)];
+    let mut acc = [_mm256_setzero_ps(); T];
+    for (i, b) in row.chunks_exact(QuantKind::Q6K.block_bytes()).enumerate() {
+        // SAFETY: 16 readable bytes (the scales); unaligned load.
+        let sc8 = unsafe { _mm_loadu_si128(b[Q6K_SCALES..Q6K_SCALES + 16].as_ptr().cast()) };
+        let sc16 = _mm256_cvtepi8_epi16(sc8);
+        let scales = _mm512_castsi256_si512(sc16);
+        // The block's quants and scale lanes, for every token.
+        let mut q = [zero; 4];
+        let mut s = [zero; 4];
         for h in 0..2 {
             let ql = ld64(&b[64 * h..]);
             let qh = _mm512_broadcast_i64x4(ld32(&b[Q6K_QH + 32 * h..]));
-            let q01 = _mm512_or_si512(_mm512_and_si512(ql, m4), _mm512_and_si512(_mm512_sllv_epi16(qh, left01), m30));
-            let q23 = _mm512_or_si512(
+            q[2 * h] = _mm512_or_si512(_mm512_and_si512(ql, m4), _mm512_and_si512(_mm512_sllv_epi16(qh, left01), m30));
+            q[2 * h + 1] = _mm512_or_si512(
                 _mm512_and_si512(_mm512_srli_epi16::<4>(ql), m4),
                 _mm512_and_si512(_mm512_srlv_epi16(qh, right23), m30),
             );
-            let d01 = _mm512_dpbusd_epi32(zero, q01, ld64_i8(&yb.qs[128 * h..]));
-            let d23 = _mm512_dpbusd_epi32(zero, q23, ld64_i8(&yb.qs[128 * h + 64..]));
-            sum = _mm512_add_epi32(sum, _mm512_mullo_epi32(d01, _mm512_permutexvar_epi32(idx_q[2 * h], scales)));
-            sum = _mm512_add_epi32(sum, _mm512_mullo_epi32(d23, _mm512_permutexvar_epi32(idx_q[2 * h + 1], scales)));
         }
-        // Less 32 × Σ scale × bsum, sub-blocks 2g and 2g + 1 in lane g.
-        let offset = _mm256_slli_epi32::<5>(_mm256_madd_epi16(_mm256_cvtepi8_epi16(sc8), bsums));
-        let sumi = _mm256_sub_epi32(fold_halves(sum), offset);
+        for (j, s) in s.iter_mut().enumerate() {
+            *s = _mm512_permutexvar_epi16(pick_scales[j], scales);
+        }
         let d = half_bits(u16::from_le_bytes([b[Q6K_D], b[Q6K_D + 1]]));
-        acc = fold_lanes(acc, d * yb.d, sumi, 0.0, _mm256_setzero_si256());
+        for (t, y) in ys.iter().enumerate() {
+            let yb = &y[i];
+            let mut sum = zero;
+            for j in 0..4 {
+                sum = _mm512_dpwssd_epi32(sum, _mm512_maddubs_epi16(q[j], ld64_i8(&yb.qs[64 * j..])), s[j]);
+            }
+            // SAFETY: `bsums` is 16 i16, 32 bytes; unaligned load.
+            let bsums = unsafe { _mm256_loadu_si256(yb.bsums.as_ptr().cast()) };
+            // Less 32 × Σ scale × bsum, sub-blocks 2g and 2g + 1 in lane g.
+            let offset = _mm256_slli_epi32::<5>(_mm256_madd_epi16(sc16, bsums));
+            let sumi = _mm256_sub_epi32(fold_halves(sum), offset);
+            acc[t] = fold_lanes(acc[t], d * yb.d, sumi, 0.0, _mm256_setzero_si256());
+        }
     }
-    reduce_lanes(acc)
+    acc.map(|a| reduce_lanes(a))
 }
 
 /// Per-lane Σ x·y of 64 signed weight bytes and 64 activations: |x| as the

@@ -32,6 +32,8 @@ mod dot_scalar;
 mod dot_avx2;
 #[cfg(target_arch = "x86_64")]
 mod dot_avx512;
+#[cfg(target_arch = "x86_64")]
+mod lanes_avx512;
 
 pub use blocks::{
     dequantize_row, quantize_q8_0, quantize_q8_0_into, quantize_q8_k, quantize_q8_k_into, BlockQ8K, BlockQ8_0, QuantKind, QK_K, QK8_0,
@@ -493,37 +495,51 @@ pub fn matmul_picked(path: DotPath, kind: QuantKind, matrix: &[u8], rows: usize,
     matmul_where(path, kind, matrix, rows, acts, picked.len(), |j| picked[j].0, out)
 }
 
-/// A full group of Q4_K or Q5_K tokens on AVX-512 VNNI: one row against all
-/// of them with each block unpacked once (`dot_q45k_multi`, whose results
-/// are [`dot_on`]'s bits). `None` where that kernel does not apply.
+/// A full group of k-quant tokens on AVX-512 VNNI: one row against all of
+/// them with each block unpacked once (`dot_q45k_multi`, `dot_q6k_multi`,
+/// whose results are [`dot_on`]'s bits). `None` where no such kernel applies.
 #[cfg(target_arch = "x86_64")]
 fn group_dot(path: DotPath, row: &[u8], ops: &[Option<Op>; GROUP]) -> Option<[f32; GROUP]> {
     if path != DotPath::Avx512Vnni {
         return None;
     }
-    let five = matches!(ops[0]?, Op::Q5K(_));
+    let first = ops[0]?;
     let mut ys: [&[BlockQ8K]; GROUP] = [&[]; GROUP];
     for (slot, op) in ys.iter_mut().zip(ops) {
-        *slot = match (op.as_ref()?, five) {
-            (Op::Q4K(y), false) | (Op::Q5K(y), true) => y,
+        *slot = match (op.as_ref()?, first) {
+            (Op::Q4K(y), Op::Q4K(_)) | (Op::Q5K(y), Op::Q5K(_)) | (Op::Q6K(y), Op::Q6K(_)) => y,
             _ => return None,
         };
     }
     // SAFETY: `runnable` lets Avx512Vnni through only on a CPU that has it;
     // every op was checked against the row's length (`acts.op` pairs whole
     // rows of `kind` with the held tokens' blocks).
-    Some(unsafe {
-        if five {
-            dot_avx512::dot_q45k_multi::<true, GROUP>(row, ys)
-        } else {
-            dot_avx512::dot_q45k_multi::<false, GROUP>(row, ys)
+    unsafe {
+        match first {
+            Op::Q4K(_) => Some(dot_avx512::dot_q45k_multi::<false, GROUP>(row, ys)),
+            Op::Q5K(_) => Some(dot_avx512::dot_q45k_multi::<true, GROUP>(row, ys)),
+            Op::Q6K(_) => Some(dot_avx512::dot_q6k_multi::<GROUP>(row, ys)),
+            Op::Q4_0(_) | Op::Q5_0(_) | Op::Q8_0(_) => None,
         }
-    })
+    }
 }
 
 #[cfg(not(target_arch = "x86_64"))]
 fn group_dot(_: DotPath, _: &[u8], _: &[Option<Op>; GROUP]) -> Option<[f32; GROUP]> {
     None
+}
+
+/// The fewest tokens for which a group of `gemm_32`'s sixteen lanes,
+/// partly empty, is quicker than that many passes of `gemv_32`.
+#[cfg(target_arch = "x86_64")]
+const LANES_LEAST: usize = 4;
+
+#[cfg(target_arch = "x86_64")]
+thread_local! {
+    /// Each pool thread's transposed tokens and row sums for `gemm_32`:
+    /// grown to the largest band and width seen, never shrunk, so a warm
+    /// prefill does not allocate.
+    static LANES_SCRATCH: std::cell::RefCell<(lanes_avx512::Lanes32, Vec<[f32; lanes_avx512::LANES]>)> = Default::default();
 }
 
 /// Tokens per group of [`matmul`]: each row is multiplied by a whole group
@@ -545,9 +561,44 @@ fn matmul_where(path: DotPath, kind: QuantKind, matrix: &[u8], rows: usize, acts
     let path = runnable(path);
     #[cfg(target_arch = "x86_64")]
     if path == DotPath::Avx512Vnni && matches!(kind, QuantKind::Q4_0 | QuantKind::Q5_0 | QuantKind::Q8_0) {
-        // One token at a time over the whole band, its blocks streamed
-        // across row ends (`gemv_32`): the same bits as row by row.
-        for j in 0..n {
+        // Sixteen tokens at a time in the lanes of `gemm_32`, a last group
+        // of fewer too unless so few that the empty lanes would cost more
+        // than a pass per token; then the rest one token at a time over the
+        // whole band, its blocks streamed across row ends (`gemv_32`). All
+        // give the bits of row by row.
+        let lanes = lanes_avx512::LANES;
+        let grouped = if n % lanes >= LANES_LEAST { n } else { n - n % lanes };
+        for j0 in (0..grouped).step_by(lanes) {
+            let count = lanes.min(grouped - j0);
+            LANES_SCRATCH.with_borrow_mut(|(y, sums)| -> Result<(), QuantError> {
+                let mut tokens: [&[BlockQ8_0]; lanes_avx512::LANES] = [&[]; lanes_avx512::LANES];
+                for (slot, j) in tokens.iter_mut().zip(j0..j0 + count) {
+                    *slot = match acts.op(kind, token(j))? {
+                        Op::Q8_0(y) | Op::Q4_0(y) | Op::Q5_0(y) => y,
+                        Op::Q4K(_) | Op::Q5K(_) | Op::Q6K(_) => unreachable!("{kind} is a 32-element format"),
+                    };
+                }
+                y.fill(&tokens[..count]);
+                sums.resize(rows, [0.0; lanes_avx512::LANES]);
+                // SAFETY: `runnable` lets Avx512Vnni through only on a CPU
+                // that has it; the band is `rows` whole rows of the
+                // tokens' width (checked above).
+                unsafe {
+                    match kind {
+                        QuantKind::Q8_0 => lanes_avx512::gemm_32::<8>(matrix, y, sums),
+                        QuantKind::Q4_0 => lanes_avx512::gemm_32::<4>(matrix, y, sums),
+                        _ => lanes_avx512::gemm_32::<5>(matrix, y, sums),
+                    }
+                }
+                for (r, lane) in sums.iter().enumerate() {
+                    for (t, &v) in lane[..count].iter().enumerate() {
+                        out[(j0 + t) * rows + r] = v;
+                    }
+                }
+                Ok(())
+            })?;
+        }
+        for j in grouped..n {
             let op = acts.op(kind, token(j))?;
             let out = &mut out[j * rows..(j + 1) * rows];
             // SAFETY: `runnable` lets Avx512Vnni through only on a CPU that

@@ -1,0 +1,76 @@
+//! Single-thread quantized GEMM throughput: what a prefill's weight
+//! products run at once the weights are in cache.
+//!
+//! `cargo bench -p duplex-kernels --bench quant_matmul [-- [PATH...]]`
+//! (`PATH`: only these of scalar, avx2, avx512vnni).
+//!
+//! A band of 256 rows × 2048 columns of each format a Q4_K_M or Q8_0 GGUF
+//! holds (Q4_K, Q5_K, Q6_K, Q8_0, Q5_0; ≤ 550 KB, so in L2) against 64
+//! quantized tokens through `quant::matmul`, as a prefill task runs it.
+//! Reported in G multiply-adds per second of thread CPU time (median and
+//! best of the passes): prefill is bound by this, not by DRAM.
+
+use duplex_kernels::quant::{matmul, DotPath, QuantKind, QuantizedTokens};
+mod common;
+
+use common::{summary, thread_seconds, Rng};
+use std::hint::black_box;
+
+const ROWS: usize = 256;
+const COLS: usize = 2048;
+const TOKENS: usize = 64;
+const PASSES: usize = 15;
+/// Products per pass: enough that a pass takes some tens of milliseconds.
+const REPEATS: usize = 8;
+
+/// `ROWS` rows of random `kind` blocks with small positive f16 scales (the
+/// kernels do the same work whatever the quants are; finite scales keep
+/// the sums numbers).
+fn matrix(kind: QuantKind, rng: &mut Rng) -> Vec<u8> {
+    let mut v = vec![0u8; ROWS * kind.row_bytes(COLS).expect("whole blocks")];
+    for chunk in v.chunks_mut(8) {
+        let r = rng.next().to_le_bytes();
+        chunk.copy_from_slice(&r[..chunk.len()]);
+    }
+    let scale = half::f16::from_f32(0.01).to_bits().to_le_bytes();
+    let at: &[usize] = match kind {
+        QuantKind::Q4K | QuantKind::Q5K => &[0, 2],
+        QuantKind::Q6K => &[208],
+        _ => &[0],
+    };
+    for block in v.chunks_exact_mut(kind.block_bytes()) {
+        for &a in at {
+            block[a..a + 2].copy_from_slice(&scale);
+        }
+    }
+    v
+}
+
+fn main() {
+    let args: Vec<String> = std::env::args().skip(1).filter(|a| !a.starts_with('-')).collect();
+    let paths: Vec<DotPath> = DotPath::supported().into_iter().filter(|p| args.is_empty() || args.iter().any(|a| a == p.name())).collect();
+    println!("quant GEMM {ROWS} x {COLS} against {TOKENS} tokens, one thread, weights in cache; paths {paths:?}");
+    println!("| format | path | G multiply-adds/s (median) | best |");
+    println!("| --- | --- | --- | --- |");
+    let mut rng = Rng(0x2545_f491_4f6c_dd1d);
+    let x: Vec<f32> = (0..TOKENS * COLS).map(|i| ((i as f32) * 0.37).sin() * 1.5).collect();
+    let mut out = vec![0.0f32; TOKENS * ROWS];
+    for kind in [QuantKind::Q4K, QuantKind::Q5K, QuantKind::Q6K, QuantKind::Q8_0, QuantKind::Q5_0] {
+        let m = matrix(kind, &mut rng);
+        let mut acts = QuantizedTokens::default();
+        acts.quantize(kind, &x, TOKENS).expect("quantize");
+        for &path in &paths {
+            let mut rates = Vec::with_capacity(PASSES);
+            for _ in 0..PASSES {
+                let t = thread_seconds();
+                for _ in 0..REPEATS {
+                    matmul(path, kind, black_box(&m), ROWS, &acts, &mut out).expect("matmul");
+                }
+                rates.push((REPEATS * ROWS * COLS * TOKENS) as f64 / (thread_seconds() - t) / 1e9);
+                black_box(&out);
+            }
+            let (median, best) = summary(rates);
+            println!("| {kind} | {} | {median:.1} | {best:.1} |", path.name());
+        }
+    }
+}
