@@ -209,6 +209,7 @@ fn prefill_attention_bf16(pool: &ThreadPool, isa: Isa, q: &[f32], kv: &[f32], la
     let n = q.len() / (d.heads * dq);
     let ctx = start + n;
     let out = SharedSlice::new(out);
+    let grouped = matches!(isa.usable(), Isa::Avx512 | Isa::Avx512Bf16 | Isa::Avx512Fp16);
     pool.parallel_for(d.heads, &|h| {
         // This head's keys [ctx, dn + dr] and queries [n, dn + dr] in BF16.
         let mut key = vec![0u16; dq];
@@ -223,6 +224,9 @@ fn prefill_attention_bf16(pool: &ThreadPool, isa: Isa, q: &[f32], kv: &[f32], la
         for (i, row) in queries.chunks_mut(dq).enumerate() {
             f32_to_bf16(isa, &q[(i * d.heads + h) * dq..(i * d.heads + h + 1) * dq], row);
         }
+        let values: Vec<&[f32]> = (0..ctx).map(|t| &kv[t * d.heads * dkv + h * dkv + d.dn..][..d.dv]).collect();
+        let mut weights_t = Vec::new();
+        let mut weighed = vec![0.0f32; QUERY_BLOCK.min(n) * d.dv];
         let mut scores = vec![0.0f32; QUERY_BLOCK.min(n) * ctx];
         for i0 in (0..n).step_by(QUERY_BLOCK) {
             let i1 = (i0 + QUERY_BLOCK).min(n);
@@ -234,15 +238,65 @@ fn prefill_attention_bf16(pool: &ThreadPool, isa: Isa, q: &[f32], kv: &[f32], la
                 let row = &mut row[..=start + i];
                 row.iter_mut().for_each(|s| *s *= scale);
                 softmax(isa, row);
+            }
+            let weighed = &mut weighed[..(i1 - i0) * d.dv];
+            weigh_values(isa, grouped, block, start + i0, &values, &mut weights_t, weighed);
+            for (i, w) in (i0..i1).zip(weighed.chunks_exact(d.dv)) {
                 // SAFETY: head h of token i is written by this task only.
                 let o = unsafe { out.slice_mut((i * d.heads + h) * d.dv, d.dv) };
-                for (t, &w) in row.iter().enumerate() {
-                    axpy_f32(isa, w, &kv[t * d.heads * dkv + h * dkv + d.dn..][..d.dv], o);
-                }
+                o.copy_from_slice(w);
                 crate::round_bf16_slice(o);
             }
         }
     });
+}
+
+/// The weighted values of a block of queries: row i of `out` (`[rows,
+/// width]`) is Σ_t p_it · v_t over the keys t ≤ `first` + i, where row i
+/// of `probs` holds query i's probabilities p_i· (rows of equal stride,
+/// at least `first` + rows long) and `values` the keys' value vectors.
+///
+/// Query by query (`axpy` per key) reads every value vector once per
+/// query: a 2048-token prompt's values are 1 MB a head, past L2. When
+/// `grouped` (where `weighted_sum_16` is vectorised), sixteen queries at a
+/// time share one pass over the keys they all see, each value vector
+/// feeding sixteen FMAs, and only the keys of the group's causal triangle
+/// go query by query. Each output adds its keys' products in key order
+/// with a fused multiply-add either way: the same bits. `weights_t` holds
+/// a group's probabilities transposed (`[keys][16]`).
+fn weigh_values(isa: Isa, grouped: bool, probs: &[f32], first: usize, values: &[&[f32]], weights_t: &mut Vec<f32>, out: &mut [f32]) {
+    const L: usize = QUERY_LANES;
+    let width = values.first().map_or(0, |v| v.len());
+    if width == 0 {
+        return;
+    }
+    let rows = out.len() / width;
+    let stride = probs.len() / rows.max(1);
+    let step = if grouped { L } else { 1 };
+    for g0 in (0..rows).step_by(step) {
+        let g1 = (g0 + step).min(rows);
+        let sums = &mut out[g0 * width..g1 * width];
+        sums.fill(0.0);
+        // The keys every query of the group sees.
+        let common = if grouped { first + g0 + 1 } else { 0 };
+        if grouped {
+            if weights_t.len() < common * L {
+                weights_t.resize(common * L, 0.0);
+            }
+            for t in 0..common {
+                for (l, w) in weights_t[t * L..t * L + g1 - g0].iter_mut().enumerate() {
+                    *w = probs[(g0 + l) * stride + t];
+                }
+            }
+            weighted_sum_16(isa, &weights_t[..common * L], &values[..common], sums, width);
+        }
+        for (i, o) in (g0..g1).zip(sums.chunks_exact_mut(width)) {
+            let row = &probs[i * stride..];
+            for t in common..=first + i {
+                axpy_f32(isa, row[t], values[t], o);
+            }
+        }
+    }
 }
 
 #[cfg(test)]
@@ -339,6 +393,74 @@ mod tests {
             prefill_attention(&pool, isa, &q, &kv, &latents, &mut got, start, d, 0.3, Precision::Bf16);
             for (g, w) in got.iter().zip(&want) {
                 assert!((g - w).abs() <= 1e-2 * w.abs() + 1e-3, "{isa:?}: {g} vs {w}");
+            }
+        }
+    }
+
+    /// The grouped weighted values are query-by-query `axpy`'s bits, and
+    /// within rounding of the sums: blocks under, at and over sixteen
+    /// queries, prefixes short and long, widths on and off the 16-float
+    /// vectors. Unrounded f32 inputs, so a product rounded apart from its
+    /// sum would show.
+    #[test]
+    fn grouped_weighted_values_are_each_querys_bits() {
+        let mut seed = 0x9e37_79b9u32;
+        let mut next = move || {
+            seed ^= seed << 13;
+            seed ^= seed >> 17;
+            seed ^= seed << 5;
+            seed as f32 / u32::MAX as f32
+        };
+        for (rows, first, width) in [(1usize, 0usize, 16usize), (5, 3, 40), (16, 0, 128), (17, 9, 24), (32, 70, 128), (29, 1, 7)] {
+            let stride = first + rows + 3;
+            let probs: Vec<f32> = (0..rows * stride).map(|_| next()).collect();
+            let vals: Vec<Vec<f32>> = (0..stride).map(|_| (0..width).map(|_| 4.0 * next() - 2.0).collect()).collect();
+            let values: Vec<&[f32]> = vals.iter().map(|v| v.as_slice()).collect();
+            for isa in crate::cpu::isa::supported() {
+                let mut one_by_one = vec![0.0; rows * width];
+                weigh_values(isa, false, &probs, first, &values, &mut Vec::new(), &mut one_by_one);
+                let mut grouped = vec![f32::NAN; rows * width];
+                weigh_values(isa, true, &probs, first, &values, &mut Vec::new(), &mut grouped);
+                for (i, (g, o)) in grouped.chunks(width).zip(one_by_one.chunks(width)).enumerate() {
+                    for (k, (g, o)) in g.iter().zip(o).enumerate() {
+                        let want: f64 = (0..=first + i).map(|t| probs[i * stride + t] as f64 * vals[t][k] as f64).sum();
+                        let bound = 1e-5 * (0..=first + i).map(|t| (probs[i * stride + t] * vals[t][k]).abs() as f64).sum::<f64>();
+                        assert!((*o as f64 - want).abs() <= bound && (*g as f64 - want).abs() <= bound, "{isa:?}: query {i} element {k}: {o}, {g} vs {want}");
+                        if matches!(isa.usable(), Isa::Avx512 | Isa::Avx512Bf16 | Isa::Avx512Fp16) {
+                            assert_eq!(g.to_bits(), o.to_bits(), "{isa:?}: {rows} queries after {first}, query {i} element {k}");
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    /// A prompt prefilled in two pieces gets the bits of one pass, on every
+    /// level: each query's weighted values add their keys in order with the
+    /// same operations, whichever group of sixteen queries it falls in and
+    /// wherever its group's shared keys end.
+    #[test]
+    fn prefill_bf16_in_pieces_gives_the_same_bits() {
+        let d = MlaDims { heads: 2, dn: 16, dr: 8, dv: 40, dc: 20 };
+        let (start, n) = (7, 45);
+        let ctx = start + n;
+        let bf = |i: usize, m: usize| crate::round_bf16(((i * m % 61) as f32 - 30.0) / 40.0);
+        let (dq, dkv, de) = (d.dn + d.dr, d.dn + d.dv, d.dc + d.dr);
+        let q: Vec<f32> = (0..n * d.heads * dq).map(|i| bf(i, 7)).collect();
+        let kv: Vec<f32> = (0..ctx * d.heads * dkv).map(|i| bf(i, 11)).collect();
+        let latents: Vec<f32> = (0..ctx * de).map(|i| bf(i, 13)).collect();
+        let pool = ThreadPool::new(&PoolConfig::single_node(2));
+        for isa in crate::cpu::isa::supported() {
+            let mut whole = vec![0.0; n * d.heads * d.dv];
+            prefill_attention(&pool, isa, &q, &kv, &latents, &mut whole, start, d, 0.3, Precision::Bf16);
+            for k in [5, 16, 21] {
+                let mut first = vec![0.0; k * d.heads * d.dv];
+                let c = start + k;
+                prefill_attention(&pool, isa, &q[..k * d.heads * dq], &kv[..c * d.heads * dkv], &latents[..c * de], &mut first, start, d, 0.3, Precision::Bf16);
+                let mut rest = vec![0.0; (n - k) * d.heads * d.dv];
+                prefill_attention(&pool, isa, &q[k * d.heads * dq..], &kv, &latents, &mut rest, start + k, d, 0.3, Precision::Bf16);
+                let differs = first.iter().chain(&rest).zip(&whole).position(|(a, b)| a.to_bits() != b.to_bits());
+                assert_eq!(differs, None, "{isa:?}, split after {k}: first differing output");
             }
         }
     }
