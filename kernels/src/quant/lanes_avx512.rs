@@ -23,18 +23,19 @@ use std::arch::x86_64::*;
 /// Tokens per group: one per i32 lane of a 512-bit vector.
 pub(super) const LANES: usize = 16;
 
-/// Bytes of one block of a group's activations: eight groups of four
+/// Words of one block of a group's activations: eight groups of four
 /// elements, each as sixteen tokens' four bytes.
-const BLOCK_BYTES: usize = 8 * LANES * 4;
+const BLOCK_WORDS: usize = 8 * LANES;
 
 /// Up to sixteen tokens' Q8_0 activations, transposed for [`gemm_32`]:
-/// block b's quad k (elements 4k..4k + 4) of token t at byte
-/// `(b · 8 + k) · 64 + 4t`, biased by 128; block b's scale of token t at
-/// `d[b · 16 + t]`. Lanes without a token hold zeros (a zero scale), so
-/// they compute zeros. The buffers are reused from group to group.
+/// block b's quad k (elements 4k..4k + 4, biased by 128, as the bytes of
+/// one little-endian word) of token t at `q[(b · 8 + k) · 16 + t]`; block
+/// b's scale of token t at `d[b · 16 + t]`. Lanes without a token hold
+/// zeros (a zero scale), so they compute zeros. The buffers are reused
+/// from group to group.
 #[derive(Default)]
 pub(super) struct Lanes32 {
-    q: Vec<u8>,
+    q: Vec<u32>,
     d: Vec<f32>,
     blocks: usize,
 }
@@ -47,17 +48,15 @@ impl Lanes32 {
         let blocks = tokens[0].len();
         self.blocks = blocks;
         self.q.clear();
-        self.q.resize(blocks * BLOCK_BYTES, 0x80);
+        self.q.resize(blocks * BLOCK_WORDS, 0x8080_8080);
         self.d.clear();
         self.d.resize(blocks * LANES, 0.0);
         for (t, y) in tokens.iter().enumerate() {
             assert_eq!(y.len(), blocks, "Lanes32: tokens of one width");
             for (b, yb) in y.iter().enumerate() {
                 for (k, quad) in yb.qs.chunks_exact(4).enumerate() {
-                    let at = b * BLOCK_BYTES + k * LANES * 4 + 4 * t;
-                    for (dst, &v) in self.q[at..at + 4].iter_mut().zip(quad) {
-                        *dst = v as u8 ^ 0x80;
-                    }
+                    let word = u32::from_le_bytes([quad[0] as u8, quad[1] as u8, quad[2] as u8, quad[3] as u8]);
+                    self.q[(b * 8 + k) * LANES + t] = word ^ 0x8080_8080;
                 }
                 self.d[b * LANES + t] = yb.d.to_f32();
             }
@@ -75,7 +74,7 @@ pub(super) fn gemm_32<const Q: u8>(matrix: &[u8], y: &Lanes32, out: &mut [[f32; 
     let bias = _mm256_set1_epi8(-128);
     for (row, o) in matrix.chunks_exact(row_bytes).zip(out) {
         let mut acc = _mm512_setzero_ps();
-        for ((b, yq), yd) in row.chunks_exact(bb).zip(y.q.chunks_exact(BLOCK_BYTES)).zip(y.d.chunks_exact(LANES)) {
+        for ((b, yq), yd) in row.chunks_exact(bb).zip(y.q.chunks_exact(BLOCK_WORDS)).zip(y.d.chunks_exact(LANES)) {
             let x = quants32::<Q>(b);
             // Σ (x + 128) in four u64 lanes, then 128 · Σ x off the start.
             let s = _mm256_sad_epu8(_mm256_xor_si256(x, bias), _mm256_setzero_si256());
@@ -86,8 +85,8 @@ pub(super) fn gemm_32<const Q: u8>(matrix: &[u8], y: &Lanes32, out: &mut [[f32; 
             // SAFETY: eight writable i32, 32 bytes; unaligned store.
             unsafe { _mm256_storeu_si256(quads.as_mut_ptr().cast(), x) };
             for (k, &quad) in quads.iter().enumerate() {
-                // SAFETY: 64 readable bytes of the block's activations.
-                let lanes = unsafe { _mm512_loadu_si512(yq[64 * k..64 * k + 64].as_ptr().cast()) };
+                // SAFETY: 16 readable words of the block's activations.
+                let lanes = unsafe { _mm512_loadu_si512(yq[LANES * k..LANES * (k + 1)].as_ptr().cast()) };
                 sum = _mm512_dpbusd_epi32(sum, lanes, _mm512_set1_epi32(quad));
             }
             // SAFETY: 16 readable f32; unaligned load.
