@@ -474,6 +474,19 @@ proptest! {
         }
     }
 
+    /// Rows of no blocks (an empty input) give zeros, for a group of tokens
+    /// as for one, on every path: not a panic over zero-length rows.
+    #[test]
+    fn empty_rows_give_zeros(kind in prop::sample::select(DOT_KINDS.to_vec()), tokens in prop::sample::select(vec![1usize, 8, 9, 16, 21])) {
+        let mut held = QuantizedTokens::default();
+        held.quantize(kind, &[], tokens).unwrap();
+        for path in DotPath::supported() {
+            let mut out = vec![f32::NAN; tokens * 3];
+            quant::matmul(path, kind, &[], 3, &held, &mut out).unwrap();
+            prop_assert!(out.iter().all(|&v| v == 0.0), "{} on {}", kind, path);
+        }
+    }
+
     /// dot(w, quant(x)) is within a derived bound of Σ dequant(w)·x:
     /// quantizing x moves each x_i by at most e_i (`quantization_error`),
     /// contributing Σ |w_i| e_i; the rest is f32 rounding. Each block's

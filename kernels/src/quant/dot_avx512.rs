@@ -100,6 +100,7 @@ pub(super) fn dot_q45k<const FIVE: bool>(row: &[u8], y: &[BlockQ8K]) -> f32 {
 /// their sub-block's scale (i16 lanes picked from the eight scale bytes)
 /// and sums pairs into the block's i32 lanes: lane l holds elements
 /// 4l..4l + 4 of sub-block 2c, lane l + 8 those of sub-block 2c + 1.
+#[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,f16c")]
 pub(super) fn dot_q45k_multi<const FIVE: bool, const T: usize>(row: &[u8], ys: [&[BlockQ8K]; T]) -> [f32; T] {
     let bb = if FIVE { QuantKind::Q5K } else { QuantKind::Q4K }.block_bytes();
@@ -148,6 +149,34 @@ pub(super) fn dot_q45k_multi<const FIVE: bool, const T: usize>(row: &[u8], ys: [
     acc.map(|a| reduce_lanes(a))
 }
 
+/// Rows of Q4_K (`FIVE = false`) or Q5_K weights, `y.len()` blocks each,
+/// against one token: `out[r]` is row r's `dot_q45k`, the row loop inside
+/// the kernel's features so that its constants are set up once a band.
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,f16c")]
+pub(super) fn gemv_q45k<const FIVE: bool>(matrix: &[u8], y: &[BlockQ8K], out: &mut [f32]) {
+    let row_bytes = y.len() * if FIVE { QuantKind::Q5K } else { QuantKind::Q4K }.block_bytes();
+    if row_bytes == 0 {
+        out.fill(0.0);
+        return;
+    }
+    for (o, row) in out.iter_mut().zip(matrix.chunks_exact(row_bytes)) {
+        *o = dot_q45k_multi::<FIVE, 1>(row, [y])[0];
+    }
+}
+
+/// Rows of Q6_K weights against one token, as [`gemv_q45k`].
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,f16c")]
+pub(super) fn gemv_q6k(matrix: &[u8], y: &[BlockQ8K], out: &mut [f32]) {
+    let row_bytes = y.len() * QuantKind::Q6K.block_bytes();
+    if row_bytes == 0 {
+        out.fill(0.0);
+        return;
+    }
+    for (o, row) in out.iter_mut().zip(matrix.chunks_exact(row_bytes)) {
+        *o = dot_q6k_multi::<1>(row, [y])[0];
+    }
+}
+
 /// Q6_K row against Q8_K: the multi-token kernel for one token.
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,f16c")]
 pub(super) fn dot_q6k(row: &[u8], y: &[BlockQ8K]) -> f32 {
@@ -165,6 +194,7 @@ pub(super) fn dot_q6k(row: &[u8], y: &[BlockQ8K]) -> f32 {
 /// most 2 × 63 × 127, no saturation) and `vpdpwssd` multiplies them by
 /// their sub-block's scale (i16 lane m of chunk j is sub-block 4j + m / 8)
 /// and sums pairs into i32 lane l, elements 4l..4l + 4 of the chunk.
+#[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,f16c")]
 pub(super) fn dot_q6k_multi<const T: usize>(row: &[u8], ys: [&[BlockQ8K]; T]) -> [f32; T] {
     let m4 = _mm512_set1_epi8(15);

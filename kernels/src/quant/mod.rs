@@ -370,11 +370,35 @@ pub fn gemv_with(
         return Err(QuantError::MatrixShape { bytes: matrix.len(), rows, row_bytes });
     }
     let op = check_row(kind, &matrix[..row_bytes], act)?;
-    let path = runnable(path);
-    for (out, row) in y.iter_mut().zip(matrix.chunks_exact(row_bytes)) {
-        *out = dot_on(path, row, op);
-    }
+    row_products(runnable(path), matrix, row_bytes, op, y);
     Ok(())
+}
+
+/// `out[r]` = row r of `matrix` (whole rows of `row_bytes`, `out.len()` of
+/// them) · `op`'s token, on `path` (runnable here). On AVX-512 VNNI the
+/// band runs inside one kernel call (`gemv_32`, `gemv_q45k`, `gemv_q6k`):
+/// a call per row set the kernel's constants up again for every row, which
+/// for a decode's short rows (six to eight k-quant blocks) showed.
+fn row_products(path: DotPath, matrix: &[u8], row_bytes: usize, op: Op, out: &mut [f32]) {
+    #[cfg(target_arch = "x86_64")]
+    if path == DotPath::Avx512Vnni {
+        // SAFETY: `runnable` lets Avx512Vnni through only on a CPU that has
+        // it; the band is whole rows of the op's blocks (checked by callers).
+        unsafe {
+            match op {
+                Op::Q8_0(y) => dot_avx512::gemv_32::<8>(matrix, y, out),
+                Op::Q4_0(y) => dot_avx512::gemv_32::<4>(matrix, y, out),
+                Op::Q5_0(y) => dot_avx512::gemv_32::<5>(matrix, y, out),
+                Op::Q4K(y) => dot_avx512::gemv_q45k::<false>(matrix, y, out),
+                Op::Q5K(y) => dot_avx512::gemv_q45k::<true>(matrix, y, out),
+                Op::Q6K(y) => dot_avx512::gemv_q6k(matrix, y, out),
+            }
+        }
+        return;
+    }
+    for (o, row) in out.iter_mut().zip(matrix.chunks_exact(row_bytes)) {
+        *o = dot_on(path, row, op);
+    }
 }
 
 /// The activations of several tokens, quantized for one weight family and
@@ -524,11 +548,6 @@ fn group_dot(path: DotPath, row: &[u8], ops: &[Option<Op>; GROUP]) -> Option<[f3
     }
 }
 
-#[cfg(not(target_arch = "x86_64"))]
-fn group_dot(_: DotPath, _: &[u8], _: &[Option<Op>; GROUP]) -> Option<[f32; GROUP]> {
-    None
-}
-
 /// The fewest tokens for which a group of `gemm_32`'s sixteen lanes,
 /// partly empty, is quicker than that many passes of `gemv_32`.
 #[cfg(target_arch = "x86_64")]
@@ -544,32 +563,25 @@ thread_local! {
 
 /// Tokens per group of [`matmul`]: each row is multiplied by a whole group
 /// while it is in L1; the band (a task's rows) stays in L2 across groups.
+/// (Sixteen spilled the kernel's registers: 53 against 58 G/s in cache.)
+#[cfg(target_arch = "x86_64")]
 const GROUP: usize = 8;
 
+/// The tokens [`matmul_where`] takes together, into their rows of `out`;
+/// how many, from the first: sixteen at a time in the lanes of `gemm_32`
+/// (32-element formats, a last group of fewer too unless so few that the
+/// empty lanes would cost more than a pass per token), whole groups of
+/// eight k-quant tokens per row (`group_dot`). The rest go one at a time
+/// over the whole band (`row_products`). All give the bits of row by row.
+#[cfg(target_arch = "x86_64")]
 #[allow(clippy::too_many_arguments)]
-fn matmul_where(path: DotPath, kind: QuantKind, matrix: &[u8], rows: usize, acts: &QuantizedTokens, n: usize, token: impl Fn(usize) -> usize, out: &mut [f32]) -> Result<(), QuantError> {
-    if out.len() != n * rows {
-        return Err(QuantError::OutputSize { got: out.len(), expected: n * rows });
-    }
-    let row_bytes = kind.row_bytes(acts.cols)?;
-    if matrix.len() != rows * row_bytes {
-        return Err(QuantError::MatrixShape { bytes: matrix.len(), rows, row_bytes });
-    }
-    if n == 0 || rows == 0 {
-        return Ok(());
-    }
-    let path = runnable(path);
-    #[cfg(target_arch = "x86_64")]
+fn products_together(path: DotPath, kind: QuantKind, matrix: &[u8], rows: usize, acts: &QuantizedTokens, n: usize, token: &impl Fn(usize) -> usize, out: &mut [f32]) -> Result<usize, QuantError> {
+    let row_bytes = matrix.len() / rows;
     if path == DotPath::Avx512Vnni && matches!(kind, QuantKind::Q4_0 | QuantKind::Q5_0 | QuantKind::Q8_0) {
-        // Sixteen tokens at a time in the lanes of `gemm_32`, a last group
-        // of fewer too unless so few that the empty lanes would cost more
-        // than a pass per token; then the rest one token at a time over the
-        // whole band, its blocks streamed across row ends (`gemv_32`). All
-        // give the bits of row by row.
         let lanes = lanes_avx512::LANES;
-        let grouped = if n % lanes >= LANES_LEAST { n } else { n - n % lanes };
-        for j0 in (0..grouped).step_by(lanes) {
-            let count = lanes.min(grouped - j0);
+        let together = if n % lanes >= LANES_LEAST { n } else { n - n % lanes };
+        for j0 in (0..together).step_by(lanes) {
+            let count = lanes.min(together - j0);
             LANES_SCRATCH.with_borrow_mut(|(y, sums)| -> Result<(), QuantError> {
                 let mut tokens: [&[BlockQ8_0]; lanes_avx512::LANES] = [&[]; lanes_avx512::LANES];
                 for (slot, j) in tokens.iter_mut().zip(j0..j0 + count) {
@@ -598,39 +610,54 @@ fn matmul_where(path: DotPath, kind: QuantKind, matrix: &[u8], rows: usize, acts
                 Ok(())
             })?;
         }
-        for j in grouped..n {
-            let op = acts.op(kind, token(j))?;
-            let out = &mut out[j * rows..(j + 1) * rows];
-            // SAFETY: `runnable` lets Avx512Vnni through only on a CPU that
-            // has it; the band is `rows` whole rows of the op's blocks
-            // (checked above against the held tokens' width).
-            unsafe {
-                match op {
-                    Op::Q8_0(y) => dot_avx512::gemv_32::<8>(matrix, y, out),
-                    Op::Q4_0(y) => dot_avx512::gemv_32::<4>(matrix, y, out),
-                    Op::Q5_0(y) => dot_avx512::gemv_32::<5>(matrix, y, out),
-                    Op::Q4K(_) | Op::Q5K(_) | Op::Q6K(_) => unreachable!("{kind} is a 32-element format"),
-                }
-            }
-        }
-        return Ok(());
+        return Ok(together);
     }
-    for j0 in (0..n).step_by(GROUP) {
-        let mut ops: [Option<Op>; GROUP] = [None; GROUP];
-        for (slot, j) in ops.iter_mut().zip(j0..n.min(j0 + GROUP)) {
-            *slot = Some(acts.op(kind, token(j))?);
-        }
-        for (r, row) in matrix.chunks_exact(row_bytes).enumerate() {
-            if let Some(values) = group_dot(path, row, &ops) {
+    if path == DotPath::Avx512Vnni {
+        let together = n - n % GROUP;
+        for j0 in (0..together).step_by(GROUP) {
+            let mut ops: [Option<Op>; GROUP] = [None; GROUP];
+            for (slot, j) in ops.iter_mut().zip(j0..j0 + GROUP) {
+                *slot = Some(acts.op(kind, token(j))?);
+            }
+            for (r, row) in matrix.chunks_exact(row_bytes).enumerate() {
+                let values = group_dot(path, row, &ops).expect("a k-quant group on AVX-512 VNNI");
                 for (j, v) in (j0..).zip(values) {
                     out[j * rows + r] = v;
                 }
-                continue;
-            }
-            for (j, op) in (j0..).zip(ops.iter().map_while(|o| *o)) {
-                out[j * rows + r] = dot_on(path, row, op);
             }
         }
+        return Ok(together);
+    }
+    Ok(0)
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+#[allow(clippy::too_many_arguments)]
+fn products_together(_: DotPath, _: QuantKind, _: &[u8], _: usize, _: &QuantizedTokens, _: usize, _: &impl Fn(usize) -> usize, _: &mut [f32]) -> Result<usize, QuantError> {
+    Ok(0)
+}
+
+#[allow(clippy::too_many_arguments)]
+fn matmul_where(path: DotPath, kind: QuantKind, matrix: &[u8], rows: usize, acts: &QuantizedTokens, n: usize, token: impl Fn(usize) -> usize, out: &mut [f32]) -> Result<(), QuantError> {
+    if out.len() != n * rows {
+        return Err(QuantError::OutputSize { got: out.len(), expected: n * rows });
+    }
+    let row_bytes = kind.row_bytes(acts.cols)?;
+    if matrix.len() != rows * row_bytes {
+        return Err(QuantError::MatrixShape { bytes: matrix.len(), rows, row_bytes });
+    }
+    if n == 0 || rows == 0 {
+        return Ok(());
+    }
+    if row_bytes == 0 {
+        // Rows of no blocks: every product is an empty sum.
+        out.fill(0.0);
+        return Ok(());
+    }
+    let path = runnable(path);
+    let together = products_together(path, kind, matrix, rows, acts, n, &token, out)?;
+    for j in together..n {
+        row_products(path, matrix, row_bytes, acts.op(kind, token(j))?, &mut out[j * rows..(j + 1) * rows]);
     }
     Ok(())
 }
