@@ -2,14 +2,17 @@
 //! quants by 64 signed activations and sums each four into an i32 lane, with
 //! no intermediate saturation (unlike AVX2's `vpmaddubsw`). A k-quant
 //! sub-block is 8 lanes (32 elements) or 4 lanes (Q6_K's 16), so its scale
-//! is applied per lane: Q4_K/Q5_K by `vpdpwssd` of `vpmaddubsw` pairs with
-//! i16 scale lanes, Q6_K by `vpmulld` against a scale vector permuted from
-//! the block's scales. A block's sixteen i32 lanes fold to the eight of
-//! `fold_k` (its halves added), which join the row's eight f32 lanes
-//! exactly as the scalar reference folds them.
+//! is applied per lane: `vpmaddubsw` sums pairs of products into i16 lanes
+//! (no saturation: a Q6_K quant is at most 63) and `vpdpwssd` multiplies
+//! them by i16 scale lanes picked from the block's scales. A block's
+//! sixteen i32 lanes fold to the eight of `fold_k` (its halves added),
+//! which join the row's eight f32 lanes exactly as the scalar reference
+//! folds them. The k-quant kernels take several tokens at once, each
+//! block unpacked once for all of them (prefill); one token is the same
+//! kernel, and a band of rows for one token runs in one call (decode).
 //!
 //! Lane bounds: a `vpdpbusd` lane is at most 4 × 128 × 127 in magnitude,
-//! times a scale of at most 128, far inside i32.
+//! a k-quant lane that times a scale of at most 128, far inside i32.
 
 use super::blocks::{k_scales_mins, BlockQ8K, BlockQ8_0, QuantKind, K_SCALES, Q4K_QS, Q5K_QH, Q5K_QS, Q6K_D, Q6K_QH, Q6K_SCALES};
 use super::dot_avx2::{bytes32, fold_lanes, half_bits, halves_at, quants32, reduce_lanes};
