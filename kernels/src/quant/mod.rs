@@ -519,35 +519,6 @@ pub fn matmul_picked(path: DotPath, kind: QuantKind, matrix: &[u8], rows: usize,
     matmul_where(path, kind, matrix, rows, acts, picked.len(), |j| picked[j].0, out)
 }
 
-/// A full group of k-quant tokens on AVX-512 VNNI: one row against all of
-/// them with each block unpacked once (`dot_q45k_multi`, `dot_q6k_multi`,
-/// whose results are [`dot_on`]'s bits). `None` where no such kernel applies.
-#[cfg(target_arch = "x86_64")]
-fn group_dot(path: DotPath, row: &[u8], ops: &[Option<Op>; GROUP]) -> Option<[f32; GROUP]> {
-    if path != DotPath::Avx512Vnni {
-        return None;
-    }
-    let first = ops[0]?;
-    let mut ys: [&[BlockQ8K]; GROUP] = [&[]; GROUP];
-    for (slot, op) in ys.iter_mut().zip(ops) {
-        *slot = match (op.as_ref()?, first) {
-            (Op::Q4K(y), Op::Q4K(_)) | (Op::Q5K(y), Op::Q5K(_)) | (Op::Q6K(y), Op::Q6K(_)) => y,
-            _ => return None,
-        };
-    }
-    // SAFETY: `runnable` lets Avx512Vnni through only on a CPU that has it;
-    // every op was checked against the row's length (`acts.op` pairs whole
-    // rows of `kind` with the held tokens' blocks).
-    unsafe {
-        match first {
-            Op::Q4K(_) => Some(dot_avx512::dot_q45k_multi::<false, GROUP>(row, ys)),
-            Op::Q5K(_) => Some(dot_avx512::dot_q45k_multi::<true, GROUP>(row, ys)),
-            Op::Q6K(_) => Some(dot_avx512::dot_q6k_multi::<GROUP>(row, ys)),
-            Op::Q4_0(_) | Op::Q5_0(_) | Op::Q8_0(_) => None,
-        }
-    }
-}
-
 /// The fewest tokens for which a group of `gemm_32`'s sixteen lanes,
 /// partly empty, is quicker than that many passes of `gemv_32`.
 #[cfg(target_arch = "x86_64")]
@@ -571,7 +542,7 @@ const GROUP: usize = 8;
 /// how many, from the first: sixteen at a time in the lanes of `gemm_32`
 /// (32-element formats, a last group of fewer too unless so few that the
 /// empty lanes would cost more than a pass per token), whole groups of
-/// eight k-quant tokens per row (`group_dot`). The rest go one at a time
+/// eight k-quant tokens per row (`dot_q45k_multi`, `dot_q6k_multi`). The rest go one at a time
 /// over the whole band (`row_products`). All give the bits of row by row.
 #[cfg(target_arch = "x86_64")]
 #[allow(clippy::too_many_arguments)]
@@ -615,12 +586,25 @@ fn products_together(path: DotPath, kind: QuantKind, matrix: &[u8], rows: usize,
     if path == DotPath::Avx512Vnni {
         let together = n - n % GROUP;
         for j0 in (0..together).step_by(GROUP) {
-            let mut ops: [Option<Op>; GROUP] = [None; GROUP];
-            for (slot, j) in ops.iter_mut().zip(j0..j0 + GROUP) {
-                *slot = Some(acts.op(kind, token(j))?);
+            let mut ys: [&[BlockQ8K]; GROUP] = [&[]; GROUP];
+            for (slot, j) in ys.iter_mut().zip(j0..) {
+                *slot = match acts.op(kind, token(j))? {
+                    Op::Q4K(y) | Op::Q5K(y) | Op::Q6K(y) => y,
+                    Op::Q4_0(_) | Op::Q5_0(_) | Op::Q8_0(_) => unreachable!("{kind} is a k-quant"),
+                };
             }
             for (r, row) in matrix.chunks_exact(row_bytes).enumerate() {
-                let values = group_dot(path, row, &ops).expect("a k-quant group on AVX-512 VNNI");
+                // One row against the whole group, each block unpacked once
+                // (results with `dot_on`'s bits). SAFETY: `runnable` lets
+                // Avx512Vnni through only on a CPU that has it; `acts.op`
+                // paired whole rows of `kind` with the tokens' blocks.
+                let values = unsafe {
+                    match kind {
+                        QuantKind::Q4K => dot_avx512::dot_q45k_multi::<false, GROUP>(row, ys),
+                        QuantKind::Q5K => dot_avx512::dot_q45k_multi::<true, GROUP>(row, ys),
+                        _ => dot_avx512::dot_q6k_multi::<GROUP>(row, ys),
+                    }
+                };
                 for (j, v) in (j0..).zip(values) {
                     out[j * rows + r] = v;
                 }
