@@ -19,36 +19,13 @@ use duplex_kernels::cpu::{isa, read_bytes};
 use duplex_kernels::quant::{gemv_with, Activations, DotPath, QuantKind};
 mod common;
 
-use common::{rate, summary, Rng};
+use common::{matrix_bytes, rate, summary, Rng};
 use std::hint::black_box;
 
 const ROWS: usize = 2048;
 const COLS: usize = 2048;
 const TOTAL_BYTES: usize = 600_000_000;
 const PASSES: usize = 5;
-
-/// `len` bytes of random blocks of `kind` with small positive f16 scales
-/// (random quant and scale bytes, as the kernels do the same work whatever
-/// they hold; the scales are kept finite so the sums stay numbers).
-fn matrix_bytes(kind: QuantKind, len: usize, rng: &mut Rng) -> Vec<u8> {
-    let mut v = vec![0u8; len];
-    for chunk in v.chunks_mut(8) {
-        let r = rng.next().to_le_bytes();
-        chunk.copy_from_slice(&r[..chunk.len()]);
-    }
-    let scale = half::f16::from_f32(0.01).to_bits().to_le_bytes();
-    let at: &[usize] = match kind {
-        QuantKind::Q4K | QuantKind::Q5K => &[0, 2],
-        QuantKind::Q6K => &[208],
-        _ => &[0],
-    };
-    for block in v.chunks_exact_mut(kind.block_bytes()) {
-        for &a in at {
-            block[a..a + 2].copy_from_slice(&scale);
-        }
-    }
-    v
-}
 
 fn main() {
     let args: Vec<String> = std::env::args().skip(1).filter(|a| !a.starts_with('-')).collect();

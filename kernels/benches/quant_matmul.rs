@@ -13,7 +13,7 @@
 use duplex_kernels::quant::{matmul, DotPath, QuantKind, QuantizedTokens};
 mod common;
 
-use common::{summary, thread_seconds, Rng};
+use common::{matrix_bytes, summary, thread_seconds, Rng};
 use std::hint::black_box;
 
 const ROWS: usize = 256;
@@ -22,29 +22,6 @@ const TOKENS: usize = 64;
 const PASSES: usize = 15;
 /// Products per pass: enough that a pass takes some tens of milliseconds.
 const REPEATS: usize = 8;
-
-/// `ROWS` rows of random `kind` blocks with small positive f16 scales (the
-/// kernels do the same work whatever the quants are; finite scales keep
-/// the sums numbers).
-fn matrix(kind: QuantKind, rng: &mut Rng) -> Vec<u8> {
-    let mut v = vec![0u8; ROWS * kind.row_bytes(COLS).expect("whole blocks")];
-    for chunk in v.chunks_mut(8) {
-        let r = rng.next().to_le_bytes();
-        chunk.copy_from_slice(&r[..chunk.len()]);
-    }
-    let scale = half::f16::from_f32(0.01).to_bits().to_le_bytes();
-    let at: &[usize] = match kind {
-        QuantKind::Q4K | QuantKind::Q5K => &[0, 2],
-        QuantKind::Q6K => &[208],
-        _ => &[0],
-    };
-    for block in v.chunks_exact_mut(kind.block_bytes()) {
-        for &a in at {
-            block[a..a + 2].copy_from_slice(&scale);
-        }
-    }
-    v
-}
 
 fn main() {
     let args: Vec<String> = std::env::args().skip(1).filter(|a| !a.starts_with('-')).collect();
@@ -56,7 +33,7 @@ fn main() {
     let x: Vec<f32> = (0..TOKENS * COLS).map(|i| ((i as f32) * 0.37).sin() * 1.5).collect();
     let mut out = vec![0.0f32; TOKENS * ROWS];
     for kind in [QuantKind::Q4K, QuantKind::Q5K, QuantKind::Q6K, QuantKind::Q8_0, QuantKind::Q5_0] {
-        let m = matrix(kind, &mut rng);
+        let m = matrix_bytes(kind, ROWS * kind.row_bytes(COLS).expect("whole blocks"), &mut rng);
         let mut acts = QuantizedTokens::default();
         acts.quantize(kind, &x, TOKENS).expect("quantize");
         for &path in &paths {

@@ -3,6 +3,7 @@
 // Each bench compiles this module on its own and uses only some of it.
 #![allow(dead_code)]
 
+use duplex_kernels::quant::QuantKind;
 #[cfg(not(target_os = "linux"))]
 use std::time::Instant;
 
@@ -55,4 +56,27 @@ pub fn rate(bytes: usize, f: impl FnOnce()) -> f64 {
 pub fn summary(mut v: Vec<f64>) -> (f64, f64) {
     v.sort_by(f64::total_cmp);
     (v[v.len() / 2], v[v.len() - 1])
+}
+
+/// `len` bytes of random blocks of `kind` with small positive f16 scales
+/// (random quant and scale bytes, as the kernels do the same work whatever
+/// they hold; the scales are kept finite so the sums stay numbers).
+pub fn matrix_bytes(kind: QuantKind, len: usize, rng: &mut Rng) -> Vec<u8> {
+    let mut v = vec![0u8; len];
+    for chunk in v.chunks_mut(8) {
+        let r = rng.next().to_le_bytes();
+        chunk.copy_from_slice(&r[..chunk.len()]);
+    }
+    let scale = half::f16::from_f32(0.01).to_bits().to_le_bytes();
+    let at: &[usize] = match kind {
+        QuantKind::Q4K | QuantKind::Q5K => &[0, 2],
+        QuantKind::Q6K => &[208],
+        _ => &[0],
+    };
+    for block in v.chunks_exact_mut(kind.block_bytes()) {
+        for &a in at {
+            block[a..a + 2].copy_from_slice(&scale);
+        }
+    }
+    v
 }
