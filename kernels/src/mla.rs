@@ -373,6 +373,16 @@ mod tests {
         }
     }
 
+    /// BF16-valued prefill inputs: `n` queries, and keys, values and
+    /// latents for `ctx` positions.
+    fn prefill_inputs(d: MlaDims, ctx: usize, n: usize) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
+        let bf = |i: usize, m: usize| crate::round_bf16(((i * m % 61) as f32 - 30.0) / 40.0);
+        let q = (0..n * d.heads * (d.dn + d.dr)).map(|i| bf(i, 7)).collect();
+        let kv = (0..ctx * d.heads * (d.dn + d.dv)).map(|i| bf(i, 11)).collect();
+        let latents = (0..ctx * (d.dc + d.dr)).map(|i| bf(i, 13)).collect();
+        (q, kv, latents)
+    }
+
     /// The BF16 prefill path (score GEMMs on BF16 keys) against the scalar
     /// reference, on BF16-valued inputs, with a cached prefix and query
     /// blocks that end mid-way: within BF16 output rounding.
@@ -380,11 +390,7 @@ mod tests {
     fn prefill_bf16_matches_reference() {
         let d = MlaDims { heads: 3, dn: 16, dr: 8, dv: 12, dc: 20 };
         let (start, n) = (7, 45);
-        let ctx = start + n;
-        let bf = |i: usize, m: usize| crate::round_bf16(((i * m % 61) as f32 - 30.0) / 40.0);
-        let q: Vec<f32> = (0..n * d.heads * (d.dn + d.dr)).map(|i| bf(i, 7)).collect();
-        let kv: Vec<f32> = (0..ctx * d.heads * (d.dn + d.dv)).map(|i| bf(i, 11)).collect();
-        let latents: Vec<f32> = (0..ctx * (d.dc + d.dr)).map(|i| bf(i, 13)).collect();
+        let (q, kv, latents) = prefill_inputs(d, start + n, n);
         let pool = ThreadPool::new(&PoolConfig::single_node(2));
         let mut want = vec![0.0; n * d.heads * d.dv];
         prefill_attention(&pool, crate::cpu::isa::detect(), &q, &kv, &latents, &mut want, start, d, 0.3, Precision::F32);
@@ -443,12 +449,8 @@ mod tests {
     fn prefill_bf16_in_pieces_gives_the_same_bits() {
         let d = MlaDims { heads: 2, dn: 16, dr: 8, dv: 40, dc: 20 };
         let (start, n) = (7, 45);
-        let ctx = start + n;
-        let bf = |i: usize, m: usize| crate::round_bf16(((i * m % 61) as f32 - 30.0) / 40.0);
         let (dq, dkv, de) = (d.dn + d.dr, d.dn + d.dv, d.dc + d.dr);
-        let q: Vec<f32> = (0..n * d.heads * dq).map(|i| bf(i, 7)).collect();
-        let kv: Vec<f32> = (0..ctx * d.heads * dkv).map(|i| bf(i, 11)).collect();
-        let latents: Vec<f32> = (0..ctx * de).map(|i| bf(i, 13)).collect();
+        let (q, kv, latents) = prefill_inputs(d, start + n, n);
         let pool = ThreadPool::new(&PoolConfig::single_node(2));
         for isa in crate::cpu::isa::supported() {
             let mut whole = vec![0.0; n * d.heads * d.dv];
