@@ -542,8 +542,9 @@ const GROUP: usize = 8;
 /// how many, from the first: sixteen at a time in the lanes of `gemm_32`
 /// (32-element formats, a last group of fewer too unless so few that the
 /// empty lanes would cost more than a pass per token), whole groups of
-/// eight k-quant tokens per row (`dot_q45k_multi`, `dot_q6k_multi`). The rest go one at a time
-/// over the whole band (`row_products`). All give the bits of row by row.
+/// eight k-quant tokens per row (`dot_q45k_multi`, `dot_q6k_multi`). The
+/// rest go one at a time over the whole band (`row_products`). All give the
+/// bits of row by row.
 #[cfg(target_arch = "x86_64")]
 #[allow(clippy::too_many_arguments)]
 fn products_together(path: DotPath, kind: QuantKind, matrix: &[u8], rows: usize, acts: &QuantizedTokens, n: usize, token: &impl Fn(usize) -> usize, out: &mut [f32]) -> Result<usize, QuantError> {
