@@ -2,14 +2,19 @@
 //! products run at once the weights are in cache.
 //!
 //! `cargo bench -p duplex-kernels --bench quant_matmul [-- [PATH...]]`
-//! (`PATH`: only these of scalar, avx2, avx512vnni).
+//! (`PATH`: only these of scalar, avx2, avx512vnni, amx).
 //!
 //! A band of 256 rows × 2048 columns of each format a Q4_K_M or Q8_0 GGUF
 //! holds (Q4_K, Q5_K, Q6_K, Q8_0, Q5_0; ≤ 550 KB, so in L2) against 64
 //! quantized tokens through `quant::matmul`, as a prefill task runs it.
 //! Reported in G multiply-adds per second of thread CPU time (median and
 //! best of the passes): prefill is bound by this, not by DRAM.
+//!
+//! Where the CPU has AMX INT8 tiles, the tile unit's peak is measured in
+//! the same run (back-to-back `tdpbssd` on four independent accumulators),
+//! and each format on the `amx` path is also given as a fraction of it.
 
+use duplex_kernels::cpu::amx::{HardwareTiles, TileConfig, Tiles};
 use duplex_kernels::quant::{matmul, DotPath, QuantKind, QuantizedTokens};
 mod common;
 
@@ -27,6 +32,11 @@ fn main() {
     let args: Vec<String> = std::env::args().skip(1).filter(|a| !a.starts_with('-')).collect();
     let paths: Vec<DotPath> = DotPath::supported().into_iter().filter(|p| args.is_empty() || args.iter().any(|a| a == p.name())).collect();
     println!("quant GEMM {ROWS} x {COLS} against {TOKENS} tokens, one thread, weights in cache; paths {paths:?}");
+    let peak = tile_peak();
+    match peak {
+        Some(p) => println!("AMX INT8 tile peak (tdpbssd back to back, one thread): {p:.1} G multiply-adds/s"),
+        None => println!("AMX: this CPU or kernel gives no INT8 tiles; no tile peak"),
+    }
     println!("| format | path | G multiply-adds/s (median) | best |");
     println!("| --- | --- | --- | --- |");
     let mut rng = Rng(0x2545_f491_4f6c_dd1d);
@@ -47,7 +57,42 @@ fn main() {
                 black_box(&out);
             }
             let (median, best) = summary(rates);
-            println!("| {kind} | {} | {median:.1} | {best:.1} |", path.name());
+            let of_peak = match (path, peak) {
+                (DotPath::Amx, Some(p)) => format!(" ({:.2} / {:.2} of the tile peak)", median / p, best / p),
+                _ => String::new(),
+            };
+            println!("| {kind} | {} | {median:.1} | {best:.1}{of_peak} |", path.name());
         }
     }
+}
+
+/// The tile unit's INT8 rate, G multiply-adds/s (median of the passes):
+/// four 16 × 16 accumulators, each `tdpbssd` 16 × 64 × 16 multiply-adds,
+/// none waiting for another.
+fn tile_peak() -> Option<f64> {
+    let mut t = HardwareTiles::new()?;
+    let mut config = TileConfig::new();
+    for r in 0..8 {
+        config = config.with(r, 16, 64);
+    }
+    let bytes = vec![1u8; 1024];
+    const STEPS: usize = 1 << 16;
+    let mut rates = Vec::with_capacity(PASSES);
+    for _ in 0..PASSES {
+        t.configure(&config);
+        t.load::<4>(&bytes, 64);
+        t.load::<5>(&bytes, 64);
+        t.load::<6>(&bytes, 64);
+        t.load::<7>(&bytes, 64);
+        let start = thread_seconds();
+        for _ in 0..STEPS {
+            t.dot_i8::<0, 4, 6>();
+            t.dot_i8::<1, 4, 7>();
+            t.dot_i8::<2, 5, 6>();
+            t.dot_i8::<3, 5, 7>();
+        }
+        rates.push((STEPS * 4 * 16 * 64 * 16) as f64 / (thread_seconds() - start) / 1e9);
+        t.release();
+    }
+    Some(summary(rates).0)
 }

@@ -14,6 +14,7 @@
 //!   embedding, SiLU·up, softmax, and the router's sigmoid scores and top-k.
 //! - [`bandwidth`]: a streaming read, to measure what "memory-bound" means here.
 
+pub mod amx;
 pub mod bandwidth;
 pub mod convert;
 pub mod elementwise;

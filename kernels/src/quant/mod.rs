@@ -34,6 +34,7 @@ mod dot_avx2;
 mod dot_avx512;
 #[cfg(target_arch = "x86_64")]
 mod lanes_avx512;
+mod tiles_amx;
 
 pub use blocks::{
     dequantize_row, quantize_q8_0, quantize_q8_0_into, quantize_q8_k, quantize_q8_k_into, BlockQ8K, BlockQ8_0, QuantKind, QK_K, QK8_0,
@@ -125,17 +126,23 @@ pub enum DotPath {
     Avx2,
     /// AVX-512 BW with VNNI `vpdpbusd`.
     Avx512Vnni,
+    /// [`DotPath::Avx512Vnni`], with the prefill GEMM of the 32-element
+    /// formats on AMX INT8 tiles (`tdpbssd`; see `tiles_amx`), where the
+    /// CPU has them and they pass their self-check. The same bits.
+    Amx,
 }
 
 impl DotPath {
     /// The best path for `isa` on this CPU. AVX-512 levels take VNNI only
     /// where the CPU has it (it is not part of [`Isa`]'s ladder: every
     /// AVX-512 BF16 CPU has it, but a plain AVX-512 one may not) and fall
-    /// back to AVX2 otherwise.
+    /// back to AVX2 otherwise; they add AMX tiles where those are usable
+    /// (`DUPLEX_AMX=off` keeps them off).
     pub fn for_isa(isa: Isa) -> DotPath {
         match isa.usable() {
             Isa::Portable => DotPath::Scalar,
             Isa::Avx2 => DotPath::Avx2,
+            _ if has_vnni() && tiles_amx::usable() => DotPath::Amx,
             _ if has_vnni() => DotPath::Avx512Vnni,
             _ => DotPath::Avx2,
         }
@@ -147,6 +154,7 @@ impl DotPath {
             DotPath::Scalar => "scalar",
             DotPath::Avx2 => "avx2",
             DotPath::Avx512Vnni => "avx512vnni",
+            DotPath::Amx => "amx",
         }
     }
 
@@ -158,6 +166,9 @@ impl DotPath {
         }
         if Isa::Avx512.usable() >= Isa::Avx512 && has_vnni() {
             v.push(DotPath::Avx512Vnni);
+            if tiles_amx::usable() {
+                v.push(DotPath::Amx);
+            }
         }
         v
     }
@@ -286,9 +297,9 @@ fn dot_on(path: DotPath, row: &[u8], op: Op) -> f32 {
                 Op::Q8_0(y) => dot_avx2::dot_q8_0(row, y),
             }
         },
-        // SAFETY: as above.
+        // SAFETY: as above (AMX tiles are for many tokens; one row runs on VNNI).
         #[cfg(target_arch = "x86_64")]
-        DotPath::Avx512Vnni => unsafe {
+        DotPath::Avx512Vnni | DotPath::Amx => unsafe {
             match op {
                 Op::Q4K(y) => dot_avx512::dot_q45k::<false>(row, y),
                 Op::Q5K(y) => dot_avx512::dot_q45k::<true>(row, y),
@@ -381,9 +392,9 @@ pub fn gemv_with(
 /// for a decode's short rows (six to eight k-quant blocks) showed.
 fn row_products(path: DotPath, matrix: &[u8], row_bytes: usize, op: Op, out: &mut [f32]) {
     #[cfg(target_arch = "x86_64")]
-    if path == DotPath::Avx512Vnni {
-        // SAFETY: `runnable` lets Avx512Vnni through only on a CPU that has
-        // it; the band is whole rows of the op's blocks (checked by callers).
+    if path >= DotPath::Avx512Vnni {
+        // SAFETY: `runnable` lets Avx512Vnni (and Amx) through only on a CPU
+        // that has it; the band is whole rows of the op's blocks (checked by callers).
         unsafe {
             match op {
                 Op::Q8_0(y) => dot_avx512::gemv_32::<8>(matrix, y, out),
@@ -530,6 +541,9 @@ thread_local! {
     /// grown to the largest band and width seen, never shrunk, so a warm
     /// prefill does not allocate.
     static LANES_SCRATCH: std::cell::RefCell<(lanes_avx512::Lanes32, Vec<[f32; lanes_avx512::LANES]>)> = Default::default();
+    /// The same for the AMX tiles: the band packed as B tiles, a group of
+    /// tokens as A tiles, and the group's results.
+    static TILES_SCRATCH: std::cell::RefCell<(tiles_amx::Panels32, tiles_amx::Tokens32, Vec<[f32; tiles_amx::TILE]>)> = Default::default();
 }
 
 /// Tokens per group of [`matmul`]: each row is multiplied by a whole group
@@ -540,51 +554,69 @@ const GROUP: usize = 8;
 
 /// The tokens [`matmul_where`] takes together, into their rows of `out`;
 /// how many, from the first: sixteen at a time in the lanes of `gemm_32`
-/// (32-element formats, a last group of fewer too unless so few that the
-/// empty lanes would cost more than a pass per token), whole groups of
+/// or, on [`DotPath::Amx`], in AMX tiles (32-element formats, a last group
+/// of fewer too unless so few that the empty lanes would cost more than a
+/// pass per token; the tiles' own turning point is unmeasured, for want
+/// of an AMX machine, so they take the same groups), whole groups of
 /// eight k-quant tokens per row (`dot_q45k_multi`, `dot_q6k_multi`). The
 /// rest go one at a time over the whole band (`row_products`). All give the
 /// bits of row by row.
 #[cfg(target_arch = "x86_64")]
 #[allow(clippy::too_many_arguments)]
-fn products_together(path: DotPath, kind: QuantKind, matrix: &[u8], rows: usize, acts: &QuantizedTokens, n: usize, token: &impl Fn(usize) -> usize, out: &mut [f32]) -> Result<usize, QuantError> {
+fn products_together(path: DotPath, mut tiles: Option<&mut impl tiles_amx::TileUnit>, kind: QuantKind, matrix: &[u8], rows: usize, acts: &QuantizedTokens, n: usize, token: &impl Fn(usize) -> usize, out: &mut [f32]) -> Result<usize, QuantError> {
     let row_bytes = matrix.len() / rows;
-    if path == DotPath::Avx512Vnni && matches!(kind, QuantKind::Q4_0 | QuantKind::Q5_0 | QuantKind::Q8_0) {
+    if (tiles.is_some() || path >= DotPath::Avx512Vnni) && matches!(kind, QuantKind::Q4_0 | QuantKind::Q5_0 | QuantKind::Q8_0) {
+        const _: () = assert!(lanes_avx512::LANES == tiles_amx::TILE);
         let lanes = lanes_avx512::LANES;
         let together = if n % lanes >= LANES_LEAST { n } else { n - n % lanes };
+        if tiles.is_some() && together > 0 {
+            TILES_SCRATCH.with_borrow_mut(|(w, ..)| tiles_amx::pack(kind, matrix, rows, acts.cols / QK8_0, w));
+        }
         for j0 in (0..together).step_by(lanes) {
             let count = lanes.min(together - j0);
-            LANES_SCRATCH.with_borrow_mut(|(y, sums)| -> Result<(), QuantError> {
-                let mut tokens: [&[BlockQ8_0]; lanes_avx512::LANES] = [&[]; lanes_avx512::LANES];
-                for (slot, j) in tokens.iter_mut().zip(j0..j0 + count) {
-                    *slot = match acts.op(kind, token(j))? {
-                        Op::Q8_0(y) | Op::Q4_0(y) | Op::Q5_0(y) => y,
-                        Op::Q4K(_) | Op::Q5K(_) | Op::Q6K(_) => unreachable!("{kind} is a 32-element format"),
-                    };
-                }
-                y.fill(&tokens[..count]);
-                sums.resize(rows, [0.0; lanes_avx512::LANES]);
-                // SAFETY: `runnable` lets Avx512Vnni through only on a CPU
-                // that has it; the band is `rows` whole rows of the
-                // tokens' width (checked above).
-                unsafe {
-                    match kind {
-                        QuantKind::Q8_0 => lanes_avx512::gemm_32::<8>(matrix, y, sums),
-                        QuantKind::Q4_0 => lanes_avx512::gemm_32::<4>(matrix, y, sums),
-                        _ => lanes_avx512::gemm_32::<5>(matrix, y, sums),
-                    }
-                }
+            let mut tokens: [&[BlockQ8_0]; lanes_avx512::LANES] = [&[]; lanes_avx512::LANES];
+            for (slot, j) in tokens.iter_mut().zip(j0..j0 + count) {
+                *slot = match acts.op(kind, token(j))? {
+                    Op::Q8_0(y) | Op::Q4_0(y) | Op::Q5_0(y) => y,
+                    Op::Q4K(_) | Op::Q5K(_) | Op::Q6K(_) => unreachable!("{kind} is a 32-element format"),
+                };
+            }
+            // Row r of `sums` holds its products with the group's tokens.
+            let scatter = |sums: &[[f32; lanes_avx512::LANES]], out: &mut [f32]| {
                 for (r, lane) in sums.iter().enumerate() {
                     for (t, &v) in lane[..count].iter().enumerate() {
                         out[(j0 + t) * rows + r] = v;
                     }
                 }
-                Ok(())
-            })?;
+            };
+            if let Some(unit) = tiles.as_deref_mut() {
+                TILES_SCRATCH.with_borrow_mut(|(w, y, sums)| {
+                    y.fill(&tokens[..count]);
+                    sums.resize(rows, [0.0; tiles_amx::TILE]);
+                    unit.gemm_32(w, y, sums);
+                    scatter(sums, out);
+                });
+            } else {
+                LANES_SCRATCH.with_borrow_mut(|(y, sums)| {
+                    y.fill(&tokens[..count]);
+                    sums.resize(rows, [0.0; lanes_avx512::LANES]);
+                    // SAFETY: `runnable` lets Avx512Vnni through only on a
+                    // CPU that has it; the band is `rows` whole rows of the
+                    // tokens' width (checked by the caller).
+                    unsafe {
+                        match kind {
+                            QuantKind::Q8_0 => lanes_avx512::gemm_32::<8>(matrix, y, sums),
+                            QuantKind::Q4_0 => lanes_avx512::gemm_32::<4>(matrix, y, sums),
+                            _ => lanes_avx512::gemm_32::<5>(matrix, y, sums),
+                        }
+                    }
+                    scatter(sums, out);
+                });
+            }
         }
         return Ok(together);
     }
-    if path == DotPath::Avx512Vnni {
+    if path >= DotPath::Avx512Vnni {
         let together = n - n % GROUP;
         for j0 in (0..together).step_by(GROUP) {
             let mut ys: [&[BlockQ8K]; GROUP] = [&[]; GROUP];
@@ -618,7 +650,7 @@ fn products_together(path: DotPath, kind: QuantKind, matrix: &[u8], rows: usize,
 
 #[cfg(not(target_arch = "x86_64"))]
 #[allow(clippy::too_many_arguments)]
-fn products_together(_: DotPath, _: QuantKind, _: &[u8], _: usize, _: &QuantizedTokens, _: usize, _: &impl Fn(usize) -> usize, _: &mut [f32]) -> Result<usize, QuantError> {
+fn products_together(_: DotPath, _: Option<&mut impl tiles_amx::TileUnit>, _: QuantKind, _: &[u8], _: usize, _: &QuantizedTokens, _: usize, _: &impl Fn(usize) -> usize, _: &mut [f32]) -> Result<usize, QuantError> {
     Ok(0)
 }
 
@@ -640,9 +672,58 @@ fn matmul_where(path: DotPath, kind: QuantKind, matrix: &[u8], rows: usize, acts
         return Ok(());
     }
     let path = runnable(path);
-    let together = products_together(path, kind, matrix, rows, acts, n, &token, out)?;
+    #[cfg(target_arch = "x86_64")]
+    let mut tiles = (path == DotPath::Amx).then(|| crate::cpu::amx::HardwareTiles::new().expect("`runnable` lets Amx through only where the tiles are permitted"));
+    #[cfg(not(target_arch = "x86_64"))]
+    let mut tiles: Option<crate::cpu::amx::ModelTiles> = None;
+    products_of_checked(path, tiles.as_mut(), kind, matrix, rows, acts, n, &token, out)
+}
+
+/// [`matmul_where`] past its checks, with the tile unit (if any) that the
+/// 32-element formats' groups of tokens run on.
+#[allow(clippy::too_many_arguments)]
+fn products_of_checked(path: DotPath, tiles: Option<&mut impl tiles_amx::TileUnit>, kind: QuantKind, matrix: &[u8], rows: usize, acts: &QuantizedTokens, n: usize, token: &impl Fn(usize) -> usize, out: &mut [f32]) -> Result<(), QuantError> {
+    let row_bytes = matrix.len() / rows;
+    let together = products_together(path, tiles, kind, matrix, rows, acts, n, token, out)?;
     for j in together..n {
         row_products(path, matrix, row_bytes, acts.op(kind, token(j))?, &mut out[j * rows..(j + 1) * rows]);
     }
     Ok(())
+}
+
+#[cfg(all(test, target_arch = "x86_64"))]
+mod tests {
+    use super::*;
+
+    /// The tile path of `matmul`/`matmul_picked` as it dispatches (the band
+    /// packed once, groups of sixteen and a last group of fewer on tiles,
+    /// the last few tokens alone), run on the model tile unit, so that it is
+    /// tested on CPUs without AMX: every token's bits are its scalar dot's.
+    #[test]
+    fn tile_dispatch_on_the_model_gives_each_tokens_dot() {
+        let path = runnable(DotPath::for_isa(crate::cpu::isa::detect())).min(DotPath::Avx512Vnni);
+        for kind in [QuantKind::Q8_0, QuantKind::Q4_0, QuantKind::Q5_0] {
+            for (rows, tokens, blocks) in [(3, 1, 2), (17, 3, 1), (5, 4, 2), (20, 16, 3), (33, 21, 2), (7, 37, 1)] {
+                let (matrix, xs) = tiles_amx::sample(kind, rows, tokens, blocks, (rows * 100 + tokens) as u64);
+                let mut held = QuantizedTokens::default();
+                held.prepare(kind, tokens * blocks * QK8_0, tokens).unwrap();
+                for (t, x) in xs.iter().enumerate() {
+                    let range = held.token_range(t);
+                    held.q8_0[range].copy_from_slice(x);
+                }
+                let picked: Vec<usize> = (0..tokens).rev().step_by(2).chain((0..tokens).step_by(3)).collect();
+                for order in [(0..tokens).collect::<Vec<_>>(), picked] {
+                    let mut out = vec![f32::NAN; order.len() * rows];
+                    let mut model = crate::cpu::amx::ModelTiles::default();
+                    products_of_checked(path, Some(&mut model), kind, &matrix, rows, &held, order.len(), &|j| order[j], &mut out).unwrap();
+                    for (j, &t) in order.iter().enumerate() {
+                        for (r, row) in matrix.chunks_exact(matrix.len() / rows).enumerate() {
+                            let want = dot_on(DotPath::Scalar, row, pair(kind, &Activations::Q8_0(xs[t].clone())).unwrap());
+                            assert_eq!(out[j * rows + r].to_bits(), want.to_bits(), "{kind}: {rows} rows × {tokens} tokens, product {j} (token {t}) row {r}");
+                        }
+                    }
+                }
+            }
+        }
+    }
 }

@@ -139,13 +139,14 @@ pub fn end_to_end(args: BenchArgs) -> Result<()> {
     let mut bandwidth = read_bandwidth(pool, isa, &buf, pool.threads(), 5);
     let activated = model.activated_bytes_per_token();
     println!(
-        "{}: {} layers, hidden {}, {} experts (top {}), dtype {precision:?}, ISA {}, {} threads",
+        "{}: {} layers, hidden {}, {} experts (top {}), dtype {precision:?}, ISA {} (block-quantized products: {}), {} threads",
         dir.display(),
         cfg.num_hidden_layers,
         cfg.hidden_size,
         cfg.n_routed_experts,
         cfg.num_experts_per_tok,
         isa.name(),
+        duplex_kernels::quant::DotPath::for_isa(isa).name(),
         pool.threads()
     );
     let chunk = 512;
