@@ -296,6 +296,10 @@ unsafe fn decode_odd_even_tile(job: &Job, band: Range<usize>, tile: &mut [u16]) 
         for cb in 0..job.col_blocks {
             let (k0, width) = job.block_cols(cb);
             for q in 0..width.div_ceil(64) {
+                // Each band is read from DRAM once; without the prefetch its
+                // loads waited on memory (17% of a 2048-token FP8 prefill's
+                // samples in this function, 7% with it).
+                prefetch_ahead(row, k0 + 64 * q);
                 // SAFETY: columns k0 + 64q .. + len are inside the row; the
                 // line's 64 words are inside the tile row, 64-byte aligned.
                 unsafe {
@@ -770,8 +774,13 @@ pub(super) unsafe fn run_bf16(job: &Job, rows: Range<usize>, x: &[u16], n: usize
             unsafe { decode_odd_even_tile(job, band.clone(), buf.as_mut_slice()) };
             let tile = OddEvenTile { base: buf.as_slice().as_ptr(), stride, first: band.start, lines: job.block[1].div_ceil(64) };
             let k = TileBf16 { job, tile, x: &x };
+            // The band is in cache, so loads bound the kernel, not DRAM:
+            // two rows × four tokens share each load more than one row ×
+            // eight (which read a weight line per eight products but an
+            // activation line per product), 1.3–1.4× as fast at 64 tokens
+            // (`gemv_bandwidth`, FP8 n=64). Bits: see `kernel::bands`.
             // SAFETY: forwarded; the band's rows are in the tile.
-            unsafe { token_groups!(&k, band, first, n, out, m, 8, {1 => 4, 2 => 4, 3 => 2, 4 => 2, 5 => 1, 6 => 1, 7 => 1, 8 => 1}) };
+            unsafe { token_groups!(&k, band, first, n, out, m, 4, {1 => 4, 2 => 4, 3 => 2, 4 => 2}) };
         }
     } else {
         let x = Packed::new::<32, 1>(x, n, job.cols, b1, [0], |v| v);
@@ -781,9 +790,18 @@ pub(super) unsafe fn run_bf16(job: &Job, rows: Range<usize>, x: &[u16], n: usize
             // eight (tried for the 134 MB `lm_head`) left a thread at ~0.75
             // of its read bandwidth on 2048 × 4096 and 4096 × 2048 BF16
             // matrices with 4 KiB pages, where four reach ~0.89 (the
-            // `gemv_bandwidth` bench, n=1).
-            // SAFETY: forwarded.
-            unsafe { token_groups!(&k, band, first, n, out, m, 8, {1 => 4, 2 => 4, 3 => 2, 4 => 2, 5 => 1, 6 => 1, 7 => 1, 8 => 1}) };
+            // `gemv_bandwidth` bench, n=1). Up to eight tokens read the
+            // weights once, one row a step for eight; more take bands that
+            // stay in cache across the passes, where four rows × four
+            // tokens share each load best (1.4–1.6× one row × eight at
+            // 64 tokens; three rows or two were slower).
+            if passes == 1 {
+                // SAFETY: forwarded.
+                unsafe { token_groups!(&k, band, first, n, out, m, 8, {1 => 4, 2 => 4, 3 => 2, 4 => 2, 5 => 1, 6 => 1, 7 => 1, 8 => 1}) };
+            } else {
+                // SAFETY: forwarded.
+                unsafe { token_groups!(&k, band, first, n, out, m, 4, {1 => 4, 2 => 4, 3 => 3, 4 => 4}) };
+            }
         }
     }
 }
