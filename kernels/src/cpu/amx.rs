@@ -215,7 +215,9 @@ fn probe() -> bool {
     const ARCH_REQ_XCOMP_PERM: libc::c_long = 0x1023;
     const XFEATURE_XTILEDATA: libc::c_long = 18;
     // SAFETY: arch_prctl with these arguments only changes this process's
-    // permitted XSAVE features; it fails (non-zero) where it cannot.
+    // permitted XSAVE features; it fails (non-zero) where it cannot, among
+    // others where a thread's signal stack is too small for the larger
+    // signal frames, and the tiles then stay off.
     unsafe { libc::syscall(libc::SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0 }
 }
 
