@@ -289,9 +289,9 @@ fn turned_off(value: Option<&str>) -> bool {
     value.is_some_and(|v| matches!(v.trim().to_ascii_lowercase().as_str(), "off" | "0" | "false" | "no"))
 }
 
-#[cfg(any(test, target_arch = "x86_64"))]
 /// A deterministic test product: `rows` rows of `kind` weights and
 /// `tokens` tokens of `blocks` blocks, from `seed`.
+#[cfg(any(test, target_arch = "x86_64"))]
 pub(super) fn sample(kind: QuantKind, rows: usize, tokens: usize, blocks: usize, seed: u64) -> (Vec<u8>, Vec<Vec<BlockQ8_0>>) {
     let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
     let mut next = move || {
@@ -316,9 +316,9 @@ pub(super) fn sample(kind: QuantKind, rows: usize, tokens: usize, blocks: usize,
     (matrix, xs)
 }
 
-#[cfg(any(test, target_arch = "x86_64"))]
-/// `tiles`' products against the scalar reference, for one sample of
+/// `unit`'s products against the scalar reference, for one sample of
 /// each format; the first difference found, if any.
+#[cfg(any(test, target_arch = "x86_64"))]
 fn compare(unit: &mut impl TileUnit, rows: usize, tokens: usize, blocks: usize, seed: u64) -> Result<(), String> {
     for kind in [QuantKind::Q8_0, QuantKind::Q4_0, QuantKind::Q5_0] {
         let (matrix, xs) = sample(kind, rows, tokens, blocks, seed);
