@@ -101,7 +101,7 @@ pub trait Tiles {
     fn zero<const T: u8>(&mut self);
     /// `tileloadd`: row r from `src[r · stride..]`.
     fn load<const T: u8>(&mut self, src: &[u8], stride: usize);
-    /// `tdpbssd`: C[m][n] += Σ_k A[m][4k..4k+4] · B[k][4n..4n+4], signed
+    /// `tdpbssd`: `C[m][n] += Σ_k A[m][4k..4k+4] · B[k][4n..4n+4]`, signed
     /// bytes, i32 sums (wrapping, as the hardware's).
     fn dot_i8<const C: u8, const A: u8, const B: u8>(&mut self);
     /// `tilestored`: row r to `dst[r · stride..]`.

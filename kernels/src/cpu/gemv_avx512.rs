@@ -793,7 +793,7 @@ pub(super) unsafe fn run_bf16(job: &Job, rows: Range<usize>, x: &[u16], n: usize
             // `gemv_bandwidth` bench, n=1). Up to eight tokens read the
             // weights once, one row a step for eight; more take bands that
             // stay in cache across the passes, where four rows × four
-            // tokens share each load best (1.4–1.6× one row × eight at
+            // tokens share each load best (1.4–2.2× one row × eight at
             // 64 tokens; three rows or two were slower).
             if passes == 1 {
                 // SAFETY: forwarded.

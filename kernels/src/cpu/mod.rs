@@ -13,6 +13,8 @@
 //! - [`elementwise`]: RMSNorm (optionally rounding to BF16), rotary
 //!   embedding, SiLU·up, softmax, and the router's sigmoid scores and top-k.
 //! - [`bandwidth`]: a streaming read, to measure what "memory-bound" means here.
+//! - [`amx`]: AMX tiles: detection, Linux's permission, and the tile
+//!   instructions on the CPU or on a model of them (for `quant`'s tile GEMM).
 
 pub mod amx;
 pub mod bandwidth;
