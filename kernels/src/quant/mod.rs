@@ -558,7 +558,8 @@ const GROUP: usize = 8;
 /// of fewer too unless so few that the empty lanes would cost more than a
 /// pass per token; the tiles' own turning point is unmeasured, for want
 /// of an AMX machine, so they take the same groups), whole groups of
-/// eight k-quant tokens per row (`dot_q45k_multi`, `dot_q6k_multi`). The
+/// eight k-quant tokens per row (`dot_q45k_multi`, `dot_q6k_multi`) and
+/// a group of four of the rest if at least four are left. The
 /// rest go one at a time over the whole band (`row_products`). All give the
 /// bits of row by row.
 #[cfg(target_arch = "x86_64")]
@@ -617,35 +618,49 @@ fn products_together(path: DotPath, mut tiles: Option<&mut impl tiles_amx::TileU
         return Ok(together);
     }
     if path >= DotPath::Avx512Vnni {
-        let together = n - n % GROUP;
-        for j0 in (0..together).step_by(GROUP) {
-            let mut ys: [&[BlockQ8K]; GROUP] = [&[]; GROUP];
-            for (slot, j) in ys.iter_mut().zip(j0..) {
-                *slot = match acts.op(kind, token(j))? {
-                    Op::Q4K(y) | Op::Q5K(y) | Op::Q6K(y) => y,
-                    Op::Q4_0(_) | Op::Q5_0(_) | Op::Q8_0(_) => unreachable!("{kind} is a k-quant"),
-                };
-            }
-            for (r, row) in matrix.chunks_exact(row_bytes).enumerate() {
-                // One row against the whole group, each block unpacked once
-                // (results with `dot_on`'s bits). SAFETY: `runnable` lets
-                // Avx512Vnni through only on a CPU that has it; `acts.op`
-                // paired whole rows of `kind` with the tokens' blocks.
-                let values = unsafe {
-                    match kind {
-                        QuantKind::Q4K => dot_avx512::dot_q45k_multi::<false, GROUP>(row, ys),
-                        QuantKind::Q5K => dot_avx512::dot_q45k_multi::<true, GROUP>(row, ys),
-                        _ => dot_avx512::dot_q6k_multi::<GROUP>(row, ys),
-                    }
-                };
-                for (j, v) in (j0..).zip(values) {
-                    out[j * rows + r] = v;
-                }
-            }
+        // Whole groups of eight, then four of the rest if as many are left.
+        let groups = n - n % GROUP;
+        let tail = if n % GROUP >= GROUP / 2 { GROUP / 2 } else { 0 };
+        for j0 in (0..groups).step_by(GROUP) {
+            k_quant_group::<GROUP>(kind, matrix, row_bytes, rows, acts, j0, token, out)?;
         }
-        return Ok(together);
+        if tail > 0 {
+            k_quant_group::<{ GROUP / 2 }>(kind, matrix, row_bytes, rows, acts, groups, token, out)?;
+        }
+        return Ok(groups + tail);
     }
     Ok(0)
+}
+
+/// Every row of a k-quant band against tokens `j0..j0 + T` (`dot_q45k_multi`,
+/// `dot_q6k_multi`: each block unpacked once for all of them), into their
+/// rows of `out`, with `dot_on`'s bits. Only on AVX-512 VNNI.
+#[cfg(target_arch = "x86_64")]
+#[allow(clippy::too_many_arguments)]
+fn k_quant_group<const T: usize>(kind: QuantKind, matrix: &[u8], row_bytes: usize, rows: usize, acts: &QuantizedTokens, j0: usize, token: &impl Fn(usize) -> usize, out: &mut [f32]) -> Result<(), QuantError> {
+    let mut ys: [&[BlockQ8K]; T] = [&[]; T];
+    for (slot, j) in ys.iter_mut().zip(j0..) {
+        *slot = match acts.op(kind, token(j))? {
+            Op::Q4K(y) | Op::Q5K(y) | Op::Q6K(y) => y,
+            Op::Q4_0(_) | Op::Q5_0(_) | Op::Q8_0(_) => unreachable!("{kind} is a k-quant"),
+        };
+    }
+    for (r, row) in matrix.chunks_exact(row_bytes).enumerate() {
+        // SAFETY: the caller runs this only on the Avx512Vnni path, which
+        // `runnable` lets through only on a CPU that has it; `acts.op`
+        // paired whole rows of `kind` with the tokens' blocks.
+        let values = unsafe {
+            match kind {
+                QuantKind::Q4K => dot_avx512::dot_q45k_multi::<false, T>(row, ys),
+                QuantKind::Q5K => dot_avx512::dot_q45k_multi::<true, T>(row, ys),
+                _ => dot_avx512::dot_q6k_multi::<T>(row, ys),
+            }
+        };
+        for (j, v) in (j0..).zip(values) {
+            out[j * rows + r] = v;
+        }
+    }
+    Ok(())
 }
 
 #[cfg(not(target_arch = "x86_64"))]
