@@ -12,7 +12,7 @@
 //! kernel, and a band of rows for one token runs in one call (decode).
 //!
 //! Lane bounds: a `vpdpbusd` lane is at most 4 × 128 × 127 in magnitude,
-//! a k-quant lane that times a scale of at most 128, far inside i32.
+//! and a k-quant lane that times a scale of at most 128: far inside i32.
 
 use super::blocks::{k_scales_mins, BlockQ8K, BlockQ8_0, QuantKind, K_SCALES, Q4K_QS, Q5K_QH, Q5K_QS, Q6K_D, Q6K_QH, Q6K_SCALES};
 use super::dot_avx2::{bytes32, fold_lanes, half_bits, halves_at, quants32, reduce_lanes};

@@ -142,7 +142,7 @@ impl DotPath {
         match isa.usable() {
             Isa::Portable => DotPath::Scalar,
             Isa::Avx2 => DotPath::Avx2,
-            _ if has_vnni() && tiles_amx::usable() => DotPath::Amx,
+            _ if tiles_amx::usable() => DotPath::Amx,
             _ if has_vnni() => DotPath::Avx512Vnni,
             _ => DotPath::Avx2,
         }

@@ -347,12 +347,10 @@ fn compare(unit: &mut impl TileUnit, rows: usize, tokens: usize, blocks: usize, 
 }
 
 /// The self-check of [`usable`]: the hardware and the model, each against
-/// the scalar reference, on partial and whole tiles.
+/// the scalar reference, on partial and whole tiles (on AVX-512, which
+/// `usable` asks for first and the hardware's fold asserts).
 #[cfg(target_arch = "x86_64")]
 fn self_check(hw: &mut crate::cpu::amx::HardwareTiles) -> Result<(), String> {
-    if crate::cpu::isa::hardware() < crate::cpu::isa::Isa::Avx512 {
-        return Err("the fold needs AVX-512, which this CPU lacks".into());
-    }
     for (rows, tokens, blocks, seed) in [(21, 13, 3, 1), (16, 16, 2, 2)] {
         compare(&mut crate::cpu::amx::ModelTiles::default(), rows, tokens, blocks, seed).map_err(|e| format!("the model: {e}"))?;
         compare(hw, rows, tokens, blocks, seed).map_err(|e| format!("the tiles: {e}"))?;
