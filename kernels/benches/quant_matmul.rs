@@ -14,11 +14,11 @@
 //! the same run (back-to-back `tdpbssd` on four independent accumulators),
 //! and each format on the `amx` path is also given as a fraction of it.
 
-use duplex_kernels::cpu::amx::{HardwareTiles, TileConfig, Tiles};
+use duplex_kernels::cpu::amx::{HardwareTiles, Tiles};
 use duplex_kernels::quant::{matmul, DotPath, QuantKind, QuantizedTokens};
 mod common;
 
-use common::{matrix_bytes, summary, thread_seconds, Rng};
+use common::{matrix_bytes, summary, thread_seconds, tile_rate, Rng};
 use std::hint::black_box;
 
 const ROWS: usize = 256;
@@ -71,28 +71,10 @@ fn main() {
 /// none waiting for another.
 fn tile_peak() -> Option<f64> {
     let mut t = HardwareTiles::new()?;
-    let mut config = TileConfig::new();
-    for r in 0..8 {
-        config = config.with(r, 16, 64);
-    }
-    let bytes = vec![1u8; 1024];
-    const STEPS: usize = 1 << 16;
-    let mut rates = Vec::with_capacity(PASSES);
-    for _ in 0..PASSES {
-        t.configure(&config);
-        t.load::<4>(&bytes, 64);
-        t.load::<5>(&bytes, 64);
-        t.load::<6>(&bytes, 64);
-        t.load::<7>(&bytes, 64);
-        let start = thread_seconds();
-        for _ in 0..STEPS {
-            t.dot_i8::<0, 4, 6>();
-            t.dot_i8::<1, 4, 7>();
-            t.dot_i8::<2, 5, 6>();
-            t.dot_i8::<3, 5, 7>();
-        }
-        rates.push((STEPS * 4 * 16 * 64 * 16) as f64 / (thread_seconds() - start) / 1e9);
-        t.release();
-    }
-    Some(summary(rates).0)
+    Some(tile_rate(&mut t, &[1u8; 1024], 16 * 64 * 16, PASSES, |t| {
+        t.dot_i8::<0, 4, 6>();
+        t.dot_i8::<1, 4, 7>();
+        t.dot_i8::<2, 5, 6>();
+        t.dot_i8::<3, 5, 7>();
+    }))
 }

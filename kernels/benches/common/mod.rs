@@ -3,6 +3,8 @@
 // Each bench compiles this module on its own and uses only some of it.
 #![allow(dead_code)]
 
+#[cfg(target_arch = "x86_64")]
+use duplex_kernels::cpu::amx::{HardwareTiles, TileConfig, Tiles};
 use duplex_kernels::quant::QuantKind;
 #[cfg(not(target_os = "linux"))]
 use std::time::Instant;
@@ -79,4 +81,37 @@ pub fn matrix_bytes(kind: QuantKind, len: usize, rng: &mut Rng) -> Vec<u8> {
         }
     }
     v
+}
+
+/// A BF16 value in [−1, 1] (as f32): attention queries and cache entries.
+pub fn bf16_unit(rng: &mut Rng) -> f32 {
+    duplex_kernels::round_bf16((rng.next() % 2001) as f32 / 1000.0 - 1.0)
+}
+
+/// A tile unit's rate in G multiply-adds/s, the median of `passes`:
+/// `step` runs four products of `macs` multiply-adds each, into
+/// accumulators 0–3 from sources 4–7 (which hold `source`, 16 rows of 64
+/// bytes), none waiting for another.
+#[cfg(target_arch = "x86_64")]
+pub fn tile_rate(tiles: &mut HardwareTiles, source: &[u8], macs: usize, passes: usize, step: impl Fn(&mut HardwareTiles)) -> f64 {
+    let mut config = TileConfig::new();
+    for r in 0..8 {
+        config = config.with(r, 16, 64);
+    }
+    const STEPS: usize = 1 << 16;
+    let mut rates = Vec::with_capacity(passes);
+    for _ in 0..passes {
+        tiles.configure(&config);
+        tiles.load::<4>(source, 64);
+        tiles.load::<5>(source, 64);
+        tiles.load::<6>(source, 64);
+        tiles.load::<7>(source, 64);
+        let start = thread_seconds();
+        for _ in 0..STEPS {
+            step(tiles);
+        }
+        rates.push((STEPS * 4 * macs) as f64 / (thread_seconds() - start) / 1e9);
+        tiles.release();
+    }
+    summary(rates).0
 }

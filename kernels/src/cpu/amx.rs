@@ -15,9 +15,11 @@
 //! are tested everywhere against the scalar references, and on an AMX
 //! machine the hardware is checked against the model (see
 //! `quant::tiles_amx`'s self-check, which turns the tiles off when they
-//! disagree). Only the INT8 product is here: it sums integers, exactly, so
-//! a tile kernel can keep the AVX-512 kernels' bits; BF16 tiles round in
-//! an order of the hardware's own, which no model here could vouch for.
+//! disagree). The INT8 product sums integers, exactly, so a tile kernel
+//! keeps the AVX-512 kernels' bits. The BF16 product (`tdpbf16ps`) rounds
+//! its f32 sums in an order of the hardware's own: the model follows the
+//! SDM's pseudocode, and the hardware is held to it within f32 rounding
+//! of the sums, not bit for bit (see `cpu::pairs_amx`).
 
 use std::sync::OnceLock;
 
@@ -81,12 +83,13 @@ impl TileConfig {
     }
 
     /// Panic unless `C += A · B` fits the shapes (where the hardware
-    /// would raise #UD): A is M × K bytes, B is K/4 × 4N, C is M × 4N.
+    /// would raise #UD): A is M × K bytes, B is K/4 × 4N, C is M × 4N
+    /// (for `tdpbssd` and `tdpbf16ps` alike).
     #[inline(always)]
     fn check_product(&self, c: u8, a: u8, b: u8) {
-        assert!(c != a && c != b && a != b, "tdpbssd needs three different tiles");
+        assert!(c != a && c != b && a != b, "a tile product needs three different tiles");
         let (m, k, n4) = (self.rows(c), self.colsb(a), self.colsb(c));
-        assert!(m > 0 && self.rows(a) == m && self.rows(b) == k / 4 && self.colsb(b) == n4, "tdpbssd shapes: C {m}×{n4}, A {}×{k}, B {}×{}", self.rows(a), self.rows(b), self.colsb(b));
+        assert!(m > 0 && self.rows(a) == m && self.rows(b) == k / 4 && self.colsb(b) == n4, "tile product shapes: C {m}×{n4}, A {}×{k}, B {}×{}", self.rows(a), self.rows(b), self.colsb(b));
     }
 }
 
@@ -104,6 +107,10 @@ pub trait Tiles {
     /// `tdpbssd`: `C[m][n] += Σ_k A[m][4k..4k+4] · B[k][4n..4n+4]`, signed
     /// bytes, i32 sums (wrapping, as the hardware's).
     fn dot_i8<const C: u8, const A: u8, const B: u8>(&mut self);
+    /// `tdpbf16ps`: `C[m][n] += Σ_k A[m][k] ⊙ B[k][n]` for pairs of BF16
+    /// values (four bytes, the first in the low half) and f32 `C`, where
+    /// ⊙ adds a pair's two products.
+    fn dot_bf16<const C: u8, const A: u8, const B: u8>(&mut self);
     /// `tilestored`: row r to `dst[r · stride..]`.
     fn store<const T: u8>(&mut self, dst: &mut [u8], stride: usize);
     /// `tilerelease`: give the tile state back (the kernel then saves
@@ -172,6 +179,36 @@ impl Tiles for ModelTiles {
         }
     }
 
+    /// As the SDM defines it: each product of the pair's even elements,
+    /// then of its odd ones, added to the f32 sum in turn (round to nearest
+    /// even), with BF16 inputs and f32 results that are subnormal taken as
+    /// zero.
+    fn dot_bf16<const C: u8, const A: u8, const B: u8>(&mut self) {
+        self.config.check_product(C, A, B);
+        let (m_rows, k4, n4) = (self.config.rows(C), self.config.colsb(A) / 4, self.config.colsb(C) / 4);
+        let (a, b) = (self.regs[A as usize], self.regs[B as usize]);
+        let c = &mut self.regs[C as usize];
+        let bf16 = |row: &[u8; MAX_COLSB], i: usize| {
+            let x = f32::from_bits((u16::from_le_bytes([row[2 * i], row[2 * i + 1]]) as u32) << 16);
+            if x.is_subnormal() { 0.0 } else { x }
+        };
+        let flush = |x: f32| if x.is_subnormal() { 0.0f32.copysign(x) } else { x };
+        for m in 0..m_rows {
+            for n in 0..n4 {
+                let mut sum = f32::from_le_bytes(c[m][4 * n..4 * n + 4].try_into().unwrap());
+                for (k, b_row) in b.iter().enumerate().take(k4) {
+                    sum = flush(sum + bf16(&a[m], 2 * k) * bf16(b_row, 2 * n));
+                    sum = flush(sum + bf16(&a[m], 2 * k + 1) * bf16(b_row, 2 * n + 1));
+                }
+                c[m][4 * n..4 * n + 4].copy_from_slice(&sum.to_le_bytes());
+            }
+            c[m][4 * n4..].fill(0);
+        }
+        for row in &mut c[m_rows..] {
+            row.fill(0);
+        }
+    }
+
     fn store<const T: u8>(&mut self, dst: &mut [u8], stride: usize) {
         let span = self.config.span(T, stride);
         assert!(span <= dst.len(), "tile store of {span} bytes into {}", dst.len());
@@ -186,24 +223,48 @@ impl Tiles for ModelTiles {
     }
 }
 
+/// Whether `DUPLEX_AMX` turns the tiles off (every kernel's).
+pub fn turned_off_by_env() -> bool {
+    turned_off(std::env::var("DUPLEX_AMX").ok().as_deref())
+}
+
+/// Whether a `DUPLEX_AMX` value turns the tiles off: `off`, `0`, `false`
+/// or `no`, in any case; anything else (or nothing) leaves them on.
+pub(crate) fn turned_off(value: Option<&str>) -> bool {
+    value.is_some_and(|v| matches!(v.trim().to_ascii_lowercase().as_str(), "off" | "0" | "false" | "no"))
+}
+
+/// CPUID.(7, 0).EDX's bit for AMX-INT8 (`tdpbssd`).
+const AMX_INT8: u32 = 1 << 25;
+/// CPUID.(7, 0).EDX's bit for AMX-BF16 (`tdpbf16ps`).
+const AMX_BF16: u32 = 1 << 22;
+
 /// Whether this CPU has INT8 tiles and Linux lets this process use them:
 /// CPUID's AMX-TILE and AMX-INT8, the OS's XSAVE of the tile state (XCR0
 /// bits 17 and 18), and the permission granted. Asked once per process.
 pub fn int8_tiles_permitted() -> bool {
     static PERMITTED: OnceLock<bool> = OnceLock::new();
-    *PERMITTED.get_or_init(probe)
+    *PERMITTED.get_or_init(|| probe(AMX_INT8))
 }
 
+/// [`int8_tiles_permitted`] for the BF16 tile product (AMX-BF16).
+pub fn bf16_tiles_permitted() -> bool {
+    static PERMITTED: OnceLock<bool> = OnceLock::new();
+    *PERMITTED.get_or_init(|| probe(AMX_BF16))
+}
+
+/// Whether the CPU has the tiles and the `product` feature bit, the OS
+/// saves the tile state, and Linux grants the permission (asking is
+/// idempotent: the permission is the process's).
 #[cfg(all(target_arch = "x86_64", target_os = "linux"))]
-fn probe() -> bool {
+fn probe(product: u32) -> bool {
     use std::arch::x86_64::__cpuid_count;
     // Leaf 7 is read only when the maximum leaf includes it.
     let max_leaf = __cpuid_count(0, 0).eax;
     let osxsave = __cpuid_count(1, 0).ecx & (1 << 27) != 0;
     let edx7 = if max_leaf >= 7 { __cpuid_count(7, 0).edx } else { 0 };
     const AMX_TILE: u32 = 1 << 24;
-    const AMX_INT8: u32 = 1 << 25;
-    if max_leaf < 7 || !osxsave || edx7 & (AMX_TILE | AMX_INT8) != AMX_TILE | AMX_INT8 {
+    if max_leaf < 7 || !osxsave || edx7 & (AMX_TILE | product) != AMX_TILE | product {
         return false;
     }
     // SAFETY: OSXSAVE (checked) means XGETBV is enabled.
@@ -228,24 +289,33 @@ unsafe fn xcr0() -> u64 {
 }
 
 #[cfg(not(all(target_arch = "x86_64", target_os = "linux")))]
-fn probe() -> bool {
+fn probe(_: u32) -> bool {
     false
 }
 
-/// The CPU's tile unit. Only [`HardwareTiles::new`] makes one, and only
-/// where [`int8_tiles_permitted`], so its instructions cannot fault for
-/// want of the feature; every load, store and product is checked against
-/// the configuration first, as [`ModelTiles`] checks them.
+/// The CPU's tile unit. Only [`HardwareTiles::new`] and
+/// [`HardwareTiles::for_bf16`] make one, and only where the tiles and
+/// their product are permitted, so its instructions cannot fault for want
+/// of the feature (the other product is asserted before use); every load,
+/// store and product is checked against the configuration first, as
+/// [`ModelTiles`] checks them.
 #[cfg(target_arch = "x86_64")]
 pub struct HardwareTiles {
     config: TileConfig,
+    int8: bool,
+    bf16: bool,
 }
 
 #[cfg(target_arch = "x86_64")]
 impl HardwareTiles {
-    /// The tile unit, if this process may use it.
+    /// The tile unit with its INT8 product, if this process may use it.
     pub fn new() -> Option<HardwareTiles> {
-        int8_tiles_permitted().then(|| HardwareTiles { config: TileConfig::new() })
+        int8_tiles_permitted().then(|| HardwareTiles { config: TileConfig::new(), int8: true, bf16: bf16_tiles_permitted() })
+    }
+
+    /// The tile unit with its BF16 product, if this process may use it.
+    pub fn for_bf16() -> Option<HardwareTiles> {
+        bf16_tiles_permitted().then(|| HardwareTiles { config: TileConfig::new(), int8: int8_tiles_permitted(), bf16: true })
     }
 }
 
@@ -279,9 +349,19 @@ impl Tiles for HardwareTiles {
 
     #[inline(always)]
     fn dot_i8<const C: u8, const A: u8, const B: u8>(&mut self) {
+        assert!(self.int8, "this CPU has no INT8 tile product");
         self.config.check_product(C, A, B);
-        // SAFETY: the shapes agree (checked above), so it cannot raise #UD.
+        // SAFETY: the product exists and the shapes agree (both checked
+        // above), so it cannot raise #UD.
         unsafe { std::arch::asm!("tdpbssd tmm{c}, tmm{a}, tmm{b}", c = const C, a = const A, b = const B, options(nomem, nostack)) }
+    }
+
+    #[inline(always)]
+    fn dot_bf16<const C: u8, const A: u8, const B: u8>(&mut self) {
+        assert!(self.bf16, "this CPU has no BF16 tile product");
+        self.config.check_product(C, A, B);
+        // SAFETY: as `dot_i8`'s.
+        unsafe { std::arch::asm!("tdpbf16ps tmm{c}, tmm{a}, tmm{b}", c = const C, a = const A, b = const B, options(nomem, nostack)) }
     }
 
     #[inline(always)]
@@ -361,6 +441,16 @@ mod tests {
     }
 
     #[test]
+    fn duplex_amx_off_turns_the_tiles_off() {
+        for v in ["off", " OFF ", "0", "false", "No"] {
+            assert!(turned_off(Some(v)), "{v:?}");
+        }
+        for v in [None, Some(""), Some("on"), Some("1")] {
+            assert!(!turned_off(v), "{v:?}");
+        }
+    }
+
+    #[test]
     fn model_load_zeroes_past_the_configured_shape() {
         let mut t = ModelTiles::default();
         t.configure(&TileConfig::new().with(3, 2, 8));
@@ -379,11 +469,81 @@ mod tests {
     }
 
     #[test]
-    #[should_panic(expected = "tdpbssd shapes")]
+    #[should_panic(expected = "tile product shapes")]
     fn mismatched_product_shapes_panic() {
         let mut t = ModelTiles::default();
         t.configure(&TileConfig::new().with(0, 16, 64).with(1, 16, 64).with(2, 8, 64));
         t.dot_i8::<0, 1, 2>();
+    }
+
+    /// BF16 values of both signs and many magnitudes, a few subnormal.
+    fn bf16_words(seed: u64, n: usize) -> Vec<u16> {
+        // The exponent's top bit clear (magnitudes under 2), three more of
+        // its bits set for half of them; an exponent of zero is subnormal.
+        bytes(seed, 2 * n).chunks(2).map(|b| u16::from_le_bytes([b[0], b[1] & 0xbf]) | (0x3800 * u16::from(b[0] & 1))).collect()
+    }
+
+    /// The BF16 product against exact sums of the same products, within
+    /// f32 rounding of each sum (the order of the additions is the unit's
+    /// own), subnormal BF16 inputs counted as zero; B as the hardware wants
+    /// it, a pair of K elements of column n at bytes 4n..4n+4 of row k/2.
+    fn bf16_product_sums_pairs<T: Tiles>(tiles: &mut T, m: usize, pairs: usize, n: usize) {
+        tiles.configure(&TileConfig::new().with(0, m, 4 * n).with(1, m, 4 * pairs).with(2, pairs, 4 * n));
+        let (a, b) = (bf16_words(4, m * 2 * pairs), bf16_words(5, pairs * 2 * n));
+        let c0: Vec<f32> = (0..m * n).map(|i| i as f32 / 7.0 - 1.0).collect();
+        let words = |w: &[u16]| w.iter().flat_map(|w| w.to_le_bytes()).collect::<Vec<u8>>();
+        let floats = |f: &[f32]| f.iter().flat_map(|f| f.to_le_bytes()).collect::<Vec<u8>>();
+        tiles.load::<0>(&floats(&c0), 4 * n);
+        tiles.load::<1>(&words(&a), 4 * pairs);
+        tiles.load::<2>(&words(&b), 4 * n);
+        tiles.dot_bf16::<0, 1, 2>();
+        let mut out = vec![0u8; m * 4 * n];
+        tiles.store::<0>(&mut out, 4 * n);
+        tiles.release();
+        let value = |w: u16| {
+            let x = f32::from_bits((w as u32) << 16) as f64;
+            if w & 0x7f80 == 0 { 0.0 } else { x }
+        };
+        for r in 0..m {
+            for col in 0..n {
+                let terms = (0..2 * pairs).map(|e| value(a[r * 2 * pairs + e]) * value(b[(e / 2) * 2 * n + 2 * col + e % 2]));
+                let (exact, mag) = terms.chain([c0[r * n + col] as f64]).fold((0.0, 0.0), |(s, m), x| (s + x, m + x.abs()));
+                let got = f32::from_le_bytes(out[(r * n + col) * 4..][..4].try_into().unwrap()) as f64;
+                assert!((got - exact).abs() <= mag * f32::EPSILON as f64 * (2 * pairs + 1) as f64, "C[{r}][{col}] of {m}×{pairs}·{pairs}×{n}: {got} vs {exact}");
+            }
+        }
+    }
+
+    #[test]
+    fn model_bf16_product_sums_pairs() {
+        for (m, pairs, n) in [(16, 16, 16), (7, 5, 3), (1, 1, 1), (16, 3, 16)] {
+            bf16_product_sums_pairs(&mut ModelTiles::default(), m, pairs, n);
+        }
+        // Each product is added in turn, the even elements' first: 1 + 2⁻²⁴
+        // rounds to 1, then −1 leaves 0 (odd first would leave 2⁻²⁴).
+        let mut t = ModelTiles::default();
+        t.configure(&TileConfig::new().with(0, 1, 4).with(1, 1, 4).with(2, 1, 4));
+        let pair = |lo: f32, hi: f32| ((half::bf16::from_f32(hi).to_bits() as u32) << 16 | half::bf16::from_f32(lo).to_bits() as u32).to_le_bytes();
+        let tiny = 2f32.powi(-12);
+        t.load::<0>(&1f32.to_le_bytes(), 4);
+        t.load::<1>(&pair(tiny, -1.0), 4);
+        t.load::<2>(&pair(tiny, 1.0), 4);
+        t.dot_bf16::<0, 1, 2>();
+        assert_eq!(f32::from_le_bytes(t.row(0, 0)[..4].try_into().unwrap()), 0.0);
+    }
+
+    /// On an AMX machine the tile unit must agree with the model; elsewhere
+    /// this says why it could not run (as the CUDA tests do without a GPU).
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn hardware_bf16_product_sums_pairs() {
+        let Some(mut hw) = HardwareTiles::for_bf16() else {
+            eprintln!("skipped: this CPU or kernel gives no AMX BF16 tiles (CPUID, XCR0 or arch_prctl)");
+            return;
+        };
+        for (m, pairs, n) in [(16, 16, 16), (7, 5, 3), (1, 1, 1)] {
+            bf16_product_sums_pairs(&mut hw, m, pairs, n);
+        }
     }
 
     /// On an AMX machine the tile unit must agree with the model; elsewhere

@@ -25,21 +25,30 @@ pub fn f32_to_bf16(isa: Isa, src: &[f32], dst: &mut [u16]) {
 }
 
 #[cfg(target_arch = "x86_64")]
-mod x86 {
+pub(super) mod x86 {
     use std::arch::x86_64::*;
 
-    /// Round 16 floats (as bits) with integer ops: add 0x7fff plus the lsb of
-    /// the kept half, then truncate; NaN lanes keep their top bits + quiet bit.
+    /// The BF16 bits of 16 floats (given as bits), in the low halves of the
+    /// lanes (the high halves zero), with integer ops: add 0x7fff plus the
+    /// lsb of the kept half, then truncate; NaN lanes keep their top bits +
+    /// quiet bit.
     #[inline]
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
-    fn round16(x: __m512i) -> __m256i {
+    #[target_feature(enable = "avx512f")]
+    pub(in crate::cpu) fn round_lanes(x: __m512i) -> __m512i {
         let lsb = _mm512_and_si512(_mm512_srli_epi32::<16>(x), _mm512_set1_epi32(1));
         let bias = _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff));
         let rounded = _mm512_srli_epi32::<16>(_mm512_add_epi32(x, bias));
         let magnitude = _mm512_and_si512(x, _mm512_set1_epi32(0x7fff_ffff));
         let nan = _mm512_cmpgt_epu32_mask(magnitude, _mm512_set1_epi32(0x7f80_0000));
         let quiet = _mm512_or_si512(_mm512_srli_epi32::<16>(x), _mm512_set1_epi32(0x40));
-        _mm512_cvtepi32_epi16(_mm512_mask_mov_epi32(rounded, nan, quiet))
+        _mm512_mask_mov_epi32(rounded, nan, quiet)
+    }
+
+    /// [`round_lanes`], packed into sixteen words.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+    fn round16(x: __m512i) -> __m256i {
+        _mm512_cvtepi32_epi16(round_lanes(x))
     }
 
     /// Returns how many leading elements were converted.

@@ -13,8 +13,11 @@
 //! - [`elementwise`]: RMSNorm (optionally rounding to BF16), rotary
 //!   embedding, SiLU·up, softmax, and the router's sigmoid scores and top-k.
 //! - [`bandwidth`]: a streaming read, to measure what "memory-bound" means here.
+//! - [`vector`], [`vector_pairs`]: the blocked scores and weighted sums of
+//!   decode attention, in f32 and on BF16 pairs (`vdpbf16ps`).
 //! - [`amx`]: AMX tiles: detection, Linux's permission, and the tile
-//!   instructions on the CPU or on a model of them (for `quant`'s tile GEMM).
+//!   instructions on the CPU or on a model of them (for `quant`'s tile GEMM
+//!   and [`pairs_amx`]'s decode attention products).
 
 pub mod amx;
 pub mod bandwidth;
@@ -30,11 +33,13 @@ mod gemv_avx2;
 #[cfg(target_arch = "x86_64")]
 mod gemv_avx512;
 pub mod isa;
+pub mod pairs_amx;
 #[cfg(target_arch = "x86_64")]
 mod kernel;
 #[cfg(target_arch = "x86_64")]
 mod pack;
 pub mod vector;
+pub mod vector_pairs;
 
 pub use bandwidth::read_bytes;
 pub use convert::f32_to_bf16;

@@ -596,6 +596,7 @@ mod x86 {
 /// (`[positions][lane]`, as [`dots_16`] writes them): each lane's running
 /// maximum and sum, carried from block to block. Shared by the split-K
 /// decode attention kernels.
+#[derive(Clone, Copy)]
 pub struct LaneSoftmax {
     pub max: [f32; QUERY_LANES],
     pub sum: [f32; QUERY_LANES],

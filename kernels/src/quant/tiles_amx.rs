@@ -261,7 +261,7 @@ pub(super) fn pack(kind: QuantKind, matrix: &[u8], rows: usize, blocks: usize, i
 pub(super) fn usable() -> bool {
     static USABLE: OnceLock<bool> = OnceLock::new();
     *USABLE.get_or_init(|| {
-        if turned_off(std::env::var("DUPLEX_AMX").ok().as_deref()) {
+        if crate::cpu::amx::turned_off_by_env() {
             return false;
         }
         if !super::has_vnni() || crate::cpu::isa::hardware() < crate::cpu::isa::Isa::Avx512 {
@@ -281,12 +281,6 @@ pub(super) fn usable() -> bool {
 #[cfg(not(target_arch = "x86_64"))]
 pub(super) fn usable() -> bool {
     false
-}
-
-/// Whether a `DUPLEX_AMX` value turns the tiles off: `off`, `0`, `false`
-/// or `no`, in any case; anything else (or nothing) leaves them on.
-fn turned_off(value: Option<&str>) -> bool {
-    value.is_some_and(|v| matches!(v.trim().to_ascii_lowercase().as_str(), "off" | "0" | "false" | "no"))
 }
 
 /// A deterministic test product: `rows` rows of `kind` weights and
@@ -393,16 +387,6 @@ mod tests {
         ModelTiles::default().gemm_32(&w, &y, &mut out);
         let want = super::super::dot_scalar::dot_q8_0(&matrix[..34], &xs[0]);
         assert_ne!(out[0][0].to_bits(), want.to_bits());
-    }
-
-    #[test]
-    fn duplex_amx_off_turns_the_tiles_off() {
-        for v in ["off", " OFF ", "0", "false", "No"] {
-            assert!(turned_off(Some(v)), "{v:?}");
-        }
-        for v in [None, Some(""), Some("on"), Some("1")] {
-            assert!(!turned_off(v), "{v:?}");
-        }
     }
 
     /// The AVX-512 fold the tiles use has the portable fold's bits.
