@@ -105,23 +105,23 @@ fn decode_attention_on<T: Tiles>(
     assert_eq!(q_pe.len(), heads * dr, "decode_attention: q_pe shape");
     assert_eq!(out.len(), heads * dc, "decode_attention: out shape");
     // Split-K over positions (flash-decoding), in one parallel region: each
-    // task takes a part of the positions for a group of sixteen heads (one
-    // SIMD lane each). It walks its part in blocks that stay in cache: the
-    // block's scores for the group (`dots_16`, over the queries transposed),
-    // the online softmax on those [position][head] scores, then the latents
-    // weighted for the group (`weighted_sum_16`, on the same layout). Every
-    // cached entry is read from memory once per group; no scores are
-    // scattered or transposed. The parts' contexts are then combined with
-    // their softmax statistics.
+    // task takes a part of the positions for a set of groups of sixteen
+    // heads (one SIMD lane each). It walks its part in blocks that stay in
+    // cache, and for each group: the block's scores (`dots_16`, over the
+    // queries transposed), the online softmax on those [position][head]
+    // scores, then the latents weighted for the group (`weighted_sum_16`,
+    // on the same layout). Every cached entry is read from memory once per
+    // task; no scores are scattered or transposed. The parts' contexts are
+    // then combined with their softmax statistics.
     //
     // Where `vdpbf16ps` exists the products run on BF16 pairs instead
     // (`vector_pairs`: twice the multiply-adds per instruction; or on
-    // tiles, `pairs_amx`, in the same layouts), the block's entries packed
-    // into pairs as it is taken. The queries and
-    // entries are BF16 values on the BF16 path, so only the summation order
-    // differs; the probabilities that weigh the latents are rounded to BF16
-    // on every level (as a BF16 model's attention rounds them before its
-    // product with the values), so that every level computes the same values.
+    // tiles, `pairs_amx`, in the same layouts), each block's entries packed
+    // into pairs once for the task's groups. The queries and entries are
+    // BF16 values on the BF16 path, so only the summation order differs;
+    // the probabilities that weigh the latents are rounded to BF16 on every
+    // level (as a BF16 model's attention rounds them before its product
+    // with the values), so that every level computes the same values.
     let de = dc + dr;
     const L: usize = QUERY_LANES;
     let groups = heads.div_ceil(L);
