@@ -22,9 +22,15 @@ const L: usize = QUERY_LANES;
 /// Pairs of a tile row (64 bytes).
 const K: usize = 16;
 
+/// Four-byte values without padding, which tiles may load as bytes.
+trait Word: Copy {}
+impl Word for u32 {}
+impl Word for f32 {}
+
 /// The bytes of `words` (tiles load and store bytes).
-fn bytes<T: Copy>(words: &[T]) -> &[u8] {
-    // SAFETY: `T` is u32 or f32 here: plain values, every byte initialised.
+fn bytes<T: Word>(words: &[T]) -> &[u8] {
+    // SAFETY: u32 and f32 (the only `Word`s) have no padding: every byte
+    // of the slice is initialised.
     unsafe { std::slice::from_raw_parts(words.as_ptr().cast::<u8>(), std::mem::size_of_val(words)) }
 }
 
