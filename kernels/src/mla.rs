@@ -11,7 +11,7 @@ use crate::elementwise::SoftmaxStats;
 use crate::cpu::convert::f32_to_bf16;
 use crate::cpu::gemv::{axpy_f32, matmul_bf16};
 use crate::cpu::vector::{dots_16, LaneSoftmax, weighted_sum_16, QUERY_LANES};
-use crate::cpu::vector_pairs::{dots_16_pairs, pack_pairs, pack_row_pairs, pair, weighted_sum_16_pairs};
+use crate::cpu::vector_pairs::{dots_16_pairs, pack_pairs, pack_row_pairs, weighted_sum_16_pairs};
 use crate::cpu::pairs_amx::{self, dots_16_tiles, weighted_sum_16_tiles};
 #[cfg(target_arch = "x86_64")]
 use crate::cpu::amx::HardwareTiles;
@@ -147,19 +147,23 @@ fn decode_attention_on<T: Tiles>(
     }
     let (queries_t, partial) = scratch[..queries_len + partial_len].split_at_mut(queries_len);
     queries_t.fill(0.0);
-    // Head h's query element k (zero past the end, completing a last pair).
-    let query = |h: usize, k: usize| if k < dc { q_latent[h * dc + k] } else if k < de { q_pe[h * dr + k - dc] } else { 0.0 };
     let dp = de.div_ceil(2);
     let mut query_pairs = vec![0u32; if pairs { groups * dp * L } else { 0 }];
+    // Head h's query `[q_latent | q_pe]`, and its pairs (the last one
+    // completed with zero).
+    let (mut query, mut pairs_of_query) = (vec![0.0f32; de], vec![0u32; dp]);
     for h in 0..heads {
         let (j, l) = (h / L, h % L);
+        query[..dc].copy_from_slice(&q_latent[h * dc..(h + 1) * dc]);
+        query[dc..].copy_from_slice(&q_pe[h * dr..(h + 1) * dr]);
         if pairs {
-            for i in 0..dp {
-                query_pairs[(j * dp + i) * L + l] = pair(query(h, 2 * i), query(h, 2 * i + 1));
+            pack_pairs(isa, &query, &mut pairs_of_query);
+            for (i, &p) in pairs_of_query.iter().enumerate() {
+                query_pairs[(j * dp + i) * L + l] = p;
             }
         } else {
-            for k in 0..de {
-                queries_t[(j * de + k) * L + l] = query(h, k);
+            for (k, &v) in query.iter().enumerate() {
+                queries_t[(j * de + k) * L + l] = v;
             }
         }
     }
