@@ -223,14 +223,29 @@ impl Tiles for ModelTiles {
     }
 }
 
-/// Whether `DUPLEX_AMX` turns the tiles off (every kernel's).
-pub fn turned_off_by_env() -> bool {
-    turned_off(std::env::var("DUPLEX_AMX").ok().as_deref())
+/// Whether a tile kernel may run on the CPU's tiles: `DUPLEX_AMX` does not
+/// turn them off, `unit` gives a tile unit (only then is Linux asked for
+/// the tile state), and `check` passes on it. A failed check is said on
+/// stderr (`turned_off_message` names the kernel and what runs instead). Each
+/// kernel asks once per process and keeps the answer.
+#[cfg(target_arch = "x86_64")]
+pub fn checked_tiles(unit: impl FnOnce() -> Option<HardwareTiles>, check: impl FnOnce(&mut HardwareTiles) -> Result<(), String>, turned_off_message: &str) -> bool {
+    if turned_off(std::env::var("DUPLEX_AMX").ok().as_deref()) {
+        return false;
+    }
+    let Some(mut hw) = unit() else { return false };
+    match check(&mut hw) {
+        Ok(()) => true,
+        Err(why) => {
+            eprintln!("duplex: {turned_off_message}: {why}");
+            false
+        }
+    }
 }
 
 /// Whether a `DUPLEX_AMX` value turns the tiles off: `off`, `0`, `false`
 /// or `no`, in any case; anything else (or nothing) leaves them on.
-pub(crate) fn turned_off(value: Option<&str>) -> bool {
+fn turned_off(value: Option<&str>) -> bool {
     value.is_some_and(|v| matches!(v.trim().to_ascii_lowercase().as_str(), "off" | "0" | "false" | "no"))
 }
 

@@ -120,19 +120,7 @@ pub fn weighted_sum_16_tiles<T: Tiles>(tiles: &mut T, wt: &[u32], rows: &[u32], 
 pub fn usable() -> bool {
     use std::sync::OnceLock;
     static USABLE: OnceLock<bool> = OnceLock::new();
-    *USABLE.get_or_init(|| {
-        if super::amx::turned_off_by_env() {
-            return false;
-        }
-        let Some(mut hw) = super::amx::HardwareTiles::for_bf16() else { return false };
-        match self_check(&mut hw) {
-            Ok(()) => true,
-            Err(why) => {
-                eprintln!("duplex: AMX BF16 tiles turned off, decode attention runs on the vector kernels instead: {why}");
-                false
-            }
-        }
-    })
+    *USABLE.get_or_init(|| super::amx::checked_tiles(super::amx::HardwareTiles::for_bf16, self_check, "AMX BF16 tiles turned off, decode attention runs on the vector kernels instead"))
 }
 
 #[cfg(not(target_arch = "x86_64"))]

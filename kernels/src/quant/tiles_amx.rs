@@ -261,20 +261,8 @@ pub(super) fn pack(kind: QuantKind, matrix: &[u8], rows: usize, blocks: usize, i
 pub(super) fn usable() -> bool {
     static USABLE: OnceLock<bool> = OnceLock::new();
     *USABLE.get_or_init(|| {
-        if crate::cpu::amx::turned_off_by_env() {
-            return false;
-        }
-        if !super::has_vnni() || crate::cpu::isa::hardware() < crate::cpu::isa::Isa::Avx512 {
-            return false;
-        }
-        let Some(mut hw) = crate::cpu::amx::HardwareTiles::new() else { return false };
-        match self_check(&mut hw) {
-            Ok(()) => true,
-            Err(why) => {
-                eprintln!("duplex: AMX INT8 tiles turned off, the AVX-512 kernels run instead: {why}");
-                false
-            }
-        }
+        let fold_runs = super::has_vnni() && crate::cpu::isa::hardware() >= crate::cpu::isa::Isa::Avx512;
+        fold_runs && crate::cpu::amx::checked_tiles(crate::cpu::amx::HardwareTiles::new, self_check, "AMX INT8 tiles turned off, the AVX-512 kernels run instead")
     })
 }
 
