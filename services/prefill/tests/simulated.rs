@@ -104,10 +104,16 @@ fn virtual_time_overlaps_transfer_with_compute() {
     // Transfer-bound, compute-bound, and balanced.
     for (op_us, gb_per_s) in [(1, 0.05), (500, 100.0), (50, 1.0)] {
         let (total, transfer, compute) = timed(Fixed { op: Duration::from_micros(op_us), bytes_per_second: gb_per_s * 1e9 }, 24);
-        let (longer, sum) = (transfer.max(compute), transfer + compute);
+        let (longer, shorter) = (transfer.max(compute), transfer.min(compute));
         eprintln!("{op_us} µs ops, {gb_per_s} GB/s: total {total:?}, transfer {transfer:?}, compute {compute:?}");
         assert!(total >= longer, "{op_us} µs ops, {gb_per_s} GB/s: {total:?} is less than the longer of transfer {transfer:?} and compute {compute:?}");
-        assert!(total < sum, "{op_us} µs ops, {gb_per_s} GB/s: {total:?} overlapped nothing of transfer {transfer:?} and compute {compute:?}");
+        // Most of the shorter side hides behind the longer. Where it is a
+        // sliver (0.2% of the transfer-bound pass), a module that the race
+        // below serialises may cost all of it, so only the bound after this
+        // one holds there.
+        if shorter * 10 > longer {
+            assert!(total < longer + shorter / 2, "{op_us} µs ops, {gb_per_s} GB/s: {total:?} overlapped less than half of transfer {transfer:?} and compute {compute:?}");
+        }
         // A pipeline that keeps one side busy ends within the other's first
         // and last module of it.
         assert!(total.as_secs_f64() < longer.as_secs_f64() * 1.35 + 2e-3, "{op_us} µs ops, {gb_per_s} GB/s: {total:?} against transfer {transfer:?} and compute {compute:?}");
