@@ -149,7 +149,7 @@ fi
 free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
 
 if [ "$serve" = 1 ]; then
-  bin=${DUPLEX_BIN:-target/debug/duplex}
+  bin=${DUPLEX_BIN:-${CARGO_TARGET_DIR:-target}/debug/duplex}
   if [ ! -x "$bin" ]; then
     echo "      building $bin ..."
     cargo build -q --bin duplex || true
