@@ -41,8 +41,7 @@ fn main() {
     let tokens: Vec<usize> = match args.iter().position(|a| a == "--tokens") {
         Some(i) => args
             .get(i + 1)
-            .map(|list| list.split(',').map(|n| n.trim().parse::<usize>().ok().filter(|&n| n > 0)).collect::<Option<Vec<_>>>())
-            .flatten()
+            .and_then(|list| list.split(',').map(|n| n.trim().parse::<usize>().ok().filter(|&n| n > 0)).collect::<Option<Vec<_>>>())
             .unwrap_or_else(|| panic!("--tokens takes a comma-separated list of token counts, each at least 1")),
         None => vec![64],
     };

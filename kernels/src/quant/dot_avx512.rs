@@ -2,17 +2,20 @@
 //! quants by 64 signed activations and sums each four into an i32 lane, with
 //! no intermediate saturation (unlike AVX2's `vpmaddubsw`). A k-quant
 //! sub-block is 8 lanes (32 elements) or 4 lanes (Q6_K's 16), so its scale
-//! is applied per lane: `vpmaddubsw` sums pairs of products into i16 lanes
-//! (no saturation: a Q6_K quant is at most 63) and `vpdpwssd` multiplies
-//! them by i16 scale lanes picked from the block's scales. A block's
+//! is applied per lane: each lane's sum fits an i16, so two chunks' lanes
+//! share the words of one `vpmaddwd` against their scales (`scale_pairs`;
+//! three multiplying instructions per 128 products, where `vpmaddubsw` +
+//! `vpdpwssd` took four, for the same integers). A block's
 //! sixteen i32 lanes fold to the eight of `fold_k` (its halves added),
 //! which join the row's eight f32 lanes exactly as the scalar reference
 //! folds them. The k-quant kernels take several tokens at once, each
 //! block unpacked once for all of them (prefill); one token is the same
 //! kernel, and a band of rows for one token runs in one call (decode).
 //!
-//! Lane bounds: a `vpdpbusd` lane is at most 4 × 128 × 127 in magnitude,
-//! and a k-quant lane that times a scale of at most 128: far inside i32.
+//! Lane bounds: a `vpdpbusd` lane is at most 4 × 128 × 127 in magnitude;
+//! a k-quant one, 4 × 63 × 128 (Q6_K's largest quant against Q8_K's
+//! −128), which just fits the i16 word `scale_pairs` gives it; a scaled
+//! sum of eight sub-blocks, scales of at most 128: far inside i32.
 
 use super::blocks::{k_scales_mins, BlockQ8K, BlockQ8_0, QuantKind, K_SCALES, Q4K_QS, Q5K_QH, Q5K_QS, Q6K_D, Q6K_QH, Q6K_SCALES};
 use super::dot_avx2::{bytes32, fold_lanes, half_bits, halves_at, quants32, reduce_lanes};
@@ -62,17 +65,6 @@ fn halves_i8(a: u8, b: u8) -> __m512i {
     _mm512_inserti64x4::<1>(_mm512_set1_epi8(a as i8), _mm256_set1_epi8(b as i8))
 }
 
-/// A `vpshufb` control that turns a vector holding eight bytes in every
-/// 128-bit lane into i16 lanes, byte `a` in the low 256 bits and byte `b`
-/// in the high ones, zero-extended.
-#[inline]
-#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,f16c")]
-fn pick_i16(a: u8, b: u8) -> __m512i {
-    // The high byte of each i16 has its top bit set: `vpshufb` zeroes it.
-    let lane = |byte: u8| (0x8000u16 | byte as u16) as i16;
-    _mm512_inserti64x4::<1>(_mm512_castsi256_si512(_mm256_set1_epi16(lane(a))), _mm256_set1_epi16(lane(b)))
-}
-
 /// The sum of a product's two 256-bit halves: its sixteen i32 lanes folded
 /// to the eight of `fold_k` (lane l and l + 8 hold the same elements of
 /// two sub-blocks).
@@ -80,6 +72,32 @@ fn pick_i16(a: u8, b: u8) -> __m512i {
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,f16c")]
 fn fold_halves(v: __m512i) -> __m256i {
     _mm256_add_epi32(_mm512_castsi512_si256(v), _mm512_extracti64x4_epi64::<1>(v))
+}
+
+/// A `vpshufb` control that turns a vector holding the eight scale bytes in
+/// every 128-bit lane into the words of [`scale_pairs`]: i32 lanes 0..8
+/// hold bytes `a` (low word) and `b` (high word), lanes 8..16 bytes `c`
+/// and `d`, each zero-extended.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,f16c")]
+fn pick_pair(a: u8, b: u8, c: u8, d: u8) -> __m512i {
+    // A control byte with its top bit set makes `vpshufb` write zero.
+    let lane = |lo: u8, hi: u8| i32::from_le_bytes([lo, 0x80, hi, 0x80]);
+    _mm512_inserti64x4::<1>(_mm512_set1_epi32(lane(a, b)), _mm256_set1_epi32(lane(c, d)))
+}
+
+/// A block's four chunks of `vpdpbusd` group sums (i32 lane l: elements
+/// 4l..4l + 4 of the chunk) weighed by their sub-blocks' scales and added,
+/// as the block's sixteen i32 lanes. Chunks 2p and 2p + 1 share a
+/// `vpmaddwd`: each lane of the first keeps its low word and takes the
+/// second's lane as its high word, against the two scale words of
+/// `scales[p]`. The sums are exact: a group sum fits an i16 (at most
+/// 4 × 63 × 128 in magnitude), a weighed pair an i32.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,f16c")]
+fn scale_pairs(groups: [__m512i; 4], scales: [__m512i; 2]) -> __m512i {
+    let words = |lo: __m512i, hi: __m512i| _mm512_mask_mov_epi16(lo, 0xaaaa_aaaa, _mm512_slli_epi32::<16>(hi));
+    _mm512_add_epi32(_mm512_madd_epi16(words(groups[0], groups[1]), scales[0]), _mm512_madd_epi16(words(groups[2], groups[3]), scales[1]))
 }
 
 /// Q4_K (`FIVE = false`) or Q5_K row against Q8_K: the multi-token
@@ -98,11 +116,10 @@ pub(super) fn dot_q45k<const FIVE: bool>(row: &[u8], y: &[BlockQ8K]) -> f32 {
 /// Chunk c (32 bytes of qs) holds sub-block 2c in its low nibbles and
 /// 2c + 1 in its high ones: broadcast to both halves of a vector and
 /// shifted by 0 and 4 per half, it is elements 64c..64c + 64 in order, to
-/// meet one plain 64-byte load of activations. `vpmaddubsw` sums pairs (at
-/// most 2 × 31 × 127, no saturation) and `vpdpwssd` multiplies them by
-/// their sub-block's scale (i16 lanes picked from the eight scale bytes)
-/// and sums pairs into the block's i32 lanes: lane l holds elements
-/// 4l..4l + 4 of sub-block 2c, lane l + 8 those of sub-block 2c + 1.
+/// meet one plain 64-byte load of activations. `vpdpbusd` sums each four
+/// products into an i32 lane: lane l holds elements 4l..4l + 4 of
+/// sub-block 2c, lane l + 8 those of sub-block 2c + 1; [`scale_pairs`]
+/// weighs them by their sub-blocks' scales, two chunks per `vpmaddwd`.
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,f16c")]
 pub(super) fn dot_q45k_multi<const FIVE: bool, const T: usize>(row: &[u8], ys: [&[BlockQ8K]; T]) -> [f32; T] {
@@ -112,7 +129,8 @@ pub(super) fn dot_q45k_multi<const FIVE: bool, const T: usize>(row: &[u8], ys: [
     let sixteen = _mm512_set1_epi8(16);
     let zero = _mm512_setzero_si512();
     let nibble_shift = _mm512_inserti64x4::<1>(_mm512_set1_epi16(0), _mm256_set1_epi16(4));
-    let pick_scales = [pick_i16(0, 1), pick_i16(2, 3), pick_i16(4, 5), pick_i16(6, 7)];
+    // Scale words of chunks 2p and 2p + 1 (see `scale_pairs`).
+    let pick_scales = [pick_pair(0, 2, 1, 3), pick_pair(4, 6, 5, 7)];
     // i16 lane k of the minimum term's multiplier: min k / 2, against bsums[k].
     let pick_mins = _mm256_setr_epi16(
         -0x8000, -0x8000, 0x8001u16 as i16, 0x8001u16 as i16, 0x8002u16 as i16, 0x8002u16 as i16, 0x8003u16 as i16, 0x8003u16 as i16,
@@ -126,24 +144,21 @@ pub(super) fn dot_q45k_multi<const FIVE: bool, const T: usize>(row: &[u8], ys: [
         let scales = _mm512_set1_epi64(i64::from_le_bytes(sc));
         let mins = _mm256_shuffle_epi8(_mm256_set1_epi64x(i64::from_le_bytes(mn)), pick_mins);
         let qh = if FIVE { _mm512_broadcast_i64x4(ld32(&b[Q5K_QH..])) } else { zero };
-        // The block's quants and scale lanes, for every token.
+        // The block's quants and scale words, for every token.
         let mut q = [zero; 4];
-        let mut s = [zero; 4];
         for c in 0..4 {
             let chunk = _mm512_broadcast_i64x4(ld32(&b[qs_at + 32 * c..]));
             q[c] = _mm512_and_si512(_mm512_srlv_epi16(chunk, nibble_shift), m4);
             if FIVE {
                 q[c] = _mm512_mask_add_epi8(q[c], _mm512_test_epi8_mask(qh, fifth_bit[c]), q[c], sixteen);
             }
-            s[c] = _mm512_shuffle_epi8(scales, pick_scales[c]);
         }
+        let s = pick_scales.map(|pick| _mm512_shuffle_epi8(scales, pick));
         let (d, dmin) = halves_at(b, 0);
         for (t, y) in ys.iter().enumerate() {
             let yb = &y[i];
-            let mut sum = zero;
-            for c in 0..4 {
-                sum = _mm512_dpwssd_epi32(sum, _mm512_maddubs_epi16(q[c], ld64_i8(&yb.qs[64 * c..])), s[c]);
-            }
+            let groups: [__m512i; 4] = std::array::from_fn(|c| _mm512_dpbusd_epi32(zero, q[c], ld64_i8(&yb.qs[64 * c..])));
+            let sum = scale_pairs(groups, s);
             // SAFETY: `bsums` is 16 i16, 32 bytes; unaligned load.
             let bsums = unsafe { _mm256_loadu_si256(yb.bsums.as_ptr().cast()) };
             acc[t] = fold_lanes(acc[t], d * yb.d, fold_halves(sum), dmin * yb.d, _mm256_madd_epi16(bsums, mins));
@@ -193,10 +208,9 @@ pub(super) fn dot_q6k(row: &[u8], y: &[BlockQ8K]) -> f32 {
 /// lanes of the scalar reference (sub-blocks 2g and 2g + 1 in lane g, as
 /// `vpmaddwd` pairs them).
 ///
-/// Chunk j (0..4) is elements 64j..64j + 64: `vpmaddubsw` sums pairs (at
-/// most 2 × 63 × 127, no saturation) and `vpdpwssd` multiplies them by
-/// their sub-block's scale (i16 lane m of chunk j is sub-block 4j + m / 8)
-/// and sums pairs into i32 lane l, elements 4l..4l + 4 of the chunk.
+/// Chunk j (0..4) is elements 64j..64j + 64: `vpdpbusd` sums each four
+/// products into i32 lane l, elements 4l..4l + 4 of the chunk (sub-block
+/// 4j + l / 4), and [`scale_pairs`] weighs them by their scales.
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,f16c")]
 pub(super) fn dot_q6k_multi<const T: usize>(row: &[u8], ys: [&[BlockQ8K]; T]) -> [f32; T] {
@@ -207,24 +221,25 @@ pub(super) fn dot_q6k_multi<const T: usize>(row: &[u8], ys: [&[BlockQ8K]; T]) ->
     // for quarters k = 0 | 1 (left by 4 | 2) and k = 2 | 3 (right by 0 | 2).
     let left01 = _mm512_inserti64x4::<1>(_mm512_set1_epi16(4), _mm256_set1_epi16(2));
     let right23 = _mm512_inserti64x4::<1>(_mm512_set1_epi16(0), _mm256_set1_epi16(2));
-    // i16 lane m of chunk j's scales: sub-block 4j + m / 8.
-    let pick = |j: i16| {
-        let lane = |m: i16| 4 * j + m / 8;
+    // Chunks 2p and 2p + 1's scale words (see `scale_pairs`): i32 lane l
+    // of chunk j is sub-block 4j + l / 4, so word 2l is sub-block 8p + l / 4
+    // and word 2l + 1 sub-block 8p + 4 + l / 4.
+    let pick = |p: i16| {
+        let lane = |m: i16| 8 * p + 4 * (m % 2) + m / 8;
         _mm512_set_epi16(
             lane(31), lane(30), lane(29), lane(28), lane(27), lane(26), lane(25), lane(24), lane(23), lane(22), lane(21), lane(20), lane(19), lane(18), lane(17), lane(16),
             lane(15), lane(14), lane(13), lane(12), lane(11), lane(10), lane(9), lane(8), lane(7), lane(6), lane(5), lane(4), lane(3), lane(2), lane(1), lane(0),
         )
     };
-    let pick_scales = [pick(0), pick(1), pick(2), pick(3)];
+    let pick_scales = [pick(0), pick(1)];
     let mut acc = [_mm256_setzero_ps(); T];
     for (i, b) in row.chunks_exact(QuantKind::Q6K.block_bytes()).enumerate() {
         // SAFETY: 16 readable bytes (the scales); unaligned load.
         let sc8 = unsafe { _mm_loadu_si128(b[Q6K_SCALES..Q6K_SCALES + 16].as_ptr().cast()) };
         let sc16 = _mm256_cvtepi8_epi16(sc8);
         let scales = _mm512_castsi256_si512(sc16);
-        // The block's quants and scale lanes, for every token.
+        // The block's quants and scale words, for every token.
         let mut q = [zero; 4];
-        let mut s = [zero; 4];
         for h in 0..2 {
             let ql = ld64(&b[64 * h..]);
             let qh = _mm512_broadcast_i64x4(ld32(&b[Q6K_QH + 32 * h..]));
@@ -234,16 +249,12 @@ pub(super) fn dot_q6k_multi<const T: usize>(row: &[u8], ys: [&[BlockQ8K]; T]) ->
                 _mm512_and_si512(_mm512_srlv_epi16(qh, right23), m30),
             );
         }
-        for (j, s) in s.iter_mut().enumerate() {
-            *s = _mm512_permutexvar_epi16(pick_scales[j], scales);
-        }
+        let s = pick_scales.map(|pick| _mm512_permutexvar_epi16(pick, scales));
         let d = half_bits(u16::from_le_bytes([b[Q6K_D], b[Q6K_D + 1]]));
         for (t, y) in ys.iter().enumerate() {
             let yb = &y[i];
-            let mut sum = zero;
-            for j in 0..4 {
-                sum = _mm512_dpwssd_epi32(sum, _mm512_maddubs_epi16(q[j], ld64_i8(&yb.qs[64 * j..])), s[j]);
-            }
+            let groups: [__m512i; 4] = std::array::from_fn(|j| _mm512_dpbusd_epi32(zero, q[j], ld64_i8(&yb.qs[64 * j..])));
+            let sum = scale_pairs(groups, s);
             // SAFETY: `bsums` is 16 i16, 32 bytes; unaligned load.
             let bsums = unsafe { _mm256_loadu_si256(yb.bsums.as_ptr().cast()) };
             // Less 32 × Σ scale × bsum, sub-blocks 2g and 2g + 1 in lane g.
