@@ -3,8 +3,8 @@
 //! `cargo bench -p duplex-kernels --bench quant_dot [-- [PATH...]]`
 //! (`PATH`: only these of scalar, avx2, avx512vnni).
 //!
-//! A 2048 × 2048 matrix in Q4_K and in Q8_0 (then Q6_K and Q5_K, the
-//! other formats of a Q4_K_M model), times one activation vector
+//! A 2048 × 2048 matrix in Q4_K and in Q8_0 (then Q6_K, Q5_K and Q5_0,
+//! the other formats of a Q4_K_M model), times one activation vector
 //! quantized for it (Q8_K / Q8_0; the quantization is not timed: a layer
 //! quantizes once for all its rows). Two settings per path:
 //! - DRAM: enough distinct matrices (~600 MB) that every row comes from
@@ -34,7 +34,7 @@ fn main() {
     println!("quant GEMV {ROWS} x {COLS}, one thread; paths {paths:?}; read_bytes at {read_isa}");
     let mut rng = Rng(0x9e37_79b9_7f4a_7c15);
     let x: Vec<f32> = (0..COLS).map(|i| ((i as f32) * 0.37).sin() * 1.5).collect();
-    for kind in [QuantKind::Q4K, QuantKind::Q8_0, QuantKind::Q6K, QuantKind::Q5K] {
+    for kind in [QuantKind::Q4K, QuantKind::Q8_0, QuantKind::Q6K, QuantKind::Q5K, QuantKind::Q5_0] {
         let size = ROWS * kind.row_bytes(COLS).expect("whole blocks");
         let matrices = TOTAL_BYTES / size;
         let all = matrix_bytes(kind, size * matrices, &mut rng);
