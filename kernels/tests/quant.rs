@@ -587,6 +587,52 @@ proptest! {
 // ---------------------------------------------------------------------------
 // Layouts, plain formats and errors
 
+/// The largest integers the kernels meet: every quant at its top (Q4_K 15,
+/// Q5_K 31, Q6_K 63, Q8_0 ±127 and Q4_0/Q5_0's extremes), the largest
+/// scale bytes of either sign, against activations all at +127 or all at
+/// −127 (Q8_K and Q8_0 never hold −128). The SIMD kernels keep four
+/// products' sums in i16 words (at most 4 × 63 × 127 here) and whole
+/// blocks' in i32: every path must still give the scalar reference's bits.
+#[test]
+fn extreme_quants_and_activations_keep_the_reference_bits() {
+    let scale = half::f16::from_f32(0.01).to_bits().to_le_bytes();
+    for kind in [QuantKind::Q4K, QuantKind::Q5K, QuantKind::Q6K, QuantKind::Q8_0, QuantKind::Q4_0, QuantKind::Q5_0] {
+        let cols = 2 * QK_K;
+        for (fill, scale_fill) in [(0xffu8, 0xffu8), (0xff, 0x80), (0x80, 0x7f), (0x00, 0xff)] {
+            if kind == QuantKind::Q8_0 && fill == 0 {
+                continue; // zero weights: nothing to test
+            }
+            let mut row = vec![fill; kind.row_bytes(cols).unwrap()];
+            for block in row.chunks_exact_mut(kind.block_bytes()) {
+                // f16 scales where the format keeps them; Q6_K's i8 sub-block scales at 192..208.
+                let halves: &[usize] = match kind {
+                    QuantKind::Q4K | QuantKind::Q5K => &[0, 2],
+                    QuantKind::Q6K => &[208],
+                    _ => &[0],
+                };
+                for &at in halves {
+                    block[at..at + 2].copy_from_slice(&scale);
+                }
+                match kind {
+                    QuantKind::Q4K | QuantKind::Q5K => block[4..16].fill(scale_fill),
+                    QuantKind::Q6K => block[192..208].fill(scale_fill),
+                    _ => {}
+                }
+            }
+            for sign in [1.0f32, -1.0] {
+                let x = vec![sign; cols];
+                let act = Activations::quantize_for(kind, &x).unwrap();
+                let reference = dot_with(DotPath::Scalar, kind, &row, &act).unwrap();
+                assert!(reference.is_finite() && reference != 0.0, "{kind}: a degenerate case ({reference})");
+                for path in DotPath::supported() {
+                    let got = dot_with(path, kind, &row, &act).unwrap();
+                    assert_eq!(got.to_bits(), reference.to_bits(), "{kind} on {path}, quant bytes {fill:#x}, scale bytes {scale_fill:#x}, activations {sign}: {got} vs {reference}");
+                }
+            }
+        }
+    }
+}
+
 #[test]
 fn block_sizes_are_ggml_s() {
     let sizes: Vec<(QuantKind, usize, usize)> = QuantKind::ALL.iter().map(|&k| (k, k.block_elems(), k.block_bytes())).collect();

@@ -12,10 +12,11 @@
 //! block unpacked once for all of them (prefill); one token is the same
 //! kernel, and a band of rows for one token runs in one call (decode).
 //!
-//! Lane bounds: a `vpdpbusd` lane is at most 4 × 128 × 127 in magnitude;
-//! a k-quant one, 4 × 63 × 128 (Q6_K's largest quant against Q8_K's
-//! −128), which just fits the i16 word `scale_pairs` gives it; a scaled
-//! sum of eight sub-blocks, scales of at most 128: far inside i32.
+//! Lane bounds: a `vpdpbusd` lane is at most 4 × 255 × 127 in magnitude
+//! (Q8_0's quants moved up by 128 in `gemv_32`); a k-quant one, 4 × 63 ×
+//! 127 (Q6_K's largest quant; Q8_K, like ggml's, holds −127..127), which
+//! fits the i16 word `scale_pairs` gives it; a scaled sum of eight
+//! sub-blocks, scales of at most 128: far inside i32.
 
 use super::blocks::{k_scales_mins, BlockQ8K, BlockQ8_0, QuantKind, K_SCALES, Q4K_QS, Q5K_QH, Q5K_QS, Q6K_D, Q6K_QH, Q6K_SCALES};
 use super::dot_avx2::{bytes32, fold_lanes, half_bits, halves_at, reduce_lanes};
@@ -92,7 +93,7 @@ fn pick_pair(a: u8, b: u8, c: u8, d: u8) -> __m512i {
 /// `vpmaddwd`: each lane of the first keeps its low word and takes the
 /// second's lane as its high word, against the two scale words of
 /// `scales[p]`. The sums are exact: a group sum fits an i16 (at most
-/// 4 × 63 × 128 in magnitude), a weighed pair an i32.
+/// 4 × 63 × 127 in magnitude), a weighed pair an i32.
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,f16c")]
 fn scale_pairs(groups: [__m512i; 4], scales: [__m512i; 2]) -> __m512i {
