@@ -4,8 +4,9 @@
 //! (`PATH`: only these of scalar, avx2, avx512vnni).
 //!
 //! A 2048 × 2048 matrix in Q4_K and in Q8_0 (then Q6_K, Q5_K and Q5_0,
-//! the other formats of a Q4_K_M model), times one activation vector
-//! quantized for it (Q8_K / Q8_0; the quantization is not timed: a layer
+//! the other formats of a Q4_K_M model, and Q5_1, a Q5_K_M model's
+//! fallback), times one activation vector quantized for it (Q8_K / Q8_0 /
+//! Q8_1; the quantization is not timed: a layer
 //! quantizes once for all its rows). Two settings per path:
 //! - DRAM: enough distinct matrices (~600 MB) that every row comes from
 //!   memory, next to `read_bytes` (the machine's best single-thread read)
@@ -34,7 +35,7 @@ fn main() {
     println!("quant GEMV {ROWS} x {COLS}, one thread; paths {paths:?}; read_bytes at {read_isa}");
     let mut rng = Rng(0x9e37_79b9_7f4a_7c15);
     let x: Vec<f32> = (0..COLS).map(|i| ((i as f32) * 0.37).sin() * 1.5).collect();
-    for kind in [QuantKind::Q4K, QuantKind::Q8_0, QuantKind::Q6K, QuantKind::Q5K, QuantKind::Q5_0] {
+    for kind in [QuantKind::Q4K, QuantKind::Q8_0, QuantKind::Q6K, QuantKind::Q5K, QuantKind::Q5_0, QuantKind::Q5_1] {
         let size = ROWS * kind.row_bytes(COLS).expect("whole blocks");
         let matrices = TOTAL_BYTES / size;
         let all = matrix_bytes(kind, size * matrices, &mut rng);

@@ -62,10 +62,10 @@ pub struct MoeScratch {
     tasks: Vec<Vec<Task>>,
     /// Tasks per node.
     counts: Vec<usize>,
-    /// Block-quantized experts: the layer's tokens, quantized once for the
-    /// k-quants (Q8_K) and once for the 32-element formats (Q8_0), as needed.
-    xq_k: QuantizedTokens,
-    xq_0: QuantizedTokens,
+    /// Block-quantized experts: the layer's tokens, quantized once for each
+    /// activation format their gate/up weights take (`activation_slot`), as
+    /// needed.
+    xq: [QuantizedTokens; 3],
     /// Their hidden rows in F32, and quantized for the down projection.
     hf: Vec<f32>,
     hq: Vec<QuantizedTokens>,
@@ -82,10 +82,17 @@ fn quant_kinds(w: &ExpertWeights) -> Option<[QuantKind; 3]> {
     }
 }
 
-/// Whether `kind` multiplies Q8_K activations (else Q8_0).
-fn takes_q8k(kind: QuantKind) -> bool {
-    kind.block_elems() == quant::QK_K
+/// Which of `MoeScratch::xq` holds the tokens `kind` multiplies: Q8_K for
+/// the k-quants, Q8_1 for Q5_1, Q8_0 for the other 32-element formats; and
+/// a kind each slot quantizes for.
+fn activation_slot(kind: QuantKind) -> usize {
+    match kind {
+        QuantKind::Q4K | QuantKind::Q5K | QuantKind::Q6K => 0,
+        QuantKind::Q5_1 => 2,
+        _ => 1,
+    }
 }
+const SLOT_KINDS: [QuantKind; 3] = [QuantKind::Q4K, QuantKind::Q8_0, QuantKind::Q5_1];
 
 #[derive(Clone, Copy, Default)]
 struct Layout {
@@ -151,7 +158,7 @@ pub fn moe_forward(pool: &ThreadPool, isa: Isa, calls: &[ExpertCall], x: &[f32],
     // Lay out every expert's gathered input, hidden and output rows.
     s.layout.clear();
     let (mut xs_len, mut h_len, mut y_len) = (0, 0, 0);
-    let (mut need_q8k, mut need_q8_0) = (false, false);
+    let mut need = [false; 3];
     for c in calls {
         assert_eq!(c.weights.gate.cols, d, "expert gate width");
         assert_eq!(c.weights.down.rows, d, "expert down height");
@@ -159,8 +166,8 @@ pub fn moe_forward(pool: &ThreadPool, isa: Isa, calls: &[ExpertCall], x: &[f32],
         if let Some([g, u, _]) = quant_kinds(&c.weights) {
             // Its input is the layer's quantized tokens; its hidden rows
             // live in `hf`, at the same offset `h` would give them.
-            need_q8k |= takes_q8k(g) || takes_q8k(u);
-            need_q8_0 |= !takes_q8k(g) || !takes_q8k(u);
+            need[activation_slot(g)] = true;
+            need[activation_slot(u)] = true;
         } else {
             xs_len += c.tokens.len() * d;
         }
@@ -179,13 +186,10 @@ pub fn moe_forward(pool: &ThreadPool, isa: Isa, calls: &[ExpertCall], x: &[f32],
         }
     }
     // Barrier 1 of a quantized layer: every token quantized once.
-    if need_q8k {
-        quantize_tokens(pool, &mut s.xq_k, QuantKind::Q4K, x, n);
+    for ((xq, kind), _) in s.xq.iter_mut().zip(SLOT_KINDS).zip(need).filter(|&(_, needed)| needed) {
+        quantize_tokens(pool, xq, kind, x, n);
     }
-    if need_q8_0 {
-        quantize_tokens(pool, &mut s.xq_0, QuantKind::Q8_0, x, n);
-    }
-    if need_q8k || need_q8_0 {
+    if need.contains(&true) {
         s.hf.resize(h_len, 0.0);
         s.hq.resize_with(calls.len().max(s.hq.len()), QuantizedTokens::default);
     }
@@ -216,8 +220,8 @@ pub fn moe_forward(pool: &ThreadPool, isa: Isa, calls: &[ExpertCall], x: &[f32],
     let y = SharedSlice::new(&mut s.y);
     let tile_out = SharedSlice::new(&mut s.tile_out);
     let (tasks, pending, layout, xs) = (&s.tasks, &s.pending, &s.layout, &s.xs);
-    let (xq_k, xq_0, path) = (&s.xq_k, &s.xq_0, DotPath::for_isa(isa));
-    let tokens_for = |kind: QuantKind| if takes_q8k(kind) { xq_k } else { xq_0 };
+    let (xq, path) = (&s.xq, DotPath::for_isa(isa));
+    let tokens_for = |kind: QuantKind| &xq[activation_slot(kind)];
     s.counts.clear();
     s.counts.extend(tasks.iter().map(|t| t.len()));
     pool.parallel_for_nodes(&s.counts, &|node, t| {
@@ -415,6 +419,13 @@ mod tests {
         let pool = ThreadPool::new(&PoolConfig::single_node(2));
         check(&pool, 256, 320, 1);
         check(&pool, 200, 128, 3);
+    }
+
+    #[test]
+    fn each_slot_quantizes_for_its_own_kinds() {
+        for (slot, kind) in SLOT_KINDS.into_iter().enumerate() {
+            assert_eq!(activation_slot(kind), slot, "{kind}");
+        }
     }
 
     /// Experts large enough for tasks of several scale blocks, and for

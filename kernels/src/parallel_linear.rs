@@ -1,7 +1,7 @@
 //! Linear layers split across the worker pool by output rows.
 
 use crate::cpu::{convert::f32_to_bf16, gemv::matmul_bf16, isa::Isa};
-use crate::quant::{self, DotPath, QuantizedTokens};
+use crate::quant::{self, DotPath, QuantKind, QuantizedTokens};
 use crate::pool::ThreadPool;
 use crate::shared::SharedSlice;
 use crate::{WeightFormat, WeightView};
@@ -86,7 +86,7 @@ pub fn par_matmul(pool: &ThreadPool, isa: Isa, w: &WeightView, x: &[f32], n: usi
 ///
 /// Panics if a token is not whole blocks: loading checks every block
 /// format's widths, so that would be a caller's bug.
-pub fn quantize_tokens(pool: &ThreadPool, q: &mut QuantizedTokens, kind: crate::quant::QuantKind, x: &[f32], n: usize) {
+pub fn quantize_tokens(pool: &ThreadPool, q: &mut QuantizedTokens, kind: QuantKind, x: &[f32], n: usize) {
     q.prepare(kind, x.len(), n).expect("activations of whole blocks (loading checks the widths)");
     let cols = q.cols();
     /// Tokens per task: below this, one thread does it faster than a fork.
@@ -98,15 +98,16 @@ pub fn quantize_tokens(pool: &ThreadPool, q: &mut QuantizedTokens, kind: crate::
         return;
     }
     let per_token = q.token_range(0).len();
-    let (k, z) = q.blocks_mut();
-    let (k, z) = (SharedSlice::new(k), SharedSlice::new(z));
+    let blocks = q.blocks_mut();
+    let (k, z, one) = (SharedSlice::new(blocks.q8k), SharedSlice::new(blocks.q8_0), SharedSlice::new(blocks.q8_1));
     pool.parallel_for(n.div_ceil(PER_TASK), &|task| {
         for t in task * PER_TASK..((task + 1) * PER_TASK).min(n) {
             let xt = &x[t * cols..(t + 1) * cols];
             // SAFETY: token t's blocks are written by this task only (in
             // the buffer of `kind`'s family, the one `prepare` sized).
-            match kind.block_elems() {
-                crate::quant::QK_K => crate::quant::quantize_q8_k_into(xt, unsafe { k.slice_mut(t * per_token, per_token) }),
+            match kind {
+                QuantKind::Q4K | QuantKind::Q5K | QuantKind::Q6K => crate::quant::quantize_q8_k_into(xt, unsafe { k.slice_mut(t * per_token, per_token) }),
+                QuantKind::Q5_1 => crate::quant::quantize_q8_1_into(xt, unsafe { one.slice_mut(t * per_token, per_token) }),
                 _ => crate::quant::quantize_q8_0_into(xt, unsafe { z.slice_mut(t * per_token, per_token) }),
             }
             .expect("checked by prepare");

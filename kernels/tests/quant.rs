@@ -13,9 +13,9 @@
 //! - Quantization round trips and the activation types' invariants.
 
 use duplex_kernels::cpu::isa;
-use duplex_kernels::quant::blocks::{dequantize_q8_0, dequantize_q8_k};
+use duplex_kernels::quant::blocks::{dequantize_q8_0, dequantize_q8_1, dequantize_q8_k};
 use duplex_kernels::quant::{
-    self, dequantize_row, dot, dot_with, gemv_with, quantize_q8_0, quantize_q8_k, Activations, BlockQ8K, BlockQ8_0, DotPath,
+    self, dequantize_row, dot, dot_with, gemv_with, quantize_q8_0, quantize_q8_1, quantize_q8_k, Activations, BlockQ8K, BlockQ8_0, BlockQ8_1, DotPath,
     QuantError, QuantKind, QuantizedTokens, QK8_0, QK_K,
 };
 use proptest::prelude::*;
@@ -248,6 +248,7 @@ fn real_rows_agree_on_every_path() {
         let xq = match &act {
             Activations::Q8K(b) => dequantize_q8_k(b),
             Activations::Q8_0(b) => dequantize_q8_0(b),
+            Activations::Q8_1(b) => dequantize_q8_1(b),
         };
         let mut reference = vec![0f32; rows];
         gemv_with(DotPath::Scalar, kind, matrix, rows, &act, &mut reference).unwrap();
@@ -290,7 +291,7 @@ fn blocks_of(kind: QuantKind, n: usize, scale: BoxedStrategy<u16>) -> BoxedStrat
     let bb = kind.block_bytes();
     // Where each block keeps its f16 scales.
     let scale_at: Vec<usize> = match kind {
-        QuantKind::Q4K | QuantKind::Q5K => vec![0, 2],
+        QuantKind::Q4K | QuantKind::Q5K | QuantKind::Q5_1 => vec![0, 2],
         QuantKind::Q6K => vec![208],
         _ => vec![0],
     };
@@ -323,7 +324,7 @@ fn activations(n: usize, block: usize) -> impl Strategy<Value = Vec<f32>> {
         })
 }
 
-const DOT_KINDS: [QuantKind; 6] = [QuantKind::Q4K, QuantKind::Q5K, QuantKind::Q6K, QuantKind::Q8_0, QuantKind::Q4_0, QuantKind::Q5_0];
+const DOT_KINDS: [QuantKind; 7] = [QuantKind::Q4K, QuantKind::Q5K, QuantKind::Q6K, QuantKind::Q8_0, QuantKind::Q4_0, QuantKind::Q5_0, QuantKind::Q5_1];
 
 /// (kind, row bytes, activations) with 1..=6 blocks (1..=9 for 32-wide kinds,
 /// so the AVX-512 kernels' odd tail is covered).
@@ -381,16 +382,23 @@ fn quantization_error(act: &Activations, x: &[f32]) -> Vec<f64> {
             .collect(),
         // Q8_0: q = round(x/d) with d = max|x|/127 in f32, but the stored d
         // is its f16 rounding d16: |x - d16·q| ≤ d(1/2 + 300 eps) + 127|d - d16|.
-        Activations::Q8_0(blocks) => blocks
-            .iter()
-            .zip(x.chunks_exact(QK8_0))
-            .flat_map(|(b, xs)| {
-                let d = xs.iter().fold(0f32, |m, v| m.max(v.abs())) / 127.0;
-                let e = d as f64 * (0.5 + 300.0 * EPS) + 127.0 * (d as f64 - b.d.to_f32() as f64).abs();
-                std::iter::repeat_n(e, QK8_0)
-            })
-            .collect(),
+        Activations::Q8_0(blocks) => q8_32_error(blocks.iter().map(|b| b.d), x),
+        Activations::Q8_1(blocks) => q8_32_error(blocks.iter().map(|b| b.d), x),
     }
+}
+
+/// [`quantization_error`] of Q8_0 and Q8_1, whose quants and `d` are alike:
+/// q = round(x/d) with d = max|x|/127 in f32, but the stored d is its f16
+/// rounding d16: |x - d16·q| ≤ d(1/2 + 300 eps) + 127|d - d16|.
+fn q8_32_error(stored: impl Iterator<Item = half::f16>, x: &[f32]) -> Vec<f64> {
+    stored
+        .zip(x.chunks_exact(QK8_0))
+        .flat_map(|(d16, xs)| {
+            let d = xs.iter().fold(0f32, |m, v| m.max(v.abs())) / 127.0;
+            let e = d as f64 * (0.5 + 300.0 * EPS) + 127.0 * (d as f64 - d16.to_f32() as f64).abs();
+            std::iter::repeat_n(e, QK8_0)
+        })
+        .collect()
 }
 
 /// `rows` rows that differ: row r is `row` rotated by r whole `kind` blocks.
@@ -506,6 +514,7 @@ proptest! {
         let xq = match &act {
             Activations::Q8K(b) => dequantize_q8_k(b),
             Activations::Q8_0(b) => dequantize_q8_0(b),
+            Activations::Q8_1(b) => dequantize_q8_1(b),
         };
         let exact: f64 = w.iter().zip(&x).map(|(&a, &b)| a as f64 * b as f64).sum();
         let e = quantization_error(&act, &x);
@@ -567,6 +576,20 @@ proptest! {
         prop_assert_eq!(BlockQ8_0::from_bytes(&BlockQ8_0::to_bytes(&blocks)).unwrap(), blocks);
     }
 
+    /// Q8_1 (Q5_1's activations) is Q8_0's quants and `d`, and `s` is
+    /// ggml's: the quants' sum times the f32 `d`, rounded to half precision
+    /// (these blocks' sums are well inside its range).
+    #[test]
+    fn q8_1_is_q8_0_with_its_sum(x in activations(4 * QK8_0, QK8_0)) {
+        let (one, zero) = (quantize_q8_1(&x).unwrap(), quantize_q8_0(&x).unwrap());
+        for ((b1, b0), xs) in one.iter().zip(&zero).zip(x.chunks_exact(QK8_0)) {
+            prop_assert_eq!((b1.d, b1.qs), (b0.d, b0.qs));
+            let d = xs.iter().fold(0f32, |m, v| m.max(v.abs())) / 127.0;
+            let sum: i32 = b1.qs.iter().map(|&q| q as i32).sum();
+            prop_assert_eq!(b1.s.to_bits(), half::f16::from_f32(sum as f32 * d).to_f32().to_bits());
+        }
+    }
+
     /// Weight round trip: re-quantizing a Q8_0 row's decoded values gives
     /// the same quants back (a Q8_0 weight row is its own Q8_0 activation,
     /// when its scale is positive, it has no -128 and its largest quant is
@@ -588,7 +611,7 @@ proptest! {
 // Layouts, plain formats and errors
 
 /// The largest integers the kernels meet: every quant at its top (Q4_K 15,
-/// Q5_K 31, Q6_K 63, Q8_0 ±127 and Q4_0/Q5_0's extremes), the largest
+/// Q5_K 31, Q6_K 63, Q8_0 ±127 and Q4_0/Q5_0/Q5_1's extremes), the largest
 /// scale bytes of either sign, against activations all at +127 or all at
 /// −127 (Q8_K and Q8_0 never hold −128). The SIMD kernels keep four
 /// products' sums in i16 words (at most 4 × 63 × 127 here) and whole
@@ -596,7 +619,7 @@ proptest! {
 #[test]
 fn extreme_quants_and_activations_keep_the_reference_bits() {
     let scale = half::f16::from_f32(0.01).to_bits().to_le_bytes();
-    for kind in [QuantKind::Q4K, QuantKind::Q5K, QuantKind::Q6K, QuantKind::Q8_0, QuantKind::Q4_0, QuantKind::Q5_0] {
+    for kind in DOT_KINDS {
         let cols = 2 * QK_K;
         for (fill, scale_fill) in [(0xffu8, 0xffu8), (0xff, 0x80), (0x80, 0x7f), (0x00, 0xff)] {
             if kind == QuantKind::Q8_0 && fill == 0 {
@@ -606,7 +629,7 @@ fn extreme_quants_and_activations_keep_the_reference_bits() {
             for block in row.chunks_exact_mut(kind.block_bytes()) {
                 // f16 scales where the format keeps them; Q6_K's i8 sub-block scales at 192..208.
                 let halves: &[usize] = match kind {
-                    QuantKind::Q4K | QuantKind::Q5K => &[0, 2],
+                    QuantKind::Q4K | QuantKind::Q5K | QuantKind::Q5_1 => &[0, 2],
                     QuantKind::Q6K => &[208],
                     _ => &[0],
                 };
@@ -633,6 +656,32 @@ fn extreme_quants_and_activations_keep_the_reference_bits() {
     }
 }
 
+/// Activations whose block sums pass half precision's range (65504): ggml's
+/// Q8_1 `s` is infinite there and its Q5_1 products NaN or infinite; here
+/// `s` keeps its f32 value and the product stays finite and close.
+#[test]
+fn q5_1_products_of_large_activations_stay_finite() {
+    let x: Vec<f32> = (0..2 * QK8_0).map(|i| 3000.0 + i as f32).collect();
+    let blocks = quantize_q8_1(&x).unwrap();
+    assert!(half::f16::from_f32(blocks[0].s).is_infinite(), "the case must overflow half precision: s = {}", blocks[0].s);
+    let d = half::f16::from_f32(0.01).to_bits().to_le_bytes();
+    let m = half::f16::from_f32(-0.2).to_bits().to_le_bytes();
+    let mut row = Vec::new();
+    for _ in 0..2 {
+        row.extend(d);
+        row.extend(m);
+        row.extend([0x55u8; 4 + 16]);
+    }
+    let mut w = vec![0f32; x.len()];
+    dequantize_row(QuantKind::Q5_1, &row, &mut w).unwrap();
+    let exact: f64 = w.iter().zip(&x).map(|(&a, &b)| a as f64 * b as f64).sum();
+    let act = Activations::Q8_1(blocks);
+    for path in DotPath::supported() {
+        let got = dot_with(path, QuantKind::Q5_1, &row, &act).unwrap() as f64;
+        assert!(got.is_finite() && (got - exact).abs() <= 1e-2 * exact.abs(), "{path}: {got} vs {exact}");
+    }
+}
+
 #[test]
 fn block_sizes_are_ggml_s() {
     let sizes: Vec<(QuantKind, usize, usize)> = QuantKind::ALL.iter().map(|&k| (k, k.block_elems(), k.block_bytes())).collect();
@@ -644,6 +693,7 @@ fn block_sizes_are_ggml_s() {
             (QuantKind::Bf16, 1, 2),
             (QuantKind::Q4_0, 32, 18),
             (QuantKind::Q5_0, 32, 22),
+            (QuantKind::Q5_1, 32, 24),
             (QuantKind::Q8_0, 32, 34),
             (QuantKind::Q4K, 256, 144),
             (QuantKind::Q5K, 256, 176),
@@ -652,10 +702,12 @@ fn block_sizes_are_ggml_s() {
     );
     assert_eq!(std::mem::size_of::<BlockQ8K>(), 292);
     assert_eq!(std::mem::size_of::<BlockQ8_0>(), 34);
+    assert_eq!(std::mem::size_of::<BlockQ8_1>(), 40, "ggml's 36, with `s` held in f32");
     for k in QuantKind::ALL {
         assert_eq!(QuantKind::from_ggml_type(k.ggml_type()), Some(k));
     }
-    assert_eq!(QuantKind::from_ggml_type(7), None, "Q5_1 is not read");
+    assert_eq!(QuantKind::from_ggml_type(7), Some(QuantKind::Q5_1));
+    assert_eq!(QuantKind::from_ggml_type(3), None, "Q4_1 is not read");
 }
 
 #[test]
@@ -700,6 +752,18 @@ fn hand_built_blocks_decode() {
         let nibble = if j < 16 { j as i32 } else { 31 - j as i32 };
         let high = ((0xA5A5_0F0Fu32 >> j) & 1) as i32 * 16;
         assert_eq!(*v, (nibble + high - 16) as f32 * 0.25, "Q5_0 element {j}");
+    }
+
+    // Q5_1: the same quants after d = 0.25 and m = -3: values d·q + m, q in 0..32.
+    let mut b = half::f16::from_f32(0.25).to_bits().to_le_bytes().to_vec();
+    b.extend(half::f16::from_f32(-3.0).to_bits().to_le_bytes());
+    b.extend(0xA5A5_0F0Fu32.to_le_bytes());
+    b.extend((0..16u8).map(|j| j | ((15 - j) << 4)));
+    dequantize_row(QuantKind::Q5_1, &b, &mut y).unwrap();
+    for (j, v) in y.iter().enumerate() {
+        let nibble = if j < 16 { j as i32 } else { 31 - j as i32 };
+        let high = ((0xA5A5_0F0Fu32 >> j) & 1) as i32 * 16;
+        assert_eq!(*v, (nibble + high) as f32 * 0.25 - 3.0, "Q5_1 element {j}");
     }
 
     // Q4_K: d = 1, dmin = 0.25; sub-block s has scale s + 1 and min 2s

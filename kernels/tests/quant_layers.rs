@@ -30,14 +30,9 @@ impl Rng {
 /// where each format keeps them (as real blocks have).
 fn quant_matrix(rng: &mut Rng, kind: QuantKind, rows: usize, cols: usize) -> Vec<u8> {
     let bb = kind.block_bytes();
-    let scale_at: &[usize] = match kind {
-        QuantKind::Q4K | QuantKind::Q5K => &[0, 2],
-        QuantKind::Q6K => &[208],
-        _ => &[0],
-    };
     let mut bytes: Vec<u8> = (0..rows * kind.row_bytes(cols).unwrap()).map(|_| rng.next() as u8).collect();
     for block in bytes.chunks_exact_mut(bb) {
-        for &at in scale_at {
+        for &at in kind.f16_offsets() {
             let v = rng.f32(1e-3, 2e-2) * if rng.next() & 1 == 0 { 1.0 } else { -1.0 };
             block[at..at + 2].copy_from_slice(&half::f16::from_f32(v).to_le_bytes());
         }
@@ -61,7 +56,7 @@ fn parallel_linear_layers_equal_the_reference_bit_for_bit() {
     let mut rng = Rng(0x5eed);
     let isa = isa::detect();
     for pool in pools() {
-        for (kind, rows, cols) in [(QuantKind::Q4K, 70, 512), (QuantKind::Q6K, 33, 256), (QuantKind::Q5K, 16, 768), (QuantKind::Q8_0, 50, 96), (QuantKind::Q5_0, 40, 64), (QuantKind::Q4_0, 17, 128)] {
+        for (kind, rows, cols) in [(QuantKind::Q4K, 70, 512), (QuantKind::Q6K, 33, 256), (QuantKind::Q5K, 16, 768), (QuantKind::Q8_0, 50, 96), (QuantKind::Q5_0, 40, 64), (QuantKind::Q5_1, 24, 96), (QuantKind::Q4_0, 17, 128)] {
             let data = quant_matrix(&mut rng, kind, rows, cols);
             let w = view(kind, rows, cols, &data);
             // 20 tokens take the parallel quantization; 1 and 3 the serial one.
@@ -95,8 +90,16 @@ fn quantized_moe_layers_equal_the_per_token_reference() {
     let isa = isa::detect();
     let (d, inter) = (512, 256);
     // Experts as llama.cpp's Q4_K_M lays them out (Q4_K gate/up, Q6_K or
-    // Q4_K down), and one of the 32-element formats.
-    let kinds = [[QuantKind::Q4K, QuantKind::Q4K, QuantKind::Q6K], [QuantKind::Q4K, QuantKind::Q4K, QuantKind::Q4K], [QuantKind::Q5K, QuantKind::Q5K, QuantKind::Q6K], [QuantKind::Q8_0, QuantKind::Q5_0, QuantKind::Q4_0]];
+    // Q4_K down), as its Q5_K_M does where the down rows are not whole
+    // k-quant blocks (Q5_1), and of the 32-element formats.
+    let kinds = [
+        [QuantKind::Q4K, QuantKind::Q4K, QuantKind::Q6K],
+        [QuantKind::Q4K, QuantKind::Q4K, QuantKind::Q4K],
+        [QuantKind::Q5K, QuantKind::Q5K, QuantKind::Q6K],
+        [QuantKind::Q5K, QuantKind::Q5K, QuantKind::Q5_1],
+        [QuantKind::Q8_0, QuantKind::Q5_0, QuantKind::Q4_0],
+        [QuantKind::Q5_1, QuantKind::Q5_0, QuantKind::Q5_1],
+    ];
     let experts: Vec<[Projection; 3]> = kinds
         .iter()
         .map(|&[g, u, dn]| [(g, quant_matrix(&mut rng, g, inter, d), inter, d), (u, quant_matrix(&mut rng, u, inter, d), inter, d), (dn, quant_matrix(&mut rng, dn, d, inter), d, inter)])

@@ -70,13 +70,8 @@ pub fn matrix_bytes(kind: QuantKind, len: usize, rng: &mut Rng) -> Vec<u8> {
         chunk.copy_from_slice(&r[..chunk.len()]);
     }
     let scale = half::f16::from_f32(0.01).to_bits().to_le_bytes();
-    let at: &[usize] = match kind {
-        QuantKind::Q4K | QuantKind::Q5K => &[0, 2],
-        QuantKind::Q6K => &[208],
-        _ => &[0],
-    };
     for block in v.chunks_exact_mut(kind.block_bytes()) {
-        for &a in at {
+        for &a in kind.f16_offsets() {
             block[a..a + 2].copy_from_slice(&scale);
         }
     }

@@ -3,8 +3,9 @@
 //! Weight blocks are read straight from their little-endian bytes (a GGUF
 //! mapping has no alignment to offer past the tensor's start, and a struct
 //! view would buy nothing): each layout is a list of byte offsets below.
-//! Activation blocks (Q8_K, Q8_0) are made here, so they are Rust structs
-//! with ggml's exact layout and size, convertible to and from its bytes.
+//! Activation blocks (Q8_K, Q8_0, Q8_1) are made here, so they are Rust
+//! structs: Q8_K and Q8_0 with ggml's exact layout and size, convertible to
+//! and from its bytes; Q8_1 with its `s` held in f32 (see [`BlockQ8_1`]).
 //!
 //! Layouts (ggml-common.h; `d`, `dmin` are IEEE half precision):
 //!
@@ -12,11 +13,13 @@
 //! | --- | --- | --- | --- |
 //! | Q4_0 | 32 | 18 | `d`, `qs[16]`: element j is `qs[j] & 15`, j+16 is `qs[j] >> 4`, minus 8 |
 //! | Q5_0 | 32 | 22 | `d`, `qh[4]` (bit j: element j's fifth bit), `qs[16]` as Q4_0; minus 16 |
+//! | Q5_1 | 32 | 24 | `d`, `m`, `qh[4]`, `qs[16]` as Q5_0; the value is `d × q + m` (q in 0..32) |
 //! | Q8_0 | 32 | 34 | `d`, `qs[32]` (i8) |
 //! | Q4_K | 256 | 144 | `d`, `dmin`, `scales[12]` (8 six-bit scales and mins), `qs[128]` |
 //! | Q5_K | 256 | 176 | `d`, `dmin`, `scales[12]`, `qh[32]` (fifth bits), `qs[128]` |
 //! | Q6_K | 256 | 210 | `ql[128]` (low four bits), `qh[64]` (high two), `scales[16]` (i8), `d` |
 //! | Q8_K | 256 | 292 | `d` (f32), `qs[256]` (i8), `bsums[16]` (i16 sums of 16 quants) |
+//! | Q8_1 | 32 | 36 | `d`, `s` (`d × Σ qs`), `qs[32]` (i8): Q5_1's activations (here `s` is held in f32, see [`BlockQ8_1`]) |
 
 use super::QuantError;
 use half::{bf16, f16};
@@ -24,7 +27,7 @@ use std::fmt;
 
 /// Elements in a k-quant super-block.
 pub const QK_K: usize = 256;
-/// Elements in a Q4_0 / Q5_0 / Q8_0 block.
+/// Elements in a Q4_0 / Q5_0 / Q5_1 / Q8_0 block.
 pub const QK8_0: usize = 32;
 
 /// A GGUF tensor's element format, of those this module reads.
@@ -35,6 +38,7 @@ pub enum QuantKind {
     Bf16,
     Q4_0,
     Q5_0,
+    Q5_1,
     Q8_0,
     Q4K,
     Q5K,
@@ -43,12 +47,13 @@ pub enum QuantKind {
 
 impl QuantKind {
     /// Every kind, for tests and tables.
-    pub const ALL: [QuantKind; 9] = [
+    pub const ALL: [QuantKind; 10] = [
         QuantKind::F32,
         QuantKind::F16,
         QuantKind::Bf16,
         QuantKind::Q4_0,
         QuantKind::Q5_0,
+        QuantKind::Q5_1,
         QuantKind::Q8_0,
         QuantKind::Q4K,
         QuantKind::Q5K,
@@ -59,7 +64,7 @@ impl QuantKind {
     pub const fn block_elems(self) -> usize {
         match self {
             QuantKind::F32 | QuantKind::F16 | QuantKind::Bf16 => 1,
-            QuantKind::Q4_0 | QuantKind::Q5_0 | QuantKind::Q8_0 => QK8_0,
+            QuantKind::Q4_0 | QuantKind::Q5_0 | QuantKind::Q5_1 | QuantKind::Q8_0 => QK8_0,
             QuantKind::Q4K | QuantKind::Q5K | QuantKind::Q6K => QK_K,
         }
     }
@@ -71,6 +76,7 @@ impl QuantKind {
             QuantKind::F16 | QuantKind::Bf16 => 2,
             QuantKind::Q4_0 => 2 + QK8_0 / 2,
             QuantKind::Q5_0 => 2 + 4 + QK8_0 / 2,
+            QuantKind::Q5_1 => 2 + 2 + 4 + QK8_0 / 2,
             QuantKind::Q8_0 => 2 + QK8_0,
             QuantKind::Q4K => 2 + 2 + 12 + QK_K / 2,
             QuantKind::Q5K => 2 + 2 + 12 + QK_K / 8 + QK_K / 2,
@@ -85,6 +91,7 @@ impl QuantKind {
             QuantKind::F16 => 1,
             QuantKind::Q4_0 => 2,
             QuantKind::Q5_0 => 6,
+            QuantKind::Q5_1 => 7,
             QuantKind::Q8_0 => 8,
             QuantKind::Q4K => 12,
             QuantKind::Q5K => 13,
@@ -106,6 +113,7 @@ impl QuantKind {
             QuantKind::Bf16 => "BF16",
             QuantKind::Q4_0 => "Q4_0",
             QuantKind::Q5_0 => "Q5_0",
+            QuantKind::Q5_1 => "Q5_1",
             QuantKind::Q8_0 => "Q8_0",
             QuantKind::Q4K => "Q4_K",
             QuantKind::Q5K => "Q5_K",
@@ -114,13 +122,14 @@ impl QuantKind {
     }
 
     /// Byte offsets of a block's f16 scales (`d`, and `dmin` for Q4_K and
-    /// Q5_K); none for the plain float formats. A generator of blocks must
-    /// set these, as random bytes there may be NaN or infinite.
+    /// Q5_K, `m` for Q5_1); none for the plain float formats. A generator
+    /// of blocks must set these, as random bytes there may be NaN or
+    /// infinite.
     pub const fn f16_offsets(self) -> &'static [usize] {
         match self {
             QuantKind::F32 | QuantKind::F16 | QuantKind::Bf16 => &[],
             QuantKind::Q4_0 | QuantKind::Q5_0 | QuantKind::Q8_0 => &[0],
-            QuantKind::Q4K | QuantKind::Q5K => &[0, 2],
+            QuantKind::Q4K | QuantKind::Q5K | QuantKind::Q5_1 => &[0, 2],
             QuantKind::Q6K => &[Q6K_D],
         }
     }
@@ -220,8 +229,21 @@ pub(crate) fn q6k_quant(block: &[u8], e: usize) -> u8 {
 /// the Q4_0 nibble plus bit `j` of the little-endian u32 `qh` as 16.
 #[inline(always)]
 pub(crate) fn q5_0_quant(block: &[u8], j: usize) -> u8 {
-    let qh = u32::from_le_bytes([block[2], block[3], block[4], block[5]]);
-    let byte = block[6 + j % 16];
+    five_bits(&block[2..], j)
+}
+
+/// Q5_1 quant `j` (0..32): Q5_0's five bits, after the extra `m`.
+#[inline(always)]
+pub(crate) fn q5_1_quant(block: &[u8], j: usize) -> u8 {
+    five_bits(&block[4..], j)
+}
+
+/// Element `j` of a `qh[4]`, `qs[16]` run (Q5_0, Q5_1): the nibble plus
+/// bit `j` of the little-endian u32 `qh` as 16.
+#[inline(always)]
+fn five_bits(run: &[u8], j: usize) -> u8 {
+    let qh = u32::from_le_bytes([run[0], run[1], run[2], run[3]]);
+    let byte = run[4 + j % 16];
     let nibble = if j < 16 { byte & 15 } else { byte >> 4 };
     nibble | ((((qh >> j) & 1) as u8) << 4)
 }
@@ -253,6 +275,12 @@ pub fn dequantize_row(kind: QuantKind, bytes: &[u8], out: &mut [f32]) -> Result<
                 let d = half_at(block, 0);
                 for (j, v) in y.iter_mut().enumerate() {
                     *v = (q5_0_quant(block, j) as i32 - 16) as f32 * d;
+                }
+            }
+            QuantKind::Q5_1 => {
+                let (d, m) = (half_at(block, 0), half_at(block, 2));
+                for (j, v) in y.iter_mut().enumerate() {
+                    *v = q5_1_quant(block, j) as f32 * d + m;
                 }
             }
             QuantKind::Q8_0 => dequant_q8_0(block, y),
@@ -331,8 +359,55 @@ pub struct BlockQ8_0 {
     pub qs: [i8; QK8_0],
 }
 
+/// ggml's `block_q8_1`, what Q5_1 weights multiply: Q8_0's `d` and
+/// quants, and `s`, the block's sum `d × Σ qs` (from the f32 `d`) for the
+/// weights' `m` term. ggml stores `s` in half precision; so does this,
+/// in an f32, wherever it fits. Past half precision's range (block sums
+/// past 65504, where ggml's `s` is infinite and its product NaN or
+/// infinite) it keeps the f32 value, so such activations still multiply.
+#[derive(Clone, Copy, Debug, PartialEq)]
+#[repr(C)]
+pub struct BlockQ8_1 {
+    pub d: f16,
+    pub s: f32,
+    pub qs: [i8; QK8_0],
+}
+
 const _: () = assert!(std::mem::size_of::<BlockQ8K>() == 292);
 const _: () = assert!(std::mem::size_of::<BlockQ8_0>() == 34);
+const _: () = assert!(std::mem::size_of::<BlockQ8_1>() == 40);
+
+/// What the 32-element kernels read of an activation block (Q8_0, Q8_1).
+pub(crate) trait Block32: Copy {
+    fn d(&self) -> f16;
+    fn qs(&self) -> &[i8; QK8_0];
+    /// Q8_1's `s`; zero for Q8_0, which has none (its weights have no `m`).
+    fn s(&self) -> f32;
+}
+
+impl Block32 for BlockQ8_0 {
+    fn d(&self) -> f16 {
+        self.d
+    }
+    fn qs(&self) -> &[i8; QK8_0] {
+        &self.qs
+    }
+    fn s(&self) -> f32 {
+        0.0
+    }
+}
+
+impl Block32 for BlockQ8_1 {
+    fn d(&self) -> f16 {
+        self.d
+    }
+    fn qs(&self) -> &[i8; QK8_0] {
+        &self.qs
+    }
+    fn s(&self) -> f32 {
+        self.s
+    }
+}
 
 impl BlockQ8K {
     /// ggml's bytes of these blocks (little-endian fields, no padding).
@@ -491,14 +566,45 @@ pub fn quantize_q8_0_into(x: &[f32], out: &mut [BlockQ8_0]) -> Result<(), QuantE
         return Err(QuantError::OutputSize { got: out.len(), expected: x.len() / QK8_0 });
     }
     for (b, xs) in out.iter_mut().zip(x.chunks_exact(QK8_0)) {
-        let amax = xs.iter().fold(0.0f32, |m, v| m.max(v.abs()));
-        let d = amax / 127.0;
-        let id = if d != 0.0 { 1.0 / d } else { 0.0 };
-        b.d = f16::from_f32(d);
-        for (q, &v) in b.qs.iter_mut().zip(xs) {
-            // The clamp only matters for non-finite input (see quantize_q8_k).
-            *q = (v * id).round().clamp(-127.0, 127.0) as i8;
-        }
+        b.d = f16::from_f32(quantize_32(xs, &mut b.qs));
+    }
+    Ok(())
+}
+
+/// One block of [`quantize_q8_0`]: the quants into `qs`; returns the f32 `d`.
+fn quantize_32(xs: &[f32], qs: &mut [i8; QK8_0]) -> f32 {
+    let amax = xs.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+    let d = amax / 127.0;
+    let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+    for (q, &v) in qs.iter_mut().zip(xs) {
+        // The clamp only matters for non-finite input (see quantize_q8_k).
+        *q = (v * id).round().clamp(-127.0, 127.0) as i8;
+    }
+    d
+}
+
+/// Quantize f32 activations to Q8_1 as ggml's `quantize_row_q8_1_ref`
+/// does: Q8_0's quants and `d`, and `s = d × Σ qs` with the f32 `d`,
+/// rounded to half precision where it fits (see [`BlockQ8_1`]).
+pub fn quantize_q8_1(x: &[f32]) -> Result<Vec<BlockQ8_1>, QuantError> {
+    let mut out = vec![BlockQ8_1 { d: f16::ZERO, s: 0.0, qs: [0; QK8_0] }; x.len() / QK8_0];
+    quantize_q8_1_into(x, &mut out)?;
+    Ok(out)
+}
+
+/// [`quantize_q8_1`] into blocks the caller owns (`x.len() / 32` of them).
+pub fn quantize_q8_1_into(x: &[f32], out: &mut [BlockQ8_1]) -> Result<(), QuantError> {
+    if !x.len().is_multiple_of(QK8_0) {
+        return Err(QuantError::PartialElements { kind: QuantKind::Q5_1, elements: x.len(), block: QK8_0 });
+    }
+    if out.len() != x.len() / QK8_0 {
+        return Err(QuantError::OutputSize { got: out.len(), expected: x.len() / QK8_0 });
+    }
+    for (b, xs) in out.iter_mut().zip(x.chunks_exact(QK8_0)) {
+        let d = quantize_32(xs, &mut b.qs);
+        let s = b.qs.iter().map(|&q| q as i32).sum::<i32>() as f32 * d;
+        let half = f16::from_f32(s).to_f32();
+        (b.d, b.s) = (f16::from_f32(d), if half.is_finite() || !s.is_finite() { half } else { s });
     }
     Ok(())
 }
@@ -506,6 +612,11 @@ pub fn quantize_q8_0_into(x: &[f32], out: &mut [BlockQ8_0]) -> Result<(), QuantE
 /// Dequantize Q8_K activations (`d × q`), for tests and error bounds.
 pub fn dequantize_q8_k(blocks: &[BlockQ8K]) -> Vec<f32> {
     blocks.iter().flat_map(|b| b.qs.iter().map(move |&q| b.d * q as f32)).collect()
+}
+
+/// Dequantize Q8_1 activations (`d × q`; `s` is their sum's, not a value).
+pub fn dequantize_q8_1(blocks: &[BlockQ8_1]) -> Vec<f32> {
+    blocks.iter().flat_map(|b| b.qs.iter().map(move |&q| b.d.to_f32() * q as f32)).collect()
 }
 
 /// Dequantize Q8_0 activations (`d × q`).

@@ -12,8 +12,8 @@
 //! against |y| ≤ 127 (2 × 128 × 127 = 32512), which is why activations may
 //! never hold -128.
 
-use super::blocks::{k_scales_mins, BlockQ8K, BlockQ8_0, QuantKind, K_SCALES, Q4K_QS, Q5K_QH, Q5K_QS, Q6K_D, Q6K_QH, Q6K_SCALES};
-use super::fold_32;
+use super::blocks::{k_scales_mins, Block32, BlockQ8K, BlockQ8_0, BlockQ8_1, QuantKind, K_SCALES, Q4K_QS, Q5K_QH, Q5K_QS, Q6K_D, Q6K_QH, Q6K_SCALES};
+use super::{fold_32, fold_q5_1};
 use std::arch::x86_64::*;
 
 /// 32 bytes from the front of `s` (bounds-checked).
@@ -184,16 +184,24 @@ fn dot_s8(x: __m256i, y: __m256i) -> __m256i {
     _mm256_madd_epi16(p, _mm256_set1_epi16(1))
 }
 
+/// The `Q` number of Q5_1 (see [`quants32`]).
+pub(super) const Q5_1: u8 = 51;
+
 /// Block `b`'s 32 quants as signed bytes, for `Q` = 8 (Q8_0: as stored),
-/// 4 (Q4_0: nibbles minus 8) or 5 (Q5_0: nibbles plus `qh` bit as 16,
-/// minus 16).
+/// 4 (Q4_0: nibbles minus 8), 5 (Q5_0: nibbles plus `qh` bit as 16,
+/// minus 16) or [`Q5_1`] (as Q5_0, after `m`, and not moved: 0..32).
 #[inline]
 #[target_feature(enable = "avx2,f16c")]
 pub(super) fn quants32<const Q: u8>(b: &[u8]) -> __m256i {
     if Q == 8 {
         return ld(&b[2..]);
     }
-    let at = if Q == 5 { 6 } else { 2 };
+    // Where `qh` (Q5_0, Q5_1) and `qs` start.
+    let (qh_at, at) = match Q {
+        5 => (2, 6),
+        Q5_1 => (4, 8),
+        _ => (0, 2),
+    };
     let qs = &b[at..at + 16];
     // SAFETY: 16 readable bytes; unaligned load.
     let q = unsafe { _mm_loadu_si128(qs.as_ptr().cast()) };
@@ -207,7 +215,7 @@ pub(super) fn quants32<const Q: u8>(b: &[u8]) -> __m256i {
     // Byte j takes bit j of qh: copy qh byte j / 8 to byte j (the shuffle
     // works per 128-bit half, and each half holds all of qh), then test
     // bit j % 8.
-    let qh = i32::from_le_bytes([b[2], b[3], b[4], b[5]]);
+    let qh = i32::from_le_bytes([b[qh_at], b[qh_at + 1], b[qh_at + 2], b[qh_at + 3]]);
     let spread = _mm256_shuffle_epi8(
         _mm256_set1_epi32(qh),
         _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3),
@@ -215,6 +223,9 @@ pub(super) fn quants32<const Q: u8>(b: &[u8]) -> __m256i {
     let bit = _mm256_set1_epi64x(0x8040_2010_0804_0201u64 as i64);
     let set = _mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit);
     let q5 = _mm256_or_si256(nibbles, _mm256_and_si256(set, _mm256_set1_epi8(16)));
+    if Q == Q5_1 {
+        return q5;
+    }
     _mm256_sub_epi8(q5, _mm256_set1_epi8(16))
 }
 
@@ -223,13 +234,15 @@ pub(super) const fn bytes32(q: u8) -> usize {
     match q {
         4 => QuantKind::Q4_0.block_bytes(),
         5 => QuantKind::Q5_0.block_bytes(),
+        Q5_1 => QuantKind::Q5_1.block_bytes(),
         _ => QuantKind::Q8_0.block_bytes(),
     }
 }
 
-/// A Q8_0, Q4_0 or Q5_0 row (`Q` as in [`quants32`]) against Q8_0.
+/// A Q8_0, Q4_0 or Q5_0 row (`Q` as in [`quants32`]) against Q8_0, or a
+/// Q5_1 row against Q8_1.
 #[target_feature(enable = "avx2,f16c")]
-fn dot_32<const Q: u8>(row: &[u8], y: &[BlockQ8_0]) -> f32 {
+fn dot_32<const Q: u8, Y: Block32>(row: &[u8], y: &[Y]) -> f32 {
     let bb = bytes32(Q);
     let mut acc = 0.0f32;
     // Four blocks at a time: sums reduced together and products formed in
@@ -238,20 +251,28 @@ fn dot_32<const Q: u8>(row: &[u8], y: &[BlockQ8_0]) -> f32 {
     let fours = y.len() / 4;
     for (b, yb) in row.chunks_exact(4 * bb).zip(y.chunks_exact(4)) {
         let mut v = [_mm256_setzero_si256(); 4];
-        let (mut dx, mut dy) = ([0u16; 8], [0u16; 8]);
+        let (mut dx, mut dy, mut m, mut sy) = ([0u16; 8], [0u16; 8], [0u16; 8], [0f32; 8]);
         for i in 0..4 {
             let bi = &b[i * bb..];
             let x = quants32::<Q>(bi);
-            v[i] = dot_s8(x, ld_i8(&yb[i].qs));
+            v[i] = dot_s8(x, ld_i8(yb[i].qs()));
             dx[i] = u16::from_le_bytes([bi[0], bi[1]]);
-            dy[i] = yb[i].d.to_bits();
+            dy[i] = yb[i].d().to_bits();
+            if Q == Q5_1 {
+                (m[i], sy[i]) = (u16::from_le_bytes([bi[2], bi[3]]), yb[i].s());
+            }
         }
         // [v0 v1 v2 v3] partial pairs in each half, then the halves added.
         let h = _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]));
         let sums = _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256::<1>(h));
         // SAFETY: two 16-byte arrays; unaligned loads.
         let (dx, dy) = unsafe { (_mm_loadu_si128(dx.as_ptr().cast()), _mm_loadu_si128(dy.as_ptr().cast())) };
-        let prod = _mm_mul_ps(_mm_cvtepi32_ps(sums), _mm_mul_ps(_mm_cvtph_ps(dx), _mm_cvtph_ps(dy)));
+        let mut prod = _mm_mul_ps(_mm_cvtepi32_ps(sums), _mm_mul_ps(_mm_cvtph_ps(dx), _mm_cvtph_ps(dy)));
+        if Q == Q5_1 {
+            // SAFETY: as above.
+            let (m, sy) = unsafe { (_mm_loadu_si128(m.as_ptr().cast()), _mm_loadu_ps(sy.as_ptr())) };
+            prod = _mm_add_ps(prod, _mm_mul_ps(_mm_cvtph_ps(m), sy));
+        }
         let mut t = [0f32; 4];
         // SAFETY: 4 writable f32; unaligned store.
         unsafe { _mm_storeu_ps(t.as_mut_ptr(), prod) };
@@ -262,8 +283,10 @@ fn dot_32<const Q: u8>(row: &[u8], y: &[BlockQ8_0]) -> f32 {
     let (row, y) = (&row[fours * 4 * bb..], &y[fours * 4..]);
     for (b, yb) in row.chunks_exact(bb).zip(y) {
         let x = quants32::<Q>(b);
-        let s = dot_s8(x, ld_i8(&yb.qs));
-        acc = fold_32(acc, halves_at(b, 0).0, half_bits(yb.d.to_bits()), hsum(s));
+        let sumi = hsum(dot_s8(x, ld_i8(yb.qs())));
+        let (dx, m) = halves_at(b, 0);
+        let dy = half_bits(yb.d().to_bits());
+        acc = if Q == Q5_1 { fold_q5_1(acc, dx, dy, sumi, m, yb.s()) } else { fold_32(acc, dx, dy, sumi) };
     }
     acc
 }
@@ -271,17 +294,23 @@ fn dot_32<const Q: u8>(row: &[u8], y: &[BlockQ8_0]) -> f32 {
 /// Q8_0 row against Q8_0.
 #[target_feature(enable = "avx2,f16c")]
 pub(super) fn dot_q8_0(row: &[u8], y: &[BlockQ8_0]) -> f32 {
-    dot_32::<8>(row, y)
+    dot_32::<8, _>(row, y)
 }
 
 /// Q4_0 row against Q8_0.
 #[target_feature(enable = "avx2,f16c")]
 pub(super) fn dot_q4_0(row: &[u8], y: &[BlockQ8_0]) -> f32 {
-    dot_32::<4>(row, y)
+    dot_32::<4, _>(row, y)
 }
 
 /// Q5_0 row against Q8_0.
 #[target_feature(enable = "avx2,f16c")]
 pub(super) fn dot_q5_0(row: &[u8], y: &[BlockQ8_0]) -> f32 {
-    dot_32::<5>(row, y)
+    dot_32::<5, _>(row, y)
+}
+
+/// Q5_1 row against Q8_1.
+#[target_feature(enable = "avx2,f16c")]
+pub(super) fn dot_q5_1(row: &[u8], y: &[BlockQ8_1]) -> f32 {
+    dot_32::<Q5_1, _>(row, y)
 }

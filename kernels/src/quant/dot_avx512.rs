@@ -18,9 +18,10 @@
 //! fits the i16 word `scale_pairs` gives it; a scaled sum of eight
 //! sub-blocks, scales of at most 128: far inside i32.
 
-use super::blocks::{k_scales_mins, BlockQ8K, BlockQ8_0, QuantKind, K_SCALES, Q4K_QS, Q5K_QH, Q5K_QS, Q6K_D, Q6K_QH, Q6K_SCALES};
+use super::blocks::{k_scales_mins, Block32, BlockQ8K, BlockQ8_0, BlockQ8_1, QuantKind, K_SCALES, Q4K_QS, Q5K_QH, Q5K_QS, Q6K_D, Q6K_QH, Q6K_SCALES};
+pub(super) use super::dot_avx2::Q5_1;
 use super::dot_avx2::{bytes32, fold_lanes, half_bits, halves_at, reduce_lanes};
-use super::fold_32;
+use super::{fold_32, fold_q5_1};
 use std::arch::x86_64::*;
 
 /// 64 bytes from the front of `s`.
@@ -267,9 +268,9 @@ pub(super) fn dot_q6k_multi<const T: usize>(row: &[u8], ys: [&[BlockQ8K]; T]) ->
     acc.map(|a| reduce_lanes(a))
 }
 
-/// Two blocks' quants (`Q` as in `quants32`: 8, 4 or 5) as unsigned bytes,
-/// `b0`'s in the low half: each quant plus [`bias`]. So `vpdpbusd` takes
-/// them as they are, and a block's sum comes out `bias · Σy` too large,
+/// Two blocks' quants (`Q` as in `quants32`: 8, 4, 5 or [`Q5_1`]) as
+/// unsigned bytes, `b0`'s in the low half: each quant plus [`bias`]. So
+/// `vpdpbusd` takes them as they are, and a block's sum comes out `bias · Σy` too large,
 /// which `gemv_32` takes off (one subtraction per eight blocks, where
 /// moving the weights' signs onto the activations cost three instructions
 /// per two blocks).
@@ -280,7 +281,12 @@ fn quants64_biased<const Q: u8>(b0: &[u8], b1: &[u8]) -> __m512i {
         let x = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(ld32(&b0[2..])), ld32(&b1[2..]));
         return _mm512_xor_si512(x, _mm512_set1_epi8(-128));
     }
-    let at = if Q == 5 { 6 } else { 2 };
+    // Where `qh` (Q5_0, Q5_1) and `qs` start.
+    let (qh_at, at) = match Q {
+        5 => (2, 6),
+        Q5_1 => (4, 8),
+        _ => (0, 2),
+    };
     // Elements 0..16 are the low nibbles of a block's 16 bytes, 16..32 the high ones.
     let nibbles = |b: &[u8]| {
         // SAFETY: 16 readable bytes; unaligned load.
@@ -293,17 +299,18 @@ fn quants64_biased<const Q: u8>(b0: &[u8], b1: &[u8]) -> __m512i {
         return x;
     }
     // Element j's fifth bit is bit j of the block's `qh`.
-    let qh = |b: &[u8]| u32::from_le_bytes([b[2], b[3], b[4], b[5]]) as u64;
+    let qh = |b: &[u8]| u32::from_le_bytes([b[qh_at], b[qh_at + 1], b[qh_at + 2], b[qh_at + 3]]) as u64;
     _mm512_mask_add_epi8(x, qh(b0) | qh(b1) << 32, x, _mm512_set1_epi8(16))
 }
 
 /// What [`quants64_biased`] adds to a `Q` quant: Q8_0's signed bytes are
 /// moved up by 128; Q4_0's nibbles and Q5_0's five bits are stored that
-/// far above their values (8, 16).
+/// far above their values (8, 16); Q5_1's are their values.
 const fn bias(q: u8) -> i32 {
     match q {
         4 => 8,
         5 => 16,
+        Q5_1 => 0,
         _ => 128,
     }
 }
@@ -358,25 +365,26 @@ fn pair_i8(a: &[i8], b: &[i8]) -> __m512i {
     _mm512_inserti64x4::<1>(_mm512_castsi256_si512(ld32_i8(a)), ld32_i8(b))
 }
 
-/// A Q8_0, Q4_0 or Q5_0 row (`Q` as in `quants32`) against Q8_0: the band
-/// product of one row.
+/// A Q8_0, Q4_0 or Q5_0 row (`Q` as in `quants32`) against Q8_0, or a
+/// Q5_1 row against Q8_1: the band product of one row.
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,f16c")]
-fn dot_32<const Q: u8>(row: &[u8], y: &[BlockQ8_0]) -> f32 {
+fn dot_32<const Q: u8, Y: Block32>(row: &[u8], y: &[Y]) -> f32 {
     let mut out = [0.0f32];
-    gemv_32::<Q>(row, y, &mut out);
+    gemv_32::<Q, Y>(row, y, &mut out);
     out[0]
 }
 
 /// Rows of Q8_0, Q4_0 or Q5_0 weights (`Q` as in `quants32`), `y.len()`
-/// blocks each, against Q8_0: `out[r]` is row r's `fold_32` sum, bit for
-/// bit. The rows are taken as one stream of blocks, eight at a time across
-/// row ends, so that short rows (MLA's per-head `attn_k_b` has four blocks
-/// a row) cost what long ones do: each row still adds its blocks' products
-/// to its own sum from zero, in block order. Eight blocks' integer sums are
-/// reduced together and their products formed in one vector (the same f32
-/// operations as `fold_32`'s, lane by lane).
+/// blocks each, against Q8_0, or of Q5_1 against Q8_1: `out[r]` is row r's
+/// `fold_32` (`fold_q5_1`) sum, bit for bit. The rows are taken as one
+/// stream of blocks, eight at a time across row ends, so that short rows
+/// (MLA's per-head `attn_k_b` has four blocks a row) cost what long ones
+/// do: each row still adds its blocks' products to its own sum from zero,
+/// in block order. Eight blocks' integer sums are reduced together and
+/// their products formed in one vector (the same f32 operations as
+/// `fold_32`'s, lane by lane).
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,f16c")]
-pub(super) fn gemv_32<const Q: u8>(matrix: &[u8], y: &[BlockQ8_0], out: &mut [f32]) {
+pub(super) fn gemv_32<const Q: u8, Y: Block32>(matrix: &[u8], y: &[Y], out: &mut [f32]) {
     let bb = bytes32(Q);
     let per_row = y.len();
     let total = out.len() * per_row;
@@ -389,7 +397,7 @@ pub(super) fn gemv_32<const Q: u8>(matrix: &[u8], y: &[BlockQ8_0], out: &mut [f3
     // closure around the loops: that form ran Q8_0 rows 16% slower.
     let mut sums = BIASED_SUMS.take();
     sums.clear();
-    sums.extend((0..per_row + 8).map(|i| bias(Q) * y[i % per_row].qs.iter().map(|&v| i32::from(v)).sum::<i32>()));
+    sums.extend((0..per_row + 8).map(|i| bias(Q) * y[i % per_row].qs().iter().map(|&v| i32::from(v)).sum::<i32>()));
     let zero = _mm512_setzero_si512();
     // The row being summed (`acc`, stored when the row ends) and the next
     // block's column: kept in registers and counted, not divided. Indexing
@@ -406,20 +414,28 @@ pub(super) fn gemv_32<const Q: u8>(matrix: &[u8], y: &[BlockQ8_0], out: &mut [f3
         }
         let yb = |k: usize| &y[cols[k]];
         let mut v = [zero; 4];
-        let (mut dx, mut dy) = ([0u16; 8], [0u16; 8]);
+        let (mut dx, mut dy, mut m, mut sy) = ([0u16; 8], [0u16; 8], [0u16; 8], [0f32; 8]);
         for p in 0..4 {
             let (b0, b1) = (&b[2 * p * bb..], &b[(2 * p + 1) * bb..]);
-            v[p] = _mm512_dpbusd_epi32(zero, quants64_biased::<Q>(b0, b1), pair_i8(&yb(2 * p).qs, &yb(2 * p + 1).qs));
-            dx[2 * p] = u16::from_le_bytes([b0[0], b0[1]]);
-            dx[2 * p + 1] = u16::from_le_bytes([b1[0], b1[1]]);
-            dy[2 * p] = yb(2 * p).d.to_bits();
-            dy[2 * p + 1] = yb(2 * p + 1).d.to_bits();
+            v[p] = _mm512_dpbusd_epi32(zero, quants64_biased::<Q>(b0, b1), pair_i8(yb(2 * p).qs(), yb(2 * p + 1).qs()));
+            for (k, bk) in [(2 * p, b0), (2 * p + 1, b1)] {
+                dx[k] = u16::from_le_bytes([bk[0], bk[1]]);
+                dy[k] = yb(k).d().to_bits();
+                if Q == Q5_1 {
+                    (m[k], sy[k]) = (u16::from_le_bytes([bk[2], bk[3]]), yb(k).s());
+                }
+            }
         }
         // SAFETY: two 16-byte arrays, and eight i32 from `first` (the
         // sums run eight past the row); unaligned loads.
         let (dx, dy, biased) = unsafe { (_mm_loadu_si128(dx.as_ptr().cast()), _mm_loadu_si128(dy.as_ptr().cast()), _mm256_loadu_si256(sums[first..first + 8].as_ptr().cast())) };
         let scale = _mm256_mul_ps(_mm256_cvtph_ps(dx), _mm256_cvtph_ps(dy));
-        let prod = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(sums8(v), biased)), scale);
+        let mut prod = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(sums8(v), biased)), scale);
+        if Q == Q5_1 {
+            // SAFETY: 16 readable bytes and 8 readable f32; unaligned loads.
+            let (m, sy) = unsafe { (_mm_loadu_si128(m.as_ptr().cast()), _mm256_loadu_ps(sy.as_ptr())) };
+            prod = _mm256_add_ps(prod, _mm256_mul_ps(_mm256_cvtph_ps(m), sy));
+        }
         let mut t = [0f32; 8];
         // SAFETY: 8 writable f32; unaligned store.
         unsafe { _mm256_storeu_ps(t.as_mut_ptr(), prod) };
@@ -434,8 +450,9 @@ pub(super) fn gemv_32<const Q: u8>(matrix: &[u8], y: &[BlockQ8_0], out: &mut [f3
     for b in matrix[eights * 8 * bb..].chunks_exact(bb) {
         let yb = &y[col];
         // The high half's quants meet zero activations.
-        let (s, _) = hsum_halves(_mm512_dpbusd_epi32(zero, quants64_biased::<Q>(b, b), pair_i8(&yb.qs, &[0; 32])));
-        acc = fold_32(acc, halves_at(b, 0).0, half_bits(yb.d.to_bits()), s - sums[col]);
+        let (s, _) = hsum_halves(_mm512_dpbusd_epi32(zero, quants64_biased::<Q>(b, b), pair_i8(yb.qs(), &[0; 32])));
+        let ((dx, m), dy) = (halves_at(b, 0), half_bits(yb.d().to_bits()));
+        acc = if Q == Q5_1 { fold_q5_1(acc, dx, dy, s - sums[col], m, yb.s()) } else { fold_32(acc, dx, dy, s - sums[col]) };
         col += 1;
         if col == per_row {
             (out[row], row, acc, col) = (acc, row + 1, 0.0, 0);
@@ -447,17 +464,23 @@ pub(super) fn gemv_32<const Q: u8>(matrix: &[u8], y: &[BlockQ8_0], out: &mut [f3
 /// Q8_0 row against Q8_0.
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,f16c")]
 pub(super) fn dot_q8_0(row: &[u8], y: &[BlockQ8_0]) -> f32 {
-    dot_32::<8>(row, y)
+    dot_32::<8, _>(row, y)
 }
 
 /// Q4_0 row against Q8_0.
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,f16c")]
 pub(super) fn dot_q4_0(row: &[u8], y: &[BlockQ8_0]) -> f32 {
-    dot_32::<4>(row, y)
+    dot_32::<4, _>(row, y)
 }
 
 /// Q5_0 row against Q8_0.
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,f16c")]
 pub(super) fn dot_q5_0(row: &[u8], y: &[BlockQ8_0]) -> f32 {
-    dot_32::<5>(row, y)
+    dot_32::<5, _>(row, y)
+}
+
+/// Q5_1 row against Q8_1.
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,f16c")]
+pub(super) fn dot_q5_1(row: &[u8], y: &[BlockQ8_1]) -> f32 {
+    dot_32::<Q5_1, _>(row, y)
 }

@@ -7,8 +7,8 @@
 //! overflows: a lane's largest sum, Q6_K's, is at most 32 elements × 128 ×
 //! 63 × 127 less an offset of at most 32 × 2 × 128 × 16 × 127, < 2²⁶.
 
-use super::blocks::{half_at, q5_0_quant, k_scales_mins, q4k_quant, q5k_quant, q6k_quant, BlockQ8K, BlockQ8_0, QuantKind, K_SCALES, Q4K_QS, Q5K_QH, Q5K_QS, Q6K_D, Q6K_SCALES};
-use super::{fold_32, fold_k, reduce_k, K_LANES, QK_K};
+use super::blocks::{half_at, q5_0_quant, q5_1_quant, k_scales_mins, q4k_quant, q5k_quant, q6k_quant, BlockQ8K, BlockQ8_0, BlockQ8_1, QuantKind, K_SCALES, Q4K_QS, Q5K_QH, Q5K_QS, Q6K_D, Q6K_SCALES};
+use super::{fold_32, fold_k, fold_q5_1, reduce_k, K_LANES, QK_K};
 
 /// The lanes of a Q4_K/Q5_K block's minimum term: lane g holds sub-block
 /// g's min × the sum of its 32 activations (`bsums[2g] + bsums[2g + 1]`).
@@ -80,6 +80,17 @@ pub(super) fn dot_q5_0(row: &[u8], y: &[BlockQ8_0]) -> f32 {
     for (b, yb) in row.chunks_exact(QuantKind::Q5_0.block_bytes()).zip(y) {
         let sumi: i32 = (0..32).map(|j| (q5_0_quant(b, j) as i32 - 16) * yb.qs[j] as i32).sum();
         acc = fold_32(acc, half_at(b, 0), yb.d.to_f32(), sumi);
+    }
+    acc
+}
+
+/// A Q5_1 row against Q8_1: the quants as stored (0..32) and the `m` term
+/// from the activations' sum.
+pub(super) fn dot_q5_1(row: &[u8], y: &[BlockQ8_1]) -> f32 {
+    let mut acc = 0.0f32;
+    for (b, yb) in row.chunks_exact(QuantKind::Q5_1.block_bytes()).zip(y) {
+        let sumi: i32 = (0..32).map(|j| q5_1_quant(b, j) as i32 * yb.qs[j] as i32).sum();
+        acc = fold_q5_1(acc, half_at(b, 0), yb.d.to_f32(), sumi, half_at(b, 2), yb.s);
     }
     acc
 }

@@ -3,13 +3,14 @@
 //! A GGUF k-quant model (Q4_K_M and kin) stores each weight row as a run of
 //! fixed-size blocks in ggml's byte layout; llama.cpp multiplies such a row by
 //! an activation vector that it first quantizes to 8 bits (Q8_K for the
-//! k-quants, Q8_0 for Q4_0/Q5_0/Q8_0), so that the inner loop is an integer dot
-//! product and the scales are applied once per block. This module does the
-//! same:
+//! k-quants, Q8_0 for Q4_0/Q5_0/Q8_0, Q8_1 for Q5_1), so that the inner loop
+//! is an integer dot product and the scales are applied once per block. This
+//! module does the same:
 //!
-//! - [`blocks`]: the layouts ([`QuantKind`], [`BlockQ8K`], [`BlockQ8_0`]),
-//!   scalar dequantization of every weight format to f32, and quantization
-//!   of f32 activations to Q8_K / Q8_0 as ggml's reference code does it.
+//! - [`blocks`]: the layouts ([`QuantKind`], [`BlockQ8K`], [`BlockQ8_0`],
+//!   [`BlockQ8_1`]), scalar dequantization of every weight format to f32,
+//!   and quantization of f32 activations to Q8_K / Q8_0 / Q8_1 as ggml's
+//!   reference code does it.
 //! - [`dot`] / [`gemv`]: a weight row (raw GGUF bytes, no alignment needed)
 //!   against quantized activations, on the portable scalar reference, AVX2
 //!   (`vpmaddubsw`) or AVX-512 VNNI (`vpdpbusd`), chosen at run time from an
@@ -37,7 +38,8 @@ mod lanes_avx512;
 mod tiles_amx;
 
 pub use blocks::{
-    dequantize_row, quantize_q8_0, quantize_q8_0_into, quantize_q8_k, quantize_q8_k_into, BlockQ8K, BlockQ8_0, QuantKind, QK_K, QK8_0,
+    dequantize_row, quantize_q8_0, quantize_q8_0_into, quantize_q8_1, quantize_q8_1_into, quantize_q8_k, quantize_q8_k_into, BlockQ8K,
+    BlockQ8_0, BlockQ8_1, QuantKind, QK_K, QK8_0,
 };
 
 use crate::cpu::isa::Isa;
@@ -73,7 +75,8 @@ pub enum QuantError {
 }
 
 /// Activations quantized for one family of weight formats, as ggml pairs
-/// them (its `vec_dot_type`): Q8_K for the k-quants, Q8_0 for Q4_0, Q5_0 and Q8_0.
+/// them (its `vec_dot_type`): Q8_K for the k-quants, Q8_0 for Q4_0, Q5_0
+/// and Q8_0, Q8_1 for Q5_1.
 ///
 /// Invariants every kernel relies on, kept by the constructors: every quant
 /// is in [-127, 127] (never -128, which would overflow AVX2's `vpmaddubsw`
@@ -83,6 +86,7 @@ pub enum QuantError {
 pub enum Activations {
     Q8K(Vec<BlockQ8K>),
     Q8_0(Vec<BlockQ8_0>),
+    Q8_1(Vec<BlockQ8_1>),
 }
 
 impl Activations {
@@ -92,6 +96,7 @@ impl Activations {
         match kind {
             QuantKind::Q4K | QuantKind::Q5K | QuantKind::Q6K => Ok(Activations::Q8K(quantize_q8_k(x)?)),
             QuantKind::Q4_0 | QuantKind::Q5_0 | QuantKind::Q8_0 => Ok(Activations::Q8_0(quantize_q8_0(x)?)),
+            QuantKind::Q5_1 => Ok(Activations::Q8_1(quantize_q8_1(x)?)),
             QuantKind::F32 | QuantKind::F16 | QuantKind::Bf16 => Err(QuantError::NoDot { kind }),
         }
     }
@@ -101,6 +106,7 @@ impl Activations {
         match self {
             Activations::Q8K(b) => b.len() * QK_K,
             Activations::Q8_0(b) => b.len() * QK8_0,
+            Activations::Q8_1(b) => b.len() * QK8_0,
         }
     }
 
@@ -113,6 +119,7 @@ impl Activations {
         match self {
             Activations::Q8K(_) => "Q8_K",
             Activations::Q8_0(_) => "Q8_0",
+            Activations::Q8_1(_) => "Q8_1",
         }
     }
 }
@@ -230,6 +237,14 @@ fn fold_32(acc: f32, dx: f32, dy: f32, sumi: i32) -> f32 {
     acc + sumi as f32 * (dx * dy)
 }
 
+/// The f32 fold of one Q5_1 block: [`fold_32`]'s product plus the weights'
+/// `m` times the activations' sum `s`, added to it first, as ggml's
+/// reference writes it.
+#[inline(always)]
+fn fold_q5_1(acc: f32, dx: f32, dy: f32, sumi: i32, m: f32, s: f32) -> f32 {
+    acc + (sumi as f32 * (dx * dy) + m * s)
+}
+
 /// A checked pairing of weight format and activations: what a kernel runs.
 #[derive(Clone, Copy)]
 enum Op<'a> {
@@ -238,6 +253,7 @@ enum Op<'a> {
     Q6K(&'a [BlockQ8K]),
     Q4_0(&'a [BlockQ8_0]),
     Q5_0(&'a [BlockQ8_0]),
+    Q5_1(&'a [BlockQ8_1]),
     Q8_0(&'a [BlockQ8_0]),
 }
 
@@ -250,11 +266,13 @@ fn pair(kind: QuantKind, act: &Activations) -> Result<Op<'_>, QuantError> {
         (QuantKind::Q4_0, Activations::Q8_0(y)) => Ok(Op::Q4_0(y)),
         (QuantKind::Q5_0, Activations::Q8_0(y)) => Ok(Op::Q5_0(y)),
         (QuantKind::Q8_0, Activations::Q8_0(y)) => Ok(Op::Q8_0(y)),
+        (QuantKind::Q5_1, Activations::Q8_1(y)) => Ok(Op::Q5_1(y)),
         (QuantKind::F32 | QuantKind::F16 | QuantKind::Bf16, _) => Err(QuantError::NoDot { kind }),
         (QuantKind::Q4K | QuantKind::Q5K | QuantKind::Q6K, _) => {
             Err(QuantError::WrongActivations { kind, wanted: "Q8_K", got: act.name() })
         }
         (QuantKind::Q4_0 | QuantKind::Q5_0 | QuantKind::Q8_0, _) => Err(QuantError::WrongActivations { kind, wanted: "Q8_0", got: act.name() }),
+        (QuantKind::Q5_1, _) => Err(QuantError::WrongActivations { kind, wanted: "Q8_1", got: act.name() }),
     }
 }
 
@@ -282,6 +300,7 @@ fn dot_on(path: DotPath, row: &[u8], op: Op) -> f32 {
             Op::Q6K(y) => dot_scalar::dot_q6k(row, y),
             Op::Q4_0(y) => dot_scalar::dot_q4_0(row, y),
             Op::Q5_0(y) => dot_scalar::dot_q5_0(row, y),
+            Op::Q5_1(y) => dot_scalar::dot_q5_1(row, y),
             Op::Q8_0(y) => dot_scalar::dot_q8_0(row, y),
         },
         // SAFETY: `runnable` only lets through paths whose features this
@@ -294,6 +313,7 @@ fn dot_on(path: DotPath, row: &[u8], op: Op) -> f32 {
                 Op::Q6K(y) => dot_avx2::dot_q6k(row, y),
                 Op::Q4_0(y) => dot_avx2::dot_q4_0(row, y),
                 Op::Q5_0(y) => dot_avx2::dot_q5_0(row, y),
+                Op::Q5_1(y) => dot_avx2::dot_q5_1(row, y),
                 Op::Q8_0(y) => dot_avx2::dot_q8_0(row, y),
             }
         },
@@ -306,6 +326,7 @@ fn dot_on(path: DotPath, row: &[u8], op: Op) -> f32 {
                 Op::Q6K(y) => dot_avx512::dot_q6k(row, y),
                 Op::Q4_0(y) => dot_avx512::dot_q4_0(row, y),
                 Op::Q5_0(y) => dot_avx512::dot_q5_0(row, y),
+                Op::Q5_1(y) => dot_avx512::dot_q5_1(row, y),
                 Op::Q8_0(y) => dot_avx512::dot_q8_0(row, y),
             }
         },
@@ -397,9 +418,10 @@ fn row_products(path: DotPath, matrix: &[u8], row_bytes: usize, op: Op, out: &mu
         // that has it; the band is whole rows of the op's blocks (checked by callers).
         unsafe {
             match op {
-                Op::Q8_0(y) => dot_avx512::gemv_32::<8>(matrix, y, out),
-                Op::Q4_0(y) => dot_avx512::gemv_32::<4>(matrix, y, out),
-                Op::Q5_0(y) => dot_avx512::gemv_32::<5>(matrix, y, out),
+                Op::Q8_0(y) => dot_avx512::gemv_32::<8, _>(matrix, y, out),
+                Op::Q4_0(y) => dot_avx512::gemv_32::<4, _>(matrix, y, out),
+                Op::Q5_0(y) => dot_avx512::gemv_32::<5, _>(matrix, y, out),
+                Op::Q5_1(y) => dot_avx512::gemv_32::<{ dot_avx512::Q5_1 }, _>(matrix, y, out),
                 Op::Q4K(y) => dot_avx512::gemv_q45k::<false>(matrix, y, out),
                 Op::Q5K(y) => dot_avx512::gemv_q45k::<true>(matrix, y, out),
                 Op::Q6K(y) => dot_avx512::gemv_q6k(matrix, y, out),
@@ -412,6 +434,52 @@ fn row_products(path: DotPath, matrix: &[u8], row_bytes: usize, op: Op, out: &mu
     }
 }
 
+/// The activation format a weight kind multiplies (ggml's `vec_dot_type`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+enum Family {
+    /// Q8_K, for the k-quants.
+    #[default]
+    Q8K,
+    /// Q8_0, for Q4_0, Q5_0 and Q8_0.
+    Q8_0,
+    /// Q8_1, for Q5_1.
+    Q8_1,
+}
+
+impl Family {
+    fn of(kind: QuantKind) -> Result<Family, QuantError> {
+        match kind {
+            QuantKind::Q4K | QuantKind::Q5K | QuantKind::Q6K => Ok(Family::Q8K),
+            QuantKind::Q4_0 | QuantKind::Q5_0 | QuantKind::Q8_0 => Ok(Family::Q8_0),
+            QuantKind::Q5_1 => Ok(Family::Q8_1),
+            QuantKind::F32 | QuantKind::F16 | QuantKind::Bf16 => Err(QuantError::NoDot { kind }),
+        }
+    }
+
+    fn block(self) -> usize {
+        match self {
+            Family::Q8K => QK_K,
+            Family::Q8_0 | Family::Q8_1 => QK8_0,
+        }
+    }
+
+    fn name(self) -> &'static str {
+        match self {
+            Family::Q8K => "Q8_K",
+            Family::Q8_0 => "Q8_0",
+            Family::Q8_1 => "Q8_1",
+        }
+    }
+}
+
+/// The buffers of [`QuantizedTokens::blocks_mut`], one per family; only
+/// the held family's is sized.
+pub struct TokenBlocks<'a> {
+    pub q8k: &'a mut [BlockQ8K],
+    pub q8_0: &'a mut [BlockQ8_0],
+    pub q8_1: &'a mut [BlockQ8_1],
+}
+
 /// The activations of several tokens, quantized for one weight family and
 /// kept token-major in buffers that are reused from call to call (they grow
 /// to the largest batch seen and never shrink, so a warm hot path does not
@@ -420,8 +488,9 @@ fn row_products(path: DotPath, matrix: &[u8], row_bytes: usize, op: Op, out: &mu
 pub struct QuantizedTokens {
     q8k: Vec<BlockQ8K>,
     q8_0: Vec<BlockQ8_0>,
-    /// Whether the tokens are in `q8k` (for the k-quants) or `q8_0`.
-    k_quants: bool,
+    q8_1: Vec<BlockQ8_1>,
+    /// Which buffer holds the tokens.
+    family: Family,
     tokens: usize,
     cols: usize,
 }
@@ -446,43 +515,42 @@ impl QuantizedTokens {
         if cols * n != elements {
             return Err(QuantError::LengthMismatch { kind, row: cols, activations: elements });
         }
-        let (k_quants, block) = match kind {
-            QuantKind::Q4K | QuantKind::Q5K | QuantKind::Q6K => (true, QK_K),
-            QuantKind::Q4_0 | QuantKind::Q5_0 | QuantKind::Q8_0 => (false, QK8_0),
-            QuantKind::F32 | QuantKind::F16 | QuantKind::Bf16 => return Err(QuantError::NoDot { kind }),
-        };
+        let family = Family::of(kind)?;
+        let block = family.block();
         if !cols.is_multiple_of(block) {
             return Err(QuantError::PartialElements { kind, elements: cols, block });
         }
-        if k_quants {
-            self.q8k.resize(n * cols / QK_K, BlockQ8K { d: 0.0, qs: [0; QK_K], bsums: [0; QK_K / 16] });
-        } else {
-            self.q8_0.resize(n * cols / QK8_0, BlockQ8_0 { d: half::f16::ZERO, qs: [0; QK8_0] });
+        let blocks = n * cols / block;
+        match family {
+            Family::Q8K => self.q8k.resize(blocks, BlockQ8K { d: 0.0, qs: [0; QK_K], bsums: [0; QK_K / 16] }),
+            Family::Q8_0 => self.q8_0.resize(blocks, BlockQ8_0 { d: half::f16::ZERO, qs: [0; QK8_0] }),
+            Family::Q8_1 => self.q8_1.resize(blocks, BlockQ8_1 { d: half::f16::ZERO, s: 0.0, qs: [0; QK8_0] }),
         }
-        (self.k_quants, self.tokens, self.cols) = (k_quants, n, cols);
+        (self.family, self.tokens, self.cols) = (family, n, cols);
         Ok(())
     }
 
     /// Quantize token `t` (`cols` values) into its place.
     pub fn quantize_token(&mut self, t: usize, x: &[f32]) -> Result<(), QuantError> {
-        let cols = self.cols;
-        if self.k_quants {
-            quantize_q8_k_into(x, &mut self.q8k[t * cols / QK_K..(t + 1) * cols / QK_K])
-        } else {
-            quantize_q8_0_into(x, &mut self.q8_0[t * cols / QK8_0..(t + 1) * cols / QK8_0])
+        let r = self.token_range(t);
+        match self.family {
+            Family::Q8K => quantize_q8_k_into(x, &mut self.q8k[r]),
+            Family::Q8_0 => quantize_q8_0_into(x, &mut self.q8_0[r]),
+            Family::Q8_1 => quantize_q8_1_into(x, &mut self.q8_1[r]),
         }
     }
 
     /// The blocks of token `t`, for splitting the work of quantizing many
     /// tokens across threads: disjoint tokens are disjoint ranges.
     pub fn token_range(&self, t: usize) -> std::ops::Range<usize> {
-        let per = self.cols / if self.k_quants { QK_K } else { QK8_0 };
+        let per = self.cols / self.family.block();
         t * per..(t + 1) * per
     }
 
-    /// The Q8_K or Q8_0 blocks, by which [`Self::token_range`] indexes.
-    pub fn blocks_mut(&mut self) -> (&mut [BlockQ8K], &mut [BlockQ8_0]) {
-        (&mut self.q8k, &mut self.q8_0)
+    /// The blocks of every family, by which [`Self::token_range`] indexes
+    /// the held one.
+    pub fn blocks_mut(&mut self) -> TokenBlocks<'_> {
+        TokenBlocks { q8k: &mut self.q8k, q8_0: &mut self.q8_0, q8_1: &mut self.q8_1 }
     }
 
     pub fn tokens(&self) -> usize {
@@ -496,18 +564,20 @@ impl QuantizedTokens {
     /// Token `t`'s activations paired with `kind` weights.
     fn op(&self, kind: QuantKind, t: usize) -> Result<Op<'_>, QuantError> {
         let r = self.token_range(t);
-        let got = if self.k_quants { "Q8_K" } else { "Q8_0" };
-        match (kind, self.k_quants) {
-            (QuantKind::Q4K, true) => Ok(Op::Q4K(&self.q8k[r])),
-            (QuantKind::Q5K, true) => Ok(Op::Q5K(&self.q8k[r])),
-            (QuantKind::Q6K, true) => Ok(Op::Q6K(&self.q8k[r])),
-            (QuantKind::Q4_0, false) => Ok(Op::Q4_0(&self.q8_0[r])),
-            (QuantKind::Q5_0, false) => Ok(Op::Q5_0(&self.q8_0[r])),
-            (QuantKind::Q8_0, false) => Ok(Op::Q8_0(&self.q8_0[r])),
-            (QuantKind::F32 | QuantKind::F16 | QuantKind::Bf16, _) => Err(QuantError::NoDot { kind }),
-            (QuantKind::Q4K | QuantKind::Q5K | QuantKind::Q6K, false) => Err(QuantError::WrongActivations { kind, wanted: "Q8_K", got }),
-            (_, true) => Err(QuantError::WrongActivations { kind, wanted: "Q8_0", got }),
+        let wanted = Family::of(kind)?;
+        if wanted != self.family {
+            return Err(QuantError::WrongActivations { kind, wanted: wanted.name(), got: self.family.name() });
         }
+        Ok(match kind {
+            QuantKind::Q4K => Op::Q4K(&self.q8k[r]),
+            QuantKind::Q5K => Op::Q5K(&self.q8k[r]),
+            QuantKind::Q6K => Op::Q6K(&self.q8k[r]),
+            QuantKind::Q4_0 => Op::Q4_0(&self.q8_0[r]),
+            QuantKind::Q5_0 => Op::Q5_0(&self.q8_0[r]),
+            QuantKind::Q8_0 => Op::Q8_0(&self.q8_0[r]),
+            QuantKind::Q5_1 => Op::Q5_1(&self.q8_1[r]),
+            QuantKind::F32 | QuantKind::F16 | QuantKind::Bf16 => unreachable!("Family::of refused {kind}"),
+        })
     }
 }
 
@@ -560,8 +630,9 @@ const GROUP: usize = 8;
 /// of an AMX machine, so they take the same groups), whole groups of
 /// eight k-quant tokens per row (`dot_q45k_multi`, `dot_q6k_multi`) and
 /// a group of four of the rest if at least four are left. The
-/// rest go one at a time over the whole band (`row_products`). All give the
-/// bits of row by row.
+/// rest go one at a time over the whole band (`row_products`), as do all of
+/// Q5_1's (a fallback format, for rows too short for a k-quant block). All
+/// give the bits of row by row.
 #[cfg(target_arch = "x86_64")]
 #[allow(clippy::too_many_arguments)]
 fn products_together(path: DotPath, mut tiles: Option<&mut impl tiles_amx::TileUnit>, kind: QuantKind, matrix: &[u8], rows: usize, acts: &QuantizedTokens, n: usize, token: &impl Fn(usize) -> usize, out: &mut [f32]) -> Result<usize, QuantError> {
@@ -579,7 +650,7 @@ fn products_together(path: DotPath, mut tiles: Option<&mut impl tiles_amx::TileU
             for (slot, j) in tokens.iter_mut().zip(j0..j0 + count) {
                 *slot = match acts.op(kind, token(j))? {
                     Op::Q8_0(y) | Op::Q4_0(y) | Op::Q5_0(y) => y,
-                    Op::Q4K(_) | Op::Q5K(_) | Op::Q6K(_) => unreachable!("{kind} is a 32-element format"),
+                    Op::Q4K(_) | Op::Q5K(_) | Op::Q6K(_) | Op::Q5_1(_) => unreachable!("{kind} is a 32-element format of Q8_0 activations"),
                 };
             }
             // Row r of `sums` holds its products with the group's tokens.
@@ -617,7 +688,7 @@ fn products_together(path: DotPath, mut tiles: Option<&mut impl tiles_amx::TileU
         }
         return Ok(together);
     }
-    if path >= DotPath::Avx512Vnni {
+    if path >= DotPath::Avx512Vnni && Family::of(kind)? == Family::Q8K {
         // Whole groups of eight, then four of the rest if as many are left.
         let groups = n - n % GROUP;
         let tail = if n % GROUP >= GROUP / 2 { GROUP / 2 } else { 0 };
@@ -642,7 +713,7 @@ fn k_quant_group<const T: usize>(kind: QuantKind, matrix: &[u8], row_bytes: usiz
     for (slot, j) in ys.iter_mut().zip(j0..) {
         *slot = match acts.op(kind, token(j))? {
             Op::Q4K(y) | Op::Q5K(y) | Op::Q6K(y) => y,
-            Op::Q4_0(_) | Op::Q5_0(_) | Op::Q8_0(_) => unreachable!("{kind} is a k-quant"),
+            Op::Q4_0(_) | Op::Q5_0(_) | Op::Q5_1(_) | Op::Q8_0(_) => unreachable!("{kind} is a k-quant"),
         };
     }
     for (r, row) in matrix.chunks_exact(row_bytes).enumerate() {

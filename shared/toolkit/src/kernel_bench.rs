@@ -332,7 +332,7 @@ mod tests {
     #[test]
     fn random_blocks_hold_finite_varied_weights() {
         let pool = ThreadPool::new(&PoolConfig::single_node(2));
-        for kind in [QuantKind::Q4_0, QuantKind::Q5_0, QuantKind::Q8_0, QuantKind::Q4K, QuantKind::Q5K, QuantKind::Q6K] {
+        for kind in [QuantKind::Q4_0, QuantKind::Q5_0, QuantKind::Q5_1, QuantKind::Q8_0, QuantKind::Q4K, QuantKind::Q5K, QuantKind::Q6K] {
             // Not a whole number of blocks: the buffer is cut to whole ones.
             let buf = random_blocks(&pool, kind, (1 << 20) + 5, 7);
             assert_eq!(buf.len() % kind.block_bytes(), 0, "{kind}");
