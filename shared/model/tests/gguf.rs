@@ -609,6 +609,22 @@ fn a_model_with_a_tensor_of_an_unsupported_type_is_a_clear_error() {
     assert!(e.contains("output_norm.weight") && e.contains("I32"), "{e}");
 }
 
+/// Every type the reader calls supported is one the kernels read (a Q5_K_M
+/// file's Q5_1 once passed the first and failed the second, with an error
+/// that named Q5_1 among the supported types), and every kernel format is
+/// one the reader accepts.
+#[test]
+fn the_readers_supported_types_are_the_kernels_formats() {
+    use duplex_kernels::quant::QuantKind;
+    for t in duplex_model::gguf::types::DUPLEX_SUPPORTED {
+        let kind = QuantKind::from_ggml_type(t.id()).unwrap_or_else(|| panic!("{t} is called supported but no kernel reads it"));
+        assert_eq!(kind.name(), t.name());
+    }
+    for kind in QuantKind::ALL {
+        assert!(GgmlType::from_id(kind.ggml_type()).is_some_and(|t| t.is_supported()), "{kind} is read by the kernels but refused by the reader");
+    }
+}
+
 #[test]
 fn another_architecture_is_a_clear_error_naming_the_supported_ones() {
     let dir = tempfile::tempdir().unwrap();

@@ -1,7 +1,9 @@
 //! llama.cpp Q4_K_M GGUFs of the three architectures
-//! (`tests/fixtures/tiny-{dsv3,qwen3moe,mixtral}-q4km`) compute what
-//! llama.cpp computes, teacher-forced on llama.cpp's own greedy
-//! continuations (each `reference.json`), up to the two engines' rounding.
+//! (`tests/fixtures/tiny-{dsv3,qwen3moe,mixtral}-q4km`), and a Q5_K_M one of
+//! DeepSeek-V3 (`tiny-dsv3-q5km`: Q5_K, and Q5_1 where rows are not whole
+//! 256-element blocks), compute what llama.cpp computes, teacher-forced on
+//! llama.cpp's own greedy continuations (each `reference.json`), up to the
+//! two engines' rounding.
 //!
 //! How close is close: this random-weight model amplifies rounding (its
 //! routers sit near ties), so much that Duplex's own F32 and BF16 passes
@@ -88,7 +90,9 @@ fn compare(dir: &Path, model: &Model, precision: Precision, decode: bool) -> Agr
 /// Every comparison of one fixture, with its numbers printed.
 fn check(name: &str) {
     let dir = fixture_of(name);
-    let model = Model::load_with(&dir.join("model-Q4_K_M.gguf"), &PoolConfig::single_node(2), &mut |_, _| {}).unwrap();
+    let reference: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(dir.join("reference.json")).unwrap()).unwrap();
+    let file = reference["model"].as_str().expect("reference.json names its GGUF");
+    let model = Model::load_with(&dir.join(file), &PoolConfig::single_node(2), &mut |_, _| {}).unwrap();
     for (precision, decode) in [(Precision::F32, false), (Precision::Bf16, false), (Precision::Bf16, true)] {
         let a = compare(&dir, &model, precision, decode);
         let q = |f: f64| a.diffs[((a.diffs.len() - 1) as f64 * f) as usize];
@@ -109,6 +113,11 @@ fn check(name: &str) {
 #[test]
 fn deepseek_v3_q4_k_m_computes_what_llama_cpp_computes() {
     check("tiny-dsv3-q4km");
+}
+
+#[test]
+fn deepseek_v3_q5_k_m_computes_what_llama_cpp_computes() {
+    check("tiny-dsv3-q5km");
 }
 
 #[test]
