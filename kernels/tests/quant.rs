@@ -742,28 +742,19 @@ fn hand_built_blocks_decode() {
         assert_eq!(y[j + 16], (7.0 - j as f32) * 0.5);
     }
 
-    // Q5_0: d = 0.25, qh = 0xA5A5_0F0F (element j's fifth bit is bit j),
-    // the nibbles as in Q4_0.
-    let mut b = half::f16::from_f32(0.25).to_bits().to_le_bytes().to_vec();
-    b.extend(0xA5A5_0F0Fu32.to_le_bytes());
-    b.extend((0..16u8).map(|j| j | ((15 - j) << 4)));
-    dequantize_row(QuantKind::Q5_0, &b, &mut y).unwrap();
+    // Q5_0 and Q5_1 share a run of qh = 0xA5A5_0F0F (element j's fifth bit
+    // is bit j) and the nibbles as in Q4_0. Q5_0's values are d·(q − 16)
+    // with d = 0.25; Q5_1's, after its m = −3, d·q + m.
+    let run: Vec<u8> = 0xA5A5_0F0Fu32.to_le_bytes().into_iter().chain((0..16u8).map(|j| j | ((15 - j) << 4))).collect();
+    let quant = |j: usize| (if j < 16 { j as i32 } else { 31 - j as i32 }) + ((0xA5A5_0F0Fu32 >> j) & 1) as i32 * 16;
+    let half = |v: f32| half::f16::from_f32(v).to_bits().to_le_bytes();
+    dequantize_row(QuantKind::Q5_0, &[&half(0.25)[..], &run].concat(), &mut y).unwrap();
     for (j, v) in y.iter().enumerate() {
-        let nibble = if j < 16 { j as i32 } else { 31 - j as i32 };
-        let high = ((0xA5A5_0F0Fu32 >> j) & 1) as i32 * 16;
-        assert_eq!(*v, (nibble + high - 16) as f32 * 0.25, "Q5_0 element {j}");
+        assert_eq!(*v, (quant(j) - 16) as f32 * 0.25, "Q5_0 element {j}");
     }
-
-    // Q5_1: the same quants after d = 0.25 and m = -3: values d·q + m, q in 0..32.
-    let mut b = half::f16::from_f32(0.25).to_bits().to_le_bytes().to_vec();
-    b.extend(half::f16::from_f32(-3.0).to_bits().to_le_bytes());
-    b.extend(0xA5A5_0F0Fu32.to_le_bytes());
-    b.extend((0..16u8).map(|j| j | ((15 - j) << 4)));
-    dequantize_row(QuantKind::Q5_1, &b, &mut y).unwrap();
+    dequantize_row(QuantKind::Q5_1, &[&half(0.25)[..], &half(-3.0), &run].concat(), &mut y).unwrap();
     for (j, v) in y.iter().enumerate() {
-        let nibble = if j < 16 { j as i32 } else { 31 - j as i32 };
-        let high = ((0xA5A5_0F0Fu32 >> j) & 1) as i32 * 16;
-        assert_eq!(*v, (nibble + high) as f32 * 0.25 - 3.0, "Q5_1 element {j}");
+        assert_eq!(*v, quant(j) as f32 * 0.25 - 3.0, "Q5_1 element {j}");
     }
 
     // Q4_K: d = 1, dmin = 0.25; sub-block s has scale s + 1 and min 2s

@@ -502,6 +502,19 @@ fn nearest_int(x: f32) -> i32 {
     (bits & 0x007f_ffff) - 0x0040_0000
 }
 
+/// That `elements` activations fill whole blocks of `kind`'s (the weights
+/// they will multiply) and `blocks` of them.
+fn check_blocks(kind: QuantKind, elements: usize, blocks: usize) -> Result<(), QuantError> {
+    let block = kind.block_elems();
+    if !elements.is_multiple_of(block) {
+        return Err(QuantError::PartialElements { kind, elements, block });
+    }
+    if blocks != elements / block {
+        return Err(QuantError::OutputSize { got: blocks, expected: elements / block });
+    }
+    Ok(())
+}
+
 /// Quantize f32 activations to Q8_K as ggml's `quantize_row_q8_K_ref` does:
 /// per block, the element of largest magnitude (the first, on ties) maps to
 /// exactly -127 (`iscale = -127 / max`, `d = 1 / iscale`), the rest round to
@@ -518,12 +531,7 @@ pub fn quantize_q8_k(x: &[f32]) -> Result<Vec<BlockQ8K>, QuantError> {
 /// [`quantize_q8_k`] into blocks the caller owns (`x.len() / 256` of them),
 /// so that a hot path reuses its buffers.
 pub fn quantize_q8_k_into(x: &[f32], out: &mut [BlockQ8K]) -> Result<(), QuantError> {
-    if !x.len().is_multiple_of(QK_K) {
-        return Err(QuantError::PartialElements { kind: QuantKind::Q4K, elements: x.len(), block: QK_K });
-    }
-    if out.len() != x.len() / QK_K {
-        return Err(QuantError::OutputSize { got: out.len(), expected: x.len() / QK_K });
-    }
+    check_blocks(QuantKind::Q4K, x.len(), out.len())?;
     for (b, xs) in out.iter_mut().zip(x.chunks_exact(QK_K)) {
         *b = BlockQ8K { d: 0.0, qs: [0; QK_K], bsums: [0; 16] };
         let (mut amax, mut max) = (0.0f32, 0.0f32);
@@ -559,12 +567,7 @@ pub fn quantize_q8_0(x: &[f32]) -> Result<Vec<BlockQ8_0>, QuantError> {
 
 /// [`quantize_q8_0`] into blocks the caller owns (`x.len() / 32` of them).
 pub fn quantize_q8_0_into(x: &[f32], out: &mut [BlockQ8_0]) -> Result<(), QuantError> {
-    if !x.len().is_multiple_of(QK8_0) {
-        return Err(QuantError::PartialElements { kind: QuantKind::Q8_0, elements: x.len(), block: QK8_0 });
-    }
-    if out.len() != x.len() / QK8_0 {
-        return Err(QuantError::OutputSize { got: out.len(), expected: x.len() / QK8_0 });
-    }
+    check_blocks(QuantKind::Q8_0, x.len(), out.len())?;
     for (b, xs) in out.iter_mut().zip(x.chunks_exact(QK8_0)) {
         b.d = f16::from_f32(quantize_32(xs, &mut b.qs));
     }
@@ -594,12 +597,7 @@ pub fn quantize_q8_1(x: &[f32]) -> Result<Vec<BlockQ8_1>, QuantError> {
 
 /// [`quantize_q8_1`] into blocks the caller owns (`x.len() / 32` of them).
 pub fn quantize_q8_1_into(x: &[f32], out: &mut [BlockQ8_1]) -> Result<(), QuantError> {
-    if !x.len().is_multiple_of(QK8_0) {
-        return Err(QuantError::PartialElements { kind: QuantKind::Q5_1, elements: x.len(), block: QK8_0 });
-    }
-    if out.len() != x.len() / QK8_0 {
-        return Err(QuantError::OutputSize { got: out.len(), expected: x.len() / QK8_0 });
-    }
+    check_blocks(QuantKind::Q5_1, x.len(), out.len())?;
     for (b, xs) in out.iter_mut().zip(x.chunks_exact(QK8_0)) {
         let d = quantize_32(xs, &mut b.qs);
         let s = b.qs.iter().map(|&q| q as i32).sum::<i32>() as f32 * d;
