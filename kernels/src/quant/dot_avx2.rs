@@ -187,6 +187,16 @@ fn dot_s8(x: __m256i, y: __m256i) -> __m256i {
 /// The `Q` number of Q5_1 (see [`quants32`]).
 pub(super) const Q5_1: u8 = 51;
 
+/// Where a `Q` block's `qh` (Q5_0, Q5_1; 0 for the others) and its
+/// nibbles start.
+pub(super) const fn qh_qs_at(q: u8) -> (usize, usize) {
+    match q {
+        5 => (2, 6),
+        Q5_1 => (4, 8),
+        _ => (0, 2),
+    }
+}
+
 /// Block `b`'s 32 quants as signed bytes, for `Q` = 8 (Q8_0: as stored),
 /// 4 (Q4_0: nibbles minus 8), 5 (Q5_0: nibbles plus `qh` bit as 16,
 /// minus 16) or [`Q5_1`] (as Q5_0, after `m`, and not moved: 0..32).
@@ -196,12 +206,7 @@ pub(super) fn quants32<const Q: u8>(b: &[u8]) -> __m256i {
     if Q == 8 {
         return ld(&b[2..]);
     }
-    // Where `qh` (Q5_0, Q5_1) and `qs` start.
-    let (qh_at, at) = match Q {
-        5 => (2, 6),
-        Q5_1 => (4, 8),
-        _ => (0, 2),
-    };
+    let (qh_at, at) = qh_qs_at(Q);
     let qs = &b[at..at + 16];
     // SAFETY: 16 readable bytes; unaligned load.
     let q = unsafe { _mm_loadu_si128(qs.as_ptr().cast()) };

@@ -20,7 +20,7 @@
 
 use super::blocks::{k_scales_mins, Block32, BlockQ8K, BlockQ8_0, BlockQ8_1, QuantKind, K_SCALES, Q4K_QS, Q5K_QH, Q5K_QS, Q6K_D, Q6K_QH, Q6K_SCALES};
 pub(super) use super::dot_avx2::Q5_1;
-use super::dot_avx2::{bytes32, fold_lanes, half_bits, halves_at, reduce_lanes};
+use super::dot_avx2::{bytes32, fold_lanes, half_bits, halves_at, qh_qs_at, reduce_lanes};
 use super::{fold_32, fold_q5_1};
 use std::arch::x86_64::*;
 
@@ -270,10 +270,10 @@ pub(super) fn dot_q6k_multi<const T: usize>(row: &[u8], ys: [&[BlockQ8K]; T]) ->
 
 /// Two blocks' quants (`Q` as in `quants32`: 8, 4, 5 or [`Q5_1`]) as
 /// unsigned bytes, `b0`'s in the low half: each quant plus [`bias`]. So
-/// `vpdpbusd` takes them as they are, and a block's sum comes out `bias · Σy` too large,
-/// which `gemv_32` takes off (one subtraction per eight blocks, where
-/// moving the weights' signs onto the activations cost three instructions
-/// per two blocks).
+/// `vpdpbusd` takes them as they are, and a block's sum comes out
+/// `bias · Σy` too large, which `gemv_32` takes off (one subtraction per
+/// eight blocks, where moving the weights' signs onto the activations cost
+/// three instructions per two blocks).
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,f16c")]
 fn quants64_biased<const Q: u8>(b0: &[u8], b1: &[u8]) -> __m512i {
@@ -281,12 +281,7 @@ fn quants64_biased<const Q: u8>(b0: &[u8], b1: &[u8]) -> __m512i {
         let x = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(ld32(&b0[2..])), ld32(&b1[2..]));
         return _mm512_xor_si512(x, _mm512_set1_epi8(-128));
     }
-    // Where `qh` (Q5_0, Q5_1) and `qs` start.
-    let (qh_at, at) = match Q {
-        5 => (2, 6),
-        Q5_1 => (4, 8),
-        _ => (0, 2),
-    };
+    let (qh_at, at) = qh_qs_at(Q);
     // Elements 0..16 are the low nibbles of a block's 16 bytes, 16..32 the high ones.
     let nibbles = |b: &[u8]| {
         // SAFETY: 16 readable bytes; unaligned load.
