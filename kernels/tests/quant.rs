@@ -450,9 +450,11 @@ proptest! {
     /// on every path: also where a kernel streams blocks across row ends,
     /// where whole groups of eight tokens share each block's unpacking, and
     /// where sixteen tokens take the lanes of one vector, a last group of
-    /// fewer among them (the last 1 of 17 goes alone, the last 5 of 21 in the lanes).
+    /// fewer among them (the last 1 of 17 goes alone, the last 5 of 21 in
+    /// the lanes of the 32-element formats, the k-quants' last 13 of 13 and
+    /// 14 of 30 in theirs, their last 5 of 21 in a group of four and alone).
     #[test]
-    fn matmul_is_each_tokens_rowwise_dot((kind, row, x) in case(any_scale), rows in 1usize..6, tokens in prop::sample::select(vec![1usize, 2, 3, 6, 8, 9, 16, 17, 21, 22, 37])) {
+    fn matmul_is_each_tokens_rowwise_dot((kind, row, x) in case(any_scale), rows in 1usize..10, tokens in prop::sample::select(vec![1usize, 2, 3, 6, 8, 9, 13, 16, 17, 21, 22, 30, 37])) {
         let matrix = rotated_rows(kind, &row, rows);
         // Token t: x scaled and rotated by t elements, so the tokens differ.
         let len = x.len();

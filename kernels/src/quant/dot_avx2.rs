@@ -1,9 +1,8 @@
 //! AVX2 dot products: `vpmaddubsw` (unsigned weight quant × signed
 //! activation, adjacent pairs summed to i16) then `vpmaddwd` by the
-//! sub-block scale (pairs summed to i32). A k-quant block's eight i32
-//! lanes are folded into the row's eight f32 lanes, a 32-element block's
-//! sum into one f32, exactly as the scalar reference does (see the module
-//! docs of `quant`).
+//! sub-block scale (pairs summed to i32). A block's i32 lanes are summed
+//! and the sum folded into the row's f32 exactly as the scalar reference
+//! does (see the module docs of `quant`).
 //!
 //! `vpmaddubsw` saturates its i16 pair sums, so every use is bounded below
 //! 32767: k-quant quants are at most 63 and activations at most 127 in
@@ -13,7 +12,7 @@
 //! never hold -128.
 
 use super::blocks::{k_scales_mins, Block32, BlockQ8K, BlockQ8_0, BlockQ8_1, QuantKind, K_SCALES, Q4K_QS, Q5K_QH, Q5K_QS, Q6K_D, Q6K_QH, Q6K_SCALES};
-use super::{fold_32, fold_q5_1};
+use super::{fold_32, fold_k, fold_q5_1};
 use std::arch::x86_64::*;
 
 /// 32 bytes from the front of `s` (bounds-checked).
@@ -61,8 +60,8 @@ pub(super) fn half_bits(bits: u16) -> f32 {
     _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(bits as i32)))
 }
 
-/// Per sub-block pair lanes of a Q4_K/Q5_K block's minimum term: lane j of
-/// the result is `bsums[2j] × min[j] + bsums[2j+1] × min[j]`.
+/// A Q4_K/Q5_K block's minimum term in eight i32 lanes: lane j is
+/// `bsums[2j] × min[j] + bsums[2j+1] × min[j]`.
 #[inline]
 #[target_feature(enable = "avx2,f16c")]
 pub(super) fn min_lanes(mins: [u8; 8], bsums: &[i16; 16]) -> __m256i {
@@ -74,32 +73,134 @@ pub(super) fn min_lanes(mins: [u8; 8], bsums: &[i16; 16]) -> __m256i {
     _mm256_madd_epi16(s, m)
 }
 
-/// `fold_k` on eight lanes at once: the same f32 operations, lane by lane.
+/// The sums of the eight i32 lanes of `a` and of `b`, reduced together:
+/// a k-quant block's integer sum and its minimum term (`fold_k`).
 #[inline]
 #[target_feature(enable = "avx2,f16c")]
-pub(super) fn fold_lanes(acc: __m256, d: f32, sumi: __m256i, dmin: f32, summ: __m256i) -> __m256 {
-    let plus = _mm256_add_ps(acc, _mm256_mul_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(sumi)));
-    _mm256_sub_ps(plus, _mm256_mul_ps(_mm256_set1_ps(dmin), _mm256_cvtepi32_ps(summ)))
+pub(super) fn hsum_pair(a: __m256i, b: __m256i) -> (i32, i32) {
+    // [a0+a1, a2+a3, b0+b1, b2+b3 | the same of lanes 4..8], then halves.
+    let h = _mm256_hadd_epi32(a, b);
+    let s = _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256::<1>(h));
+    let s = _mm_hadd_epi32(s, s);
+    (_mm_cvtsi128_si32(s), _mm_extract_epi32::<1>(s))
 }
 
-/// `reduce_k` of eight lanes: halves added, then halves again.
+/// Four products' integer sums and minimum terms, eight i32 lanes each,
+/// summed: `[Σ sums[0], .., Σ sums[3] | Σ mins[0], .., Σ mins[3]]`: a
+/// transposition that adds as it goes, where four separate reductions
+/// would each end in a lone lane.
 #[inline]
 #[target_feature(enable = "avx2,f16c")]
-pub(super) fn reduce_lanes(v: __m256) -> f32 {
-    let b = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
-    let c = _mm_add_ps(b, _mm_movehl_ps(b, b));
-    _mm_cvtss_f32(_mm_add_ss(c, _mm_movehdup_ps(c)))
+pub(super) fn reduce4(sums: [__m256i; 4], mins: [__m256i; 4]) -> __m256i {
+    // [a0 + a2, b0 + b2, a1 + a3, b1 + b3] in each 128-bit lane.
+    let pairs = |a: __m256i, b: __m256i| _mm256_add_epi32(_mm256_unpacklo_epi32(a, b), _mm256_unpackhi_epi32(a, b));
+    // [Σa, Σb, Σc, Σd] of each 128-bit lane.
+    let quads = |ab: __m256i, cd: __m256i| _mm256_add_epi32(_mm256_unpacklo_epi64(ab, cd), _mm256_unpackhi_epi64(ab, cd));
+    let s = quads(pairs(sums[0], sums[1]), pairs(sums[2], sums[3]));
+    let m = quads(pairs(mins[0], mins[1]), pairs(mins[2], mins[3]));
+    _mm256_add_epi32(_mm256_permute2x128_si256::<0x20>(s, m), _mm256_permute2x128_si256::<0x31>(s, m))
 }
 
-/// Q4_K (`FIVE = false`) or Q5_K row against Q8_K.
+/// `fold_k` of four products at once, lane by lane the same f32
+/// operations: `acc + d · sumi - dmin · summ` with `reduce4`'s `sums`.
+#[inline]
 #[target_feature(enable = "avx2,f16c")]
-pub(super) fn dot_q45k<const FIVE: bool>(row: &[u8], y: &[BlockQ8K]) -> f32 {
-    let bb = if FIVE { QuantKind::Q5K } else { QuantKind::Q4K }.block_bytes();
-    let qs_at = if FIVE { Q5K_QS } else { Q4K_QS };
-    let m4 = _mm256_set1_epi8(15);
-    let sixteen = _mm256_set1_epi8(16);
-    let mut acc = _mm256_setzero_ps();
-    for (b, yb) in row.chunks_exact(bb).zip(y) {
+pub(super) fn fold4(acc: __m128, d: __m128, dmin: __m128, sums: __m256i) -> __m128 {
+    let f = _mm256_cvtepi32_ps(sums);
+    let plus = _mm_add_ps(acc, _mm_mul_ps(d, _mm256_castps256_ps128(f)));
+    _mm_sub_ps(plus, _mm_mul_ps(dmin, _mm256_extractf128_ps::<1>(f)))
+}
+
+/// A k-quant format's integer sums of one weight block with one token's
+/// block, on one SIMD level, for [`gemv4`].
+pub(super) trait KSums {
+    /// Bytes per weight block.
+    const BYTES: usize;
+    /// Σ scale × q·y (Q6_K: less its offset) and the minimum term (Q6_K:
+    /// zero), eight i32 lanes each, and the block's `d` and `dmin`.
+    ///
+    /// # Safety
+    /// The CPU has the implementation's features; `b` is one block.
+    unsafe fn sums(&self, b: &[u8], yb: &BlockQ8K) -> (__m256i, __m256i, f32, f32);
+}
+
+/// Blocks of a row that [`gemv4`] takes before the next row's.
+const RUN: usize = 16;
+
+/// Rows of k-quant blocks against one token: `out[r]` gets row r's
+/// product, four rows at a time through [`reduce4`] and [`fold4`], the
+/// rest one at a time, with the scalar reference's bits either way.
+///
+/// # Safety
+/// Inlined into a function with `K`'s features (AVX2 at least), on a CPU
+/// that has them, so that `K::sums` and the reductions inline too.
+#[inline(always)]
+pub(super) unsafe fn gemv4<K: KSums>(k: &K, matrix: &[u8], y: &[BlockQ8K], out: &mut [f32]) {
+    let bb = K::BYTES;
+    let row_bytes = y.len() * bb;
+    if row_bytes == 0 {
+        out.fill(0.0);
+        return;
+    }
+    let mut rows = matrix.chunks_exact(row_bytes);
+    let mut fours = out.chunks_exact_mut(4);
+    // A run's per-block results, rewritten run by run (set up once here, as
+    // zeroing them per run would cost a memset per four rows).
+    let mut d = [[0.0f32; 4]; RUN];
+    let mut dmin = [[0.0f32; 4]; RUN];
+    // SAFETY (intrinsics below): the caller's features, per the contract.
+    let mut sums = [[unsafe { _mm256_setzero_si256() }; 4]; RUN];
+    let mut mins = sums;
+    for o in &mut fours {
+        let mut four: [&[u8]; 4] = [&[]; 4];
+        for r in &mut four {
+            *r = rows.next().expect("a row per output");
+        }
+        let mut acc = unsafe { _mm_setzero_ps() };
+        // A row's run of blocks at a time, then the next row's: the four
+        // rows are read as they lie, in runs long enough for the hardware
+        // prefetchers (block by block across the rows, they are not).
+        for i0 in (0..y.len()).step_by(RUN) {
+            let run = RUN.min(y.len() - i0);
+            for r in 0..4 {
+                for (j, (b, yb)) in four[r][i0 * bb..(i0 + run) * bb].chunks_exact(bb).zip(&y[i0..i0 + run]).enumerate() {
+                    (sums[j][r], mins[j][r], d[j][r], dmin[j][r]) = unsafe { k.sums(b, yb) };
+                }
+            }
+            for (j, yb) in y[i0..i0 + run].iter().enumerate() {
+                // SAFETY: also four f32 each; unaligned loads.
+                unsafe {
+                    let dy = _mm_set1_ps(yb.d);
+                    let (d, dmin) = (_mm_loadu_ps(d[j].as_ptr()), _mm_loadu_ps(dmin[j].as_ptr()));
+                    acc = fold4(acc, _mm_mul_ps(d, dy), _mm_mul_ps(dmin, dy), reduce4(sums[j], mins[j]));
+                }
+            }
+        }
+        // SAFETY: also four writable f32; unaligned store.
+        unsafe { _mm_storeu_ps(o.as_mut_ptr(), acc) };
+    }
+    for (o, row) in fours.into_remainder().iter_mut().zip(rows) {
+        let mut acc = 0.0f32;
+        for (b, yb) in row.chunks_exact(bb).zip(y) {
+            let (sumi, summ, d, dmin) = unsafe { k.sums(b, yb) };
+            let (sumi, summ) = unsafe { hsum_pair(sumi, summ) };
+            acc = fold_k(acc, d * yb.d, sumi, dmin * yb.d, summ);
+        }
+        *o = acc;
+    }
+}
+
+/// The AVX2 kernels of Q4_K (`FIVE = false`) and Q5_K.
+pub(super) struct Q45<const FIVE: bool>;
+
+impl<const FIVE: bool> Q45<FIVE> {
+    /// A block's sums, as [`KSums::sums`].
+    #[inline]
+    #[target_feature(enable = "avx2,f16c")]
+    fn block(b: &[u8], yb: &BlockQ8K) -> (__m256i, __m256i, f32, f32) {
+        let qs_at = if FIVE { Q5K_QS } else { Q4K_QS };
+        let m4 = _mm256_set1_epi8(15);
+        let sixteen = _mm256_set1_epi8(16);
         let (sc, mn) = k_scales_mins(&b[K_SCALES..K_SCALES + 12]);
         let qh = if FIVE { ld(&b[Q5K_QH..]) } else { _mm256_setzero_si256() };
         let mut sum = _mm256_setzero_si256();
@@ -125,19 +226,30 @@ pub(super) fn dot_q45k<const FIVE: bool>(row: &[u8], y: &[BlockQ8K]) -> f32 {
             sum = _mm256_add_epi32(sum, _mm256_add_epi32(p0, p1));
         }
         let (d, dmin) = halves_at(b, 0);
-        acc = fold_lanes(acc, d * yb.d, sum, dmin * yb.d, min_lanes(mn, &yb.bsums));
+        (sum, min_lanes(mn, &yb.bsums), d, dmin)
     }
-    reduce_lanes(acc)
 }
 
-/// Q6_K row against Q8_K. The quants are taken unsigned (0..64) and the
-/// `- 32` comes back as 32 × the sub-block's activation sum (`bsums`).
-#[target_feature(enable = "avx2,f16c")]
-pub(super) fn dot_q6k(row: &[u8], y: &[BlockQ8K]) -> f32 {
-    let m4 = _mm256_set1_epi8(15);
-    let m30 = _mm256_set1_epi8(0x30);
-    let mut acc = _mm256_setzero_ps();
-    for (b, yb) in row.chunks_exact(QuantKind::Q6K.block_bytes()).zip(y) {
+impl<const FIVE: bool> KSums for Q45<FIVE> {
+    const BYTES: usize = if FIVE { QuantKind::Q5K } else { QuantKind::Q4K }.block_bytes();
+    #[inline]
+    unsafe fn sums(&self, b: &[u8], yb: &BlockQ8K) -> (__m256i, __m256i, f32, f32) {
+        // SAFETY: the caller's CPU has AVX2 and F16C.
+        unsafe { Self::block(b, yb) }
+    }
+}
+
+/// The AVX2 kernels of Q6_K. The quants are taken unsigned (0..64) and
+/// the `- 32` comes back as 32 × the sub-block's activation sum (`bsums`).
+pub(super) struct Q6;
+
+impl Q6 {
+    /// A block's sums, as [`KSums::sums`].
+    #[inline]
+    #[target_feature(enable = "avx2,f16c")]
+    fn block(b: &[u8], yb: &BlockQ8K) -> (__m256i, __m256i, f32, f32) {
+        let m4 = _mm256_set1_epi8(15);
+        let m30 = _mm256_set1_epi8(0x30);
         let sc = |s: usize| (b[Q6K_SCALES + s] as i8) as i16;
         let mut sum = _mm256_setzero_si256();
         for h in 0..2 {
@@ -161,7 +273,7 @@ pub(super) fn dot_q6k(row: &[u8], y: &[BlockQ8K]) -> f32 {
                 sum = _mm256_add_epi32(sum, _mm256_madd_epi16(p, scv));
             }
         }
-        // The offset 32 × Σ scale × bsum, taken off in the same lanes.
+        // The offset 32 × Σ scale × bsum, taken off lane by lane.
         // SAFETY: 16 scale bytes and the 32 bytes of `bsums`; unaligned loads.
         let (sc16, bsums) = unsafe {
             (
@@ -170,10 +282,58 @@ pub(super) fn dot_q6k(row: &[u8], y: &[BlockQ8K]) -> f32 {
             )
         };
         let sum = _mm256_sub_epi32(sum, _mm256_slli_epi32::<5>(_mm256_madd_epi16(sc16, bsums)));
-        let d = half_bits(u16::from_le_bytes([b[Q6K_D], b[Q6K_D + 1]]));
-        acc = fold_lanes(acc, d * yb.d, sum, 0.0, _mm256_setzero_si256());
+        (sum, _mm256_setzero_si256(), half_bits(u16::from_le_bytes([b[Q6K_D], b[Q6K_D + 1]])), 0.0)
     }
-    reduce_lanes(acc)
+}
+
+impl KSums for Q6 {
+    const BYTES: usize = QuantKind::Q6K.block_bytes();
+    #[inline]
+    unsafe fn sums(&self, b: &[u8], yb: &BlockQ8K) -> (__m256i, __m256i, f32, f32) {
+        // SAFETY: the caller's CPU has AVX2 and F16C.
+        unsafe { Self::block(b, yb) }
+    }
+}
+
+/// A row of `K`'s blocks against Q8_K, one block at a time.
+#[inline]
+#[target_feature(enable = "avx2,f16c")]
+fn dot_k<K: KSums>(k: &K, row: &[u8], y: &[BlockQ8K]) -> f32 {
+    let mut acc = 0.0f32;
+    for (b, yb) in row.chunks_exact(K::BYTES).zip(y) {
+        // SAFETY: this function's features are the kernels'.
+        let (sumi, summ, d, dmin) = unsafe { k.sums(b, yb) };
+        let (sumi, summ) = hsum_pair(sumi, summ);
+        acc = fold_k(acc, d * yb.d, sumi, dmin * yb.d, summ);
+    }
+    acc
+}
+
+/// Q4_K (`FIVE = false`) or Q5_K row against Q8_K.
+#[target_feature(enable = "avx2,f16c")]
+pub(super) fn dot_q45k<const FIVE: bool>(row: &[u8], y: &[BlockQ8K]) -> f32 {
+    dot_k(&Q45::<FIVE>, row, y)
+}
+
+/// Q6_K row against Q8_K.
+#[target_feature(enable = "avx2,f16c")]
+pub(super) fn dot_q6k(row: &[u8], y: &[BlockQ8K]) -> f32 {
+    dot_k(&Q6, row, y)
+}
+
+/// Rows of Q4_K (`FIVE = false`) or Q5_K weights against one token: `out[r]`
+/// is row r's [`dot_q45k`].
+#[target_feature(enable = "avx2,f16c")]
+pub(super) fn gemv_q45k<const FIVE: bool>(matrix: &[u8], y: &[BlockQ8K], out: &mut [f32]) {
+    // SAFETY: inlined here, with AVX2 and F16C.
+    unsafe { gemv4(&Q45::<FIVE>, matrix, y, out) }
+}
+
+/// Rows of Q6_K weights against one token, as [`gemv_q45k`].
+#[target_feature(enable = "avx2,f16c")]
+pub(super) fn gemv_q6k(matrix: &[u8], y: &[BlockQ8K], out: &mut [f32]) {
+    // SAFETY: as in `gemv_q45k`.
+    unsafe { gemv4(&Q6, matrix, y, out) }
 }
 
 /// Σ x·y over 32 signed weight bytes and 32 activations.

@@ -6,9 +6,8 @@
 //! share the words of one `vpmaddwd` against their scales (`scale_pairs`;
 //! three multiplying instructions per 128 products, where `vpmaddubsw` +
 //! `vpdpwssd` took four, for the same integers). A block's
-//! sixteen i32 lanes fold to the eight of `fold_k` (its halves added),
-//! which join the row's eight f32 lanes exactly as the scalar reference
-//! folds them. The k-quant kernels take several tokens at once, each
+//! sixteen i32 lanes are summed and the sum folded into the row's f32
+//! exactly as the scalar reference folds it (`fold_k`). The k-quant kernels take several tokens at once, each
 //! block unpacked once for all of them (prefill); one token is the same
 //! kernel, and a band of rows for one token runs in one call (decode).
 //!
@@ -20,8 +19,8 @@
 
 use super::blocks::{k_scales_mins, Block32, BlockQ8K, BlockQ8_0, BlockQ8_1, QuantKind, K_SCALES, Q4K_QS, Q5K_QH, Q5K_QS, Q6K_D, Q6K_QH, Q6K_SCALES};
 pub(super) use super::dot_avx2::Q5_1;
-use super::dot_avx2::{bytes32, fold_lanes, half_bits, halves_at, qh_qs_at, reduce_lanes};
-use super::{fold_32, fold_q5_1};
+use super::dot_avx2::{bytes32, fold4, gemv4, half_bits, halves_at, hsum_pair, qh_qs_at, reduce4, KSums};
+use super::{fold_32, fold_k, fold_q5_1};
 use std::arch::x86_64::*;
 
 /// 64 bytes from the front of `s`.
@@ -67,9 +66,8 @@ fn halves_i8(a: u8, b: u8) -> __m512i {
     _mm512_inserti64x4::<1>(_mm512_set1_epi8(a as i8), _mm256_set1_epi8(b as i8))
 }
 
-/// The sum of a product's two 256-bit halves: its sixteen i32 lanes folded
-/// to the eight of `fold_k` (lane l and l + 8 hold the same elements of
-/// two sub-blocks).
+/// The sum of a product's two 256-bit halves: its sixteen i32 lanes
+/// folded to eight, the first step of summing them.
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,f16c")]
 fn fold_halves(v: __m512i) -> __m256i {
@@ -77,29 +75,29 @@ fn fold_halves(v: __m512i) -> __m256i {
 }
 
 /// A `vpshufb` control that turns a vector holding the eight scale bytes in
-/// every 128-bit lane into the words of [`scale_pairs`]: i32 lanes 0..8
-/// hold bytes `a` (low word) and `b` (high word), lanes 8..16 bytes `c`
-/// and `d`, each zero-extended.
+/// every 128-bit lane into the words of [`scale_pairs`]: in 128-bit lanes
+/// 0 and 1, words 0..4 hold byte `a` and words 4..8 byte `b`; in lanes 2
+/// and 3, bytes `c` and `d`; each zero-extended.
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,f16c")]
 fn pick_pair(a: u8, b: u8, c: u8, d: u8) -> __m512i {
     // A control byte with its top bit set makes `vpshufb` write zero.
-    let lane = |lo: u8, hi: u8| i32::from_le_bytes([lo, 0x80, hi, 0x80]);
-    _mm512_inserti64x4::<1>(_mm512_set1_epi32(lane(a, b)), _mm256_set1_epi32(lane(c, d)))
+    let words = |byte: u8| i64::from_le_bytes([byte, 0x80, byte, 0x80, byte, 0x80, byte, 0x80]);
+    _mm512_set_epi64(words(d), words(c), words(d), words(c), words(b), words(a), words(b), words(a))
 }
 
 /// A block's four chunks of `vpdpbusd` group sums (i32 lane l: elements
 /// 4l..4l + 4 of the chunk) weighed by their sub-blocks' scales and added,
-/// as the block's sixteen i32 lanes. Chunks 2p and 2p + 1 share a
-/// `vpmaddwd`: each lane of the first keeps its low word and takes the
-/// second's lane as its high word, against the two scale words of
-/// `scales[p]`. The sums are exact: a group sum fits an i16 (at most
-/// 4 × 63 × 127 in magnitude), a weighed pair an i32.
+/// as sixteen i32 lanes whose total is the block's. Chunks 2p and 2p + 1
+/// share a `vpmaddwd`: `vpackssdw` puts each 128-bit lane's four sums of
+/// the first in words 0..4 and of the second in words 4..8 (a group sum
+/// fits an i16, at most 4 × 63 × 127 in magnitude, so nothing saturates),
+/// against the scale words of `scales[p]`; a weighed pair fits an i32.
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,f16c")]
 fn scale_pairs(groups: [__m512i; 4], scales: [__m512i; 2]) -> __m512i {
-    let words = |lo: __m512i, hi: __m512i| _mm512_mask_mov_epi16(lo, 0xaaaa_aaaa, _mm512_slli_epi32::<16>(hi));
-    _mm512_add_epi32(_mm512_madd_epi16(words(groups[0], groups[1]), scales[0]), _mm512_madd_epi16(words(groups[2], groups[3]), scales[1]))
+    let pair = |a: __m512i, b: __m512i, s: __m512i| _mm512_madd_epi16(_mm512_packs_epi32(a, b), s);
+    _mm512_add_epi32(pair(groups[0], groups[1], scales[0]), pair(groups[2], groups[3], scales[1]))
 }
 
 /// Q4_K (`FIVE = false`) or Q5_K row against Q8_K: the multi-token
@@ -109,64 +107,161 @@ pub(super) fn dot_q45k<const FIVE: bool>(row: &[u8], y: &[BlockQ8K]) -> f32 {
     dot_q45k_multi::<FIVE, 1>(row, [y])[0]
 }
 
+/// A k-quant block unpacked for its products with tokens: what every
+/// token's integer sums need (`sums`), and its scales.
+struct KBlock {
+    /// The quants, chunk by chunk (64 elements each, see the kernels).
+    q: [__m512i; 4],
+    /// The scale words of chunks 0, 1 and 2, 3 (see [`scale_pairs`]).
+    s: [__m512i; 2],
+    /// Q4_K/Q5_K: the i16 multipliers of the 16 `bsums` in the minimum
+    /// term (min k / 2 in word k); Q6_K: the sixteen scales as i16, for
+    /// the offset.
+    by_sums: __m256i,
+    d: f32,
+    /// Zero for Q6_K.
+    dmin: f32,
+    six: bool,
+}
+
+impl KBlock {
+    /// The block's integer sums with token block `yb`, each in eight i32
+    /// lanes: Σ scale × q·y (Q6_K: less its offset) and the minimum term
+    /// (Q6_K: zero).
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,f16c")]
+    fn sums(&self, yb: &BlockQ8K) -> (__m256i, __m256i) {
+        let zero = _mm512_setzero_si512();
+        let groups: [__m512i; 4] = std::array::from_fn(|c| _mm512_dpbusd_epi32(zero, self.q[c], ld64_i8(&yb.qs[64 * c..])));
+        let sum = fold_halves(scale_pairs(groups, self.s));
+        // SAFETY: `bsums` is 16 i16, 32 bytes; unaligned load.
+        let bsums = unsafe { _mm256_loadu_si256(yb.bsums.as_ptr().cast()) };
+        let by_sums = _mm256_madd_epi16(bsums, self.by_sums);
+        if self.six {
+            // Less 32 × Σ scale × bsum.
+            (_mm256_sub_epi32(sum, _mm256_slli_epi32::<5>(by_sums)), _mm256_setzero_si256())
+        } else {
+            (sum, by_sums)
+        }
+    }
+}
+
+/// Fold block `i` of a row (`blk`) into `acc`, its products with `T`
+/// tokens: four at a time through `reduce4`, the rest one at a time.
+/// The same f32 operations either way, so grouping does not change bits.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,f16c")]
+fn fold_tokens<const T: usize>(acc: &mut [f32; T], blk: &KBlock, ys: &[&[BlockQ8K]; T], i: usize) {
+    let mut t = 0;
+    while t + 4 <= T {
+        let sm: [(__m256i, __m256i); 4] = std::array::from_fn(|j| blk.sums(&ys[t + j][i]));
+        let dy = _mm_setr_ps(ys[t][i].d, ys[t + 1][i].d, ys[t + 2][i].d, ys[t + 3][i].d);
+        // SAFETY: acc[t..t + 4] is in bounds (t + 4 <= T); unaligned.
+        let a = unsafe { _mm_loadu_ps(acc[t..t + 4].as_ptr()) };
+        let a = fold4(a, _mm_mul_ps(_mm_set1_ps(blk.d), dy), _mm_mul_ps(_mm_set1_ps(blk.dmin), dy), reduce4(sm.map(|p| p.0), sm.map(|p| p.1)));
+        unsafe { _mm_storeu_ps(acc[t..t + 4].as_mut_ptr(), a) };
+        t += 4;
+    }
+    for t in t..T {
+        let yb = &ys[t][i];
+        let (sumi, summ) = blk.sums(yb);
+        let (sumi, summ) = hsum_pair(sumi, summ);
+        acc[t] = fold_k(acc[t], blk.d * yb.d, sumi, blk.dmin * yb.d, summ);
+    }
+}
+
+/// The unpacking constants of the Q4_K (`FIVE = false`) and Q5_K kernels.
+struct Q45Unpack<const FIVE: bool> {
+    m4: __m512i,
+    sixteen: __m512i,
+    nibble_shift: __m512i,
+    pick_scales: [__m512i; 2],
+    pick_mins: __m256i,
+    fifth_bit: [__m512i; 4],
+}
+
+impl<const FIVE: bool> Q45Unpack<FIVE> {
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,f16c")]
+    fn new() -> Self {
+        Q45Unpack {
+            m4: _mm512_set1_epi8(15),
+            sixteen: _mm512_set1_epi8(16),
+            nibble_shift: _mm512_inserti64x4::<1>(_mm512_set1_epi16(0), _mm256_set1_epi16(4)),
+            // Scale words of chunks 2p and 2p + 1 (see `scale_pairs`).
+            pick_scales: [pick_pair(0, 2, 1, 3), pick_pair(4, 6, 5, 7)],
+            // i16 lane k of the minimum term's multiplier: min k / 2, against bsums[k].
+            pick_mins: _mm256_setr_epi16(
+                -0x8000, -0x8000, 0x8001u16 as i16, 0x8001u16 as i16, 0x8002u16 as i16, 0x8002u16 as i16, 0x8003u16 as i16, 0x8003u16 as i16,
+                0x8004u16 as i16, 0x8004u16 as i16, 0x8005u16 as i16, 0x8005u16 as i16, 0x8006u16 as i16, 0x8006u16 as i16, 0x8007u16 as i16, 0x8007u16 as i16,
+            ),
+            // Sub-block s's fifth bit is bit s of each qh byte.
+            fifth_bit: [halves_i8(1 << 0, 1 << 1), halves_i8(1 << 2, 1 << 3), halves_i8(1 << 4, 1 << 5), halves_i8(1 << 6, 1 << 7)],
+        }
+    }
+
+    /// Block `b` unpacked. Chunk c (32 bytes of qs) holds sub-block 2c in
+    /// its low nibbles and 2c + 1 in its high ones: broadcast to both
+    /// halves of a vector and shifted by 0 and 4 per half, it is elements
+    /// 64c..64c + 64 in order, to meet one plain 64-byte load of
+    /// activations. `vpdpbusd` sums each four products into an i32 lane:
+    /// lane l holds elements 4l..4l + 4 of sub-block 2c, lane l + 8 those
+    /// of sub-block 2c + 1; [`scale_pairs`] weighs them by their
+    /// sub-blocks' scales, two chunks per `vpmaddwd`.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,f16c")]
+    fn block(&self, b: &[u8]) -> KBlock {
+        let qs_at = if FIVE { Q5K_QS } else { Q4K_QS };
+        let (sc, mn) = k_scales_mins(&b[K_SCALES..K_SCALES + 12]);
+        let scales = _mm512_set1_epi64(i64::from_le_bytes(sc));
+        let qh = if FIVE { _mm512_broadcast_i64x4(ld32(&b[Q5K_QH..])) } else { _mm512_setzero_si512() };
+        let q = std::array::from_fn(|c| {
+            let chunk = _mm512_broadcast_i64x4(ld32(&b[qs_at + 32 * c..]));
+            let q = _mm512_and_si512(_mm512_srlv_epi16(chunk, self.nibble_shift), self.m4);
+            if FIVE {
+                _mm512_mask_add_epi8(q, _mm512_test_epi8_mask(qh, self.fifth_bit[c]), q, self.sixteen)
+            } else {
+                q
+            }
+        });
+        let (d, dmin) = halves_at(b, 0);
+        KBlock {
+            q,
+            s: self.pick_scales.map(|pick| _mm512_shuffle_epi8(scales, pick)),
+            by_sums: _mm256_shuffle_epi8(_mm256_set1_epi64x(i64::from_le_bytes(mn)), self.pick_mins),
+            d,
+            dmin,
+            six: false,
+        }
+    }
+}
+
+impl<const FIVE: bool> KSums for Q45Unpack<FIVE> {
+    const BYTES: usize = if FIVE { QuantKind::Q5K } else { QuantKind::Q4K }.block_bytes();
+    #[inline]
+    unsafe fn sums(&self, b: &[u8], yb: &BlockQ8K) -> (__m256i, __m256i, f32, f32) {
+        // SAFETY: the caller's CPU has the kernels' features.
+        let blk = unsafe { self.block(b) };
+        let (sumi, summ) = unsafe { blk.sums(yb) };
+        (sumi, summ, blk.d, blk.dmin)
+    }
+}
+
 /// Q4_K (`FIVE = false`) or Q5_K row against `T` tokens of Q8_K at once:
 /// each block's weights are unpacked (nibbles, `qh` bits, scales) once for
-/// all of them, which is what a prefill saves; each token's integer lanes
+/// all of them, which is what a prefill saves; each token's integer sums
 /// and f32 fold do not depend on `T`, so every result has the bits of the
 /// one-token product.
-///
-/// Chunk c (32 bytes of qs) holds sub-block 2c in its low nibbles and
-/// 2c + 1 in its high ones: broadcast to both halves of a vector and
-/// shifted by 0 and 4 per half, it is elements 64c..64c + 64 in order, to
-/// meet one plain 64-byte load of activations. `vpdpbusd` sums each four
-/// products into an i32 lane: lane l holds elements 4l..4l + 4 of
-/// sub-block 2c, lane l + 8 those of sub-block 2c + 1; [`scale_pairs`]
-/// weighs them by their sub-blocks' scales, two chunks per `vpmaddwd`.
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,f16c")]
 pub(super) fn dot_q45k_multi<const FIVE: bool, const T: usize>(row: &[u8], ys: [&[BlockQ8K]; T]) -> [f32; T] {
     let bb = if FIVE { QuantKind::Q5K } else { QuantKind::Q4K }.block_bytes();
-    let qs_at = if FIVE { Q5K_QS } else { Q4K_QS };
-    let m4 = _mm512_set1_epi8(15);
-    let sixteen = _mm512_set1_epi8(16);
-    let zero = _mm512_setzero_si512();
-    let nibble_shift = _mm512_inserti64x4::<1>(_mm512_set1_epi16(0), _mm256_set1_epi16(4));
-    // Scale words of chunks 2p and 2p + 1 (see `scale_pairs`).
-    let pick_scales = [pick_pair(0, 2, 1, 3), pick_pair(4, 6, 5, 7)];
-    // i16 lane k of the minimum term's multiplier: min k / 2, against bsums[k].
-    let pick_mins = _mm256_setr_epi16(
-        -0x8000, -0x8000, 0x8001u16 as i16, 0x8001u16 as i16, 0x8002u16 as i16, 0x8002u16 as i16, 0x8003u16 as i16, 0x8003u16 as i16,
-        0x8004u16 as i16, 0x8004u16 as i16, 0x8005u16 as i16, 0x8005u16 as i16, 0x8006u16 as i16, 0x8006u16 as i16, 0x8007u16 as i16, 0x8007u16 as i16,
-    );
-    // Sub-block s's fifth bit is bit s of each qh byte.
-    let fifth_bit = [halves_i8(1 << 0, 1 << 1), halves_i8(1 << 2, 1 << 3), halves_i8(1 << 4, 1 << 5), halves_i8(1 << 6, 1 << 7)];
-    let mut acc = [_mm256_setzero_ps(); T];
+    let unpack = Q45Unpack::<FIVE>::new();
+    let mut acc = [0.0f32; T];
     for (i, b) in row.chunks_exact(bb).enumerate() {
-        let (sc, mn) = k_scales_mins(&b[K_SCALES..K_SCALES + 12]);
-        let scales = _mm512_set1_epi64(i64::from_le_bytes(sc));
-        let mins = _mm256_shuffle_epi8(_mm256_set1_epi64x(i64::from_le_bytes(mn)), pick_mins);
-        let qh = if FIVE { _mm512_broadcast_i64x4(ld32(&b[Q5K_QH..])) } else { zero };
-        // The block's quants and scale words, for every token.
-        let mut q = [zero; 4];
-        for c in 0..4 {
-            let chunk = _mm512_broadcast_i64x4(ld32(&b[qs_at + 32 * c..]));
-            q[c] = _mm512_and_si512(_mm512_srlv_epi16(chunk, nibble_shift), m4);
-            if FIVE {
-                q[c] = _mm512_mask_add_epi8(q[c], _mm512_test_epi8_mask(qh, fifth_bit[c]), q[c], sixteen);
-            }
-        }
-        let s = pick_scales.map(|pick| _mm512_shuffle_epi8(scales, pick));
-        let (d, dmin) = halves_at(b, 0);
-        for (t, y) in ys.iter().enumerate() {
-            let yb = &y[i];
-            let groups: [__m512i; 4] = std::array::from_fn(|c| _mm512_dpbusd_epi32(zero, q[c], ld64_i8(&yb.qs[64 * c..])));
-            let sum = scale_pairs(groups, s);
-            // SAFETY: `bsums` is 16 i16, 32 bytes; unaligned load.
-            let bsums = unsafe { _mm256_loadu_si256(yb.bsums.as_ptr().cast()) };
-            acc[t] = fold_lanes(acc[t], d * yb.d, fold_halves(sum), dmin * yb.d, _mm256_madd_epi16(bsums, mins));
-        }
+        fold_tokens(&mut acc, &unpack.block(b), &ys, i);
     }
-    acc.map(|a| reduce_lanes(a))
+    acc
 }
 
 /// Rows of Q4_K (`FIVE = false`) or Q5_K weights, `y.len()` blocks each,
@@ -174,27 +269,15 @@ pub(super) fn dot_q45k_multi<const FIVE: bool, const T: usize>(row: &[u8], ys: [
 /// the kernel's features so that its constants are set up once a band.
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,f16c")]
 pub(super) fn gemv_q45k<const FIVE: bool>(matrix: &[u8], y: &[BlockQ8K], out: &mut [f32]) {
-    let row_bytes = y.len() * if FIVE { QuantKind::Q5K } else { QuantKind::Q4K }.block_bytes();
-    if row_bytes == 0 {
-        out.fill(0.0);
-        return;
-    }
-    for (o, row) in out.iter_mut().zip(matrix.chunks_exact(row_bytes)) {
-        *o = dot_q45k_multi::<FIVE, 1>(row, [y])[0];
-    }
+    // SAFETY: inlined here, with the kernels' features.
+    unsafe { gemv4(&Q45Unpack::<FIVE>::new(), matrix, y, out) }
 }
 
 /// Rows of Q6_K weights against one token, as [`gemv_q45k`].
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,f16c")]
 pub(super) fn gemv_q6k(matrix: &[u8], y: &[BlockQ8K], out: &mut [f32]) {
-    let row_bytes = y.len() * QuantKind::Q6K.block_bytes();
-    if row_bytes == 0 {
-        out.fill(0.0);
-        return;
-    }
-    for (o, row) in out.iter_mut().zip(matrix.chunks_exact(row_bytes)) {
-        *o = dot_q6k_multi::<1>(row, [y])[0];
-    }
+    // SAFETY: as in `gemv_q45k`.
+    unsafe { gemv4(&Q6Unpack::new(), matrix, y, out) }
 }
 
 /// Q6_K row against Q8_K: the multi-token kernel for one token.
@@ -203,69 +286,98 @@ pub(super) fn dot_q6k(row: &[u8], y: &[BlockQ8K]) -> f32 {
     dot_q6k_multi::<1>(row, [y])[0]
 }
 
-/// Q6_K row against `T` tokens of Q8_K at once, each block's quants and
-/// scale lanes unpacked once for all of them (as `dot_q45k_multi`); every
-/// result has the bits of the one-token product. The quants are taken
-/// unsigned (0..64) and the `- 32` comes back through `bsums` in the
-/// lanes of the scalar reference (sub-blocks 2g and 2g + 1 in lane g, as
-/// `vpmaddwd` pairs them).
-///
-/// Chunk j (0..4) is elements 64j..64j + 64: `vpdpbusd` sums each four
-/// products into i32 lane l, elements 4l..4l + 4 of the chunk (sub-block
-/// 4j + l / 4), and [`scale_pairs`] weighs them by their scales.
-#[inline]
-#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,f16c")]
-pub(super) fn dot_q6k_multi<const T: usize>(row: &[u8], ys: [&[BlockQ8K]; T]) -> [f32; T] {
-    let m4 = _mm512_set1_epi8(15);
-    let m30 = _mm512_set1_epi8(0x30);
-    let zero = _mm512_setzero_si512();
-    // Per 16-bit lane shift counts that bring qh bits 2k, 2k+1 to bits 4, 5
-    // for quarters k = 0 | 1 (left by 4 | 2) and k = 2 | 3 (right by 0 | 2).
-    let left01 = _mm512_inserti64x4::<1>(_mm512_set1_epi16(4), _mm256_set1_epi16(2));
-    let right23 = _mm512_inserti64x4::<1>(_mm512_set1_epi16(0), _mm256_set1_epi16(2));
-    // Chunks 2p and 2p + 1's scale words (see `scale_pairs`): i32 lane l
-    // of chunk j is sub-block 4j + l / 4, so word 2l is sub-block 8p + l / 4
-    // and word 2l + 1 sub-block 8p + 4 + l / 4.
-    let pick = |p: i16| {
-        let lane = |m: i16| 8 * p + 4 * (m % 2) + m / 8;
-        _mm512_set_epi16(
-            lane(31), lane(30), lane(29), lane(28), lane(27), lane(26), lane(25), lane(24), lane(23), lane(22), lane(21), lane(20), lane(19), lane(18), lane(17), lane(16),
-            lane(15), lane(14), lane(13), lane(12), lane(11), lane(10), lane(9), lane(8), lane(7), lane(6), lane(5), lane(4), lane(3), lane(2), lane(1), lane(0),
-        )
-    };
-    let pick_scales = [pick(0), pick(1)];
-    let mut acc = [_mm256_setzero_ps(); T];
-    for (i, b) in row.chunks_exact(QuantKind::Q6K.block_bytes()).enumerate() {
+/// The unpacking constants of the Q6_K kernels.
+struct Q6Unpack {
+    m4: __m512i,
+    m30: __m512i,
+    left01: __m512i,
+    right23: __m512i,
+    pick_scales: [__m512i; 2],
+}
+
+impl Q6Unpack {
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,f16c")]
+    fn new() -> Self {
+        // Chunks 2p and 2p + 1's scale words (see `scale_pairs`): 128-bit
+        // lane m of chunk j is sub-block 4j + m, so word w (lane w / 8) is
+        // sub-block 8p + m of the first chunk in words 0..4 of the lane and
+        // 8p + 4 + m of the second in words 4..8.
+        let pick = |p: i16| {
+            let lane = |w: i16| 8 * p + 4 * ((w % 8) / 4) + w / 8;
+            _mm512_set_epi16(
+                lane(31), lane(30), lane(29), lane(28), lane(27), lane(26), lane(25), lane(24), lane(23), lane(22), lane(21), lane(20), lane(19), lane(18), lane(17), lane(16),
+                lane(15), lane(14), lane(13), lane(12), lane(11), lane(10), lane(9), lane(8), lane(7), lane(6), lane(5), lane(4), lane(3), lane(2), lane(1), lane(0),
+            )
+        };
+        Q6Unpack {
+            m4: _mm512_set1_epi8(15),
+            m30: _mm512_set1_epi8(0x30),
+            // Per 16-bit lane shift counts that bring qh bits 2k, 2k+1 to bits
+            // 4, 5 for quarters k = 0 | 1 (left by 4 | 2) and k = 2 | 3 (right
+            // by 0 | 2).
+            left01: _mm512_inserti64x4::<1>(_mm512_set1_epi16(4), _mm256_set1_epi16(2)),
+            right23: _mm512_inserti64x4::<1>(_mm512_set1_epi16(0), _mm256_set1_epi16(2)),
+            pick_scales: [pick(0), pick(1)],
+        }
+    }
+
+    /// Block `b` unpacked. The quants are taken unsigned (0..64) and the
+    /// `- 32` comes back through `bsums`. Chunk j (0..4) is elements
+    /// 64j..64j + 64: `vpdpbusd` sums each four products into i32 lane l,
+    /// elements 4l..4l + 4 of the chunk (sub-block 4j + l / 4), and
+    /// [`scale_pairs`] weighs them by their scales.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,f16c")]
+    fn block(&self, b: &[u8]) -> KBlock {
         // SAFETY: 16 readable bytes (the scales); unaligned load.
         let sc8 = unsafe { _mm_loadu_si128(b[Q6K_SCALES..Q6K_SCALES + 16].as_ptr().cast()) };
         let sc16 = _mm256_cvtepi8_epi16(sc8);
         let scales = _mm512_castsi256_si512(sc16);
-        // The block's quants and scale words, for every token.
-        let mut q = [zero; 4];
+        let mut q = [_mm512_setzero_si512(); 4];
         for h in 0..2 {
             let ql = ld64(&b[64 * h..]);
             let qh = _mm512_broadcast_i64x4(ld32(&b[Q6K_QH + 32 * h..]));
-            q[2 * h] = _mm512_or_si512(_mm512_and_si512(ql, m4), _mm512_and_si512(_mm512_sllv_epi16(qh, left01), m30));
+            q[2 * h] = _mm512_or_si512(_mm512_and_si512(ql, self.m4), _mm512_and_si512(_mm512_sllv_epi16(qh, self.left01), self.m30));
             q[2 * h + 1] = _mm512_or_si512(
-                _mm512_and_si512(_mm512_srli_epi16::<4>(ql), m4),
-                _mm512_and_si512(_mm512_srlv_epi16(qh, right23), m30),
+                _mm512_and_si512(_mm512_srli_epi16::<4>(ql), self.m4),
+                _mm512_and_si512(_mm512_srlv_epi16(qh, self.right23), self.m30),
             );
         }
-        let s = pick_scales.map(|pick| _mm512_permutexvar_epi16(pick, scales));
-        let d = half_bits(u16::from_le_bytes([b[Q6K_D], b[Q6K_D + 1]]));
-        for (t, y) in ys.iter().enumerate() {
-            let yb = &y[i];
-            let groups: [__m512i; 4] = std::array::from_fn(|j| _mm512_dpbusd_epi32(zero, q[j], ld64_i8(&yb.qs[64 * j..])));
-            let sum = scale_pairs(groups, s);
-            // SAFETY: `bsums` is 16 i16, 32 bytes; unaligned load.
-            let bsums = unsafe { _mm256_loadu_si256(yb.bsums.as_ptr().cast()) };
-            // Less 32 × Σ scale × bsum, sub-blocks 2g and 2g + 1 in lane g.
-            let offset = _mm256_slli_epi32::<5>(_mm256_madd_epi16(sc16, bsums));
-            let sumi = _mm256_sub_epi32(fold_halves(sum), offset);
-            acc[t] = fold_lanes(acc[t], d * yb.d, sumi, 0.0, _mm256_setzero_si256());
+        KBlock {
+            q,
+            s: self.pick_scales.map(|pick| _mm512_permutexvar_epi16(pick, scales)),
+            by_sums: sc16,
+            d: half_bits(u16::from_le_bytes([b[Q6K_D], b[Q6K_D + 1]])),
+            dmin: 0.0,
+            six: true,
         }
     }
-    acc.map(|a| reduce_lanes(a))
+}
+
+impl KSums for Q6Unpack {
+    const BYTES: usize = QuantKind::Q6K.block_bytes();
+    #[inline]
+    unsafe fn sums(&self, b: &[u8], yb: &BlockQ8K) -> (__m256i, __m256i, f32, f32) {
+        // SAFETY: the caller's CPU has the kernels' features.
+        let blk = unsafe { self.block(b) };
+        let (sumi, summ) = unsafe { blk.sums(yb) };
+        (sumi, summ, blk.d, blk.dmin)
+    }
+}
+
+/// Q6_K row against `T` tokens of Q8_K at once, each block unpacked once
+/// for all of them (as `dot_q45k_multi`); every result has the bits of the
+/// one-token product.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,f16c")]
+pub(super) fn dot_q6k_multi<const T: usize>(row: &[u8], ys: [&[BlockQ8K]; T]) -> [f32; T] {
+    let unpack = Q6Unpack::new();
+    let mut acc = [0.0f32; T];
+    for (i, b) in row.chunks_exact(QuantKind::Q6K.block_bytes()).enumerate() {
+        fold_tokens(&mut acc, &unpack.block(b), &ys, i);
+    }
+    acc
 }
 
 /// Two blocks' quants (`Q` as in `quants32`: 8, 4, 5 or [`Q5_1`]) as

@@ -1,52 +1,52 @@
 //! The scalar reference dot products: plain integer arithmetic per block,
 //! then the shared f32 fold. Every SIMD path must return exactly these bits.
 //!
-//! Per k-quant block the integer sums are ggml's, in eight lanes (see
-//! `fold_k`): Σ scale × q·y, and for Q4_K/Q5_K the minimum term Σ min ×
-//! (sum of the sub-block's activations) taken from Q8_K's `bsums`. No i32
-//! overflows: a lane's largest sum, Q6_K's, is at most 32 elements × 128 ×
-//! 63 × 127 less an offset of at most 32 × 2 × 128 × 16 × 127, < 2²⁶.
+//! Per k-quant block the integer sums are ggml's (see `fold_k`): Σ scale ×
+//! q·y, and for Q4_K/Q5_K the minimum term Σ min × (sum of the sub-block's
+//! activations) taken from Q8_K's `bsums`. No i32 overflows: the largest,
+//! Q6_K's, is at most 256 elements × 128 × 63 × 127 less an offset of at
+//! most 32 × 16 × 128 × 16 × 127, < 2²⁹.
 
 use super::blocks::{half_at, q5_0_quant, q5_1_quant, k_scales_mins, q4k_quant, q5k_quant, q6k_quant, BlockQ8K, BlockQ8_0, BlockQ8_1, QuantKind, K_SCALES, Q4K_QS, Q5K_QH, Q5K_QS, Q6K_D, Q6K_SCALES};
-use super::{fold_32, fold_k, fold_q5_1, reduce_k, K_LANES, QK_K};
+use super::{fold_32, fold_k, fold_q5_1, QK_K};
 
-/// The lanes of a Q4_K/Q5_K block's minimum term: lane g holds sub-block
-/// g's min × the sum of its 32 activations (`bsums[2g] + bsums[2g + 1]`).
+/// A Q4_K/Q5_K block's minimum term: Σ over sub-blocks g of min g × the
+/// sum of its 32 activations (`bsums[2g] + bsums[2g + 1]`).
 #[inline(always)]
-fn k_min_lanes(mins: &[u8; 8], bsums: &[i16; 16]) -> [i32; K_LANES] {
-    std::array::from_fn(|g| mins[g] as i32 * (bsums[2 * g] as i32 + bsums[2 * g + 1] as i32))
+fn k_min_term(mins: &[u8; 8], bsums: &[i16; 16]) -> i32 {
+    (0..8).map(|g| mins[g] as i32 * (bsums[2 * g] as i32 + bsums[2 * g + 1] as i32)).sum()
 }
 
 /// A row of Q4_K (`FIVE = false`) or Q5_K (`FIVE = true`) against Q8_K.
 pub(super) fn dot_q45k<const FIVE: bool>(row: &[u8], y: &[BlockQ8K]) -> f32 {
     let bb = if FIVE { QuantKind::Q5K } else { QuantKind::Q4K }.block_bytes();
-    let mut acc = [0.0f32; K_LANES];
+    let mut acc = 0.0f32;
     for (b, yb) in row.chunks_exact(bb).zip(y) {
         let (sc, mn) = k_scales_mins(&b[K_SCALES..K_SCALES + 12]);
-        let mut sumi = [0i32; K_LANES];
+        let mut sumi = 0i32;
         for e in 0..QK_K {
             let q = if FIVE { q5k_quant(&b[Q5K_QH..], &b[Q5K_QS..], e) } else { q4k_quant(&b[Q4K_QS..], e) };
-            sumi[(e / 4) % K_LANES] += sc[e / 32] as i32 * q as i32 * yb.qs[e] as i32;
+            sumi += sc[e / 32] as i32 * q as i32 * yb.qs[e] as i32;
         }
-        fold_k(&mut acc, half_at(b, 0) * yb.d, &sumi, half_at(b, 2) * yb.d, &k_min_lanes(&mn, &yb.bsums));
+        acc = fold_k(acc, half_at(b, 0) * yb.d, sumi, half_at(b, 2) * yb.d, k_min_term(&mn, &yb.bsums));
     }
-    reduce_k(&acc)
+    acc
 }
 
 /// A Q6_K row against Q8_K. The quants are taken unsigned (0..64), as the
-/// SIMD paths do, and the `- 32` of sub-blocks 2g and 2g + 1 comes off
-/// lane g as 32 × scale × activation sum (`bsums`).
+/// SIMD paths do, and the `- 32` comes off as 32 × Σ scale × the 16-element
+/// sub-block's activation sum (`bsums`).
 pub(super) fn dot_q6k(row: &[u8], y: &[BlockQ8K]) -> f32 {
-    let mut acc = [0.0f32; K_LANES];
+    let mut acc = 0.0f32;
     for (b, yb) in row.chunks_exact(QuantKind::Q6K.block_bytes()).zip(y) {
         let sc = |s: usize| (b[Q6K_SCALES + s] as i8) as i32;
-        let mut sumi: [i32; K_LANES] = std::array::from_fn(|g| -32 * (sc(2 * g) * yb.bsums[2 * g] as i32 + sc(2 * g + 1) * yb.bsums[2 * g + 1] as i32));
+        let mut sumi: i32 = -32 * (0..16).map(|s| sc(s) * yb.bsums[s] as i32).sum::<i32>();
         for e in 0..QK_K {
-            sumi[(e / 4) % K_LANES] += sc(e / 16) * q6k_quant(b, e) as i32 * yb.qs[e] as i32;
+            sumi += sc(e / 16) * q6k_quant(b, e) as i32 * yb.qs[e] as i32;
         }
-        fold_k(&mut acc, half_at(b, Q6K_D) * yb.d, &sumi, 0.0, &[0; K_LANES]);
+        acc = fold_k(acc, half_at(b, Q6K_D) * yb.d, sumi, 0.0, 0);
     }
-    reduce_k(&acc)
+    acc
 }
 
 /// A Q8_0 row against Q8_0.

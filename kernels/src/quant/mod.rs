@@ -20,12 +20,14 @@
 //! Every path computes each block's integer sums exactly (they are the sums
 //! ggml's reference forms, regrouped; no intermediate can overflow, see the
 //! bounds at each kernel) and then folds the blocks into the f32 result with
-//! the same f32 operations, in block order: the k-quants in eight lanes
-//! (`fold_k`, `reduce_k`), the 32-element formats one block at a time
-//! (`fold_32`). So the SIMD paths return the scalar reference's bits
-//! exactly, and the tests say so. Against llama.cpp the integers are
-//! identical and only the f32 folding differs (its SIMD code also keeps a
-//! vector of partial sums per row, grouped otherwise), which is f32 rounding.
+//! the same f32 operations, one block at a time (`fold_k` for the
+//! k-quants, `fold_32` for the 32-element formats). So the SIMD paths
+//! return the scalar reference's bits exactly, and the tests say so, and a
+//! token's products do not depend on which kernel took it: one token, a
+//! group of tokens, or sixteen tokens in the lanes of the prefill GEMMs
+//! (`lanes_avx512`, `klanes_avx512`). Against llama.cpp the integers are
+//! identical and only the f32 folding differs (its SIMD decode keeps a
+//! vector of partial sums per row), which is f32 rounding.
 
 pub mod blocks;
 mod dot_scalar;
@@ -33,6 +35,8 @@ mod dot_scalar;
 mod dot_avx2;
 #[cfg(target_arch = "x86_64")]
 mod dot_avx512;
+#[cfg(target_arch = "x86_64")]
+mod klanes_avx512;
 #[cfg(target_arch = "x86_64")]
 mod lanes_avx512;
 mod tiles_amx;
@@ -197,37 +201,19 @@ fn has_vnni() -> bool {
     false
 }
 
-/// Lanes of a k-quant row's f32 sums (see [`fold_k`]).
-const K_LANES: usize = 8;
-
-/// The f32 fold of one k-quant block into its row's eight lane sums.
-///
-/// A block's integer products are split over eight lanes by element:
-/// element `e` (0..256) of the block belongs to lane `(e / 4) % 8`, which
-/// is where an eight- or sixteen-lane integer SIMD product (`vpdpbusd`,
-/// `vpmaddubsw` then `vpmaddwd`) leaves it, sixteen lanes folding to eight
-/// by adding their halves. `sumi[g]` is lane g's scaled integer sum (for
-/// Q6_K less its offset, that of its 16-element sub-blocks 2g and 2g + 1)
-/// and `summ[g]` the minimum term of 32-element sub-block g (Q4_K, Q5_K;
-/// zero for Q6_K); `d` and `dmin` are the weight block's scales times the
-/// activation block's. Every path folds these same lanes with these same
-/// f32 operations (no fused multiply-add), block by block, and reduces them
-/// at the end with [`reduce_k`]: that is what makes them bit-equal. Keeping
-/// the row's sums in lanes, as llama.cpp's SIMD code does, spares each
-/// block a horizontal sum.
+/// The f32 fold of one k-quant block into its row's sum, `acc + d · sumi -
+/// dmin · summ`: `sumi` is the block's integer sum of scale × quant ×
+/// activation over its 256 elements (for Q6_K less its offset, 32 × Σ
+/// scale × the sub-block's activation sum), `summ` its minimum term, Σ min
+/// × the sub-block's activation sum (Q4_K, Q5_K; zero for Q6_K); `d` and
+/// `dmin` are the weight block's scales times the activation block's.
+/// Every path reduces each block's integers exactly (their order does not
+/// matter) and folds them here, block by block: that is what makes them
+/// bit-equal, and it leaves a row's whole product with one token in one
+/// f32, so a GEMM can keep a token per lane (see `klanes_avx512`).
 #[inline(always)]
-fn fold_k(acc: &mut [f32; K_LANES], d: f32, sumi: &[i32; K_LANES], dmin: f32, summ: &[i32; K_LANES]) {
-    for g in 0..K_LANES {
-        acc[g] = acc[g] + d * sumi[g] as f32 - dmin * summ[g] as f32;
-    }
-}
-
-/// A k-quant row's result: its eight lane sums added in the order an
-/// eight-lane SIMD reduction adds them (halves, then halves again).
-#[inline(always)]
-fn reduce_k(a: &[f32; K_LANES]) -> f32 {
-    let b = [a[0] + a[4], a[1] + a[5], a[2] + a[6], a[3] + a[7]];
-    (b[0] + b[2]) + (b[1] + b[3])
+fn fold_k(acc: f32, d: f32, sumi: i32, dmin: f32, summ: i32) -> f32 {
+    acc + d * sumi as f32 - dmin * summ as f32
 }
 
 /// The f32 fold of one 32-element block (Q4_0, Q8_0): `sumi` × (weight scale
@@ -429,6 +415,17 @@ fn row_products(path: DotPath, matrix: &[u8], row_bytes: usize, op: Op, out: &mu
         }
         return;
     }
+    #[cfg(target_arch = "x86_64")]
+    if path == DotPath::Avx2 {
+        // SAFETY: `runnable` lets Avx2 through only on a CPU that has it;
+        // whole rows, as above.
+        match op {
+            Op::Q4K(y) => return unsafe { dot_avx2::gemv_q45k::<false>(matrix, y, out) },
+            Op::Q5K(y) => return unsafe { dot_avx2::gemv_q45k::<true>(matrix, y, out) },
+            Op::Q6K(y) => return unsafe { dot_avx2::gemv_q6k(matrix, y, out) },
+            Op::Q8_0(_) | Op::Q4_0(_) | Op::Q5_0(_) | Op::Q5_1(_) => {}
+        }
+    }
     for (o, row) in out.iter_mut().zip(matrix.chunks_exact(row_bytes)) {
         *o = dot_on(path, row, op);
     }
@@ -614,7 +611,23 @@ thread_local! {
     /// The same for the AMX tiles: the band packed as B tiles, a group of
     /// tokens as A tiles, and the group's results.
     static TILES_SCRATCH: std::cell::RefCell<(tiles_amx::Panels32, tiles_amx::Tokens32, Vec<[f32; tiles_amx::TILE]>)> = Default::default();
+    /// The same for `gemm_k`: the groups of transposed tokens, a part of
+    /// the band unpacked, and a group's results.
+    static KLANES_SCRATCH: std::cell::RefCell<(Vec<klanes_avx512::KLanes>, klanes_avx512::KRows, Vec<[f32; klanes_avx512::LANES]>)> = Default::default();
 }
+
+/// The fewest k-quant tokens that `gemm_k` takes in one group of sixteen
+/// lanes, partly empty, rather than the one-token kernels' groups of
+/// eight and four: at twelve (`quant_matmul`, one thread, in cache) the
+/// lanes ran Q4_K at 79 and Q5_K at 75 G multiply-adds/s against the
+/// groups' 64 and 59, and Q6_K even (68 and 69).
+#[cfg(target_arch = "x86_64")]
+const K_LANES_LEAST: usize = 12;
+
+/// Bytes of unpacked weights (a byte per quant) per pass of `gemm_k`: the
+/// part of a band that stays in L2 while every group of tokens takes it.
+#[cfg(target_arch = "x86_64")]
+const K_UNPACKED_BYTES: usize = 64 << 10;
 
 /// Tokens per group of [`matmul`]: each row is multiplied by a whole group
 /// while it is in L1; the band (a task's rows) stays in L2 across groups.
@@ -627,9 +640,10 @@ const GROUP: usize = 8;
 /// or, on [`DotPath::Amx`], in AMX tiles (32-element formats, a last group
 /// of fewer too unless so few that the empty lanes would cost more than a
 /// pass per token; the tiles' own turning point is unmeasured, for want
-/// of an AMX machine, so they take the same groups), whole groups of
-/// eight k-quant tokens per row (`dot_q45k_multi`, `dot_q6k_multi`) and
-/// a group of four of the rest if at least four are left. The
+/// of an AMX machine, so they take the same groups); the k-quants' sixteen
+/// at a time in the lanes of `gemm_k` (from [`K_LANES_LEAST`] tokens,
+/// likewise), then whole groups of eight per row (`dot_q45k_multi`,
+/// `dot_q6k_multi`) and a group of four if at least four are left. The
 /// rest go one at a time over the whole band (`row_products`), as do all of
 /// Q5_1's (a fallback format, for rows too short for a k-quant block). All
 /// give the bits of row by row.
@@ -689,18 +703,77 @@ fn products_together(path: DotPath, mut tiles: Option<&mut impl tiles_amx::TileU
         return Ok(together);
     }
     if path >= DotPath::Avx512Vnni && Family::of(kind)? == Family::Q8K {
-        // Whole groups of eight, then four of the rest if as many are left.
-        let groups = n - n % GROUP;
-        let tail = if n % GROUP >= GROUP / 2 { GROUP / 2 } else { 0 };
-        for j0 in (0..groups).step_by(GROUP) {
+        // Sixteen at a time in `gemm_k`'s lanes, a last group of fewer too
+        // if not too few; of the rest, whole groups of eight, then four if
+        // as many are left.
+        let lanes = klanes_avx512::LANES;
+        let in_lanes = match n % lanes {
+            _ if n < K_LANES_LEAST => 0,
+            left if left >= K_LANES_LEAST => n,
+            left => n - left,
+        };
+        if in_lanes > 0 {
+            k_quant_lanes(kind, matrix, row_bytes, rows, acts, in_lanes, token, out)?;
+        }
+        let left = n - in_lanes;
+        let groups = left - left % GROUP;
+        let tail = if left % GROUP >= GROUP / 2 { GROUP / 2 } else { 0 };
+        for j0 in (in_lanes..in_lanes + groups).step_by(GROUP) {
             k_quant_group::<GROUP>(kind, matrix, row_bytes, rows, acts, j0, token, out)?;
         }
         if tail > 0 {
-            k_quant_group::<{ GROUP / 2 }>(kind, matrix, row_bytes, rows, acts, groups, token, out)?;
+            k_quant_group::<{ GROUP / 2 }>(kind, matrix, row_bytes, rows, acts, in_lanes + groups, token, out)?;
         }
-        return Ok(groups + tail);
+        return Ok(in_lanes + groups + tail);
     }
     Ok(0)
+}
+
+/// Every row of a k-quant band against the first `n` tokens in `gemm_k`'s
+/// lanes, sixteen at a time (a last group of fewer), into their rows of
+/// `out`, with `dot_on`'s bits. The band is unpacked a part at a time, each
+/// part taken by every group while it is in L2. Only on AVX-512 VNNI.
+#[cfg(target_arch = "x86_64")]
+#[allow(clippy::too_many_arguments)]
+fn k_quant_lanes(kind: QuantKind, matrix: &[u8], row_bytes: usize, rows: usize, acts: &QuantizedTokens, n: usize, token: &impl Fn(usize) -> usize, out: &mut [f32]) -> Result<(), QuantError> {
+    let lanes = klanes_avx512::LANES;
+    let blocks = acts.cols / QK_K;
+    KLANES_SCRATCH.with_borrow_mut(|(groups, unpacked, sums)| {
+        let count = n.div_ceil(lanes);
+        if groups.len() < count {
+            groups.resize_with(count, Default::default);
+        }
+        for (g, group) in groups[..count].iter_mut().enumerate() {
+            let j0 = g * lanes;
+            let mut ys: [&[BlockQ8K]; klanes_avx512::LANES] = [&[]; klanes_avx512::LANES];
+            for (slot, j) in ys.iter_mut().zip(j0..n.min(j0 + lanes)) {
+                *slot = match acts.op(kind, token(j))? {
+                    Op::Q4K(y) | Op::Q5K(y) | Op::Q6K(y) => y,
+                    Op::Q4_0(_) | Op::Q5_0(_) | Op::Q5_1(_) | Op::Q8_0(_) => unreachable!("{kind} is a k-quant"),
+                };
+            }
+            group.fill(&ys[..n.min(j0 + lanes) - j0]);
+        }
+        let part = (K_UNPACKED_BYTES / (QK_K * blocks)).max(1);
+        for r0 in (0..rows).step_by(part) {
+            let taken = part.min(rows - r0);
+            // SAFETY: as for `gemm_k` below.
+            unsafe { unpacked.unpack(kind, &matrix[r0 * row_bytes..(r0 + taken) * row_bytes], taken, blocks) };
+            sums.resize(taken, [0.0; klanes_avx512::LANES]);
+            for (g, group) in groups[..count].iter().enumerate() {
+                // SAFETY: the caller runs this only on the Avx512Vnni path,
+                // which `runnable` lets through only on a CPU that has it.
+                unsafe { klanes_avx512::gemm_k(unpacked, group, &mut sums[..taken]) };
+                let j0 = g * lanes;
+                for (r, lane) in sums[..taken].iter().enumerate() {
+                    for (t, &v) in lane[..n.min(j0 + lanes) - j0].iter().enumerate() {
+                        out[(j0 + t) * rows + r0 + r] = v;
+                    }
+                }
+            }
+        }
+        Ok(())
+    })
 }
 
 /// Every row of a k-quant band against tokens `j0..j0 + T` (`dot_q45k_multi`,

@@ -1,0 +1,363 @@
+//! The prefill GEMM of the k-quants (Q4_K, Q5_K, Q6_K) on AVX-512 VNNI,
+//! sixteen tokens at once, one per i32 lane.
+//!
+//! The one-token kernels (`dot_q45k_multi`, `dot_q6k_multi`) spend more of
+//! their instructions weighing each group of four products by its
+//! sub-block's scale and summing lanes than multiplying. Here a band's rows
+//! are unpacked once ([`KRows`]: each quant a byte) and the tokens are
+//! transposed ([`KLanes`]): one vector holds the same four elements of
+//! sixteen tokens, so `vpdpbusd` against four weight bytes broadcast to
+//! every lane adds those elements' products to each token's own lane. A
+//! sub-block's eight such steps (Q6_K's: four) leave each token's
+//! sub-block sum in its lane, weighed by its scale with one `vpmulld`; the
+//! block's integer sums are then the reference's exactly (integer sums do
+//! not depend on their order), and `fold_k`'s f32 operations on sixteen
+//! lanes give every token the one-token kernels' bits.
+//!
+//! `vpdpbusd` broadcasts only its signed operand, so the weights are the
+//! signed bytes (quants 0..64 fit) and the activations are stored biased
+//! (y + 128, unsigned): Σ (y + 128)·q = Σ y·q + 128·Σ q, and each row
+//! block's 128 × Σ scale × Σ q is taken off at the end. Bounds: a sub-block
+//! sum is at most 32 × 255 × 63 (Q5_K: 31), times a scale of at most 128
+//! in magnitude; a block's sum below 2²⁹: inside i32.
+
+use super::blocks::{half_at, k_scales_mins, BlockQ8K, QuantKind, K_SCALES, Q4K_QS, Q5K_QH, Q5K_QS, Q6K_D, Q6K_QH, Q6K_SCALES};
+use super::QK_K;
+use std::arch::x86_64::*;
+
+/// Tokens per group: one per i32 lane of a 512-bit vector.
+pub(super) const LANES: usize = 16;
+
+/// Groups of four elements per block.
+const QUADS: usize = QK_K / 4;
+
+/// Two i16 as the words of one little-endian u32 (`lo` first).
+fn words(lo: i16, hi: i16) -> u32 {
+    lo as u16 as u32 | (hi as u16 as u32) << 16
+}
+
+/// Up to sixteen tokens' Q8_K activations, transposed for [`gemm_k`]:
+/// block b's quad k (elements 4k..4k + 4, biased by 128, as the bytes of a
+/// word) of token t at `q[(b · 64 + k) · 16 + t]`; its scale at
+/// `d[b · 16 + t]`; the activation sums of its sixteen-element sub-blocks
+/// 2h and 2h + 1 (`bsums`, as words) at `sums16[(b · 8 + h) · 16 + t]`,
+/// and of its 32-element sub-blocks 2h and 2h + 1 at
+/// `sums32[(b · 4 + h) · 16 + t]`. Lanes without a token hold zeros. The
+/// buffers are reused from group to group.
+#[derive(Default)]
+pub(super) struct KLanes {
+    q: Vec<u32>,
+    d: Vec<f32>,
+    sums16: Vec<u32>,
+    sums32: Vec<u32>,
+    blocks: usize,
+}
+
+impl KLanes {
+    /// Transpose `tokens` (1..=[`LANES`], each the same number of blocks).
+    pub(super) fn fill(&mut self, tokens: &[&[BlockQ8K]]) {
+        assert!(!tokens.is_empty() && tokens.len() <= LANES, "KLanes: 1..=16 tokens");
+        let blocks = tokens[0].len();
+        self.blocks = blocks;
+        for (v, per_block) in [(&mut self.q, QUADS), (&mut self.sums16, 8), (&mut self.sums32, 4)] {
+            v.clear();
+            v.resize(blocks * per_block * LANES, 0);
+        }
+        self.d.clear();
+        self.d.resize(blocks * LANES, 0.0);
+        for (t, y) in tokens.iter().enumerate() {
+            assert_eq!(y.len(), blocks, "KLanes: tokens of one width");
+            for (b, yb) in y.iter().enumerate() {
+                for (k, quad) in yb.qs.chunks_exact(4).enumerate() {
+                    let word = u32::from_le_bytes([quad[0] as u8, quad[1] as u8, quad[2] as u8, quad[3] as u8]);
+                    self.q[(b * QUADS + k) * LANES + t] = word ^ 0x8080_8080;
+                }
+                let s = &yb.bsums;
+                for h in 0..8 {
+                    self.sums16[(b * 8 + h) * LANES + t] = words(s[2 * h], s[2 * h + 1]);
+                }
+                // A 32-element sub-block's sum is at most 32 × 127: an i16.
+                let s32 = |g: usize| s[2 * g] + s[2 * g + 1];
+                for h in 0..4 {
+                    self.sums32[(b * 4 + h) * LANES + t] = words(s32(2 * h), s32(2 * h + 1));
+                }
+                self.d[b * LANES + t] = yb.d;
+            }
+        }
+    }
+}
+
+/// A band's k-quant rows unpacked for [`gemm_k`], row r's block b at index
+/// `i = r · blocks + b`: its quants as bytes in element order at
+/// `q[i · 256..]` (Q6_K's as stored, 0..64: the `- 32` comes through the
+/// activation sums); its scales per sub-block (eight of 32 elements, or
+/// Q6_K's sixteen of 16) at `scales[i · 16..]`; the bias term 128 × Σ
+/// scale × Σ quant at `bias[i]`; `d`, and `dmin` (zero for Q6_K); and the
+/// word pairs that multiply the activation sums (`KLanes`' `sums32` for
+/// Q4_K/Q5_K: mins 2h and 2h + 1, the minimum term; `sums16` for Q6_K:
+/// -32 × scales 2h and 2h + 1, the offset) at `pairs[i · 8..]`.
+#[derive(Default)]
+pub(super) struct KRows {
+    q: Vec<u8>,
+    scales: Vec<i32>,
+    bias: Vec<i32>,
+    d: Vec<f32>,
+    dmin: Vec<f32>,
+    pairs: Vec<u32>,
+    rows: usize,
+    blocks: usize,
+    six: bool,
+}
+
+impl KRows {
+    /// Unpack `rows` whole rows of `kind` (Q4_K, Q5_K or Q6_K), `blocks`
+    /// blocks each.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+    pub(super) fn unpack(&mut self, kind: QuantKind, matrix: &[u8], rows: usize, blocks: usize) {
+        let bb = kind.block_bytes();
+        assert_eq!(matrix.len(), rows * blocks * bb, "KRows: whole rows");
+        (self.rows, self.blocks, self.six) = (rows, blocks, kind == QuantKind::Q6K);
+        let n = rows * blocks;
+        self.q.resize(n * QK_K, 0);
+        self.scales.resize(n * 16, 0);
+        self.bias.resize(n, 0);
+        self.d.resize(n, 0.0);
+        self.dmin.resize(n, 0.0);
+        self.pairs.resize(n * 8, 0);
+        for (i, b) in matrix.chunks_exact(bb).enumerate() {
+            let q: &mut [u8; QK_K] = (&mut self.q[i * QK_K..(i + 1) * QK_K]).try_into().expect("a block of quants");
+            let scales = &mut self.scales[i * 16..(i + 1) * 16];
+            let pairs = &mut self.pairs[i * 8..(i + 1) * 8];
+            let biased = match kind {
+                QuantKind::Q4K | QuantKind::Q5K => {
+                    let (sc, mn) = k_scales_mins(&b[K_SCALES..K_SCALES + 12]);
+                    for (s, &v) in sc.iter().enumerate() {
+                        scales[s] = v as i32;
+                    }
+                    for h in 0..4 {
+                        pairs[h] = words(mn[2 * h] as i16, mn[2 * h + 1] as i16);
+                    }
+                    self.d[i] = half_at(b, 0);
+                    self.dmin[i] = half_at(b, 2);
+                    if kind == QuantKind::Q5K {
+                        unpack_q45::<true>(b, &sc, q)
+                    } else {
+                        unpack_q45::<false>(b, &sc, q)
+                    }
+                }
+                QuantKind::Q6K => {
+                    let sc = |s: usize| (b[Q6K_SCALES + s] as i8) as i16;
+                    for (s, v) in scales.iter_mut().enumerate() {
+                        *v = sc(s) as i32;
+                    }
+                    for (h, p) in pairs.iter_mut().enumerate() {
+                        *p = words(-32 * sc(2 * h), -32 * sc(2 * h + 1));
+                    }
+                    self.d[i] = half_at(b, Q6K_D);
+                    self.dmin[i] = 0.0;
+                    unpack_q6(b, q)
+                }
+                _ => unreachable!("KRows: {kind} is not a k-quant"),
+            };
+            self.bias[i] = 128 * biased;
+        }
+    }
+}
+
+/// 64 bytes from the front of `s`.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+fn ld64(s: &[u8]) -> __m512i {
+    let s = &s[..64];
+    // SAFETY: 64 readable bytes; unaligned load.
+    unsafe { _mm512_loadu_si512(s.as_ptr().cast()) }
+}
+
+/// 32 bytes from the front of `s`, in both halves of a vector.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+fn ld32_twice(s: &[u8]) -> __m512i {
+    let s = &s[..32];
+    // SAFETY: 32 readable bytes; unaligned load.
+    _mm512_broadcast_i64x4(unsafe { _mm256_loadu_si256(s.as_ptr().cast()) })
+}
+
+/// Store `v` at the front of `s`.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+fn st64(s: &mut [u8], v: __m512i) {
+    let s = &mut s[..64];
+    // SAFETY: 64 writable bytes; unaligned store.
+    unsafe { _mm512_storeu_si512(s.as_mut_ptr().cast(), v) }
+}
+
+/// A vector whose low 32 bytes are `a` and high 32 bytes `b`.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+fn halves_i8(a: u8, b: u8) -> __m512i {
+    _mm512_inserti64x4::<1>(_mm512_set1_epi8(a as i8), _mm256_set1_epi8(b as i8))
+}
+
+/// A Q4_K (`FIVE = false`) or Q5_K block's quants into `q` in element
+/// order; returns Σ scale × quant over the block.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+fn unpack_q45<const FIVE: bool>(b: &[u8], sc: &[u8; 8], q: &mut [u8; QK_K]) -> i32 {
+    let m4 = _mm512_set1_epi8(15);
+    let sixteen = _mm512_set1_epi8(16);
+    let qh = if FIVE { ld32_twice(&b[Q5K_QH..]) } else { _mm512_setzero_si512() };
+    let qs_at = if FIVE { Q5K_QS } else { Q4K_QS };
+    let mut weighed = _mm512_setzero_si512();
+    // Chunk c: 32 bytes, sub-block 2c in the low nibbles and 2c + 1 in the
+    // high ones (their fifth bits: bits 2c and 2c + 1 of `qh`), so the
+    // chunk twice, shifted by 0 and 4 per half, is elements 64c..64c + 64.
+    let shift = _mm512_inserti64x4::<1>(_mm512_setzero_si512(), _mm256_set1_epi16(4));
+    for c in 0..4 {
+        let mut v = _mm512_and_si512(_mm512_srlv_epi16(ld32_twice(&b[qs_at + 32 * c..]), shift), m4);
+        if FIVE {
+            let bits = halves_i8(1 << (2 * c), 1 << (2 * c + 1));
+            v = _mm512_mask_add_epi8(v, _mm512_test_epi8_mask(qh, bits), v, sixteen);
+        }
+        st64(&mut q[64 * c..], v);
+        weighed = _mm512_dpbusd_epi32(weighed, v, halves_i8(sc[2 * c], sc[2 * c + 1]));
+    }
+    _mm512_reduce_add_epi32(weighed)
+}
+
+/// A Q6_K block's quants (as stored, 0..64) into `q` in element order;
+/// returns Σ scale × quant over the block.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+fn unpack_q6(b: &[u8], q: &mut [u8; QK_K]) -> i32 {
+    let m4 = _mm512_set1_epi8(15);
+    let m30 = _mm512_set1_epi8(0x30);
+    // Per 16-bit lane shift counts that bring qh bits 2k, 2k + 1 to bits 4,
+    // 5 for quarters k = 0 | 1 (left by 4 | 2) and k = 2 | 3 (right by 0 | 2).
+    let left01 = _mm512_inserti64x4::<1>(_mm512_set1_epi16(4), _mm256_set1_epi16(2));
+    let right23 = _mm512_inserti64x4::<1>(_mm512_set1_epi16(0), _mm256_set1_epi16(2));
+    // SAFETY: 16 readable scale bytes; unaligned load.
+    let scales = _mm512_broadcast_i32x4(unsafe { _mm_loadu_si128(b[Q6K_SCALES..Q6K_SCALES + 16].as_ptr().cast()) });
+    let mut weighed = _mm512_setzero_si512();
+    // Half h: quarters 0 | 1 from the low nibbles of its 64 `ql` bytes,
+    // 2 | 3 from the high ones, `qh` bits on top; 128-bit lane j of each
+    // result is sixteen-element sub-block 8h + 4 (0 | 1) + j.
+    for h in 0..2 {
+        let ql = ld64(&b[64 * h..]);
+        let qh = ld32_twice(&b[Q6K_QH + 32 * h..]);
+        let q01 = _mm512_or_si512(_mm512_and_si512(ql, m4), _mm512_and_si512(_mm512_sllv_epi16(qh, left01), m30));
+        let q23 = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16::<4>(ql), m4), _mm512_and_si512(_mm512_srlv_epi16(qh, right23), m30));
+        for (k, v) in [q01, q23].into_iter().enumerate() {
+            st64(&mut q[128 * h + 64 * k..], v);
+            let first = (8 * h + 4 * k) as i8;
+            let pick = _mm512_set_epi32(
+                i32::from_ne_bytes([(first + 3) as u8; 4]), i32::from_ne_bytes([(first + 3) as u8; 4]), i32::from_ne_bytes([(first + 3) as u8; 4]), i32::from_ne_bytes([(first + 3) as u8; 4]),
+                i32::from_ne_bytes([(first + 2) as u8; 4]), i32::from_ne_bytes([(first + 2) as u8; 4]), i32::from_ne_bytes([(first + 2) as u8; 4]), i32::from_ne_bytes([(first + 2) as u8; 4]),
+                i32::from_ne_bytes([(first + 1) as u8; 4]), i32::from_ne_bytes([(first + 1) as u8; 4]), i32::from_ne_bytes([(first + 1) as u8; 4]), i32::from_ne_bytes([(first + 1) as u8; 4]),
+                i32::from_ne_bytes([first as u8; 4]), i32::from_ne_bytes([first as u8; 4]), i32::from_ne_bytes([first as u8; 4]), i32::from_ne_bytes([first as u8; 4]),
+            );
+            weighed = _mm512_dpbusd_epi32(weighed, v, _mm512_shuffle_epi8(scales, pick));
+        }
+    }
+    _mm512_reduce_add_epi32(weighed)
+}
+
+/// Every unpacked row against a group of tokens: `out[r][t]` is row r's
+/// product with token t, with the one-token kernels' bits.
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+pub(super) fn gemm_k(w: &KRows, y: &KLanes, out: &mut [[f32; LANES]]) {
+    assert_eq!(w.blocks, y.blocks, "gemm_k: rows and tokens of one width");
+    assert!(out.len() >= w.rows, "gemm_k: an output per row");
+    let mut r = 0;
+    while r + ROWS <= w.rows {
+        if w.six {
+            rows_k::<ROWS, true>(w, r, y, &mut out[r..r + ROWS]);
+        } else {
+            rows_k::<ROWS, false>(w, r, y, &mut out[r..r + ROWS]);
+        }
+        r += ROWS;
+    }
+    for r in r..w.rows {
+        if w.six {
+            rows_k::<1, true>(w, r, y, &mut out[r..r + 1]);
+        } else {
+            rows_k::<1, false>(w, r, y, &mut out[r..r + 1]);
+        }
+    }
+}
+
+/// Rows taken together by [`rows_k`]: each activation load serves all of
+/// them, and two sub-blocks' accumulators per row still fit the registers
+/// beside the rows' sums.
+const ROWS: usize = 4;
+
+/// Rows `r0..r0 + R` against the group, every block (`SIX`: Q6_K, sixteen
+/// sub-blocks of sixteen, an integer offset term and no minimum term).
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+fn rows_k<const R: usize, const SIX: bool>(w: &KRows, r0: usize, y: &KLanes, out: &mut [[f32; LANES]]) {
+    // Quads per sub-block.
+    let per = if SIX { 4 } else { 8 };
+    let mut acc = [_mm512_setzero_ps(); R];
+    for b in 0..w.blocks {
+        let at: [usize; R] = std::array::from_fn(|r| (r0 + r) * w.blocks + b);
+        assert!(at[R - 1] < w.d.len() && b < y.blocks, "rows_k: rows and block in range");
+        let yq = y.q[b * QUADS * LANES..(b + 1) * QUADS * LANES].as_ptr();
+        let wq: [*const u8; R] = at.map(|i| w.q[i * QK_K..(i + 1) * QK_K].as_ptr());
+        let sc: [*const i32; R] = at.map(|i| w.scales[i * 16..(i + 1) * 16].as_ptr());
+        let mut sumi = at.map(|i| _mm512_set1_epi32(-w.bias[i]));
+        // Two sub-blocks at a time, so that each row has two chains of
+        // `vpdpbusd` in flight.
+        for s in (0..QUADS / per).step_by(2) {
+            let mut parts = [[_mm512_setzero_si512(); R]; 2];
+            for (h, part) in parts.iter_mut().enumerate() {
+                for k in 0..per {
+                    let quad = (s + h) * per + k;
+                    // SAFETY: quad < 64: 16 readable words of the block's
+                    // quad, and 4 readable quant bytes of each row's block
+                    // (one unaligned word).
+                    let ys = unsafe { _mm512_loadu_si512(yq.add(quad * LANES).cast()) };
+                    for r in 0..R {
+                        let x = unsafe { wq[r].add(4 * quad).cast::<i32>().read_unaligned() };
+                        part[r] = _mm512_dpbusd_epi32(part[r], ys, _mm512_set1_epi32(x));
+                    }
+                }
+            }
+            for (h, part) in parts.iter().enumerate() {
+                for r in 0..R {
+                    // SAFETY: sub-block s + h < 16 of the row's scales.
+                    let scale = unsafe { _mm512_set1_epi32(*sc[r].add(s + h)) };
+                    sumi[r] = _mm512_add_epi32(sumi[r], _mm512_mullo_epi32(part[r], scale));
+                }
+            }
+        }
+        // SAFETY (loads below): 16 f32 / words of the block's scales and
+        // sums (b < y.blocks); unaligned.
+        let dy = unsafe { _mm512_loadu_ps(y.d.as_ptr().add(b * LANES)) };
+        for r in 0..R {
+            let pair = |h: usize| _mm512_set1_epi32(w.pairs[at[r] * 8 + h] as i32);
+            let dyd = _mm512_mul_ps(_mm512_set1_ps(w.d[at[r]]), dy);
+            if SIX {
+                // The offset joins the integer sum; `fold_k`'s `- 0 × 0`
+                // leaves every f32 as it is.
+                for h in 0..8 {
+                    let sums = unsafe { _mm512_loadu_si512(y.sums16.as_ptr().add((b * 8 + h) * LANES).cast()) };
+                    sumi[r] = _mm512_dpwssd_epi32(sumi[r], sums, pair(h));
+                }
+                acc[r] = _mm512_add_ps(acc[r], _mm512_mul_ps(dyd, _mm512_cvtepi32_ps(sumi[r])));
+            } else {
+                let mut summ = _mm512_setzero_si512();
+                for h in 0..4 {
+                    let sums = unsafe { _mm512_loadu_si512(y.sums32.as_ptr().add((b * 4 + h) * LANES).cast()) };
+                    summ = _mm512_dpwssd_epi32(summ, sums, pair(h));
+                }
+                let dmin = _mm512_mul_ps(_mm512_set1_ps(w.dmin[at[r]]), dy);
+                let plus = _mm512_add_ps(acc[r], _mm512_mul_ps(dyd, _mm512_cvtepi32_ps(sumi[r])));
+                acc[r] = _mm512_sub_ps(plus, _mm512_mul_ps(dmin, _mm512_cvtepi32_ps(summ)));
+            }
+        }
+    }
+    for (o, a) in out.iter_mut().zip(acc) {
+        // SAFETY: 16 writable f32; unaligned store.
+        unsafe { _mm512_storeu_ps(o.as_mut_ptr(), a) };
+    }
+}
