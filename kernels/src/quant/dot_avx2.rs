@@ -36,7 +36,7 @@ fn ld_i8(s: &[i8]) -> __m256i {
 /// Sum of eight i32 lanes.
 #[inline]
 #[target_feature(enable = "avx2,f16c")]
-fn hsum(v: __m256i) -> i32 {
+pub(super) fn hsum(v: __m256i) -> i32 {
     let s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256::<1>(v));
     let s = _mm_add_epi32(s, _mm_shuffle_epi32::<0b01_00_11_10>(s));
     let s = _mm_add_epi32(s, _mm_shuffle_epi32::<0b10_11_00_01>(s));
@@ -180,13 +180,8 @@ pub(super) unsafe fn gemv4<K: KSums>(k: &K, matrix: &[u8], y: &[BlockQ8K], out: 
         unsafe { _mm_storeu_ps(o.as_mut_ptr(), acc) };
     }
     for (o, row) in fours.into_remainder().iter_mut().zip(rows) {
-        let mut acc = 0.0f32;
-        for (b, yb) in row.chunks_exact(bb).zip(y) {
-            let (sumi, summ, d, dmin) = unsafe { k.sums(b, yb) };
-            let (sumi, summ) = unsafe { hsum_pair(sumi, summ) };
-            acc = fold_k(acc, d * yb.d, sumi, dmin * yb.d, summ);
-        }
-        *o = acc;
+        // SAFETY: the same contract.
+        *o = unsafe { dot_k(k, row, y) };
     }
 }
 
@@ -296,14 +291,16 @@ impl KSums for Q6 {
 }
 
 /// A row of `K`'s blocks against Q8_K, one block at a time.
-#[inline]
-#[target_feature(enable = "avx2,f16c")]
-fn dot_k<K: KSums>(k: &K, row: &[u8], y: &[BlockQ8K]) -> f32 {
+///
+/// # Safety
+/// As [`gemv4`]'s: inlined into a function with `K`'s features.
+#[inline(always)]
+unsafe fn dot_k<K: KSums>(k: &K, row: &[u8], y: &[BlockQ8K]) -> f32 {
     let mut acc = 0.0f32;
     for (b, yb) in row.chunks_exact(K::BYTES).zip(y) {
-        // SAFETY: this function's features are the kernels'.
+        // SAFETY: the caller's features, per the contract.
         let (sumi, summ, d, dmin) = unsafe { k.sums(b, yb) };
-        let (sumi, summ) = hsum_pair(sumi, summ);
+        let (sumi, summ) = unsafe { hsum_pair(sumi, summ) };
         acc = fold_k(acc, d * yb.d, sumi, dmin * yb.d, summ);
     }
     acc
@@ -312,13 +309,15 @@ fn dot_k<K: KSums>(k: &K, row: &[u8], y: &[BlockQ8K]) -> f32 {
 /// Q4_K (`FIVE = false`) or Q5_K row against Q8_K.
 #[target_feature(enable = "avx2,f16c")]
 pub(super) fn dot_q45k<const FIVE: bool>(row: &[u8], y: &[BlockQ8K]) -> f32 {
-    dot_k(&Q45::<FIVE>, row, y)
+    // SAFETY: inlined here, with AVX2 and F16C.
+    unsafe { dot_k(&Q45::<FIVE>, row, y) }
 }
 
 /// Q6_K row against Q8_K.
 #[target_feature(enable = "avx2,f16c")]
 pub(super) fn dot_q6k(row: &[u8], y: &[BlockQ8K]) -> f32 {
-    dot_k(&Q6, row, y)
+    // SAFETY: as in `dot_q45k`.
+    unsafe { dot_k(&Q6, row, y) }
 }
 
 /// Rows of Q4_K (`FIVE = false`) or Q5_K weights against one token: `out[r]`

@@ -109,18 +109,18 @@ pub(super) fn dot_q45k<const FIVE: bool>(row: &[u8], y: &[BlockQ8K]) -> f32 {
 
 /// A k-quant block unpacked for its products with tokens: what every
 /// token's integer sums need (`sums`), and its scales.
-struct KBlock {
-    /// The quants, chunk by chunk (64 elements each, see the kernels).
-    q: [__m512i; 4],
+pub(super) struct KBlock {
+    /// The quants, chunk by chunk (64 elements each, in element order).
+    pub(super) q: [__m512i; 4],
     /// The scale words of chunks 0, 1 and 2, 3 (see [`scale_pairs`]).
     s: [__m512i; 2],
     /// Q4_K/Q5_K: the i16 multipliers of the 16 `bsums` in the minimum
     /// term (min k / 2 in word k); Q6_K: the sixteen scales as i16, for
     /// the offset.
     by_sums: __m256i,
-    d: f32,
+    pub(super) d: f32,
     /// Zero for Q6_K.
-    dmin: f32,
+    pub(super) dmin: f32,
     six: bool,
 }
 
@@ -130,7 +130,7 @@ impl KBlock {
     /// (Q6_K: zero).
     #[inline]
     #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,f16c")]
-    fn sums(&self, yb: &BlockQ8K) -> (__m256i, __m256i) {
+    pub(super) fn sums(&self, yb: &BlockQ8K) -> (__m256i, __m256i) {
         let zero = _mm512_setzero_si512();
         let groups: [__m512i; 4] = std::array::from_fn(|c| _mm512_dpbusd_epi32(zero, self.q[c], ld64_i8(&yb.qs[64 * c..])));
         let sum = fold_halves(scale_pairs(groups, self.s));
@@ -143,6 +143,28 @@ impl KBlock {
         } else {
             (sum, by_sums)
         }
+    }
+}
+
+/// A k-quant format's unpacking of a weight block, shared by the one-token
+/// kernels (through [`KSums`]), the grouped ones and the prefill GEMM's
+/// unpacking of its rows (`klanes_avx512`).
+pub(super) trait Unpack {
+    /// The format.
+    const KIND: QuantKind;
+    /// # Safety
+    /// The CPU has the kernels' features; `b` is one block.
+    unsafe fn unpack(&self, b: &[u8]) -> KBlock;
+}
+
+impl<U: Unpack> KSums for U {
+    const BYTES: usize = U::KIND.block_bytes();
+    #[inline]
+    unsafe fn sums(&self, b: &[u8], yb: &BlockQ8K) -> (__m256i, __m256i, f32, f32) {
+        // SAFETY: the caller's CPU has the kernels' features.
+        let blk = unsafe { self.unpack(b) };
+        let (sumi, summ) = unsafe { blk.sums(yb) };
+        (sumi, summ, blk.d, blk.dmin)
     }
 }
 
@@ -180,7 +202,7 @@ unsafe fn fold_tokens<const T: usize>(acc: &mut [f32; T], blk: &KBlock, ys: &[&[
 }
 
 /// The unpacking constants of the Q4_K (`FIVE = false`) and Q5_K kernels.
-struct Q45Unpack<const FIVE: bool> {
+pub(super) struct Q45Unpack<const FIVE: bool> {
     m4: __m512i,
     sixteen: __m512i,
     nibble_shift: __m512i,
@@ -192,7 +214,7 @@ struct Q45Unpack<const FIVE: bool> {
 impl<const FIVE: bool> Q45Unpack<FIVE> {
     #[inline]
     #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,f16c")]
-    fn new() -> Self {
+    pub(super) fn new() -> Self {
         Q45Unpack {
             m4: _mm512_set1_epi8(15),
             sixteen: _mm512_set1_epi8(16),
@@ -245,33 +267,37 @@ impl<const FIVE: bool> Q45Unpack<FIVE> {
     }
 }
 
-impl<const FIVE: bool> KSums for Q45Unpack<FIVE> {
-    const BYTES: usize = if FIVE { QuantKind::Q5K } else { QuantKind::Q4K }.block_bytes();
+impl<const FIVE: bool> Unpack for Q45Unpack<FIVE> {
+    const KIND: QuantKind = if FIVE { QuantKind::Q5K } else { QuantKind::Q4K };
     #[inline]
-    unsafe fn sums(&self, b: &[u8], yb: &BlockQ8K) -> (__m256i, __m256i, f32, f32) {
+    unsafe fn unpack(&self, b: &[u8]) -> KBlock {
         // SAFETY: the caller's CPU has the kernels' features.
-        let blk = unsafe { self.block(b) };
-        let (sumi, summ) = unsafe { blk.sums(yb) };
-        (sumi, summ, blk.d, blk.dmin)
+        unsafe { self.block(b) }
     }
 }
 
-/// Q4_K (`FIVE = false`) or Q5_K row against `T` tokens of Q8_K at once:
-/// each block's weights are unpacked (nibbles, `qh` bits, scales) once for
-/// all of them, which is what a prefill saves; each token's integer sums
-/// and f32 fold do not depend on `T`, so every result has the bits of the
-/// one-token product.
+/// A row of `U`'s blocks against `T` tokens of Q8_K at once: each block's
+/// weights are unpacked (nibbles, high bits, scales) once for all of them,
+/// which is what a prefill saves; each token's integer sums and f32 fold
+/// do not depend on `T`, so every result has the bits of the one-token
+/// product.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,f16c")]
+fn dot_k_multi<U: Unpack, const T: usize>(unpack: &U, row: &[u8], ys: [&[BlockQ8K]; T]) -> [f32; T] {
+    let mut acc = [0.0f32; T];
+    for (i, b) in row.chunks_exact(U::KIND.block_bytes()).enumerate() {
+        // SAFETY: inlined here, with the kernels' features.
+        unsafe { fold_tokens(&mut acc, &unpack.unpack(b), &ys, i) };
+    }
+    acc
+}
+
+/// Q4_K (`FIVE = false`) or Q5_K row against `T` tokens of Q8_K at once
+/// ([`dot_k_multi`]).
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,f16c")]
 pub(super) fn dot_q45k_multi<const FIVE: bool, const T: usize>(row: &[u8], ys: [&[BlockQ8K]; T]) -> [f32; T] {
-    let bb = if FIVE { QuantKind::Q5K } else { QuantKind::Q4K }.block_bytes();
-    let unpack = Q45Unpack::<FIVE>::new();
-    let mut acc = [0.0f32; T];
-    for (i, b) in row.chunks_exact(bb).enumerate() {
-        // SAFETY: inlined here, with the kernels' features.
-        unsafe { fold_tokens(&mut acc, &unpack.block(b), &ys, i) };
-    }
-    acc
+    dot_k_multi(&Q45Unpack::<FIVE>::new(), row, ys)
 }
 
 /// Rows of Q4_K (`FIVE = false`) or Q5_K weights, `y.len()` blocks each,
@@ -297,7 +323,7 @@ pub(super) fn dot_q6k(row: &[u8], y: &[BlockQ8K]) -> f32 {
 }
 
 /// The unpacking constants of the Q6_K kernels.
-struct Q6Unpack {
+pub(super) struct Q6Unpack {
     m4: __m512i,
     m30: __m512i,
     left01: __m512i,
@@ -308,7 +334,7 @@ struct Q6Unpack {
 impl Q6Unpack {
     #[inline]
     #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,f16c")]
-    fn new() -> Self {
+    pub(super) fn new() -> Self {
         // Chunks 2p and 2p + 1's scale words (see `scale_pairs`): 128-bit
         // lane m of chunk j is sub-block 4j + m, so word w (lane w / 8) is
         // sub-block 8p + m of the first chunk in words 0..4 of the lane and
@@ -365,30 +391,20 @@ impl Q6Unpack {
     }
 }
 
-impl KSums for Q6Unpack {
-    const BYTES: usize = QuantKind::Q6K.block_bytes();
+impl Unpack for Q6Unpack {
+    const KIND: QuantKind = QuantKind::Q6K;
     #[inline]
-    unsafe fn sums(&self, b: &[u8], yb: &BlockQ8K) -> (__m256i, __m256i, f32, f32) {
+    unsafe fn unpack(&self, b: &[u8]) -> KBlock {
         // SAFETY: the caller's CPU has the kernels' features.
-        let blk = unsafe { self.block(b) };
-        let (sumi, summ) = unsafe { blk.sums(yb) };
-        (sumi, summ, blk.d, blk.dmin)
+        unsafe { self.block(b) }
     }
 }
 
-/// Q6_K row against `T` tokens of Q8_K at once, each block unpacked once
-/// for all of them (as `dot_q45k_multi`); every result has the bits of the
-/// one-token product.
+/// Q6_K row against `T` tokens of Q8_K at once ([`dot_k_multi`]).
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,f16c")]
 pub(super) fn dot_q6k_multi<const T: usize>(row: &[u8], ys: [&[BlockQ8K]; T]) -> [f32; T] {
-    let unpack = Q6Unpack::new();
-    let mut acc = [0.0f32; T];
-    for (i, b) in row.chunks_exact(QuantKind::Q6K.block_bytes()).enumerate() {
-        // SAFETY: inlined here, with the kernels' features.
-        unsafe { fold_tokens(&mut acc, &unpack.block(b), &ys, i) };
-    }
-    acc
+    dot_k_multi(&Q6Unpack::new(), row, ys)
 }
 
 /// Two blocks' quants (`Q` as in `quants32`: 8, 4, 5 or [`Q5_1`]) as

@@ -21,7 +21,9 @@
 //! sum is at most 32 × 255 × 63 (Q5_K: 31), times a scale of at most 128
 //! in magnitude; a block's sum below 2²⁹: inside i32.
 
-use super::blocks::{half_at, k_scales_mins, BlockQ8K, QuantKind, K_SCALES, Q4K_QS, Q5K_QH, Q5K_QS, Q6K_D, Q6K_QH, Q6K_SCALES};
+use super::blocks::{k_scales_mins, BlockQ8K, QuantKind, K_SCALES, Q6K_SCALES};
+use super::dot_avx2::hsum;
+use super::dot_avx512::{Q45Unpack, Q6Unpack, Unpack};
 use super::QK_K;
 use std::arch::x86_64::*;
 
@@ -109,14 +111,31 @@ pub(super) struct KRows {
     six: bool,
 }
 
+/// A token block of ones: a weight block's sums with it are Σ scale ×
+/// quant (Q6_K's offset, from the zero `bsums`, is zero), the bias term's
+/// factor.
+static ONES: BlockQ8K = BlockQ8K { d: 0.0, qs: [1; QK_K], bsums: [0; QK_K / 16] };
+
 impl KRows {
     /// Unpack `rows` whole rows of `kind` (Q4_K, Q5_K or Q6_K), `blocks`
-    /// blocks each.
-    #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+    /// blocks each, with the one-token kernels' unpacking.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,f16c")]
     pub(super) fn unpack(&mut self, kind: QuantKind, matrix: &[u8], rows: usize, blocks: usize) {
-        let bb = kind.block_bytes();
+        match kind {
+            QuantKind::Q4K => self.unpack_with(&Q45Unpack::<false>::new(), matrix, rows, blocks),
+            QuantKind::Q5K => self.unpack_with(&Q45Unpack::<true>::new(), matrix, rows, blocks),
+            QuantKind::Q6K => self.unpack_with(&Q6Unpack::new(), matrix, rows, blocks),
+            _ => unreachable!("KRows: {kind} is not a k-quant"),
+        }
+    }
+
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,f16c")]
+    fn unpack_with<U: Unpack>(&mut self, unpack: &U, matrix: &[u8], rows: usize, blocks: usize) {
+        let bb = U::KIND.block_bytes();
         assert_eq!(matrix.len(), rows * blocks * bb, "KRows: whole rows");
-        (self.rows, self.blocks, self.six) = (rows, blocks, kind == QuantKind::Q6K);
+        let six = U::KIND == QuantKind::Q6K;
+        (self.rows, self.blocks, self.six) = (rows, blocks, six);
         let n = rows * blocks;
         self.q.resize(n * QK_K, 0);
         self.scales.resize(n * 16, 0);
@@ -125,145 +144,41 @@ impl KRows {
         self.dmin.resize(n, 0.0);
         self.pairs.resize(n * 8, 0);
         for (i, b) in matrix.chunks_exact(bb).enumerate() {
-            let q: &mut [u8; QK_K] = (&mut self.q[i * QK_K..(i + 1) * QK_K]).try_into().expect("a block of quants");
+            // SAFETY: this function's features are the kernels'.
+            let blk = unsafe { unpack.unpack(b) };
+            for (c, &v) in blk.q.iter().enumerate() {
+                let q = &mut self.q[i * QK_K + 64 * c..][..64];
+                // SAFETY: 64 writable bytes; unaligned store.
+                unsafe { _mm512_storeu_si512(q.as_mut_ptr().cast(), v) };
+            }
+            self.bias[i] = 128 * hsum(blk.sums(&ONES).0);
+            (self.d[i], self.dmin[i]) = (blk.d, blk.dmin);
             let scales = &mut self.scales[i * 16..(i + 1) * 16];
             let pairs = &mut self.pairs[i * 8..(i + 1) * 8];
-            let biased = match kind {
-                QuantKind::Q4K | QuantKind::Q5K => {
-                    let (sc, mn) = k_scales_mins(&b[K_SCALES..K_SCALES + 12]);
-                    for (s, &v) in sc.iter().enumerate() {
-                        scales[s] = v as i32;
-                    }
-                    for h in 0..4 {
-                        pairs[h] = words(mn[2 * h] as i16, mn[2 * h + 1] as i16);
-                    }
-                    self.d[i] = half_at(b, 0);
-                    self.dmin[i] = half_at(b, 2);
-                    if kind == QuantKind::Q5K {
-                        unpack_q45::<true>(b, &sc, q)
-                    } else {
-                        unpack_q45::<false>(b, &sc, q)
-                    }
+            if six {
+                let sc = |s: usize| (b[Q6K_SCALES + s] as i8) as i16;
+                for (s, v) in scales.iter_mut().enumerate() {
+                    *v = sc(s) as i32;
                 }
-                QuantKind::Q6K => {
-                    let sc = |s: usize| (b[Q6K_SCALES + s] as i8) as i16;
-                    for (s, v) in scales.iter_mut().enumerate() {
-                        *v = sc(s) as i32;
-                    }
-                    for (h, p) in pairs.iter_mut().enumerate() {
-                        *p = words(-32 * sc(2 * h), -32 * sc(2 * h + 1));
-                    }
-                    self.d[i] = half_at(b, Q6K_D);
-                    self.dmin[i] = 0.0;
-                    unpack_q6(b, q)
+                for (h, p) in pairs.iter_mut().enumerate() {
+                    *p = words(-32 * sc(2 * h), -32 * sc(2 * h + 1));
                 }
-                _ => unreachable!("KRows: {kind} is not a k-quant"),
-            };
-            self.bias[i] = 128 * biased;
+            } else {
+                let (sc, mn) = k_scales_mins(&b[K_SCALES..K_SCALES + 12]);
+                for (v, &s) in scales.iter_mut().zip(&sc) {
+                    *v = s as i32;
+                }
+                for h in 0..4 {
+                    pairs[h] = words(mn[2 * h] as i16, mn[2 * h + 1] as i16);
+                }
+            }
         }
     }
-}
-
-/// 64 bytes from the front of `s`.
-#[inline]
-#[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
-fn ld64(s: &[u8]) -> __m512i {
-    let s = &s[..64];
-    // SAFETY: 64 readable bytes; unaligned load.
-    unsafe { _mm512_loadu_si512(s.as_ptr().cast()) }
-}
-
-/// 32 bytes from the front of `s`, in both halves of a vector.
-#[inline]
-#[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
-fn ld32_twice(s: &[u8]) -> __m512i {
-    let s = &s[..32];
-    // SAFETY: 32 readable bytes; unaligned load.
-    _mm512_broadcast_i64x4(unsafe { _mm256_loadu_si256(s.as_ptr().cast()) })
-}
-
-/// Store `v` at the front of `s`.
-#[inline]
-#[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
-fn st64(s: &mut [u8], v: __m512i) {
-    let s = &mut s[..64];
-    // SAFETY: 64 writable bytes; unaligned store.
-    unsafe { _mm512_storeu_si512(s.as_mut_ptr().cast(), v) }
-}
-
-/// A vector whose low 32 bytes are `a` and high 32 bytes `b`.
-#[inline]
-#[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
-fn halves_i8(a: u8, b: u8) -> __m512i {
-    _mm512_inserti64x4::<1>(_mm512_set1_epi8(a as i8), _mm256_set1_epi8(b as i8))
-}
-
-/// A Q4_K (`FIVE = false`) or Q5_K block's quants into `q` in element
-/// order; returns Σ scale × quant over the block.
-#[inline]
-#[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
-fn unpack_q45<const FIVE: bool>(b: &[u8], sc: &[u8; 8], q: &mut [u8; QK_K]) -> i32 {
-    let m4 = _mm512_set1_epi8(15);
-    let sixteen = _mm512_set1_epi8(16);
-    let qh = if FIVE { ld32_twice(&b[Q5K_QH..]) } else { _mm512_setzero_si512() };
-    let qs_at = if FIVE { Q5K_QS } else { Q4K_QS };
-    let mut weighed = _mm512_setzero_si512();
-    // Chunk c: 32 bytes, sub-block 2c in the low nibbles and 2c + 1 in the
-    // high ones (their fifth bits: bits 2c and 2c + 1 of `qh`), so the
-    // chunk twice, shifted by 0 and 4 per half, is elements 64c..64c + 64.
-    let shift = _mm512_inserti64x4::<1>(_mm512_setzero_si512(), _mm256_set1_epi16(4));
-    for c in 0..4 {
-        let mut v = _mm512_and_si512(_mm512_srlv_epi16(ld32_twice(&b[qs_at + 32 * c..]), shift), m4);
-        if FIVE {
-            let bits = halves_i8(1 << (2 * c), 1 << (2 * c + 1));
-            v = _mm512_mask_add_epi8(v, _mm512_test_epi8_mask(qh, bits), v, sixteen);
-        }
-        st64(&mut q[64 * c..], v);
-        weighed = _mm512_dpbusd_epi32(weighed, v, halves_i8(sc[2 * c], sc[2 * c + 1]));
-    }
-    _mm512_reduce_add_epi32(weighed)
-}
-
-/// A Q6_K block's quants (as stored, 0..64) into `q` in element order;
-/// returns Σ scale × quant over the block.
-#[inline]
-#[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
-fn unpack_q6(b: &[u8], q: &mut [u8; QK_K]) -> i32 {
-    let m4 = _mm512_set1_epi8(15);
-    let m30 = _mm512_set1_epi8(0x30);
-    // Per 16-bit lane shift counts that bring qh bits 2k, 2k + 1 to bits 4,
-    // 5 for quarters k = 0 | 1 (left by 4 | 2) and k = 2 | 3 (right by 0 | 2).
-    let left01 = _mm512_inserti64x4::<1>(_mm512_set1_epi16(4), _mm256_set1_epi16(2));
-    let right23 = _mm512_inserti64x4::<1>(_mm512_set1_epi16(0), _mm256_set1_epi16(2));
-    // SAFETY: 16 readable scale bytes; unaligned load.
-    let scales = _mm512_broadcast_i32x4(unsafe { _mm_loadu_si128(b[Q6K_SCALES..Q6K_SCALES + 16].as_ptr().cast()) });
-    let mut weighed = _mm512_setzero_si512();
-    // Half h: quarters 0 | 1 from the low nibbles of its 64 `ql` bytes,
-    // 2 | 3 from the high ones, `qh` bits on top; 128-bit lane j of each
-    // result is sixteen-element sub-block 8h + 4 (0 | 1) + j.
-    for h in 0..2 {
-        let ql = ld64(&b[64 * h..]);
-        let qh = ld32_twice(&b[Q6K_QH + 32 * h..]);
-        let q01 = _mm512_or_si512(_mm512_and_si512(ql, m4), _mm512_and_si512(_mm512_sllv_epi16(qh, left01), m30));
-        let q23 = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16::<4>(ql), m4), _mm512_and_si512(_mm512_srlv_epi16(qh, right23), m30));
-        for (k, v) in [q01, q23].into_iter().enumerate() {
-            st64(&mut q[128 * h + 64 * k..], v);
-            let first = (8 * h + 4 * k) as i8;
-            let pick = _mm512_set_epi32(
-                i32::from_ne_bytes([(first + 3) as u8; 4]), i32::from_ne_bytes([(first + 3) as u8; 4]), i32::from_ne_bytes([(first + 3) as u8; 4]), i32::from_ne_bytes([(first + 3) as u8; 4]),
-                i32::from_ne_bytes([(first + 2) as u8; 4]), i32::from_ne_bytes([(first + 2) as u8; 4]), i32::from_ne_bytes([(first + 2) as u8; 4]), i32::from_ne_bytes([(first + 2) as u8; 4]),
-                i32::from_ne_bytes([(first + 1) as u8; 4]), i32::from_ne_bytes([(first + 1) as u8; 4]), i32::from_ne_bytes([(first + 1) as u8; 4]), i32::from_ne_bytes([(first + 1) as u8; 4]),
-                i32::from_ne_bytes([first as u8; 4]), i32::from_ne_bytes([first as u8; 4]), i32::from_ne_bytes([first as u8; 4]), i32::from_ne_bytes([first as u8; 4]),
-            );
-            weighed = _mm512_dpbusd_epi32(weighed, v, _mm512_shuffle_epi8(scales, pick));
-        }
-    }
-    _mm512_reduce_add_epi32(weighed)
 }
 
 /// Every unpacked row against a group of tokens: `out[r][t]` is row r's
 /// product with token t, with the one-token kernels' bits.
-#[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,f16c")]
 pub(super) fn gemm_k(w: &KRows, y: &KLanes, out: &mut [[f32; LANES]]) {
     assert_eq!(w.blocks, y.blocks, "gemm_k: rows and tokens of one width");
     assert!(out.len() >= w.rows, "gemm_k: an output per row");
@@ -293,7 +208,7 @@ const ROWS: usize = 4;
 /// Rows `r0..r0 + R` against the group, every block (`SIX`: Q6_K, sixteen
 /// sub-blocks of sixteen, an integer offset term and no minimum term).
 #[inline]
-#[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,f16c")]
 fn rows_k<const R: usize, const SIX: bool>(w: &KRows, r0: usize, y: &KLanes, out: &mut [[f32; LANES]]) {
     // Quads per sub-block.
     let per = if SIX { 4 } else { 8 };
