@@ -12,10 +12,12 @@
 #   engine   `duplex bench-engine` on $MODEL, decode at contexts 512 and 4096 and prefill of
 #            512 and 2048 tokens, DUPLEX_AMX=off and on alternating for $ROUNDS rounds: the
 #            fraction of the roofline with and without the tiles (acceptance 4); then the
-#            same on $GGUF if it exists (the Q8_0 file's prefill takes the INT8 tiles)
+#            same on each of $GGUFS that exists (their prefill takes the INT8 tiles: Q8_0
+#            in the Q8_0 file; Q4_K, Q6_K and Q5_0 in the Q4_K_M one)
 # Environment: MODEL (default /tmp/bench-synth; make it with
 #   `cargo run --release -p duplex-cli -- synth --preset bench --out /tmp/bench-synth`),
-#   GGUF (default /tmp/anchor/bench-Q8_0.gguf, see bench-llama-cpp.sh), THREADS (default:
+#   GGUFS (default "/tmp/anchor/bench-Q8_0.gguf /tmp/anchor/bench-Q4_K_M.gguf", see
+#   bench-llama-cpp.sh), THREADS (default:
 #   every core), ROUNDS (default 3), OUT_DIR (default /tmp/amx-check). Logs go to
 #   $OUT_DIR/<step>.log. Run nothing heavy beside it.
 set -euo pipefail
@@ -23,7 +25,7 @@ set -euo pipefail
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 ROOT="$(cd "$HERE/../.." && pwd)"
 MODEL="${MODEL:-/tmp/bench-synth}"
-GGUF="${GGUF:-/tmp/anchor/bench-Q8_0.gguf}"
+GGUFS="${GGUFS:-/tmp/anchor/bench-Q8_0.gguf /tmp/anchor/bench-Q4_K_M.gguf}"
 THREADS="${THREADS:-$(nproc)}"
 ROUNDS="${ROUNDS:-3}"
 OUT_DIR="${OUT_DIR:-/tmp/amx-check}"
@@ -71,7 +73,9 @@ step_engine() {
     cargo build --release -q --bin duplex
     BIN="$ROOT/target/release/duplex"
     local models=("$MODEL")
-    [[ -f "$GGUF" ]] && models+=("$GGUF") || log "no $GGUF: the GGUF rounds are left out (deploy/anchor/bench-llama-cpp.sh make)"
+    for gguf in $GGUFS; do
+        [[ -f "$gguf" ]] && models+=("$gguf") || log "no $gguf: its rounds are left out (deploy/anchor/bench-llama-cpp.sh make)"
+    done
     for model in "${models[@]}"; do
         log "bench-engine on $model: DUPLEX_AMX=off and on, $ROUNDS rounds alternating"
         log "columns: decode tokens/s | fraction of the roofline; a step: context | ms | attention ms | MLP/MoE ms | rest ms | ms at roofline; prefill tokens/s"

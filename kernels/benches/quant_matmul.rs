@@ -18,7 +18,8 @@
 //! sweep of 1–32 tokens finds the turning point: the fewest tokens at
 //! which the tiles beat the AVX-512 kernels, per format (KTransformers
 //! switches at about four tokens per expert; `quant::matmul` takes the
-//! tiles from `LANES_LEAST` tokens).
+//! tiles where it takes the AVX-512 lanes: from `LANES_LEAST` tokens for
+//! the 32-element formats, `K_LANES_LEAST` for the k-quants).
 
 use duplex_kernels::cpu::amx::{HardwareTiles, Tiles};
 use duplex_kernels::quant::{matmul, DotPath, QuantKind, QuantizedTokens};
@@ -33,8 +34,6 @@ const PASSES: usize = 15;
 /// Token-products per pass (tokens × repeats): enough that a pass takes
 /// some tens of milliseconds at any token count.
 const TOKEN_PRODUCTS: usize = 512;
-/// The formats the tiles take (the k-quants stay on AVX-512, see the README).
-const TILE_FORMATS: [QuantKind; 3] = [QuantKind::Q8_0, QuantKind::Q4_0, QuantKind::Q5_0];
 
 fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
@@ -73,10 +72,11 @@ fn main() {
         }
     }
     if peak.is_some() && paths.contains(&DotPath::Amx) && paths.contains(&DotPath::Avx512Vnni) {
-        // Below `LANES_LEAST` (4) tokens both paths run the one-token kernel,
-        // so their ratio there is noise; a turn is a 5% lead.
+        // Below `LANES_LEAST` (4; the k-quants' `K_LANES_LEAST`, 12) tokens
+        // both paths run the same kernels, so their ratio there is noise; a
+        // turn is a 5% lead.
         println!("\nturning point (1-32 tokens, medians of {} passes each; amx ÷ avx512vnni, the first at least 1.05):", PASSES / 3);
-        for (kind, m) in matrices.iter().filter(|(k, _)| TILE_FORMATS.contains(k)) {
+        for (kind, m) in &matrices {
             let ratios: Vec<(usize, f64)> = (1..=32).map(|n| (n, gemm_rate(DotPath::Amx, *kind, m, n, PASSES / 3).0 / gemm_rate(DotPath::Avx512Vnni, *kind, m, n, PASSES / 3).0)).collect();
             let turn = ratios.iter().find(|&&(_, r)| r >= 1.05).map_or("never within 32".to_string(), |(n, _)| format!("{n} tokens"));
             let shown: Vec<String> = ratios.iter().filter(|(n, _)| [1, 2, 4, 8, 16, 32].contains(n)).map(|(n, r)| format!("{n}: {r:.2}")).collect();

@@ -21,7 +21,7 @@
 //! sum is at most 32 × 255 × 63 (Q5_K: 31), times a scale of at most 128
 //! in magnitude; a block's sum below 2²⁹: inside i32.
 
-use super::blocks::{k_scales_mins, BlockQ8K, QuantKind, K_SCALES, Q6K_SCALES};
+use super::blocks::{half_at, k_scales_mins, q4k_quant, q5k_quant, q6k_quant, BlockQ8K, QuantKind, K_SCALES, Q4K_QS, Q5K_QH, Q5K_QS, Q6K_D, Q6K_SCALES};
 use super::dot_avx2::hsum;
 use super::dot_avx512::{Q45Unpack, Q6Unpack, Unpack};
 use super::QK_K;
@@ -39,7 +39,7 @@ fn words(lo: i16, hi: i16) -> u32 {
 }
 
 /// Up to sixteen tokens' Q8_K activations, transposed for [`gemm_k`]:
-/// block b's quad k (elements 4k..4k + 4, biased by 128, as the bytes of a
+/// block b's quad k (elements 4k..4k + 4, biased by 128 or not, as the bytes of a
 /// word) of token t at `q[(b · 64 + k) · 16 + t]`; its scale at
 /// `d[b · 16 + t]`; the activation sums of its sixteen-element sub-blocks
 /// 2h and 2h + 1 (`bsums`, as words) at `sums16[(b · 8 + h) · 16 + t]`,
@@ -48,19 +48,22 @@ fn words(lo: i16, hi: i16) -> u32 {
 /// buffers are reused from group to group.
 #[derive(Default)]
 pub(super) struct KLanes {
-    q: Vec<u32>,
-    d: Vec<f32>,
-    sums16: Vec<u32>,
-    sums32: Vec<u32>,
-    blocks: usize,
+    pub(super) q: Vec<u32>,
+    pub(super) d: Vec<f32>,
+    pub(super) sums16: Vec<u32>,
+    pub(super) sums32: Vec<u32>,
+    pub(super) blocks: usize,
 }
 
 impl KLanes {
-    /// Transpose `tokens` (1..=[`LANES`], each the same number of blocks).
-    pub(super) fn fill(&mut self, tokens: &[&[BlockQ8K]]) {
+    /// Transpose `tokens` (1..=[`LANES`], each the same number of blocks),
+    /// their quants biased by 128 for [`gemm_k`] (`biased`) or as they are,
+    /// signed, for the AMX tiles (`ktiles_amx`).
+    pub(super) fn fill(&mut self, tokens: &[&[BlockQ8K]], biased: bool) {
         assert!(!tokens.is_empty() && tokens.len() <= LANES, "KLanes: 1..=16 tokens");
         let blocks = tokens[0].len();
         self.blocks = blocks;
+        let bias = if biased { 0x8080_8080 } else { 0 };
         for (v, per_block) in [(&mut self.q, QUADS), (&mut self.sums16, 8), (&mut self.sums32, 4)] {
             v.clear();
             v.resize(blocks * per_block * LANES, 0);
@@ -72,7 +75,7 @@ impl KLanes {
             for (b, yb) in y.iter().enumerate() {
                 for (k, quad) in yb.qs.chunks_exact(4).enumerate() {
                     let word = u32::from_le_bytes([quad[0] as u8, quad[1] as u8, quad[2] as u8, quad[3] as u8]);
-                    self.q[(b * QUADS + k) * LANES + t] = word ^ 0x8080_8080;
+                    self.q[(b * QUADS + k) * LANES + t] = word ^ bias;
                 }
                 let s = &yb.bsums;
                 for h in 0..8 {
@@ -100,15 +103,15 @@ impl KLanes {
 /// -32 × scales 2h and 2h + 1, the offset) at `pairs[i · 8..]`.
 #[derive(Default)]
 pub(super) struct KRows {
-    q: Vec<u8>,
-    scales: Vec<i32>,
+    pub(super) q: Vec<u8>,
+    pub(super) scales: Vec<i32>,
     bias: Vec<i32>,
-    d: Vec<f32>,
-    dmin: Vec<f32>,
-    pairs: Vec<u32>,
-    rows: usize,
-    blocks: usize,
-    six: bool,
+    pub(super) d: Vec<f32>,
+    pub(super) dmin: Vec<f32>,
+    pub(super) pairs: Vec<u32>,
+    pub(super) rows: usize,
+    pub(super) blocks: usize,
+    pub(super) six: bool,
 }
 
 /// A token block of ones: a weight block's sums with it are Σ scale ×
@@ -132,17 +135,7 @@ impl KRows {
     #[inline]
     #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,f16c")]
     fn unpack_with<U: Unpack>(&mut self, unpack: &U, matrix: &[u8], rows: usize, blocks: usize) {
-        let bb = U::KIND.block_bytes();
-        assert_eq!(matrix.len(), rows * blocks * bb, "KRows: whole rows");
-        let six = U::KIND == QuantKind::Q6K;
-        (self.rows, self.blocks, self.six) = (rows, blocks, six);
-        let n = rows * blocks;
-        self.q.resize(n * QK_K, 0);
-        self.scales.resize(n * 16, 0);
-        self.bias.resize(n, 0);
-        self.d.resize(n, 0.0);
-        self.dmin.resize(n, 0.0);
-        self.pairs.resize(n * 8, 0);
+        let bb = self.size_for(U::KIND, matrix, rows, blocks);
         for (i, b) in matrix.chunks_exact(bb).enumerate() {
             // SAFETY: this function's features are the kernels'.
             let blk = unsafe { unpack.unpack(b) };
@@ -153,24 +146,82 @@ impl KRows {
             }
             self.bias[i] = 128 * hsum(blk.sums(&ONES).0);
             (self.d[i], self.dmin[i]) = (blk.d, blk.dmin);
-            let scales = &mut self.scales[i * 16..(i + 1) * 16];
-            let pairs = &mut self.pairs[i * 8..(i + 1) * 8];
-            if six {
-                let sc = |s: usize| (b[Q6K_SCALES + s] as i8) as i16;
-                for (s, v) in scales.iter_mut().enumerate() {
-                    *v = sc(s) as i32;
-                }
-                for (h, p) in pairs.iter_mut().enumerate() {
-                    *p = words(-32 * sc(2 * h), -32 * sc(2 * h + 1));
-                }
-            } else {
-                let (sc, mn) = k_scales_mins(&b[K_SCALES..K_SCALES + 12]);
-                for (v, &s) in scales.iter_mut().zip(&sc) {
-                    *v = s as i32;
-                }
-                for h in 0..4 {
-                    pairs[h] = words(mn[2 * h] as i16, mn[2 * h + 1] as i16);
-                }
+            self.scales_and_pairs(i, b);
+        }
+    }
+
+    /// [`KRows::unpack`] where the CPU has AVX-512 VNNI, else
+    /// [`KRows::unpack_portable`]: the same fields either way.
+    pub(super) fn unpack_best(&mut self, kind: QuantKind, matrix: &[u8], rows: usize, blocks: usize) {
+        if super::has_vnni() && crate::cpu::isa::hardware() >= crate::cpu::isa::Isa::Avx512 {
+            // SAFETY: the CPU has AVX-512 F/BW and VNNI (checked), and with
+            // them AVX2 and F16C.
+            unsafe { self.unpack(kind, matrix, rows, blocks) }
+        } else {
+            self.unpack_portable(kind, matrix, rows, blocks)
+        }
+    }
+
+    /// [`KRows::unpack`] in plain Rust, element by element: for the AMX
+    /// tile model on any CPU (the tests), and a check on the SIMD unpacking.
+    pub(super) fn unpack_portable(&mut self, kind: QuantKind, matrix: &[u8], rows: usize, blocks: usize) {
+        let bb = self.size_for(kind, matrix, rows, blocks);
+        for (i, b) in matrix.chunks_exact(bb).enumerate() {
+            for (e, v) in self.q[i * QK_K..(i + 1) * QK_K].iter_mut().enumerate() {
+                *v = match kind {
+                    QuantKind::Q4K => q4k_quant(&b[Q4K_QS..], e),
+                    QuantKind::Q5K => q5k_quant(&b[Q5K_QH..], &b[Q5K_QS..], e),
+                    _ => q6k_quant(b, e),
+                };
+            }
+            (self.d[i], self.dmin[i]) = match kind {
+                QuantKind::Q6K => (half_at(b, Q6K_D), 0.0),
+                _ => (half_at(b, 0), half_at(b, 2)),
+            };
+            self.scales_and_pairs(i, b);
+            let per = if self.six { 16 } else { 32 };
+            let (q, scales) = (&self.q[i * QK_K..(i + 1) * QK_K], &self.scales[i * 16..(i + 1) * 16]);
+            self.bias[i] = 128 * q.iter().enumerate().map(|(e, &v)| scales[e / per] * v as i32).sum::<i32>();
+        }
+    }
+
+    /// Size the buffers for `rows` rows of `blocks` `kind` blocks (Q4_K,
+    /// Q5_K or Q6_K) held whole in `matrix`; the block's bytes.
+    fn size_for(&mut self, kind: QuantKind, matrix: &[u8], rows: usize, blocks: usize) -> usize {
+        assert!(matches!(kind, QuantKind::Q4K | QuantKind::Q5K | QuantKind::Q6K), "KRows: {kind} is not a k-quant");
+        let bb = kind.block_bytes();
+        assert_eq!(matrix.len(), rows * blocks * bb, "KRows: whole rows");
+        (self.rows, self.blocks, self.six) = (rows, blocks, kind == QuantKind::Q6K);
+        let n = rows * blocks;
+        self.q.resize(n * QK_K, 0);
+        self.scales.resize(n * 16, 0);
+        self.bias.resize(n, 0);
+        self.d.resize(n, 0.0);
+        self.dmin.resize(n, 0.0);
+        self.pairs.resize(n * 8, 0);
+        bb
+    }
+
+    /// Block `i`'s scales and word pairs, from its bytes `b`.
+    #[inline(always)]
+    fn scales_and_pairs(&mut self, i: usize, b: &[u8]) {
+        let scales = &mut self.scales[i * 16..(i + 1) * 16];
+        let pairs = &mut self.pairs[i * 8..(i + 1) * 8];
+        if self.six {
+            let sc = |s: usize| (b[Q6K_SCALES + s] as i8) as i16;
+            for (s, v) in scales.iter_mut().enumerate() {
+                *v = sc(s) as i32;
+            }
+            for (h, p) in pairs.iter_mut().enumerate() {
+                *p = words(-32 * sc(2 * h), -32 * sc(2 * h + 1));
+            }
+        } else {
+            let (sc, mn) = k_scales_mins(&b[K_SCALES..K_SCALES + 12]);
+            for (v, &s) in scales.iter_mut().zip(&sc) {
+                *v = s as i32;
+            }
+            for h in 0..4 {
+                pairs[h] = words(mn[2 * h] as i16, mn[2 * h + 1] as i16);
             }
         }
     }
@@ -274,5 +325,32 @@ fn rows_k<const R: usize, const SIX: bool>(w: &KRows, r0: usize, y: &KLanes, out
     for (o, a) in out.iter_mut().zip(acc) {
         // SAFETY: 16 writable f32; unaligned store.
         unsafe { _mm512_storeu_ps(o.as_mut_ptr(), a) };
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The portable unpacking (the tile model's on CPUs without AVX-512)
+    /// gives every field the SIMD one does, for each k-quant.
+    #[test]
+    fn portable_unpack_is_the_simd_unpack() {
+        if !(super::super::has_vnni() && crate::cpu::isa::hardware() >= crate::cpu::isa::Isa::Avx512) {
+            eprintln!("skipped: no AVX-512 VNNI on this CPU, so no SIMD unpacking to compare with");
+            return;
+        }
+        for (kind, seed) in [(QuantKind::Q4K, 1), (QuantKind::Q5K, 2), (QuantKind::Q6K, 3)] {
+            let (matrix, _) = super::super::tiles_amx::sample_k(kind, 7, 1, 3, seed);
+            let (mut simd, mut portable) = (KRows::default(), KRows::default());
+            // SAFETY: AVX-512 VNNI (checked above).
+            unsafe { simd.unpack(kind, &matrix, 7, 3) };
+            portable.unpack_portable(kind, &matrix, 7, 3);
+            assert_eq!(simd.q, portable.q, "{kind} quants");
+            assert_eq!(simd.scales, portable.scales, "{kind} scales");
+            assert_eq!(simd.bias, portable.bias, "{kind} bias");
+            assert_eq!(simd.pairs, portable.pairs, "{kind} pairs");
+            assert_eq!((simd.d, simd.dmin), (portable.d, portable.dmin), "{kind} d, dmin");
+        }
     }
 }

@@ -38,6 +38,8 @@ mod dot_avx512;
 #[cfg(target_arch = "x86_64")]
 mod klanes_avx512;
 #[cfg(target_arch = "x86_64")]
+mod ktiles_amx;
+#[cfg(target_arch = "x86_64")]
 mod lanes_avx512;
 mod tiles_amx;
 
@@ -137,9 +139,10 @@ pub enum DotPath {
     Avx2,
     /// AVX-512 BW with VNNI `vpdpbusd`.
     Avx512Vnni,
-    /// [`DotPath::Avx512Vnni`], with the prefill GEMM of the 32-element
-    /// formats on AMX INT8 tiles (`tdpbssd`; see `tiles_amx`), where the
-    /// CPU has them and they pass their self-check. The same bits.
+    /// [`DotPath::Avx512Vnni`], with the prefill GEMMs on AMX INT8 tiles
+    /// (`tdpbssd`; the 32-element formats in `tiles_amx`, the k-quants in
+    /// `ktiles_amx`), where the CPU has them and they pass their
+    /// self-check. The same bits.
     Amx,
 }
 
@@ -642,8 +645,8 @@ const GROUP: usize = 8;
 /// of fewer too unless so few that the empty lanes would cost more than a
 /// pass per token; the tiles' own turning point is unmeasured, for want
 /// of an AMX machine, so they take the same groups); the k-quants' sixteen
-/// at a time in the lanes of `gemm_k` (from [`K_LANES_LEAST`] tokens,
-/// likewise), then whole groups of eight per row (`dot_q45k_multi`,
+/// at a time in the lanes of `gemm_k` or, on [`DotPath::Amx`], in AMX
+/// tiles (from [`K_LANES_LEAST`] tokens, likewise), then whole groups of eight per row (`dot_q45k_multi`,
 /// `dot_q6k_multi`) and a group of four if at least four are left. The
 /// rest go one at a time over the whole band (`row_products`), as do all of
 /// Q5_1's (a fallback format, for rows too short for a k-quant block). All
@@ -703,10 +706,10 @@ fn products_together(path: DotPath, mut tiles: Option<&mut impl tiles_amx::TileU
         }
         return Ok(together);
     }
-    if path >= DotPath::Avx512Vnni && Family::of(kind)? == Family::Q8K {
-        // Sixteen at a time in `gemm_k`'s lanes, a last group of fewer too
-        // if not too few; of the rest, whole groups of eight, then four if
-        // as many are left.
+    if (tiles.is_some() || path >= DotPath::Avx512Vnni) && Family::of(kind)? == Family::Q8K {
+        // Sixteen at a time in `gemm_k`'s lanes or the tiles, a last group
+        // of fewer too if not too few; of the rest, whole groups of eight,
+        // then four if as many are left.
         let lanes = klanes_avx512::LANES;
         let in_lanes = match n % lanes {
             _ if n < K_LANES_LEAST => 0,
@@ -714,7 +717,12 @@ fn products_together(path: DotPath, mut tiles: Option<&mut impl tiles_amx::TileU
             left => n - left,
         };
         if in_lanes > 0 {
-            k_quant_lanes(kind, matrix, row_bytes, rows, acts, in_lanes, token, out)?;
+            k_quant_lanes(tiles, kind, matrix, row_bytes, rows, acts, in_lanes, token, out)?;
+        }
+        if path < DotPath::Avx512Vnni {
+            // Only the tests put tiles (the model) beside a lower path; the
+            // groups below are AVX-512's.
+            return Ok(in_lanes);
         }
         let left = n - in_lanes;
         let groups = left - left % GROUP;
@@ -730,13 +738,15 @@ fn products_together(path: DotPath, mut tiles: Option<&mut impl tiles_amx::TileU
     Ok(0)
 }
 
-/// Every row of a k-quant band against the first `n` tokens in `gemm_k`'s
-/// lanes, sixteen at a time (a last group of fewer), into their rows of
-/// `out`, with `dot_on`'s bits. The band is unpacked a part at a time, each
-/// part taken by every group while it is in L2. Only on AVX-512 VNNI.
+/// Every row of a k-quant band against the first `n` tokens sixteen at a
+/// time (a last group of fewer), in `gemm_k`'s lanes or, given a tile
+/// unit, in AMX tiles (`ktiles_amx`), into their rows of `out`, with
+/// `dot_on`'s bits. The band is unpacked a part at a time (on the tiles, of
+/// whole panels of sixteen rows), each part taken by every group while it
+/// is in L2. The lanes only on AVX-512 VNNI.
 #[cfg(target_arch = "x86_64")]
 #[allow(clippy::too_many_arguments)]
-fn k_quant_lanes(kind: QuantKind, matrix: &[u8], row_bytes: usize, rows: usize, acts: &QuantizedTokens, n: usize, token: &impl Fn(usize) -> usize, out: &mut [f32]) -> Result<(), QuantError> {
+fn k_quant_lanes(mut tiles: Option<&mut impl tiles_amx::TileUnit>, kind: QuantKind, matrix: &[u8], row_bytes: usize, rows: usize, acts: &QuantizedTokens, n: usize, token: &impl Fn(usize) -> usize, out: &mut [f32]) -> Result<(), QuantError> {
     let lanes = klanes_avx512::LANES;
     let blocks = acts.cols / QK_K;
     KLANES_SCRATCH.with_borrow_mut(|(groups, unpacked, sums)| {
@@ -753,18 +763,23 @@ fn k_quant_lanes(kind: QuantKind, matrix: &[u8], row_bytes: usize, rows: usize, 
                     Op::Q4_0(_) | Op::Q5_0(_) | Op::Q5_1(_) | Op::Q8_0(_) => unreachable!("{kind} is a k-quant"),
                 };
             }
-            group.fill(&ys[..n.min(j0 + lanes) - j0]);
+            // `vpdpbusd` takes the tokens unsigned, biased; `tdpbssd` signed.
+            group.fill(&ys[..n.min(j0 + lanes) - j0], tiles.is_none());
         }
         let part = (K_UNPACKED_BYTES / (QK_K * blocks)).max(1);
+        let part = if tiles.is_some() { part.next_multiple_of(tiles_amx::TILE) } else { part };
         for r0 in (0..rows).step_by(part) {
             let taken = part.min(rows - r0);
-            // SAFETY: as for `gemm_k` below.
-            unsafe { unpacked.unpack(kind, &matrix[r0 * row_bytes..(r0 + taken) * row_bytes], taken, blocks) };
+            unpacked.unpack_best(kind, &matrix[r0 * row_bytes..(r0 + taken) * row_bytes], taken, blocks);
             sums.resize(taken, [0.0; klanes_avx512::LANES]);
             for (g, group) in groups[..count].iter().enumerate() {
-                // SAFETY: the caller runs this only on the Avx512Vnni path,
-                // which `runnable` lets through only on a CPU that has it.
-                unsafe { klanes_avx512::gemm_k(unpacked, group, &mut sums[..taken]) };
+                match tiles.as_deref_mut() {
+                    Some(unit) => unit.gemm_k(unpacked, group, &mut sums[..taken]),
+                    // SAFETY: without tiles the caller runs this only on the
+                    // Avx512Vnni path, which `runnable` lets through only on
+                    // a CPU that has it.
+                    None => unsafe { klanes_avx512::gemm_k(unpacked, group, &mut sums[..taken]) },
+                }
                 let j0 = g * lanes;
                 for (r, lane) in sums[..taken].iter().enumerate() {
                     for (t, &v) in lane[..n.min(j0 + lanes) - j0].iter().enumerate() {
@@ -879,6 +894,38 @@ mod tests {
                     for (j, &t) in order.iter().enumerate() {
                         for (r, row) in matrix.chunks_exact(matrix.len() / rows).enumerate() {
                             let want = dot_on(DotPath::Scalar, row, pair(kind, &Activations::Q8_0(xs[t].clone())).unwrap());
+                            assert_eq!(out[j * rows + r].to_bits(), want.to_bits(), "{kind}: {rows} rows × {tokens} tokens, product {j} (token {t}) row {r}");
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    /// The same for the k-quants: groups of sixteen (from `K_LANES_LEAST`
+    /// tokens) on the model's tiles, the band unpacked a part at a time in
+    /// whole panels; the rest in the AVX-512 groups (or alone, below AVX-512).
+    #[test]
+    fn k_quant_tile_dispatch_on_the_model_gives_each_tokens_dot() {
+        let path = runnable(DotPath::for_isa(crate::cpu::isa::detect())).min(DotPath::Avx512Vnni);
+        for kind in [QuantKind::Q4K, QuantKind::Q5K, QuantKind::Q6K] {
+            // 9 rows × 29 blocks exceeds a part of `K_UNPACKED_BYTES`: two parts.
+            for (rows, tokens, blocks) in [(3, 1, 2), (17, 12, 1), (5, 13, 2), (20, 16, 1), (9, 29, 29), (33, 37, 1)] {
+                let (matrix, xs) = tiles_amx::sample_k(kind, rows, tokens, blocks, (rows * 100 + tokens) as u64);
+                let mut held = QuantizedTokens::default();
+                held.prepare(kind, tokens * blocks * QK_K, tokens).unwrap();
+                for (t, x) in xs.iter().enumerate() {
+                    let range = held.token_range(t);
+                    held.q8k[range].copy_from_slice(x);
+                }
+                let picked: Vec<usize> = (0..tokens).rev().step_by(2).chain((0..tokens).step_by(3)).collect();
+                for order in [(0..tokens).collect::<Vec<_>>(), picked] {
+                    let mut out = vec![f32::NAN; order.len() * rows];
+                    let mut model = crate::cpu::amx::ModelTiles::default();
+                    products_of_checked(path, Some(&mut model), kind, &matrix, rows, &held, order.len(), &|j| order[j], &mut out).unwrap();
+                    for (j, &t) in order.iter().enumerate() {
+                        for (r, row) in matrix.chunks_exact(matrix.len() / rows).enumerate() {
+                            let want = dot_on(DotPath::Scalar, row, pair(kind, &Activations::Q8K(xs[t].clone())).unwrap());
                             assert_eq!(out[j * rows + r].to_bits(), want.to_bits(), "{kind}: {rows} rows × {tokens} tokens, product {j} (token {t}) row {r}");
                         }
                     }

@@ -19,10 +19,18 @@
 //!
 //! The kernel is written over [`Tiles`], so [`ModelTiles`] runs it on any
 //! CPU in the tests; [`usable`] runs it once on the CPU's tiles and on the
-//! model, and keeps the tiles off if they disagree.
+//! model, and keeps the tiles off if they disagree. The k-quants' tile
+//! GEMM (`ktiles_amx`) runs on the same [`TileUnit`]s, under the same
+//! self-check.
 
 use super::blocks::{half_at, q5_0_quant, BlockQ8_0, QuantKind, QK8_0};
+#[cfg(target_arch = "x86_64")]
+use super::blocks::BlockQ8K;
 use super::fold_32;
+#[cfg(target_arch = "x86_64")]
+use super::klanes_avx512::{KLanes, KRows};
+#[cfg(target_arch = "x86_64")]
+use super::ktiles_amx;
 use crate::cpu::amx::{TileConfig, Tiles};
 use std::sync::OnceLock;
 
@@ -136,18 +144,24 @@ impl Tokens32 {
 }
 
 /// Words as their little-endian bytes (what a tile row holds).
-fn words_as_bytes(words: &[u32]) -> &[u8] {
+pub(super) fn words_as_bytes(words: &[u32]) -> &[u8] {
     // SAFETY: the same memory, four bytes a word, and a byte has no
     // alignment; x86 is little-endian (AMX is only there).
     unsafe { std::slice::from_raw_parts(words.as_ptr().cast::<u8>(), words.len() * 4) }
 }
 
-/// One C tile's block sums, as stored from the tile (row m: token m).
+/// One C tile's block sums, as stored from the tile.
 #[repr(C, align(64))]
-struct BlockSums([[i32; TILE]; TILE]);
+pub(super) struct BlockSums(pub(super) [[i32; TILE]; TILE]);
+
+impl Default for BlockSums {
+    fn default() -> Self {
+        BlockSums([[0; TILE]; TILE])
+    }
+}
 
 impl BlockSums {
-    fn bytes_mut(&mut self) -> &mut [u8] {
+    pub(super) fn bytes_mut(&mut self) -> &mut [u8] {
         // SAFETY: 1 KiB of i32 seen as bytes; every byte pattern is an i32.
         unsafe { std::slice::from_raw_parts_mut(self.0.as_mut_ptr().cast::<u8>(), TILE * TILE * 4) }
     }
@@ -192,7 +206,7 @@ fn gemm_32<T: Tiles>(tiles: &mut T, w: &Panels32, y: &Tokens32, out: &mut [[f32;
     assert_eq!(w.blocks, y.blocks, "gemm_32 tiles: weights and tokens of one width");
     assert_eq!(out.len(), w.rows, "gemm_32 tiles: a result row per weight row");
     let blocks = w.blocks;
-    let mut sums = BlockSums([[0; TILE]; TILE]);
+    let mut sums = BlockSums::default();
     tiles.configure(&config());
     for (p, out) in out.chunks_mut(TILE).enumerate() {
         let mut acc: Sums = [[0.0; TILE]; TILE];
@@ -221,14 +235,23 @@ fn gemm_32_amx(tiles: &mut crate::cpu::amx::HardwareTiles, w: &Panels32, y: &Tok
     gemm_32(tiles, w, y, out, |acc, sums, dw, dy| fold_block_avx512(acc, sums, dw, dy))
 }
 
-/// A tile unit [`gemm_32`] runs on: the CPU's, or the model (tests).
+/// A tile unit the GEMMs run on: the CPU's, or the model (tests).
 pub(super) trait TileUnit {
+    /// The 32-element formats (this file's [`gemm_32`]).
     fn gemm_32(&mut self, w: &Panels32, y: &Tokens32, out: &mut [[f32; TILE]]);
+    /// The k-quants (`ktiles_amx`; `y` filled unbiased).
+    #[cfg(target_arch = "x86_64")]
+    fn gemm_k(&mut self, w: &KRows, y: &KLanes, out: &mut [[f32; TILE]]);
 }
 
 impl TileUnit for crate::cpu::amx::ModelTiles {
     fn gemm_32(&mut self, w: &Panels32, y: &Tokens32, out: &mut [[f32; TILE]]) {
         gemm_32(self, w, y, out, fold_block)
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    fn gemm_k(&mut self, w: &KRows, y: &KLanes, out: &mut [[f32; TILE]]) {
+        ktiles_amx::gemm_k_portable(self, w, y, out)
     }
 }
 
@@ -238,6 +261,12 @@ impl TileUnit for crate::cpu::amx::HardwareTiles {
         assert!(crate::cpu::isa::hardware() >= crate::cpu::isa::Isa::Avx512, "the tiles' fold runs on AVX-512");
         // SAFETY: AVX-512 F/BW/VL (asserted above).
         unsafe { gemm_32_amx(self, w, y, out) }
+    }
+
+    fn gemm_k(&mut self, w: &KRows, y: &KLanes, out: &mut [[f32; TILE]]) {
+        assert!(super::has_vnni() && crate::cpu::isa::hardware() >= crate::cpu::isa::Isa::Avx512, "the tiles' fold runs on AVX-512 VNNI");
+        // SAFETY: AVX-512 F/BW/VL and VNNI (asserted above).
+        unsafe { ktiles_amx::gemm_k_avx512(self, w, y, out) }
     }
 }
 
@@ -251,12 +280,12 @@ pub(super) fn pack(kind: QuantKind, matrix: &[u8], rows: usize, blocks: usize, i
     }
 }
 
-/// Whether the prefill GEMM of the 32-element formats runs on AMX tiles:
-/// the CPU has INT8 tiles and AVX-512 VNNI, Linux permits them,
-/// `DUPLEX_AMX` does not say `off` (or `0`), and the tiles pass a
-/// self-check (a small product on the tiles and on [`ModelTiles`], bit
-/// for bit, each against the scalar reference). Decided once per process;
-/// a failed check is said once on stderr.
+/// Whether the prefill GEMMs (the 32-element formats' and the k-quants')
+/// run on AMX tiles: the CPU has INT8 tiles and AVX-512 VNNI, Linux
+/// permits them, `DUPLEX_AMX` does not say `off` (or `0`), and the tiles
+/// pass a self-check (small products of every format on the tiles and on
+/// [`ModelTiles`], bit for bit, each against the scalar reference).
+/// Decided once per process; a failed check is said once on stderr.
 #[cfg(target_arch = "x86_64")]
 pub(super) fn usable() -> bool {
     static USABLE: OnceLock<bool> = OnceLock::new();
@@ -271,10 +300,11 @@ pub(super) fn usable() -> bool {
     false
 }
 
-/// A deterministic test product: `rows` rows of `kind` weights and
-/// `tokens` tokens of `blocks` blocks, from `seed`.
+/// A deterministic test product: `rows` rows of `kind` weights (any
+/// block format) and `tokens` tokens of `blocks` blocks, from `seed`, the
+/// tokens quantized by `quantize` from values in -4..4.
 #[cfg(any(test, target_arch = "x86_64"))]
-pub(super) fn sample(kind: QuantKind, rows: usize, tokens: usize, blocks: usize, seed: u64) -> (Vec<u8>, Vec<Vec<BlockQ8_0>>) {
+fn sample_of<Y>(kind: QuantKind, rows: usize, tokens: usize, blocks: usize, seed: u64, quantize: impl Fn(&[f32]) -> Vec<Y>) -> (Vec<u8>, Vec<Vec<Y>>) {
     let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
     let mut next = move || {
         s ^= s << 13;
@@ -285,17 +315,57 @@ pub(super) fn sample(kind: QuantKind, rows: usize, tokens: usize, blocks: usize,
     let bb = kind.block_bytes();
     let mut matrix: Vec<u8> = (0..rows * blocks * bb).map(|_| (next() >> 32) as u8).collect();
     for block in matrix.chunks_exact_mut(bb) {
-        // A finite scale: 2^-12..2^-6 with random mantissa bits.
-        let scale = half::f16::from_f32((1.0 + (next() % 1000) as f32 / 1000.0) * 2f32.powi(-12 + (next() % 7) as i32));
-        block[..2].copy_from_slice(&scale.to_le_bytes());
+        for &at in kind.f16_offsets() {
+            // A finite scale: 2^-12..2^-6 with random mantissa bits.
+            let scale = half::f16::from_f32((1.0 + (next() % 1000) as f32 / 1000.0) * 2f32.powi(-12 + (next() % 7) as i32));
+            block[at..at + 2].copy_from_slice(&scale.to_le_bytes());
+        }
     }
     let xs = (0..tokens)
         .map(|_| {
-            let x: Vec<f32> = (0..blocks * QK8_0).map(|_| ((next() >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 8.0).collect();
-            super::quantize_q8_0(&x).expect("whole blocks")
+            let x: Vec<f32> = (0..blocks * kind.block_elems()).map(|_| ((next() >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 8.0).collect();
+            quantize(&x)
         })
         .collect();
     (matrix, xs)
+}
+
+/// [`sample_of`] a 32-element format, Q8_0 tokens.
+#[cfg(any(test, target_arch = "x86_64"))]
+pub(super) fn sample(kind: QuantKind, rows: usize, tokens: usize, blocks: usize, seed: u64) -> (Vec<u8>, Vec<Vec<BlockQ8_0>>) {
+    sample_of(kind, rows, tokens, blocks, seed, |x| super::quantize_q8_0(x).expect("whole blocks"))
+}
+
+/// [`sample_of`] a k-quant, Q8_K tokens.
+#[cfg(target_arch = "x86_64")]
+pub(super) fn sample_k(kind: QuantKind, rows: usize, tokens: usize, blocks: usize, seed: u64) -> (Vec<u8>, Vec<Vec<BlockQ8K>>) {
+    sample_of(kind, rows, tokens, blocks, seed, |x| super::quantize_q8_k(x).expect("whole blocks"))
+}
+
+/// `unit`'s k-quant products (`rows` × `tokens` ≤ 16 of `blocks` blocks,
+/// from `seed`), each against the scalar reference: the first difference.
+#[cfg(target_arch = "x86_64")]
+fn compare_k(unit: &mut impl TileUnit, kind: QuantKind, rows: usize, tokens: usize, blocks: usize, seed: u64) -> Result<(), String> {
+    let (matrix, xs) = sample_k(kind, rows, tokens, blocks, seed);
+    let mut w = KRows::default();
+    w.unpack_best(kind, &matrix, rows, blocks);
+    let mut y = KLanes::default();
+    y.fill(&xs.iter().map(Vec::as_slice).collect::<Vec<_>>(), false);
+    let mut out = vec![[f32::NAN; TILE]; rows];
+    unit.gemm_k(&w, &y, &mut out);
+    for (r, row) in matrix.chunks_exact(blocks * kind.block_bytes()).enumerate() {
+        for (m, x) in xs.iter().enumerate() {
+            let want = match kind {
+                QuantKind::Q4K => super::dot_scalar::dot_q45k::<false>(row, x),
+                QuantKind::Q5K => super::dot_scalar::dot_q45k::<true>(row, x),
+                _ => super::dot_scalar::dot_q6k(row, x),
+            };
+            if out[r][m].to_bits() != want.to_bits() {
+                return Err(format!("{kind} row {r} token {m} of {rows}×{tokens}×{blocks}: {} against the reference's {want}", out[r][m]));
+            }
+        }
+    }
+    Ok(())
 }
 
 /// `unit`'s products against the scalar reference, for one sample of
@@ -337,6 +407,12 @@ fn self_check(hw: &mut crate::cpu::amx::HardwareTiles) -> Result<(), String> {
         compare(&mut crate::cpu::amx::ModelTiles::default(), rows, tokens, blocks, seed).map_err(|e| format!("the model: {e}"))?;
         compare(hw, rows, tokens, blocks, seed).map_err(|e| format!("the tiles: {e}"))?;
     }
+    for kind in [QuantKind::Q4K, QuantKind::Q5K, QuantKind::Q6K] {
+        for (rows, tokens, blocks, seed) in [(21, 13, 2, 3), (16, 16, 1, 4)] {
+            compare_k(&mut crate::cpu::amx::ModelTiles::default(), kind, rows, tokens, blocks, seed).map_err(|e| format!("the model: {e}"))?;
+            compare_k(hw, kind, rows, tokens, blocks, seed).map_err(|e| format!("the tiles: {e}"))?;
+        }
+    }
     Ok(())
 }
 
@@ -357,6 +433,88 @@ mod tests {
                     seed += 1;
                     compare(&mut ModelTiles::default(), rows, tokens, blocks, seed).unwrap();
                 }
+            }
+        }
+    }
+
+    /// The k-quants' tile kernel (`ktiles_amx`), on the model, gives every
+    /// (row, token) the scalar reference's bits: panels whole and partial
+    /// (one short panel is all a band of fewer than sixteen rows has),
+    /// tokens from one to a full tile, one block and several.
+    /// With the arithmetic around the products in plain Rust (the model's
+    /// own), and, where the CPU has AVX-512 VNNI, in the AVX-512 form the
+    /// hardware tiles take: all of the hardware path but the tile
+    /// instructions.
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn model_tiles_give_the_k_quants_reference_bits() {
+        let avx512 = super::super::has_vnni() && crate::cpu::isa::hardware() >= crate::cpu::isa::Isa::Avx512;
+        if !avx512 {
+            eprintln!("no AVX-512 VNNI on this CPU: the model runs the plain-Rust arithmetic only");
+        }
+        let mut seed = 500;
+        for kind in [QuantKind::Q4K, QuantKind::Q5K, QuantKind::Q6K] {
+            for rows in [1, 5, 16, 17, 40] {
+                for tokens in [1, 4, 15, 16] {
+                    for blocks in [1, 3] {
+                        seed += 1;
+                        compare_k(&mut ModelTiles::default(), kind, rows, tokens, blocks, seed).unwrap();
+                        if avx512 {
+                            compare_k(&mut AroundOnAvx512::default(), kind, rows, tokens, blocks, seed).unwrap();
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    /// The model's tiles with the hardware's AVX-512 arithmetic around them.
+    #[cfg(target_arch = "x86_64")]
+    #[derive(Default)]
+    struct AroundOnAvx512(ModelTiles);
+
+    #[cfg(target_arch = "x86_64")]
+    impl TileUnit for AroundOnAvx512 {
+        fn gemm_32(&mut self, w: &Panels32, y: &Tokens32, out: &mut [[f32; TILE]]) {
+            self.0.gemm_32(w, y, out)
+        }
+
+        fn gemm_k(&mut self, w: &KRows, y: &KLanes, out: &mut [[f32; TILE]]) {
+            assert!(super::super::has_vnni() && crate::cpu::isa::hardware() >= crate::cpu::isa::Isa::Avx512);
+            // SAFETY: AVX-512 F/BW/VL and VNNI (asserted above).
+            unsafe { ktiles_amx::gemm_k_avx512(&mut self.0, w, y, out) }
+        }
+    }
+
+    /// Planted slips in the k-quants' tile kernel's operands are caught by
+    /// the same comparison: two sub-blocks' scales swapped, the minimum
+    /// term's words swapped, and tokens biased as for the AVX-512 lanes.
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn k_quant_tile_slips_are_caught() {
+        for kind in [QuantKind::Q4K, QuantKind::Q6K] {
+            let (matrix, xs) = sample_k(kind, 16, 3, 1, 77);
+            let refs: Vec<&[BlockQ8K]> = xs.iter().map(Vec::as_slice).collect();
+            let want = match kind {
+                QuantKind::Q4K => super::super::dot_scalar::dot_q45k::<false>(&matrix[..kind.block_bytes()], &xs[0]),
+                _ => super::super::dot_scalar::dot_q6k(&matrix[..kind.block_bytes()], &xs[0]),
+            };
+            type Slip = fn(&mut KRows);
+            let slips: [(&str, Slip, bool); 3] = [
+                ("scales swapped", |w| w.scales.swap(0, 1), false),
+                ("term words swapped", |w| w.pairs[0] = w.pairs[0].rotate_left(16), false),
+                ("tokens biased", |_| {}, true),
+            ];
+            for (what, slip, biased) in slips {
+                let mut w = KRows::default();
+                w.unpack_best(kind, &matrix, 16, 1);
+                assert!(w.scales[0] != w.scales[1] && w.pairs[0] != w.pairs[0].rotate_left(16), "{kind}: the sample gives the slips nothing to change");
+                slip(&mut w);
+                let mut y = KLanes::default();
+                y.fill(&refs, biased);
+                let mut out = vec![[0.0; TILE]; 16];
+                ModelTiles::default().gemm_k(&w, &y, &mut out);
+                assert_ne!(out[0][0].to_bits(), want.to_bits(), "{kind}: {what} went unseen");
             }
         }
     }
@@ -386,7 +544,7 @@ mod tests {
             return;
         }
         let (matrix, xs) = sample(QuantKind::Q8_0, 16, 16, 3, 99);
-        let mut sums = BlockSums([[0; TILE]; TILE]);
+        let mut sums = BlockSums::default();
         for (m, row) in sums.0.iter_mut().enumerate() {
             for (n, v) in row.iter_mut().enumerate() {
                 *v = (matrix[m * 34 + n + 2] as i8 as i32) * 4000 + n as i32 - m as i32;
