@@ -1,7 +1,7 @@
 //! The prefill GEMM of the k-quants (Q4_K, Q5_K, Q6_K) on AMX INT8 tiles:
 //! sixteen weight rows against sixteen tokens per product.
 //!
-//! The operands are the AVX-512 GEMM's (`klanes_avx512`), unbiased:
+//! The operands are the AVX-512 GEMM's (`klanes`), unbiased:
 //! [`KRows`] holds each row's quants as bytes in element order, so a tile of
 //! sixteen rows × one sub-block (A: 16 × 32 bytes, Q6_K's 16 × 16) loads
 //! straight from it with the band's row stride, and [`KLanes`] holds the
@@ -22,7 +22,7 @@
 
 use super::blocks::QK_K;
 use super::fold_k;
-use super::klanes_avx512::{KLanes, KRows, LANES};
+use super::klanes::{KLanes, KRows, LANES};
 use super::tiles_amx::{words_as_bytes, BlockSums, TILE};
 use crate::cpu::amx::{TileConfig, Tiles};
 use std::arch::x86_64::*;

@@ -36,6 +36,10 @@ mod dot_avx2;
 #[cfg(target_arch = "x86_64")]
 mod dot_avx512;
 #[cfg(target_arch = "x86_64")]
+mod klanes;
+#[cfg(target_arch = "x86_64")]
+mod klanes_avx2;
+#[cfg(target_arch = "x86_64")]
 mod klanes_avx512;
 #[cfg(target_arch = "x86_64")]
 mod ktiles_amx;
@@ -616,7 +620,7 @@ thread_local! {
     static TILES_SCRATCH: std::cell::RefCell<(tiles_amx::Panels32, tiles_amx::Tokens32, Vec<[f32; tiles_amx::TILE]>)> = Default::default();
     /// The same for `gemm_k`: the groups of transposed tokens, a part of
     /// the band unpacked, and a group's results.
-    static KLANES_SCRATCH: std::cell::RefCell<(Vec<klanes_avx512::KLanes>, klanes_avx512::KRows, Vec<[f32; klanes_avx512::LANES]>)> = Default::default();
+    static KLANES_SCRATCH: std::cell::RefCell<(Vec<klanes::KLanes>, klanes::KRows, Vec<[f32; klanes::LANES]>)> = Default::default();
 }
 
 /// The fewest k-quant tokens that `gemm_k` takes in one group of sixteen
@@ -627,6 +631,21 @@ thread_local! {
 /// format is quicker in the lanes.
 #[cfg(target_arch = "x86_64")]
 const K_LANES_LEAST: usize = 12;
+
+/// [`K_LANES_LEAST`] for AVX2's `gemm_k` (eight tokens a vector), where
+/// fewer tokens go one by one. Its unpacking of the band is most of its
+/// time at a few tokens, so the one-token kernels' speed decides: Q4_K's
+/// ran at 60 G multiply-adds/s against the lanes' 57 at 8 and 12 tokens
+/// and 75 at 16; Q5_K's (44) and Q6_K's (36) as fast as the lanes' at 6
+/// (`quant_matmul avx2`, one thread, in cache).
+#[cfg(target_arch = "x86_64")]
+fn k_lanes_least_avx2(kind: QuantKind) -> usize {
+    if kind == QuantKind::Q4K {
+        16
+    } else {
+        6
+    }
+}
 
 /// Bytes of unpacked weights (a byte per quant) per pass of `gemm_k`: the
 /// part of a band that stays in L2 while every group of tokens takes it.
@@ -706,22 +725,22 @@ fn products_together(path: DotPath, mut tiles: Option<&mut impl tiles_amx::TileU
         }
         return Ok(together);
     }
-    if (tiles.is_some() || path >= DotPath::Avx512Vnni) && Family::of(kind)? == Family::Q8K {
+    if (tiles.is_some() || path >= DotPath::Avx2) && Family::of(kind)? == Family::Q8K {
         // Sixteen at a time in `gemm_k`'s lanes or the tiles, a last group
-        // of fewer too if not too few; of the rest, whole groups of eight,
-        // then four if as many are left.
-        let lanes = klanes_avx512::LANES;
+        // of fewer too if not too few; of the rest (AVX-512), whole groups
+        // of eight, then four if as many are left.
+        let lanes = klanes::LANES;
+        let least = if tiles.is_some() || path >= DotPath::Avx512Vnni { K_LANES_LEAST } else { k_lanes_least_avx2(kind) };
         let in_lanes = match n % lanes {
-            _ if n < K_LANES_LEAST => 0,
-            left if left >= K_LANES_LEAST => n,
+            _ if n < least => 0,
+            left if left >= least => n,
             left => n - left,
         };
         if in_lanes > 0 {
-            k_quant_lanes(tiles, kind, matrix, row_bytes, rows, acts, in_lanes, token, out)?;
+            k_quant_lanes(path, tiles, kind, matrix, row_bytes, rows, acts, in_lanes, token, out)?;
         }
         if path < DotPath::Avx512Vnni {
-            // Only the tests put tiles (the model) beside a lower path; the
-            // groups below are AVX-512's.
+            // The groups below are AVX-512's; on AVX2 the rest go one by one.
             return Ok(in_lanes);
         }
         let left = n - in_lanes;
@@ -739,15 +758,15 @@ fn products_together(path: DotPath, mut tiles: Option<&mut impl tiles_amx::TileU
 }
 
 /// Every row of a k-quant band against the first `n` tokens sixteen at a
-/// time (a last group of fewer), in `gemm_k`'s lanes or, given a tile
-/// unit, in AMX tiles (`ktiles_amx`), into their rows of `out`, with
-/// `dot_on`'s bits. The band is unpacked a part at a time (on the tiles, of
-/// whole panels of sixteen rows), each part taken by every group while it
-/// is in L2. The lanes only on AVX-512 VNNI.
+/// time (a last group of fewer), in `gemm_k`'s lanes (AVX-512 VNNI, or
+/// AVX2's eight at a time on `path` Avx2) or, given a tile unit, in AMX
+/// tiles (`ktiles_amx`), into their rows of `out`, with `dot_on`'s bits.
+/// The band is unpacked a part at a time (on the tiles, of whole panels of
+/// sixteen rows), each part taken by every group while it is in L2.
 #[cfg(target_arch = "x86_64")]
 #[allow(clippy::too_many_arguments)]
-fn k_quant_lanes(mut tiles: Option<&mut impl tiles_amx::TileUnit>, kind: QuantKind, matrix: &[u8], row_bytes: usize, rows: usize, acts: &QuantizedTokens, n: usize, token: &impl Fn(usize) -> usize, out: &mut [f32]) -> Result<(), QuantError> {
-    let lanes = klanes_avx512::LANES;
+fn k_quant_lanes(path: DotPath, mut tiles: Option<&mut impl tiles_amx::TileUnit>, kind: QuantKind, matrix: &[u8], row_bytes: usize, rows: usize, acts: &QuantizedTokens, n: usize, token: &impl Fn(usize) -> usize, out: &mut [f32]) -> Result<(), QuantError> {
+    let lanes = klanes::LANES;
     let blocks = acts.cols / QK_K;
     KLANES_SCRATCH.with_borrow_mut(|(groups, unpacked, sums)| {
         let count = n.div_ceil(lanes);
@@ -756,7 +775,7 @@ fn k_quant_lanes(mut tiles: Option<&mut impl tiles_amx::TileUnit>, kind: QuantKi
         }
         for (g, group) in groups[..count].iter_mut().enumerate() {
             let j0 = g * lanes;
-            let mut ys: [&[BlockQ8K]; klanes_avx512::LANES] = [&[]; klanes_avx512::LANES];
+            let mut ys: [&[BlockQ8K]; klanes::LANES] = [&[]; klanes::LANES];
             for (slot, j) in ys.iter_mut().zip(j0..n.min(j0 + lanes)) {
                 *slot = match acts.op(kind, token(j))? {
                     Op::Q4K(y) | Op::Q5K(y) | Op::Q6K(y) => y,
@@ -770,17 +789,25 @@ fn k_quant_lanes(mut tiles: Option<&mut impl tiles_amx::TileUnit>, kind: QuantKi
         let part = if tiles.is_some() { part.next_multiple_of(tiles_amx::TILE) } else { part };
         for r0 in (0..rows).step_by(part) {
             let taken = part.min(rows - r0);
-            unpacked.unpack_best(kind, &matrix[r0 * row_bytes..(r0 + taken) * row_bytes], taken, blocks);
-            sums.resize(taken, [0.0; klanes_avx512::LANES]);
+            let part_bytes = &matrix[r0 * row_bytes..(r0 + taken) * row_bytes];
+            if path >= DotPath::Avx512Vnni {
+                unpacked.unpack_best(kind, part_bytes, taken, blocks);
+            } else {
+                // SAFETY: the Avx2 path (the tests also put the tile model
+                // here), which `runnable` lets through only on a CPU that
+                // has AVX2.
+                unsafe { unpacked.unpack_avx2(kind, part_bytes, taken, blocks) };
+            }
+            sums.resize(taken, [0.0; klanes::LANES]);
             for (g, group) in groups[..count].iter().enumerate() {
+                let j0 = g * lanes;
                 match tiles.as_deref_mut() {
                     Some(unit) => unit.gemm_k(unpacked, group, &mut sums[..taken]),
-                    // SAFETY: without tiles the caller runs this only on the
-                    // Avx512Vnni path, which `runnable` lets through only on
-                    // a CPU that has it.
-                    None => unsafe { klanes_avx512::gemm_k(unpacked, group, &mut sums[..taken]) },
+                    // SAFETY: `runnable` lets a path through only on a CPU
+                    // that has its features.
+                    None if path >= DotPath::Avx512Vnni => unsafe { klanes_avx512::gemm_k(unpacked, group, &mut sums[..taken]) },
+                    None => unsafe { klanes_avx2::gemm_k(unpacked, group, n.min(j0 + lanes) - j0, &mut sums[..taken]) },
                 }
-                let j0 = g * lanes;
                 for (r, lane) in sums[..taken].iter().enumerate() {
                     for (t, &v) in lane[..n.min(j0 + lanes) - j0].iter().enumerate() {
                         out[(j0 + t) * rows + r0 + r] = v;

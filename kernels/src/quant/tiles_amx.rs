@@ -28,7 +28,7 @@ use super::blocks::{half_at, q5_0_quant, BlockQ8_0, QuantKind, QK8_0};
 use super::blocks::BlockQ8K;
 use super::fold_32;
 #[cfg(target_arch = "x86_64")]
-use super::klanes_avx512::{KLanes, KRows};
+use super::klanes::{KLanes, KRows};
 #[cfg(target_arch = "x86_64")]
 use super::ktiles_amx;
 use crate::cpu::amx::{TileConfig, Tiles};
