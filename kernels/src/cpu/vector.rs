@@ -71,6 +71,9 @@ pub fn dot_bf16_f32(isa: Isa, w: &[u8], x: &[f32]) -> f32 {
         // SAFETY: `usable()` guarantees the features; `w` holds `x.len()` BF16 values.
         #[cfg(target_arch = "x86_64")]
         Isa::Avx512 | Isa::Avx512Bf16 | Isa::Avx512Fp16 => unsafe { x86::dot_bf16_f32_avx512(w, x) },
+        // SAFETY: as above.
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 => unsafe { x86::dot_bf16_f32_avx2(w, x) },
         _ => w.chunks_exact(2).zip(x).map(|(b, &x)| half::bf16::from_le_bytes([b[0], b[1]]).to_f32() * x).sum(),
     }
 }
@@ -106,15 +109,34 @@ pub fn dots_16(isa: Isa, qt: &[f32], keys: &[&[f32]], out: &mut [f32]) {
         // SAFETY: `usable()` guarantees the features; the shapes are checked above.
         #[cfg(target_arch = "x86_64")]
         Isa::Avx512 | Isa::Avx512Bf16 | Isa::Avx512Fp16 => unsafe { x86::dots_16_avx512(qt, keys, out) },
-        _ => {
-            for (key, out) in keys.iter().zip(out.chunks_exact_mut(L)) {
-                out.fill(0.0);
-                for (&kv, q) in key.iter().zip(qt.chunks_exact(L)) {
-                    out.iter_mut().zip(q).for_each(|(o, &q)| *o = kv.mul_add(q, *o));
-                }
-            }
-        }
+        // SAFETY: `usable()` guarantees AVX2 and FMA.
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 => unsafe { dots_16_fma(qt, keys, out) },
+        _ => dots_16_plain(qt, keys, out),
     }
+}
+
+/// [`dots_16`] in plain Rust: each lane one fused chain in order of `k`,
+/// as the vector forms sum it.
+#[inline(always)]
+fn dots_16_plain(qt: &[f32], keys: &[&[f32]], out: &mut [f32]) {
+    const L: usize = QUERY_LANES;
+    for (key, out) in keys.iter().zip(out.chunks_exact_mut(L)) {
+        let mut lanes = [0.0f32; L];
+        for (&kv, q) in key.iter().zip(qt.chunks_exact(L)) {
+            lanes = std::array::from_fn(|l| kv.mul_add(q[l], lanes[l]));
+        }
+        out.copy_from_slice(&lanes);
+    }
+}
+
+/// The plain forms compiled with FMA (and AVX2): without it every
+/// `mul_add` is a call to the C library's software `fmaf`, which made
+/// decode attention on an AVX2 CPU twenty times slower than its weights.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+fn dots_16_fma(qt: &[f32], keys: &[&[f32]], out: &mut [f32]) {
+    dots_16_plain(qt, keys, out)
 }
 
 /// [`dots_16`] for `16 / sub` queries, each spread over `sub` lanes (`sub`
@@ -146,21 +168,36 @@ pub fn dots_16_split(isa: Isa, qt: &[f32], sub: usize, keys: &[&[f32]], out: &mu
                 _ => x86::dots_16_split_avx512::<16>(qt, keys, out),
             }
         },
-        _ => {
-            for (key, out) in keys.iter().zip(out.chunks_exact_mut(L)) {
-                let mut lanes = [0.0f32; L];
-                for (k, q) in key.chunks_exact(sub).zip(qt.chunks_exact(L)) {
-                    for (l, lane) in lanes.iter_mut().enumerate() {
-                        *lane = k[l % sub].mul_add(q[l], *lane);
-                    }
-                }
-                out.fill(0.0);
-                for (g, o) in out[..L / sub].iter_mut().enumerate() {
-                    *o = lanes[g * sub..(g + 1) * sub].iter().sum();
-                }
+        // SAFETY: `usable()` guarantees AVX2 and FMA.
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 => unsafe { dots_16_split_fma(qt, sub, keys, out) },
+        _ => dots_16_split_plain(qt, sub, keys, out),
+    }
+}
+
+/// [`dots_16_split`] in plain Rust.
+#[inline(always)]
+fn dots_16_split_plain(qt: &[f32], sub: usize, keys: &[&[f32]], out: &mut [f32]) {
+    const L: usize = QUERY_LANES;
+    for (key, out) in keys.iter().zip(out.chunks_exact_mut(L)) {
+        let mut lanes = [0.0f32; L];
+        for (k, q) in key.chunks_exact(sub).zip(qt.chunks_exact(L)) {
+            for (l, lane) in lanes.iter_mut().enumerate() {
+                *lane = k[l % sub].mul_add(q[l], *lane);
             }
         }
+        out.fill(0.0);
+        for (g, o) in out[..L / sub].iter_mut().enumerate() {
+            *o = lanes[g * sub..(g + 1) * sub].iter().sum();
+        }
     }
+}
+
+/// [`dots_16_split_plain`] with FMA (see [`dots_16_fma`]).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+fn dots_16_split_fma(qt: &[f32], sub: usize, keys: &[&[f32]], out: &mut [f32]) {
+    dots_16_split_plain(qt, sub, keys, out)
 }
 
 /// Asks for every cache line of `data` to be brought into the L1 cache: a
@@ -192,14 +229,30 @@ pub fn weighted_sum_16(isa: Isa, wt: &[f32], rows: &[&[f32]], out: &mut [f32], w
         // SAFETY: as above; every row and output is `width` long.
         #[cfg(target_arch = "x86_64")]
         Isa::Avx512 | Isa::Avx512Bf16 | Isa::Avx512Fp16 => unsafe { x86::weighted_sum_16_avx512(wt, rows, out, width) },
-        _ => {
-            for (l, y) in out.chunks_exact_mut(width).enumerate() {
-                for (w, row) in wt.chunks_exact(L).zip(rows) {
-                    y.iter_mut().zip(*row).for_each(|(y, &r)| *y = w[l].mul_add(r, *y));
-                }
-            }
+        // SAFETY: `usable()` guarantees AVX2 and FMA.
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 => unsafe { weighted_sum_16_fma(wt, rows, out, width) },
+        _ => weighted_sum_16_plain(wt, rows, out, width),
+    }
+}
+
+/// [`weighted_sum_16`] in plain Rust: each output float one fused chain
+/// in order of the rows.
+#[inline(always)]
+fn weighted_sum_16_plain(wt: &[f32], rows: &[&[f32]], out: &mut [f32], width: usize) {
+    const L: usize = QUERY_LANES;
+    for (l, y) in out.chunks_exact_mut(width).enumerate() {
+        for (w, row) in wt.chunks_exact(L).zip(rows) {
+            y.iter_mut().zip(*row).for_each(|(y, &r)| *y = w[l].mul_add(r, *y));
         }
     }
+}
+
+/// [`weighted_sum_16_plain`] with FMA (see [`dots_16_fma`]).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+fn weighted_sum_16_fma(wt: &[f32], rows: &[&[f32]], out: &mut [f32], width: usize) {
+    weighted_sum_16_plain(wt, rows, out, width)
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -249,6 +302,30 @@ mod x86 {
             i += 16;
         }
         _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(acc[0], acc[1]), _mm512_add_ps(acc[2], acc[3])))
+    }
+
+    /// [`dot_bf16_f32_avx512`] eight values at a time (a BF16 router on
+    /// an AVX2 CPU); the last few in order after the vectors' sum.
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn dot_bf16_f32_avx2(w: &[u8], x: &[f32]) -> f32 {
+        let (n, pw, px) = (x.len(), w.as_ptr(), x.as_ptr());
+        let mut acc = [_mm256_setzero_ps(); 4];
+        let mut i = 0;
+        while i + 8 <= n {
+            // SAFETY: values i..i + 8 lie inside both slices (2 bytes each in `w`).
+            let (wv, xv) = unsafe { (_mm_loadu_si128(pw.add(2 * i).cast()), _mm256_loadu_ps(px.add(i))) };
+            // A BF16 value is the top half of its f32: widen, shift up 16.
+            let wv = _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(wv)));
+            let a = (i / 8) % 4;
+            acc[a] = _mm256_fmadd_ps(wv, xv, acc[a]);
+            i += 8;
+        }
+        let s = _mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3]));
+        let s = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps::<1>(s));
+        let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+        let s = _mm_add_ss(s, _mm_movehdup_ps(s));
+        let tail: f32 = w[2 * i..].chunks_exact(2).zip(&x[i..]).map(|(b, &x)| half::bf16::from_le_bytes([b[0], b[1]]).to_f32() * x).sum();
+        _mm_cvtss_f32(s) + tail
     }
 
     #[target_feature(enable = "avx512f")]
