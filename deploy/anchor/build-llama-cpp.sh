@@ -12,6 +12,9 @@
 # Environment:
 #   LCP_WORK  work dir (default /tmp/lcp); everything goes there
 #   JOBS      parallel compile jobs (default 2)
+#   LCP_ARCH  native (default: -march=native, into build/) or avx2 (AVX2, FMA, F16C and BMI2
+#             only, into build-avx2/: llama.cpp as a CPU without AVX-512 runs it, to set
+#             beside Duplex under DUPLEX_ISA=avx2; tools step only)
 #   LCP_TARGETS  cmake targets (default: llama-bench llama-quantize llama-completion llama-cli
 #                llama-gguf-split)
 # Idempotent: every step checks what is already there and skips it.
@@ -27,7 +30,13 @@ VERSION=0.3.36
 TARGETS="${LCP_TARGETS:-llama-bench llama-quantize llama-completion llama-cli llama-gguf-split}"
 SRC="$WORK/llama_cpp_python-$VERSION"
 LCPP="$SRC/vendor/llama.cpp"
-BUILD="$LCPP/build"
+ARCH="${LCP_ARCH:-native}"
+case "$ARCH" in
+    native) BUILD="$LCPP/build"; ARCH_FLAGS=(-DGGML_NATIVE=ON) ;;
+    avx2) BUILD="$LCPP/build-avx2"
+          ARCH_FLAGS=(-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON -DGGML_AVX512=OFF) ;;
+    *) echo "LCP_ARCH must be native or avx2, not '$ARCH'" >&2; exit 1 ;;
+esac
 VENV="$WORK/venv"
 
 log() { printf '[build-llama-cpp %s] %s\n' "$(date -u +%H:%M:%S)" "$*" >&2; }
@@ -75,7 +84,7 @@ step_tools() {
     ensure_sources
     if [[ ! -f "$BUILD/CMakeCache.txt" ]]; then
         log "configuring llama.cpp in $BUILD"
-        cmake -S "$LCPP" -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON \
+        cmake -S "$LCPP" -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release "${ARCH_FLAGS[@]}" \
             -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF
     fi
     local missing=()

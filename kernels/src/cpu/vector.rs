@@ -109,9 +109,9 @@ pub fn dots_16(isa: Isa, qt: &[f32], keys: &[&[f32]], out: &mut [f32]) {
         // SAFETY: `usable()` guarantees the features; the shapes are checked above.
         #[cfg(target_arch = "x86_64")]
         Isa::Avx512 | Isa::Avx512Bf16 | Isa::Avx512Fp16 => unsafe { x86::dots_16_avx512(qt, keys, out) },
-        // SAFETY: `usable()` guarantees AVX2 and FMA.
+        // SAFETY: `usable()` guarantees AVX2 and FMA; the shapes are checked above.
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx2 => unsafe { dots_16_fma(qt, keys, out) },
+        Isa::Avx2 => unsafe { x86::dots_16_avx2(qt, keys, out) },
         _ => dots_16_plain(qt, keys, out),
     }
 }
@@ -130,14 +130,6 @@ fn dots_16_plain(qt: &[f32], keys: &[&[f32]], out: &mut [f32]) {
     }
 }
 
-/// The plain forms compiled with FMA (and AVX2): without it every
-/// `mul_add` is a call to the C library's software `fmaf`, which made
-/// decode attention on an AVX2 CPU twenty times slower than its weights.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
-fn dots_16_fma(qt: &[f32], keys: &[&[f32]], out: &mut [f32]) {
-    dots_16_plain(qt, keys, out)
-}
 
 /// [`dots_16`] for `16 / sub` queries, each spread over `sub` lanes (`sub`
 /// a power of two up to 16, dividing `d`), so that fewer than sixteen
@@ -193,7 +185,9 @@ fn dots_16_split_plain(qt: &[f32], sub: usize, keys: &[&[f32]], out: &mut [f32])
     }
 }
 
-/// [`dots_16_split_plain`] with FMA (see [`dots_16_fma`]).
+/// [`dots_16_split_plain`] compiled with FMA (and AVX2): without it every
+/// `mul_add` is a call to the C library's software `fmaf`, which made
+/// decode attention on an AVX2 CPU twenty times slower than its weights.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
 fn dots_16_split_fma(qt: &[f32], sub: usize, keys: &[&[f32]], out: &mut [f32]) {
@@ -229,9 +223,9 @@ pub fn weighted_sum_16(isa: Isa, wt: &[f32], rows: &[&[f32]], out: &mut [f32], w
         // SAFETY: as above; every row and output is `width` long.
         #[cfg(target_arch = "x86_64")]
         Isa::Avx512 | Isa::Avx512Bf16 | Isa::Avx512Fp16 => unsafe { x86::weighted_sum_16_avx512(wt, rows, out, width) },
-        // SAFETY: `usable()` guarantees AVX2 and FMA.
+        // SAFETY: `usable()` guarantees AVX2 and FMA; the shapes are checked above.
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx2 => unsafe { weighted_sum_16_fma(wt, rows, out, width) },
+        Isa::Avx2 => unsafe { x86::weighted_sum_16_avx2(wt, rows, out, width) },
         _ => weighted_sum_16_plain(wt, rows, out, width),
     }
 }
@@ -248,12 +242,6 @@ fn weighted_sum_16_plain(wt: &[f32], rows: &[&[f32]], out: &mut [f32], width: us
     }
 }
 
-/// [`weighted_sum_16_plain`] with FMA (see [`dots_16_fma`]).
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
-fn weighted_sum_16_fma(wt: &[f32], rows: &[&[f32]], out: &mut [f32], width: usize) {
-    weighted_sum_16_plain(wt, rows, out, width)
-}
 
 #[cfg(target_arch = "x86_64")]
 mod x86 {
@@ -326,6 +314,99 @@ mod x86 {
         let s = _mm_add_ss(s, _mm_movehdup_ps(s));
         let tail: f32 = w[2 * i..].chunks_exact(2).zip(&x[i..]).map(|(b, &x)| half::bf16::from_le_bytes([b[0], b[1]]).to_f32() * x).sum();
         _mm_cvtss_f32(s) + tail
+    }
+
+    /// [`super::dots_16`] on AVX2: four keys at a time (then one), each
+    /// key's sixteen lanes in two vectors, every lane one fused chain in
+    /// order of `k` (the plain form's bits).
+    ///
+    /// # Safety
+    /// AVX2 and FMA present; `qt` is `[d][16]`, every key `d` long, `out`
+    /// `[keys][16]`.
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn dots_16_avx2(qt: &[f32], keys: &[&[f32]], out: &mut [f32]) {
+        let mut t = 0;
+        while t + 4 <= keys.len() {
+            // SAFETY: forwarded; keys t..t + 4 exist.
+            unsafe { dots_16_group_avx2::<4>(qt, &keys[t..t + 4], &mut out[16 * t..16 * (t + 4)]) };
+            t += 4;
+        }
+        for t in t..keys.len() {
+            // SAFETY: as above, one key.
+            unsafe { dots_16_group_avx2::<1>(qt, &keys[t..t + 1], &mut out[16 * t..16 * (t + 1)]) };
+        }
+    }
+
+    /// # Safety
+    /// As [`dots_16_avx2`], with exactly `P` keys.
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn dots_16_group_avx2<const P: usize>(qt: &[f32], keys: &[&[f32]], out: &mut [f32]) {
+        let key: [*const f32; P] = std::array::from_fn(|p| keys[p].as_ptr());
+        let mut acc = [[_mm256_setzero_ps(); 2]; P];
+        for i in 0..qt.len() / 16 {
+            if i % 16 == 0 {
+                // As `dots_16_group`: each key stream's line four ahead.
+                for k in key {
+                    // Only a hint, never a fault.
+                    _mm_prefetch::<_MM_HINT_T0>(k.wrapping_add(i + 64).cast());
+                }
+            }
+            // SAFETY: i < d: qt holds 16 · d floats and every key d.
+            let q = unsafe { [_mm256_loadu_ps(qt.as_ptr().add(16 * i)), _mm256_loadu_ps(qt.as_ptr().add(16 * i + 8))] };
+            for p in 0..P {
+                let k = _mm256_set1_ps(unsafe { *key[p].add(i) });
+                acc[p][0] = _mm256_fmadd_ps(k, q[0], acc[p][0]);
+                acc[p][1] = _mm256_fmadd_ps(k, q[1], acc[p][1]);
+            }
+        }
+        for (p, acc) in acc.iter().enumerate() {
+            // SAFETY: out holds 16 · P floats.
+            unsafe {
+                _mm256_storeu_ps(out.as_mut_ptr().add(16 * p), acc[0]);
+                _mm256_storeu_ps(out.as_mut_ptr().add(16 * p + 8), acc[1]);
+            }
+        }
+    }
+
+    /// [`super::weighted_sum_16`] on AVX2: eight columns of up to eight
+    /// outputs at once in registers across all the rows (sixteen outputs
+    /// in two passes over the chunk, which stays in cache), every output
+    /// float one fused chain in order of the rows (the plain form's bits);
+    /// the last columns past a multiple of eight in the plain form.
+    ///
+    /// # Safety
+    /// AVX2 and FMA present; `wt` is `[rows][16]`, every row `width` long
+    /// and `out` `[out.len() / width ≤ 16][width]`.
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn weighted_sum_16_avx2(wt: &[f32], rows: &[&[f32]], out: &mut [f32], width: usize) {
+        let outputs = out.len() / width;
+        let whole = width - width % 8;
+        let po = out.as_mut_ptr();
+        for j in (0..whole).step_by(8) {
+            for l0 in (0..outputs).step_by(8) {
+                let n = (outputs - l0).min(8);
+                // SAFETY (the loads and stores of `out`): output l < outputs
+                // has columns j..j + 8 < width.
+                let mut acc: [__m256; 8] = std::array::from_fn(|l| if l < n { unsafe { _mm256_loadu_ps(po.add((l0 + l) * width + j)) } } else { _mm256_setzero_ps() });
+                for (w, row) in wt.chunks_exact(16).zip(rows) {
+                    // SAFETY: j + 8 <= width, the row's length.
+                    let r = unsafe { _mm256_loadu_ps(row.as_ptr().add(j)) };
+                    for l in 0..8 {
+                        // Outputs past the last are computed and dropped.
+                        acc[l] = _mm256_fmadd_ps(_mm256_set1_ps(w[l0 + l % n]), r, acc[l]);
+                    }
+                }
+                for (l, a) in acc.iter().enumerate().take(n) {
+                    unsafe { _mm256_storeu_ps(po.add((l0 + l) * width + j), *a) };
+                }
+            }
+        }
+        for (l, y) in out.chunks_exact_mut(width).enumerate() {
+            for (w, row) in wt.chunks_exact(16).zip(rows) {
+                y[whole..].iter_mut().zip(&row[whole..]).for_each(|(y, &r)| *y = w[l].mul_add(r, *y));
+            }
+        }
     }
 
     #[target_feature(enable = "avx512f")]
@@ -838,9 +919,16 @@ mod tests {
             let rows: Vec<Vec<f32>> = (0..keys.len()).map(|_| (0..width).map(|_| next()).collect()).collect();
             let rows: Vec<&[f32]> = rows.iter().map(|r| r.as_slice()).collect();
             let y0: Vec<f32> = (0..outputs * width).map(|_| next()).collect();
+            // Every level has the plain form's bits: each lane, and each
+            // output float, is one fused chain in order.
+            let mut plain_d = vec![f32::NAN; 16 * keys.len()];
+            dots_16(Isa::Portable, &qt, &keys, &mut plain_d);
+            let mut plain_y = y0.clone();
+            weighted_sum_16(Isa::Portable, &wt, &rows, &mut plain_y, width);
             for isa in isa::supported() {
                 let mut d = vec![f32::NAN; 16 * keys.len()];
                 dots_16(isa, &qt, &keys, &mut d);
+                prop_assert_eq!(d.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), plain_d.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), "{}: dots_16's bits", isa);
                 for (t, key) in keys.iter().enumerate() {
                     for l in 0..16 {
                         let terms = || qt.chunks_exact(16).zip(key.iter()).map(|(q, &x)| q[l] as f64 * x as f64);
@@ -850,6 +938,7 @@ mod tests {
                 }
                 let mut y = y0.clone();
                 weighted_sum_16(isa, &wt, &rows, &mut y, width);
+                prop_assert_eq!(y.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), plain_y.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), "{}: weighted_sum_16's bits", isa);
                 for l in 0..outputs {
                     for k in 0..width {
                         let terms = || rows.iter().enumerate().map(|(t, r)| wt[16 * t + l] as f64 * r[k] as f64);
