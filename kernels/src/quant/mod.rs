@@ -897,13 +897,33 @@ fn products_of_checked(path: DotPath, tiles: Option<&mut impl tiles_amx::TileUni
 mod tests {
     use super::*;
 
-    /// The tile path of `matmul`/`matmul_picked` as it dispatches (the band
+    /// `matmul`/`matmul_picked`'s dispatch (`products_of_checked`) with the
+    /// model as its tile unit, over the held tokens in order and in a
+    /// picked order: every product has the bits of its scalar dot
+    /// (`activations(t)`: token t's, as `dot_on` takes them).
+    fn model_dispatch_matches_scalar(kind: QuantKind, matrix: &[u8], rows: usize, held: &QuantizedTokens, activations: impl Fn(usize) -> Activations) {
+        let path = runnable(DotPath::for_isa(crate::cpu::isa::detect())).min(DotPath::Avx512Vnni);
+        let tokens = held.tokens();
+        let picked: Vec<usize> = (0..tokens).rev().step_by(2).chain((0..tokens).step_by(3)).collect();
+        for order in [(0..tokens).collect::<Vec<_>>(), picked] {
+            let mut out = vec![f32::NAN; order.len() * rows];
+            let mut model = crate::cpu::amx::ModelTiles::default();
+            products_of_checked(path, Some(&mut model), kind, matrix, rows, held, order.len(), &|j| order[j], &mut out).unwrap();
+            for (j, &t) in order.iter().enumerate() {
+                for (r, row) in matrix.chunks_exact(matrix.len() / rows).enumerate() {
+                    let want = dot_on(DotPath::Scalar, row, pair(kind, &activations(t)).unwrap());
+                    assert_eq!(out[j * rows + r].to_bits(), want.to_bits(), "{kind}: {rows} rows × {tokens} tokens, product {j} (token {t}) row {r}");
+                }
+            }
+        }
+    }
+
+    /// The tile path of the 32-element formats as it dispatches (the band
     /// packed once, groups of sixteen and a last group of fewer on tiles,
     /// the last few tokens alone), run on the model tile unit, so that it is
-    /// tested on CPUs without AMX: every token's bits are its scalar dot's.
+    /// tested on CPUs without AMX.
     #[test]
     fn tile_dispatch_on_the_model_gives_each_tokens_dot() {
-        let path = runnable(DotPath::for_isa(crate::cpu::isa::detect())).min(DotPath::Avx512Vnni);
         for kind in [QuantKind::Q8_0, QuantKind::Q4_0, QuantKind::Q5_0] {
             for (rows, tokens, blocks) in [(3, 1, 2), (17, 3, 1), (5, 4, 2), (20, 16, 3), (33, 21, 2), (7, 37, 1)] {
                 let (matrix, xs) = tiles_amx::sample(kind, rows, tokens, blocks, (rows * 100 + tokens) as u64);
@@ -913,18 +933,7 @@ mod tests {
                     let range = held.token_range(t);
                     held.q8_0[range].copy_from_slice(x);
                 }
-                let picked: Vec<usize> = (0..tokens).rev().step_by(2).chain((0..tokens).step_by(3)).collect();
-                for order in [(0..tokens).collect::<Vec<_>>(), picked] {
-                    let mut out = vec![f32::NAN; order.len() * rows];
-                    let mut model = crate::cpu::amx::ModelTiles::default();
-                    products_of_checked(path, Some(&mut model), kind, &matrix, rows, &held, order.len(), &|j| order[j], &mut out).unwrap();
-                    for (j, &t) in order.iter().enumerate() {
-                        for (r, row) in matrix.chunks_exact(matrix.len() / rows).enumerate() {
-                            let want = dot_on(DotPath::Scalar, row, pair(kind, &Activations::Q8_0(xs[t].clone())).unwrap());
-                            assert_eq!(out[j * rows + r].to_bits(), want.to_bits(), "{kind}: {rows} rows × {tokens} tokens, product {j} (token {t}) row {r}");
-                        }
-                    }
-                }
+                model_dispatch_matches_scalar(kind, &matrix, rows, &held, |t| Activations::Q8_0(xs[t].clone()));
             }
         }
     }
@@ -934,7 +943,6 @@ mod tests {
     /// whole panels; the rest in the AVX-512 groups (or alone, below AVX-512).
     #[test]
     fn k_quant_tile_dispatch_on_the_model_gives_each_tokens_dot() {
-        let path = runnable(DotPath::for_isa(crate::cpu::isa::detect())).min(DotPath::Avx512Vnni);
         for kind in [QuantKind::Q4K, QuantKind::Q5K, QuantKind::Q6K] {
             // 9 rows × 29 blocks exceeds a part of `K_UNPACKED_BYTES`: two parts.
             for (rows, tokens, blocks) in [(3, 1, 2), (17, 12, 1), (5, 13, 2), (20, 16, 1), (9, 29, 29), (33, 37, 1)] {
@@ -945,18 +953,7 @@ mod tests {
                     let range = held.token_range(t);
                     held.q8k[range].copy_from_slice(x);
                 }
-                let picked: Vec<usize> = (0..tokens).rev().step_by(2).chain((0..tokens).step_by(3)).collect();
-                for order in [(0..tokens).collect::<Vec<_>>(), picked] {
-                    let mut out = vec![f32::NAN; order.len() * rows];
-                    let mut model = crate::cpu::amx::ModelTiles::default();
-                    products_of_checked(path, Some(&mut model), kind, &matrix, rows, &held, order.len(), &|j| order[j], &mut out).unwrap();
-                    for (j, &t) in order.iter().enumerate() {
-                        for (r, row) in matrix.chunks_exact(matrix.len() / rows).enumerate() {
-                            let want = dot_on(DotPath::Scalar, row, pair(kind, &Activations::Q8K(xs[t].clone())).unwrap());
-                            assert_eq!(out[j * rows + r].to_bits(), want.to_bits(), "{kind}: {rows} rows × {tokens} tokens, product {j} (token {t}) row {r}");
-                        }
-                    }
-                }
+                model_dispatch_matches_scalar(kind, &matrix, rows, &held, |t| Activations::Q8K(xs[t].clone()));
             }
         }
     }
