@@ -665,8 +665,10 @@ const GROUP: usize = 8;
 /// pass per token; the tiles' own turning point is unmeasured, for want
 /// of an AMX machine, so they take the same groups); the k-quants' sixteen
 /// at a time in the lanes of `gemm_k` or, on [`DotPath::Amx`], in AMX
-/// tiles (from [`K_LANES_LEAST`] tokens, likewise), then whole groups of eight per row (`dot_q45k_multi`,
-/// `dot_q6k_multi`) and a group of four if at least four are left. The
+/// tiles (from [`K_LANES_LEAST`] tokens, likewise; on AVX2 eight at a time,
+/// from `k_lanes_least_avx2`), then whole groups of eight per row
+/// (`dot_q45k_multi`, `dot_q6k_multi`) and a group of four if at least
+/// four are left. The
 /// rest go one at a time over the whole band (`row_products`), as do all of
 /// Q5_1's (a fallback format, for rows too short for a k-quant block). All
 /// give the bits of row by row.
@@ -792,11 +794,13 @@ fn k_quant_lanes(path: DotPath, mut tiles: Option<&mut impl tiles_amx::TileUnit>
             let part_bytes = &matrix[r0 * row_bytes..(r0 + taken) * row_bytes];
             if path >= DotPath::Avx512Vnni {
                 unpacked.unpack_best(kind, part_bytes, taken, blocks);
-            } else {
-                // SAFETY: the Avx2 path (the tests also put the tile model
-                // here), which `runnable` lets through only on a CPU that
+            } else if path == DotPath::Avx2 {
+                // SAFETY: `runnable` lets Avx2 through only on a CPU that
                 // has AVX2.
                 unsafe { unpacked.unpack_avx2(kind, part_bytes, taken, blocks) };
+            } else {
+                // Only the tests put tiles (the model) beside the scalar path.
+                unpacked.unpack_portable(kind, part_bytes, taken, blocks);
             }
             sums.resize(taken, [0.0; klanes::LANES]);
             for (g, group) in groups[..count].iter().enumerate() {
