@@ -118,7 +118,6 @@ pub fn dots_16(isa: Isa, qt: &[f32], keys: &[&[f32]], out: &mut [f32]) {
 
 /// [`dots_16`] in plain Rust: each lane one fused chain in order of `k`,
 /// as the vector forms sum it.
-#[inline(always)]
 fn dots_16_plain(qt: &[f32], keys: &[&[f32]], out: &mut [f32]) {
     const L: usize = QUERY_LANES;
     for (key, out) in keys.iter().zip(out.chunks_exact_mut(L)) {
@@ -129,7 +128,6 @@ fn dots_16_plain(qt: &[f32], keys: &[&[f32]], out: &mut [f32]) {
         out.copy_from_slice(&lanes);
     }
 }
-
 
 /// [`dots_16`] for `16 / sub` queries, each spread over `sub` lanes (`sub`
 /// a power of two up to 16, dividing `d`), so that fewer than sixteen
@@ -232,7 +230,6 @@ pub fn weighted_sum_16(isa: Isa, wt: &[f32], rows: &[&[f32]], out: &mut [f32], w
 
 /// [`weighted_sum_16`] in plain Rust: each output float one fused chain
 /// in order of the rows.
-#[inline(always)]
 fn weighted_sum_16_plain(wt: &[f32], rows: &[&[f32]], out: &mut [f32], width: usize) {
     const L: usize = QUERY_LANES;
     for (l, y) in out.chunks_exact_mut(width).enumerate() {
@@ -241,7 +238,6 @@ fn weighted_sum_16_plain(wt: &[f32], rows: &[&[f32]], out: &mut [f32], width: us
         }
     }
 }
-
 
 #[cfg(target_arch = "x86_64")]
 mod x86 {
@@ -308,12 +304,8 @@ mod x86 {
             acc[a] = _mm256_fmadd_ps(wv, xv, acc[a]);
             i += 8;
         }
-        let s = _mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3]));
-        let s = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps::<1>(s));
-        let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-        let s = _mm_add_ss(s, _mm_movehdup_ps(s));
         let tail: f32 = w[2 * i..].chunks_exact(2).zip(&x[i..]).map(|(b, &x)| half::bf16::from_le_bytes([b[0], b[1]]).to_f32() * x).sum();
-        _mm_cvtss_f32(s) + tail
+        sum4(acc) + tail
     }
 
     /// [`super::dots_16`] on AVX2: four keys at a time (then one), each
@@ -725,13 +717,19 @@ mod x86 {
             acc[0] = _mm256_fmadd_ps(x, y, acc[0]);
             i += 8;
         }
+        // SAFETY: i..n lie inside both; unaligned reads.
+        let tail: f32 = (i..n).map(|k| unsafe { pa.add(k).read_unaligned() } * b[k]).sum();
+        sum4(acc) + tail
+    }
+
+    /// The sum of four accumulators' lanes: pairs of vectors, then halves.
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    fn sum4(acc: [__m256; 4]) -> f32 {
         let s = _mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3]));
         let s = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps::<1>(s));
         let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-        let s = _mm_add_ss(s, _mm_movehdup_ps(s));
-        // SAFETY: i..n lie inside both; unaligned reads.
-        let tail: f32 = (i..n).map(|k| unsafe { pa.add(k).read_unaligned() } * b[k]).sum();
-        _mm_cvtss_f32(s) + tail
+        _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)))
     }
 
     #[target_feature(enable = "avx2,fma")]
