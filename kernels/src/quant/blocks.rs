@@ -225,6 +225,44 @@ pub(crate) fn q6k_quant(block: &[u8], e: usize) -> u8 {
     low | (high << 4)
 }
 
+/// A whole Q4_K (`five` false) or Q5_K block's quants, as [`q4k_quant`]
+/// and [`q5k_quant`] give them one by one: chunk c of 64 takes the low
+/// nibbles of `qs[32c..32c + 32]`, then their high nibbles; Q5_K's fifth
+/// bits are bits 2c and 2c + 1 of `qh`. (Fixed-size arrays throughout, so
+/// the loops have no bounds checks and vectorize: the portable unpacking
+/// of the k-quant GEMMs' rows.)
+#[inline(always)]
+pub(crate) fn q45k_quants(b: &[u8], five: bool, q: &mut [u8; QK_K]) {
+    let qs: &[u8; 128] = b[if five { Q5K_QS } else { Q4K_QS }..][..128].try_into().expect("128 bytes");
+    let qh: [u8; 32] = if five { b[Q5K_QH..Q5K_QH + 32].try_into().expect("32 bytes") } else { [0; 32] };
+    for c in 0..4 {
+        for l in 0..32 {
+            let (byte, high) = (qs[32 * c + l], qh[l] >> (2 * c));
+            q[64 * c + l] = (byte & 15) | ((high & 1) << 4);
+            q[64 * c + 32 + l] = (byte >> 4) | (((high >> 1) & 1) << 4);
+        }
+    }
+}
+
+/// A whole Q6_K block's quants as stored (0..64), as [`q6k_quant`] gives
+/// them one by one: each half of 128 takes `ql`'s 64 bytes (low nibbles
+/// for its first 64 elements, high for the rest) and `qh`'s 32 (two bits
+/// per quarter of 32).
+#[inline(always)]
+pub(crate) fn q6k_quants(b: &[u8], q: &mut [u8; QK_K]) {
+    for h in 0..2 {
+        let ql: &[u8; 64] = b[64 * h..64 * h + 64].try_into().expect("64 bytes");
+        let qh: &[u8; 32] = b[Q6K_QH + 32 * h..Q6K_QH + 32 * h + 32].try_into().expect("32 bytes");
+        for l in 0..32 {
+            let (a, c, high) = (ql[l], ql[32 + l], qh[l]);
+            q[128 * h + l] = (a & 15) | ((high & 3) << 4);
+            q[128 * h + 32 + l] = (c & 15) | (((high >> 2) & 3) << 4);
+            q[128 * h + 64 + l] = (a >> 4) | (((high >> 4) & 3) << 4);
+            q[128 * h + 96 + l] = (c >> 4) | (((high >> 6) & 3) << 4);
+        }
+    }
+}
+
 /// Q5_0 quant `j` (0..32) as stored (0..32; the value is this minus 16):
 /// the Q4_0 nibble plus bit `j` of the little-endian u32 `qh` as 16.
 #[inline(always)]
@@ -620,4 +658,38 @@ pub fn dequantize_q8_1(blocks: &[BlockQ8_1]) -> Vec<f32> {
 /// Dequantize Q8_0 activations (`d × q`).
 pub fn dequantize_q8_0(blocks: &[BlockQ8_0]) -> Vec<f32> {
     blocks.iter().flat_map(|b| b.qs.iter().map(move |&q| b.d.to_f32() * q as f32)).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The whole-block unpackings give the per-element decoders' quants,
+    /// on any CPU (the SIMD unpacking is held to them in `klanes`).
+    #[test]
+    fn block_quants_are_the_element_quants() {
+        let mut s = 0x2545_f491_4f6c_dd1du64;
+        for _ in 0..20 {
+            let block: Vec<u8> = (0..QuantKind::Q5K.block_bytes().max(QuantKind::Q6K.block_bytes()))
+                .map(|_| {
+                    s ^= s << 13;
+                    s ^= s >> 7;
+                    s ^= s << 17;
+                    s as u8
+                })
+                .collect();
+            let mut q = [0u8; QK_K];
+            for five in [false, true] {
+                q45k_quants(&block, five, &mut q);
+                for (e, &v) in q.iter().enumerate() {
+                    let want = if five { q5k_quant(&block[Q5K_QH..], &block[Q5K_QS..], e) } else { q4k_quant(&block[Q4K_QS..], e) };
+                    assert_eq!(v, want, "Q{}_K quant {e}", if five { 5 } else { 4 });
+                }
+            }
+            q6k_quants(&block, &mut q);
+            for (e, &v) in q.iter().enumerate() {
+                assert_eq!(v, q6k_quant(&block, e), "Q6_K quant {e}");
+            }
+        }
+    }
 }

@@ -6,7 +6,7 @@
 //! every token, so a vector of them meets four weight bytes broadcast to
 //! every lane). What each kernel does with them is in its own file.
 
-use super::blocks::{half_at, k_scales_mins, BlockQ8K, QuantKind, K_SCALES, Q4K_QS, Q5K_QH, Q5K_QS, Q6K_D, Q6K_QH, Q6K_SCALES};
+use super::blocks::{half_at, k_scales_mins, q45k_quants, q6k_quants, BlockQ8K, QuantKind, K_SCALES, Q6K_D, Q6K_SCALES};
 use super::dot_avx2::hsum;
 use super::dot_avx512::{Q45Unpack, Q6Unpack, Unpack};
 use super::QK_K;
@@ -99,41 +99,6 @@ pub(super) struct KRows {
     pub(super) six: bool,
 }
 
-/// A Q4_K (`five` false) or Q5_K block's quants in element order: chunk c
-/// of 64 takes the low nibbles of `qs[32c..32c + 32]`, then their high
-/// nibbles; Q5_K's fifth bits are bits 2c and 2c + 1 of `qh`. (Fixed-size
-/// arrays throughout, so the loops have no bounds checks and vectorize.)
-#[inline(always)]
-fn unpack_q45k(b: &[u8], five: bool, q: &mut [u8; QK_K]) {
-    let qs: &[u8; 128] = b[if five { Q5K_QS } else { Q4K_QS }..][..128].try_into().expect("128 bytes");
-    let qh: [u8; 32] = if five { b[Q5K_QH..Q5K_QH + 32].try_into().expect("32 bytes") } else { [0; 32] };
-    for c in 0..4 {
-        for l in 0..32 {
-            let (byte, high) = (qs[32 * c + l], qh[l] >> (2 * c));
-            q[64 * c + l] = (byte & 15) | ((high & 1) << 4);
-            q[64 * c + 32 + l] = (byte >> 4) | (((high >> 1) & 1) << 4);
-        }
-    }
-}
-
-/// A Q6_K block's quants as stored (0..64) in element order: each half of
-/// 128 takes `ql`'s 64 bytes (low nibbles for its first 64 elements, high
-/// for the rest) and `qh`'s 32 (two bits per quarter of 32).
-#[inline(always)]
-fn unpack_q6k(b: &[u8], q: &mut [u8; QK_K]) {
-    for h in 0..2 {
-        let ql: &[u8; 64] = b[64 * h..64 * h + 64].try_into().expect("64 bytes");
-        let qh: &[u8; 32] = b[Q6K_QH + 32 * h..Q6K_QH + 32 * h + 32].try_into().expect("32 bytes");
-        for l in 0..32 {
-            let (a, c, high) = (ql[l], ql[32 + l], qh[l]);
-            q[128 * h + l] = (a & 15) | ((high & 3) << 4);
-            q[128 * h + 32 + l] = (c & 15) | (((high >> 2) & 3) << 4);
-            q[128 * h + 64 + l] = (a >> 4) | (((high >> 4) & 3) << 4);
-            q[128 * h + 96 + l] = (c >> 4) | (((high >> 6) & 3) << 4);
-        }
-    }
-}
-
 /// A token block of ones: a weight block's sums with it are Σ scale ×
 /// quant (Q6_K's offset, from the zero `bsums`, is zero), the bias term's
 /// factor.
@@ -204,8 +169,8 @@ impl KRows {
         for (i, b) in matrix.chunks_exact(bb).enumerate() {
             let q: &mut [u8; QK_K] = (&mut self.q[i * QK_K..(i + 1) * QK_K]).try_into().expect("a block's quants");
             match kind {
-                QuantKind::Q6K => unpack_q6k(b, q),
-                _ => unpack_q45k(b, kind == QuantKind::Q5K, q),
+                QuantKind::Q6K => q6k_quants(b, q),
+                _ => q45k_quants(b, kind == QuantKind::Q5K, q),
             }
             (self.d[i], self.dmin[i]) = match kind {
                 QuantKind::Q6K => (half_at(b, Q6K_D), 0.0),
