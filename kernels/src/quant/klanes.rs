@@ -23,9 +23,9 @@ fn words(lo: i16, hi: i16) -> u32 {
     lo as u16 as u32 | (hi as u16 as u32) << 16
 }
 
-/// Up to sixteen tokens' Q8_K activations, transposed:
-/// block b's quad k (elements 4k..4k + 4, biased by 128 or not, as the bytes of a
-/// word) of token t at `q[(b · 64 + k) · 16 + t]`; its scale at
+/// Up to sixteen tokens' Q8_K activations, transposed: block b's quad k
+/// (elements 4k..4k + 4, biased by 128 or not, as the bytes of a word) of
+/// token t at `q[(b · 64 + k) · 16 + t]`; its scale at
 /// `d[b · 16 + t]`; the activation sums of its sixteen-element sub-blocks
 /// 2h and 2h + 1 (`bsums`, as words) at `sums16[(b · 8 + h) · 16 + t]`,
 /// and of its 32-element sub-blocks 2h and 2h + 1 at
