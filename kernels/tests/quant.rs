@@ -413,8 +413,79 @@ fn rotated_rows(kind: QuantKind, row: &[u8], rows: usize) -> Vec<u8> {
     matrix
 }
 
+/// ggml's `quantize_row_q8_0_ref` / `quantize_row_q8_K_ref` as they read
+/// (a strict-greater scan for the largest magnitude, `roundf`), for the
+/// quantizers' faster forms to equal.
+fn q8_0_as_ggml_writes_it(x: &[f32]) -> Vec<BlockQ8_0> {
+    x.chunks_exact(QK8_0)
+        .map(|xs| {
+            let amax = xs.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+            let d = amax / 127.0;
+            let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+            let mut qs = [0i8; QK8_0];
+            for (q, &v) in qs.iter_mut().zip(xs) {
+                *q = (v * id).round().clamp(-127.0, 127.0) as i8;
+            }
+            BlockQ8_0 { d: half::f16::from_f32(d), qs }
+        })
+        .collect()
+}
+
+fn q8_k_as_ggml_writes_it(x: &[f32]) -> Vec<BlockQ8K> {
+    x.chunks_exact(QK_K)
+        .map(|xs| {
+            let mut b = BlockQ8K { d: 0.0, qs: [0; QK_K], bsums: [0; 16] };
+            let (mut amax, mut max) = (0.0f32, 0.0f32);
+            for &v in xs {
+                if v.abs() > amax {
+                    (amax, max) = (v.abs(), v);
+                }
+            }
+            if amax == 0.0 {
+                return b;
+            }
+            let iscale = -127.0 / max;
+            for (q, &v) in b.qs.iter_mut().zip(xs) {
+                // ggml's `nearest_int`.
+                let bits = (iscale * v + 12_582_912.0).to_bits() as i32;
+                *q = ((bits & 0x007f_ffff) - 0x0040_0000).clamp(-127, 127) as i8;
+            }
+            for (j, s) in b.bsums.iter_mut().enumerate() {
+                *s = b.qs[16 * j..16 * j + 16].iter().map(|&q| q as i16).sum();
+            }
+            b.d = 1.0 / iscale;
+            b
+        })
+        .collect()
+}
+
+/// Activations for the quantizers: small integers and halves (ties for
+/// the rounding), the largest magnitude held by several elements of either
+/// sign, zeros, and now and then a NaN or an infinity.
+fn quantizer_input() -> impl Strategy<Value = Vec<f32>> {
+    let value = prop_oneof![
+        6 => (-254i32..=254).prop_map(|k| k as f32 * 0.5),
+        6 => -3.0f32..3.0,
+        1 => Just(0.0f32),
+        1 => prop::sample::select(vec![f32::NAN, f32::INFINITY, f32::NEG_INFINITY, -0.0, 1e-40, 3e38]),
+    ];
+    (prop::collection::vec(value, 2 * QK_K), 0usize..2 * QK_K, any::<bool>()).prop_map(|(mut x, at, neg)| {
+        // The block's largest magnitude twice, with signs that may differ.
+        let m = x.iter().filter(|v| v.is_finite()).fold(0.0f32, |m, v| m.max(v.abs()));
+        x[at] = if neg { -m } else { m };
+        x
+    })
+}
+
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(512))]
+
+    /// The quantizers give ggml's reference code's bytes.
+    #[test]
+    fn quantizers_are_ggml_reference_code(x in quantizer_input()) {
+        prop_assert_eq!(BlockQ8_0::to_bytes(&quantize_q8_0(&x).unwrap()), BlockQ8_0::to_bytes(&q8_0_as_ggml_writes_it(&x)));
+        prop_assert_eq!(BlockQ8K::to_bytes(&quantize_q8_k(&x).unwrap()), BlockQ8K::to_bytes(&q8_k_as_ggml_writes_it(&x)));
+    }
 
     /// Every SIMD path returns the scalar reference's bits, for any finite
     /// scales (subnormal and huge f16 included) and any quant bytes.

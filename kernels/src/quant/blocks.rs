@@ -572,16 +572,14 @@ pub fn quantize_q8_k_into(x: &[f32], out: &mut [BlockQ8K]) -> Result<(), QuantEr
     check_blocks(QuantKind::Q4K, x.len(), out.len())?;
     for (b, xs) in out.iter_mut().zip(x.chunks_exact(QK_K)) {
         *b = BlockQ8K { d: 0.0, qs: [0; QK_K], bsums: [0; 16] };
-        let (mut amax, mut max) = (0.0f32, 0.0f32);
-        for &v in xs {
-            if v.abs() > amax {
-                amax = v.abs();
-                max = v;
-            }
-        }
+        // ggml's scan keeps the first element of the largest magnitude
+        // (NaN never wins); found here in two passes that vectorize, the
+        // magnitude in sixteen lanes and then its first holder.
+        let amax = abs_max(xs);
         if amax == 0.0 {
             continue;
         }
+        let max = *xs.iter().find(|v| v.abs() == amax).expect("an element holds the largest magnitude");
         let iscale = -127.0 / max;
         for (q, &v) in b.qs.iter_mut().zip(xs) {
             *q = nearest_int(iscale * v).clamp(-127, 127) as i8;
@@ -614,14 +612,44 @@ pub fn quantize_q8_0_into(x: &[f32], out: &mut [BlockQ8_0]) -> Result<(), QuantE
 
 /// One block of [`quantize_q8_0`]: the quants into `qs`; returns the f32 `d`.
 fn quantize_32(xs: &[f32], qs: &mut [i8; QK8_0]) -> f32 {
-    let amax = xs.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+    let amax = abs_max(xs);
     let d = amax / 127.0;
     let id = if d != 0.0 { 1.0 / d } else { 0.0 };
     for (q, &v) in qs.iter_mut().zip(xs) {
-        // The clamp only matters for non-finite input (see quantize_q8_k).
-        *q = (v * id).round().clamp(-127.0, 127.0) as i8;
+        *q = round_away_127(v * id);
     }
     d
+}
+
+/// The largest magnitude in `xs`, NaN ignored (0 when there is none),
+/// kept in sixteen lanes so that it vectorizes. `f32::max` is exact and
+/// ignores NaN in any order, so the lanes give the sequential scan's value.
+#[inline(always)]
+fn abs_max(xs: &[f32]) -> f32 {
+    let mut lanes = [0.0f32; 16];
+    let chunks = xs.chunks_exact(16);
+    let tail = chunks.remainder().iter().fold(0.0f32, |m, v| m.max(v.abs()));
+    for c in chunks {
+        for (l, v) in lanes.iter_mut().zip(c) {
+            *l = l.max(v.abs());
+        }
+    }
+    lanes.into_iter().fold(tail, f32::max)
+}
+
+/// `x.round().clamp(-127.0, 127.0) as i8` (half away from zero; NaN to 0),
+/// without `roundf`: a portable build calls libm's for every quant. The
+/// clamp comes first, which changes nothing (127.5 and up round to 128
+/// and clamp to 127 either way) and leaves a value whose truncation and
+/// fraction are exact.
+#[inline(always)]
+fn round_away_127(x: f32) -> i8 {
+    let y = if x.is_nan() { 0.0 } else { x.clamp(-127.0, 127.0) };
+    // SAFETY: `y` is finite and within ±127. (`as i32` would check for
+    // NaN and range lane by lane, and not vectorize.)
+    let t: i32 = unsafe { y.to_int_unchecked() }; // toward zero
+    let frac = y - t as f32;
+    (t + i32::from(frac >= 0.5) - i32::from(frac <= -0.5)) as i8
 }
 
 /// Quantize f32 activations to Q8_1 as ggml's `quantize_row_q8_1_ref`
