@@ -337,6 +337,16 @@ fn case(scale: fn() -> BoxedStrategy<u16>) -> impl Strategy<Value = (QuantKind, 
     })
 }
 
+/// (kind, row bytes, activations) of a 32-wide kind with long rows (8 to
+/// 131 blocks: the kernels' groups of eight blocks, whole and partial, and
+/// rows as long as real layers' and longer).
+fn long_case() -> impl Strategy<Value = (QuantKind, Vec<u8>, Vec<f32>)> {
+    let kinds = DOT_KINDS.iter().copied().filter(|k| k.block_elems() == QK8_0).collect::<Vec<_>>();
+    (prop::sample::select(kinds), prop::sample::select(vec![8usize, 9, 11, 16, 21, 63, 64, 67, 72, 131])).prop_flat_map(|(kind, n)| {
+        (Just(kind), blocks_of(kind, n, any_scale()), activations(n * kind.block_elems(), kind.block_elems()))
+    })
+}
+
 fn any_scale() -> BoxedStrategy<u16> {
     finite_f16().boxed()
 }
@@ -512,6 +522,21 @@ proptest! {
             gemv_with(path, kind, &matrix, rows, &act, &mut y).unwrap();
             for (r, chunk) in matrix.chunks_exact(row.len()).enumerate() {
                 prop_assert_eq!(y[r].to_bits(), dot_with(DotPath::Scalar, kind, chunk, &act).unwrap().to_bits());
+            }
+        }
+    }
+
+    /// Long rows, eight or more of them: each row's product is its dot
+    /// product.
+    #[test]
+    fn gemv_of_long_rows_is_rowwise_dot((kind, row, x) in long_case(), rows in 8usize..20) {
+        let act = Activations::quantize_for(kind, &x).unwrap();
+        let matrix = rotated_rows(kind, &row, rows);
+        for path in DotPath::supported() {
+            let mut y = vec![f32::NAN; rows];
+            gemv_with(path, kind, &matrix, rows, &act, &mut y).unwrap();
+            for (r, chunk) in matrix.chunks_exact(row.len()).enumerate() {
+                prop_assert_eq!(y[r].to_bits(), dot_with(DotPath::Scalar, kind, chunk, &act).unwrap().to_bits(), "{} row {} of {} on {}", kind, r, rows, path);
             }
         }
     }
