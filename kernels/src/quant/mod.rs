@@ -44,6 +44,8 @@ mod klanes_avx512;
 #[cfg(target_arch = "x86_64")]
 mod ktiles_amx;
 #[cfg(target_arch = "x86_64")]
+mod lanes_avx2;
+#[cfg(target_arch = "x86_64")]
 mod lanes_avx512;
 mod tiles_amx;
 
@@ -609,6 +611,20 @@ pub fn matmul_picked(path: DotPath, kind: QuantKind, matrix: &[u8], rows: usize,
 #[cfg(target_arch = "x86_64")]
 const LANES_LEAST: usize = 4;
 
+/// [`LANES_LEAST`] for AVX2's `gemm_32` (eight lanes): one token at a
+/// time ran Q8_0 at 20–21 and Q5_0 at 16–17 G multiply-adds/s, a full
+/// group of lanes at 69–71 and 39 (`quant_matmul avx2`, one thread, in
+/// cache), so Q8_0 gains from three tokens on and Q5_0 (and Q4_0, whose
+/// unpacking costs less) from four.
+#[cfg(target_arch = "x86_64")]
+fn lanes_least_avx2(kind: QuantKind) -> usize {
+    if kind == QuantKind::Q8_0 {
+        3
+    } else {
+        4
+    }
+}
+
 #[cfg(target_arch = "x86_64")]
 thread_local! {
     /// Each pool thread's transposed tokens and row sums for `gemm_32`:
@@ -618,6 +634,8 @@ thread_local! {
     /// The same for the AMX tiles: the band packed as B tiles, a group of
     /// tokens as A tiles, and the group's results.
     static TILES_SCRATCH: std::cell::RefCell<(tiles_amx::Panels32, tiles_amx::Tokens32, Vec<[f32; tiles_amx::TILE]>)> = Default::default();
+    /// The same for AVX2's `gemm_32`.
+    static LANES_AVX2_SCRATCH: std::cell::RefCell<(lanes_avx2::Lanes32, Vec<[f32; lanes_avx2::LANES]>)> = Default::default();
     /// The same for `gemm_k`: the groups of transposed tokens, a part of
     /// the band unpacked, and a group's results.
     static KLANES_SCRATCH: std::cell::RefCell<(Vec<klanes::KLanes>, klanes::KRows, Vec<[f32; klanes::LANES]>)> = Default::default();
@@ -663,7 +681,8 @@ const GROUP: usize = 8;
 /// or, on [`DotPath::Amx`], in AMX tiles (32-element formats, a last group
 /// of fewer too unless so few that the empty lanes would cost more than a
 /// pass per token; the tiles' own turning point is unmeasured, for want
-/// of an AMX machine, so they take the same groups); the k-quants' sixteen
+/// of an AMX machine, so they take the same groups; on AVX2 eight at a time
+/// in the lanes of its `gemm_32`, from `lanes_least_avx2`); the k-quants' sixteen
 /// at a time in the lanes of `gemm_k` or, on [`DotPath::Amx`], in AMX
 /// tiles (from [`K_LANES_LEAST`] tokens, likewise; on AVX2 eight at a time,
 /// from `k_lanes_least_avx2`), then whole groups of eight per row
@@ -685,31 +704,17 @@ fn products_together(path: DotPath, mut tiles: Option<&mut impl tiles_amx::TileU
         }
         for j0 in (0..together).step_by(lanes) {
             let count = lanes.min(together - j0);
-            let mut tokens: [&[BlockQ8_0]; lanes_avx512::LANES] = [&[]; lanes_avx512::LANES];
-            for (slot, j) in tokens.iter_mut().zip(j0..j0 + count) {
-                *slot = match acts.op(kind, token(j))? {
-                    Op::Q8_0(y) | Op::Q4_0(y) | Op::Q5_0(y) => y,
-                    Op::Q4K(_) | Op::Q5K(_) | Op::Q6K(_) | Op::Q5_1(_) => unreachable!("{kind} is a 32-element format of Q8_0 activations"),
-                };
-            }
-            // Row r of `sums` holds its products with the group's tokens.
-            let scatter = |sums: &[[f32; lanes_avx512::LANES]], out: &mut [f32]| {
-                for (r, lane) in sums.iter().enumerate() {
-                    for (t, &v) in lane[..count].iter().enumerate() {
-                        out[(j0 + t) * rows + r] = v;
-                    }
-                }
-            };
+            let tokens = &group_32::<{ lanes_avx512::LANES }>(kind, acts, j0..j0 + count, token)?[..count];
             if let Some(unit) = tiles.as_deref_mut() {
                 TILES_SCRATCH.with_borrow_mut(|(w, y, sums)| {
-                    y.fill(&tokens[..count]);
+                    y.fill(tokens);
                     sums.resize(rows, [0.0; tiles_amx::TILE]);
                     unit.gemm_32(w, y, sums);
-                    scatter(sums, out);
+                    scatter_group(sums, j0..j0 + count, out);
                 });
             } else {
                 LANES_SCRATCH.with_borrow_mut(|(y, sums)| {
-                    y.fill(&tokens[..count]);
+                    y.fill(tokens);
                     sums.resize(rows, [0.0; lanes_avx512::LANES]);
                     // SAFETY: `runnable` lets Avx512Vnni through only on a
                     // CPU that has it; the band is `rows` whole rows of the
@@ -721,9 +726,34 @@ fn products_together(path: DotPath, mut tiles: Option<&mut impl tiles_amx::TileU
                             _ => lanes_avx512::gemm_32::<5>(matrix, y, sums),
                         }
                     }
-                    scatter(sums, out);
+                    scatter_group(sums, j0..j0 + count, out);
                 });
             }
+        }
+        return Ok(together);
+    }
+    if path == DotPath::Avx2 && tiles.is_none() && matches!(kind, QuantKind::Q4_0 | QuantKind::Q5_0 | QuantKind::Q8_0) {
+        // The same groups at AVX2's eight lanes.
+        let lanes = lanes_avx2::LANES;
+        let together = if n % lanes >= lanes_least_avx2(kind) { n } else { n - n % lanes };
+        for j0 in (0..together).step_by(lanes) {
+            let count = lanes.min(together - j0);
+            let tokens = &group_32::<{ lanes_avx2::LANES }>(kind, acts, j0..j0 + count, token)?[..count];
+            LANES_AVX2_SCRATCH.with_borrow_mut(|(y, sums)| {
+                y.fill(tokens);
+                sums.resize(rows, [0.0; lanes_avx2::LANES]);
+                // SAFETY: `runnable` lets Avx2 through only on a CPU that
+                // has it; the band is `rows` whole rows of the tokens'
+                // width (checked by the caller).
+                unsafe {
+                    match kind {
+                        QuantKind::Q8_0 => lanes_avx2::gemm_32::<8>(matrix, y, sums),
+                        QuantKind::Q4_0 => lanes_avx2::gemm_32::<4>(matrix, y, sums),
+                        _ => lanes_avx2::gemm_32::<5>(matrix, y, sums),
+                    }
+                }
+                scatter_group(sums, j0..j0 + count, out);
+            });
         }
         return Ok(together);
     }
@@ -852,6 +882,32 @@ fn k_quant_group<const T: usize>(kind: QuantKind, matrix: &[u8], row_bytes: usiz
         }
     }
     Ok(())
+}
+
+/// The Q8_0 activations of the tokens `js` (at most `L`) names, for a
+/// group of a 32-element format's lanes.
+#[cfg(target_arch = "x86_64")]
+fn group_32<'a, const L: usize>(kind: QuantKind, acts: &'a QuantizedTokens, js: std::ops::Range<usize>, token: &impl Fn(usize) -> usize) -> Result<[&'a [BlockQ8_0]; L], QuantError> {
+    let mut tokens: [&[BlockQ8_0]; L] = [&[]; L];
+    for (slot, j) in tokens.iter_mut().zip(js) {
+        *slot = match acts.op(kind, token(j))? {
+            Op::Q8_0(y) | Op::Q4_0(y) | Op::Q5_0(y) => y,
+            Op::Q4K(_) | Op::Q5K(_) | Op::Q6K(_) | Op::Q5_1(_) => unreachable!("{kind} is a 32-element format of Q8_0 activations"),
+        };
+    }
+    Ok(tokens)
+}
+
+/// A group's products into `out` (`[token][row]`): row r of `sums` holds
+/// row r's with the tokens `js`, one per lane from the first.
+#[cfg(target_arch = "x86_64")]
+fn scatter_group<const L: usize>(sums: &[[f32; L]], js: std::ops::Range<usize>, out: &mut [f32]) {
+    let rows = sums.len();
+    for (r, lane) in sums.iter().enumerate() {
+        for (j, &v) in js.clone().zip(lane) {
+            out[j * rows + r] = v;
+        }
+    }
 }
 
 #[cfg(not(target_arch = "x86_64"))]
