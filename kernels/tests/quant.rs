@@ -337,14 +337,19 @@ fn case(scale: fn() -> BoxedStrategy<u16>) -> impl Strategy<Value = (QuantKind, 
     })
 }
 
-/// (kind, row bytes, activations) of a 32-wide kind with long rows (8 to
-/// 131 blocks: the kernels' groups of eight blocks, whole and partial, and
-/// rows as long as real layers' and longer).
-fn long_case() -> impl Strategy<Value = (QuantKind, Vec<u8>, Vec<f32>)> {
+/// (kind, row bytes, activations) of a 32-wide kind with rows of one of
+/// `blocks` block counts.
+fn case_32(blocks: Vec<usize>) -> impl Strategy<Value = (QuantKind, Vec<u8>, Vec<f32>)> {
     let kinds = DOT_KINDS.iter().copied().filter(|k| k.block_elems() == QK8_0).collect::<Vec<_>>();
-    (prop::sample::select(kinds), prop::sample::select(vec![8usize, 9, 11, 16, 21, 63, 64, 67, 72, 131])).prop_flat_map(|(kind, n)| {
+    (prop::sample::select(kinds), prop::sample::select(blocks)).prop_flat_map(|(kind, n)| {
         (Just(kind), blocks_of(kind, n, any_scale()), activations(n * kind.block_elems(), kind.block_elems()))
     })
+}
+
+/// (kind, 50 distinct rows of four blocks, activations) of a 32-wide kind.
+fn four_block_rows() -> impl Strategy<Value = (QuantKind, Vec<u8>, Vec<f32>)> {
+    let kinds = DOT_KINDS.iter().copied().filter(|k| k.block_elems() == QK8_0).collect::<Vec<_>>();
+    prop::sample::select(kinds).prop_flat_map(|kind| (Just(kind), blocks_of(kind, 50 * 4, any_scale()), activations(4 * QK8_0, QK8_0)))
 }
 
 fn any_scale() -> BoxedStrategy<u16> {
@@ -526,10 +531,26 @@ proptest! {
         }
     }
 
+    /// Many distinct rows of four blocks (MLA's per-head `attn_k_b`), which
+    /// `gemv_32` takes eight blocks (two rows) at a time: each row's
+    /// product is its dot product.
+    #[test]
+    fn gemv_of_four_block_rows_is_rowwise_dot((kind, matrix, x) in four_block_rows(), rows in 14usize..50) {
+        let act = Activations::quantize_for(kind, &x).unwrap();
+        let matrix = &matrix[..rows * 4 * kind.block_bytes()];
+        for path in DotPath::supported() {
+            let mut y = vec![f32::NAN; rows];
+            gemv_with(path, kind, matrix, rows, &act, &mut y).unwrap();
+            for (r, chunk) in matrix.chunks_exact(4 * kind.block_bytes()).enumerate() {
+                prop_assert_eq!(y[r].to_bits(), dot_with(DotPath::Scalar, kind, chunk, &act).unwrap().to_bits(), "{} row {} of {} on {}", kind, r, rows, path);
+            }
+        }
+    }
+
     /// Long rows, eight or more of them: each row's product is its dot
     /// product.
     #[test]
-    fn gemv_of_long_rows_is_rowwise_dot((kind, row, x) in long_case(), rows in 8usize..20) {
+    fn gemv_of_long_rows_is_rowwise_dot((kind, row, x) in case_32(vec![8, 9, 11, 16, 21, 63, 64, 67, 72, 131]), rows in 8usize..20) {
         let act = Activations::quantize_for(kind, &x).unwrap();
         let matrix = rotated_rows(kind, &row, rows);
         for path in DotPath::supported() {
