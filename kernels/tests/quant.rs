@@ -428,6 +428,20 @@ fn rotated_rows(kind: QuantKind, row: &[u8], rows: usize) -> Vec<u8> {
     matrix
 }
 
+/// On every path, `gemv` of `rows` rows of `matrix` against `x` quantized
+/// gives each row's scalar dot product, bit for bit.
+fn gemv_gives_each_rows_dot(kind: QuantKind, matrix: &[u8], rows: usize, x: &[f32]) -> Result<(), TestCaseError> {
+    let act = Activations::quantize_for(kind, x).unwrap();
+    for path in DotPath::supported() {
+        let mut y = vec![f32::NAN; rows];
+        gemv_with(path, kind, matrix, rows, &act, &mut y).unwrap();
+        for (r, row) in matrix.chunks_exact(matrix.len() / rows).enumerate() {
+            prop_assert_eq!(y[r].to_bits(), dot_with(DotPath::Scalar, kind, row, &act).unwrap().to_bits(), "{} row {} of {} on {}", kind, r, rows, path);
+        }
+    }
+    Ok(())
+}
+
 /// ggml's `quantize_row_q8_0_ref` / `quantize_row_q8_K_ref` as they read
 /// (a strict-greater scan for the largest magnitude, `roundf`), for the
 /// quantizers' faster forms to equal.
@@ -520,15 +534,7 @@ proptest! {
     /// The row GEMV is each row's dot product.
     #[test]
     fn gemv_is_rowwise_dot((kind, row, x) in case(any_scale), rows in 1usize..5) {
-        let act = Activations::quantize_for(kind, &x).unwrap();
-        let matrix = rotated_rows(kind, &row, rows);
-        for path in DotPath::supported() {
-            let mut y = vec![f32::NAN; rows];
-            gemv_with(path, kind, &matrix, rows, &act, &mut y).unwrap();
-            for (r, chunk) in matrix.chunks_exact(row.len()).enumerate() {
-                prop_assert_eq!(y[r].to_bits(), dot_with(DotPath::Scalar, kind, chunk, &act).unwrap().to_bits());
-            }
-        }
+        gemv_gives_each_rows_dot(kind, &rotated_rows(kind, &row, rows), rows, &x)?;
     }
 
     /// Many distinct rows of four blocks (MLA's per-head `attn_k_b`), which
@@ -536,30 +542,14 @@ proptest! {
     /// product is its dot product.
     #[test]
     fn gemv_of_four_block_rows_is_rowwise_dot((kind, matrix, x) in four_block_rows(), rows in 14usize..50) {
-        let act = Activations::quantize_for(kind, &x).unwrap();
-        let matrix = &matrix[..rows * 4 * kind.block_bytes()];
-        for path in DotPath::supported() {
-            let mut y = vec![f32::NAN; rows];
-            gemv_with(path, kind, matrix, rows, &act, &mut y).unwrap();
-            for (r, chunk) in matrix.chunks_exact(4 * kind.block_bytes()).enumerate() {
-                prop_assert_eq!(y[r].to_bits(), dot_with(DotPath::Scalar, kind, chunk, &act).unwrap().to_bits(), "{} row {} of {} on {}", kind, r, rows, path);
-            }
-        }
+        gemv_gives_each_rows_dot(kind, &matrix[..rows * 4 * kind.block_bytes()], rows, &x)?;
     }
 
     /// Long rows, eight or more of them: each row's product is its dot
     /// product.
     #[test]
     fn gemv_of_long_rows_is_rowwise_dot((kind, row, x) in case_32(vec![8, 9, 11, 16, 21, 63, 64, 67, 72, 131]), rows in 8usize..20) {
-        let act = Activations::quantize_for(kind, &x).unwrap();
-        let matrix = rotated_rows(kind, &row, rows);
-        for path in DotPath::supported() {
-            let mut y = vec![f32::NAN; rows];
-            gemv_with(path, kind, &matrix, rows, &act, &mut y).unwrap();
-            for (r, chunk) in matrix.chunks_exact(row.len()).enumerate() {
-                prop_assert_eq!(y[r].to_bits(), dot_with(DotPath::Scalar, kind, chunk, &act).unwrap().to_bits(), "{} row {} of {} on {}", kind, r, rows, path);
-            }
-        }
+        gemv_gives_each_rows_dot(kind, &rotated_rows(kind, &row, rows), rows, &x)?;
     }
 
     /// The band product of several tokens (`quant::matmul`, what linear

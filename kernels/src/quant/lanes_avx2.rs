@@ -82,7 +82,7 @@ pub(super) fn gemm_32<const Q: u8>(matrix: &[u8], y: &Lanes32, out: &mut [[f32; 
                 }
                 sum
             } else {
-                // Eight pairs of at most 2 × 16 × 127 each: 32512 at most.
+                // Each i16 sums eight pairs of at most 2 × 16 × 127: 32512 at most.
                 let mut pairs = _mm256_setzero_si256();
                 for k in 0..8 {
                     pairs = _mm256_add_epi16(pairs, quad_pairs(yq, k, magnitudes[k], signs[k]));
@@ -100,8 +100,8 @@ pub(super) fn gemm_32<const Q: u8>(matrix: &[u8], y: &Lanes32, out: &mut [[f32; 
 }
 
 /// The products of weight quad k (its bytes' magnitudes and the bytes
-/// whose signs they take) with the eight tokens' quad k, as four pairs of
-/// i16 per token.
+/// whose signs they take) with the eight tokens' quad k: per token two
+/// i16, each the sum of two products.
 #[inline(always)]
 fn quad_pairs(yq: &[u32], k: usize, magnitudes: i32, signs: i32) -> __m256i {
     // SAFETY: eight readable words of the block's activations; the
