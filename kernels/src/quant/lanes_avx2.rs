@@ -11,51 +11,15 @@
 //! pairs (at most 4064) are summed as i16 over a whole block, and widened
 //! once.
 
-use super::blocks::BlockQ8_0;
 use super::dot_avx2::{bytes32, halves_at, quants32};
 use std::arch::x86_64::*;
 
 /// Tokens per group: one per i32 lane of a 256-bit vector.
 pub(super) const LANES: usize = 8;
 
-/// Words of one block of a group's activations: eight quads, each as eight
-/// tokens' four bytes.
-const BLOCK_WORDS: usize = 8 * LANES;
-
-/// Up to eight tokens' Q8_0 activations, transposed for [`gemm_32`]: block
-/// b's quad k (elements 4k..4k + 4, as the bytes of one little-endian word)
-/// of token t at `q[(b · 8 + k) · 8 + t]`; block b's scale of token t at
-/// `d[b · 8 + t]`. Lanes without a token hold zeros, so they compute zeros.
-/// The buffers are reused from group to group.
-#[derive(Default)]
-pub(super) struct Lanes32 {
-    q: Vec<u32>,
-    d: Vec<f32>,
-    blocks: usize,
-}
-
-impl Lanes32 {
-    /// Transpose `tokens` (at most [`LANES`], each the same number of
-    /// blocks) into the lanes.
-    pub(super) fn fill(&mut self, tokens: &[&[BlockQ8_0]]) {
-        assert!(!tokens.is_empty() && tokens.len() <= LANES, "Lanes32: 1..=8 tokens");
-        let blocks = tokens[0].len();
-        self.blocks = blocks;
-        self.q.clear();
-        self.q.resize(blocks * BLOCK_WORDS, 0);
-        self.d.clear();
-        self.d.resize(blocks * LANES, 0.0);
-        for (t, y) in tokens.iter().enumerate() {
-            assert_eq!(y.len(), blocks, "Lanes32: tokens of one width");
-            for (b, yb) in y.iter().enumerate() {
-                for (k, quad) in yb.qs.chunks_exact(4).enumerate() {
-                    self.q[(b * 8 + k) * LANES + t] = u32::from_le_bytes([quad[0] as u8, quad[1] as u8, quad[2] as u8, quad[3] as u8]);
-                }
-                self.d[b * LANES + t] = yb.d.to_f32();
-            }
-        }
-    }
-}
+/// The activations of [`gemm_32`]: eight tokens, unbiased (`vpsignb` and
+/// `vpmaddubsw` take them signed).
+pub(super) type Lanes32 = super::lanes_avx512::Lanes<LANES, 0>;
 
 /// Rows of Q8_0, Q4_0 or Q5_0 weights (`Q` as in `quants32`), each
 /// `y.blocks` blocks, against a group of tokens: `out[r][t]` is row r's
@@ -67,7 +31,7 @@ pub(super) fn gemm_32<const Q: u8>(matrix: &[u8], y: &Lanes32, out: &mut [[f32; 
     let ones = _mm256_set1_epi16(1);
     for (row, o) in matrix.chunks_exact(row_bytes).zip(out) {
         let mut acc = _mm256_setzero_ps();
-        for ((b, yq), yd) in row.chunks_exact(bb).zip(y.q.chunks_exact(BLOCK_WORDS)).zip(y.d.chunks_exact(LANES)) {
+        for ((b, yq), yd) in row.chunks_exact(bb).zip(y.q.chunks_exact(Lanes32::BLOCK_WORDS)).zip(y.d.chunks_exact(LANES)) {
             let x = quants32::<Q>(b);
             let (mut magnitudes, mut signs) = ([0i32; 8], [0i32; 8]);
             // SAFETY: eight writable i32 each, 32 bytes; unaligned stores.

@@ -23,42 +23,45 @@ use std::arch::x86_64::*;
 /// Tokens per group: one per i32 lane of a 512-bit vector.
 pub(super) const LANES: usize = 16;
 
-/// Words of one block of a group's activations: eight groups of four
-/// elements, each as sixteen tokens' four bytes.
-const BLOCK_WORDS: usize = 8 * LANES;
-
-/// Up to sixteen tokens' Q8_0 activations, transposed for [`gemm_32`]:
-/// block b's quad k (elements 4k..4k + 4, biased by 128, as the bytes of
-/// one little-endian word) of token t at `q[(b · 8 + k) · 16 + t]`; block
-/// b's scale of token t at `d[b · 16 + t]`. Lanes without a token hold
-/// zeros (a zero scale), so they compute zeros. The buffers are reused
-/// from group to group.
+/// Up to `L` tokens' Q8_0 activations, transposed for a GEMM with `L`
+/// tokens a vector (here, and at eight in `lanes_avx2`): block b's quad k
+/// (elements 4k..4k + 4, as the bytes of one little-endian word, xor
+/// `BIAS`: 0x8080_8080 moves each signed byte up by 128) of token t at
+/// `q[(b · 8 + k) · L + t]`; block b's scale of token t at `d[b · L + t]`.
+/// Lanes without a token hold zeros (biased alike, and a zero scale), so
+/// they compute zeros. The buffers are reused from group to group.
 #[derive(Default)]
-pub(super) struct Lanes32 {
-    q: Vec<u32>,
-    d: Vec<f32>,
-    blocks: usize,
+pub(super) struct Lanes<const L: usize, const BIAS: u32> {
+    pub(super) q: Vec<u32>,
+    pub(super) d: Vec<f32>,
+    pub(super) blocks: usize,
 }
 
-impl Lanes32 {
-    /// Transpose `tokens` (at most [`LANES`], each the same number of
-    /// blocks) into the lanes.
+/// The activations of [`gemm_32`]: biased by 128, sixteen tokens.
+pub(super) type Lanes32 = Lanes<LANES, 0x8080_8080>;
+
+impl<const L: usize, const BIAS: u32> Lanes<L, BIAS> {
+    /// Words of one block: eight quads, each as `L` tokens' four bytes.
+    pub(super) const BLOCK_WORDS: usize = 8 * L;
+
+    /// Transpose `tokens` (at most `L`, each the same number of blocks)
+    /// into the lanes.
     pub(super) fn fill(&mut self, tokens: &[&[BlockQ8_0]]) {
-        assert!(!tokens.is_empty() && tokens.len() <= LANES, "Lanes32: 1..=16 tokens");
+        assert!(!tokens.is_empty() && tokens.len() <= L, "Lanes: 1..={L} tokens");
         let blocks = tokens[0].len();
         self.blocks = blocks;
         self.q.clear();
-        self.q.resize(blocks * BLOCK_WORDS, 0x8080_8080);
+        self.q.resize(blocks * Self::BLOCK_WORDS, BIAS);
         self.d.clear();
-        self.d.resize(blocks * LANES, 0.0);
+        self.d.resize(blocks * L, 0.0);
         for (t, y) in tokens.iter().enumerate() {
-            assert_eq!(y.len(), blocks, "Lanes32: tokens of one width");
+            assert_eq!(y.len(), blocks, "Lanes: tokens of one width");
             for (b, yb) in y.iter().enumerate() {
                 for (k, quad) in yb.qs.chunks_exact(4).enumerate() {
                     let word = u32::from_le_bytes([quad[0] as u8, quad[1] as u8, quad[2] as u8, quad[3] as u8]);
-                    self.q[(b * 8 + k) * LANES + t] = word ^ 0x8080_8080;
+                    self.q[(b * 8 + k) * L + t] = word ^ BIAS;
                 }
-                self.d[b * LANES + t] = yb.d.to_f32();
+                self.d[b * L + t] = yb.d.to_f32();
             }
         }
     }
@@ -74,7 +77,7 @@ pub(super) fn gemm_32<const Q: u8>(matrix: &[u8], y: &Lanes32, out: &mut [[f32; 
     let bias = _mm256_set1_epi8(-128);
     for (row, o) in matrix.chunks_exact(row_bytes).zip(out) {
         let mut acc = _mm512_setzero_ps();
-        for ((b, yq), yd) in row.chunks_exact(bb).zip(y.q.chunks_exact(BLOCK_WORDS)).zip(y.d.chunks_exact(LANES)) {
+        for ((b, yq), yd) in row.chunks_exact(bb).zip(y.q.chunks_exact(Lanes32::BLOCK_WORDS)).zip(y.d.chunks_exact(LANES)) {
             let x = quants32::<Q>(b);
             // Σ (x + 128) in four u64 lanes, then 128 · Σ x off the start.
             let s = _mm256_sad_epu8(_mm256_xor_si256(x, bias), _mm256_setzero_si256());
