@@ -591,6 +591,48 @@ proptest! {
         }
     }
 
+    /// A thread keeps the k-quant tokens it transposed for the next band of
+    /// the same product, so each change of the held activations must be
+    /// seen: all of them quantized again, one token quantized again, and
+    /// another set or order of picked tokens each give their own tokens'
+    /// dots, on every path.
+    #[test]
+    fn transposed_tokens_follow_the_activations((kind, row, x) in case(any_scale).prop_filter("a k-quant", |(k, ..)| k.block_elems() == QK_K), rows in 1usize..6) {
+        let matrix = rotated_rows(kind, &row, rows);
+        let (len, n) = (x.len(), 33);
+        // Token t of version v: x rotated by t, scaled by (t + 1) · v.
+        let token = |t: usize, v: f32| -> Vec<f32> { (0..len).map(|k| x[(k + t) % len] * (t + 1) as f32 * v).collect() };
+        let mut current: Vec<Vec<f32>> = (0..n).map(|t| token(t, 1.0)).collect();
+        let mut held = QuantizedTokens::default();
+        held.quantize(kind, &current.concat(), n).unwrap();
+        let check = |held: &QuantizedTokens, current: &[Vec<f32>], picked: &[(usize, f32)]| -> Result<(), TestCaseError> {
+            for path in DotPath::supported() {
+                // The same call twice: the second reuses what the first transposed.
+                for _ in 0..2 {
+                    let mut out = vec![f32::NAN; picked.len() * rows];
+                    quant::matmul_picked(path, kind, &matrix, rows, held, picked, &mut out).unwrap();
+                    for (j, &(t, _)) in picked.iter().enumerate() {
+                        let act = Activations::quantize_for(kind, &current[t]).unwrap();
+                        for (r, chunk) in matrix.chunks_exact(row.len()).enumerate() {
+                            prop_assert_eq!(out[j * rows + r].to_bits(), dot_with(DotPath::Scalar, kind, chunk, &act).unwrap().to_bits(), "{} on {}: token {} row {}", kind, path, t, r);
+                        }
+                    }
+                }
+            }
+            Ok(())
+        };
+        let all: Vec<(usize, f32)> = (0..n).map(|t| (t, 1.0)).collect();
+        check(&held, &current, &all)?;
+        current = (0..n).map(|t| token(t, -0.5)).collect();
+        held.quantize(kind, &current.concat(), n).unwrap();
+        check(&held, &current, &all)?;
+        current[5] = token(17, 2.0);
+        held.quantize_token(5, &current[5]).unwrap();
+        check(&held, &current, &all)?;
+        check(&held, &current, &(0..n).rev().map(|t| (t, 1.0)).collect::<Vec<_>>())?;
+        check(&held, &current, &(0..n).step_by(2).map(|t| (t, 1.0)).collect::<Vec<_>>())?;
+    }
+
     /// Rows of no blocks (an empty input) give zeros, for a group of tokens
     /// as for one, on every path: not a panic over zero-length rows.
     #[test]

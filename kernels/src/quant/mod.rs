@@ -499,7 +499,14 @@ pub struct QuantizedTokens {
     family: Family,
     tokens: usize,
     cols: usize,
+    /// Renewed by every change (unique across all instances), so that a
+    /// GEMM's tokens transposed on a thread for one band can be reused for
+    /// the next band of the same tokens.
+    generation: u64,
 }
+
+/// The last [`QuantizedTokens::generation`] handed out.
+static GENERATIONS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
 
 impl QuantizedTokens {
     /// Quantize `n` rows of `x` (`[n, cols]`) for products with `kind`
@@ -533,11 +540,18 @@ impl QuantizedTokens {
             Family::Q8_1 => self.q8_1.resize(blocks, BlockQ8_1 { d: half::f16::ZERO, s: 0.0, qs: [0; QK8_0] }),
         }
         (self.family, self.tokens, self.cols) = (family, n, cols);
+        self.renew();
         Ok(())
+    }
+
+    /// A new generation: what was held has changed.
+    fn renew(&mut self) {
+        self.generation = GENERATIONS.fetch_add(1, std::sync::atomic::Ordering::Relaxed) + 1;
     }
 
     /// Quantize token `t` (`cols` values) into its place.
     pub fn quantize_token(&mut self, t: usize, x: &[f32]) -> Result<(), QuantError> {
+        self.renew();
         let r = self.token_range(t);
         match self.family {
             Family::Q8K => quantize_q8_k_into(x, &mut self.q8k[r]),
@@ -556,6 +570,7 @@ impl QuantizedTokens {
     /// The blocks of every family, by which [`Self::token_range`] indexes
     /// the held one.
     pub fn blocks_mut(&mut self) -> TokenBlocks<'_> {
+        self.renew();
         TokenBlocks { q8k: &mut self.q8k, q8_0: &mut self.q8_0, q8_1: &mut self.q8_1 }
     }
 
@@ -638,7 +653,10 @@ thread_local! {
     static LANES_AVX2_SCRATCH: std::cell::RefCell<(lanes_avx2::Lanes32, Vec<[f32; lanes_avx2::LANES]>)> = Default::default();
     /// The same for `gemm_k`: the groups of transposed tokens, a part of
     /// the band unpacked, and a group's results.
-    static KLANES_SCRATCH: std::cell::RefCell<(Vec<klanes::KLanes>, klanes::KRows, Vec<[f32; klanes::LANES]>)> = Default::default();
+    /// The groups carry what they hold (`TransposedKey`): a call for the
+    /// same tokens of the same activations, as the next band of a layer's
+    /// product or an expert's up projection after its gate, reuses them.
+    static KLANES_SCRATCH: std::cell::RefCell<(TransposedKey, Vec<klanes::KLanes>, klanes::KRows, Vec<[f32; klanes::LANES]>)> = Default::default();
 }
 
 /// The fewest k-quant tokens that `gemm_k` takes in one group of sixteen
@@ -800,22 +818,30 @@ fn products_together(path: DotPath, mut tiles: Option<&mut impl tiles_amx::TileU
 fn k_quant_lanes(path: DotPath, mut tiles: Option<&mut impl tiles_amx::TileUnit>, kind: QuantKind, matrix: &[u8], row_bytes: usize, rows: usize, acts: &QuantizedTokens, n: usize, token: &impl Fn(usize) -> usize, out: &mut [f32]) -> Result<(), QuantError> {
     let lanes = klanes::LANES;
     let blocks = acts.cols / QK_K;
-    KLANES_SCRATCH.with_borrow_mut(|(groups, unpacked, sums)| {
+    KLANES_SCRATCH.with_borrow_mut(|(held, groups, unpacked, sums)| {
         let count = n.div_ceil(lanes);
         if groups.len() < count {
             groups.resize_with(count, Default::default);
         }
-        for (g, group) in groups[..count].iter_mut().enumerate() {
-            let j0 = g * lanes;
-            let mut ys: [&[BlockQ8K]; klanes::LANES] = [&[]; klanes::LANES];
-            for (slot, j) in ys.iter_mut().zip(j0..n.min(j0 + lanes)) {
-                *slot = match acts.op(kind, token(j))? {
-                    Op::Q4K(y) | Op::Q5K(y) | Op::Q6K(y) => y,
-                    Op::Q4_0(_) | Op::Q5_0(_) | Op::Q5_1(_) | Op::Q8_0(_) => unreachable!("{kind} is a k-quant"),
-                };
+        // `vpdpbusd` takes the tokens unsigned, biased; `tdpbssd` signed.
+        let biased = tiles.is_none();
+        let held_already = held.generation != 0 && held.generation == acts.generation && held.biased == biased && held.tokens.iter().copied().eq((0..n).map(token));
+        if !held_already {
+            held.generation = 0; // until the groups are whole
+            for (g, group) in groups[..count].iter_mut().enumerate() {
+                let j0 = g * lanes;
+                let mut ys: [&[BlockQ8K]; klanes::LANES] = [&[]; klanes::LANES];
+                for (slot, j) in ys.iter_mut().zip(j0..n.min(j0 + lanes)) {
+                    *slot = match acts.op(kind, token(j))? {
+                        Op::Q4K(y) | Op::Q5K(y) | Op::Q6K(y) => y,
+                        Op::Q4_0(_) | Op::Q5_0(_) | Op::Q5_1(_) | Op::Q8_0(_) => unreachable!("{kind} is a k-quant"),
+                    };
+                }
+                group.fill(&ys[..n.min(j0 + lanes) - j0], biased);
             }
-            // `vpdpbusd` takes the tokens unsigned, biased; `tdpbssd` signed.
-            group.fill(&ys[..n.min(j0 + lanes) - j0], tiles.is_none());
+            held.tokens.clear();
+            held.tokens.extend((0..n).map(token));
+            (held.generation, held.biased) = (acts.generation, biased);
         }
         let part = (K_UNPACKED_BYTES / (QK_K * blocks)).max(1);
         let part = if tiles.is_some() { part.next_multiple_of(tiles_amx::TILE) } else { part };
@@ -882,6 +908,17 @@ fn k_quant_group<const T: usize>(kind: QuantKind, matrix: &[u8], row_bytes: usiz
         }
     }
     Ok(())
+}
+
+/// What a thread's transposed k-quant groups hold: the tokens (in order)
+/// of the activations of one [`QuantizedTokens::generation`] (0: nothing),
+/// biased or not.
+#[cfg(target_arch = "x86_64")]
+#[derive(Default)]
+struct TransposedKey {
+    generation: u64,
+    biased: bool,
+    tokens: Vec<usize>,
 }
 
 /// The Q8_0 activations of the tokens `js` (at most `L`) names, for a
