@@ -656,7 +656,7 @@ thread_local! {
     /// The groups carry what they hold (`TransposedKey`): a call for the
     /// same tokens of the same activations, as the next band of a layer's
     /// product or an expert's up projection after its gate, reuses them.
-    static KLANES_SCRATCH: std::cell::RefCell<(TransposedKey, Vec<klanes::KLanes>, klanes::KRows, Vec<[f32; klanes::LANES]>)> = Default::default();
+    static KLANES_SCRATCH: std::cell::RefCell<KLanesScratch> = Default::default();
 }
 
 /// The fewest k-quant tokens that `gemm_k` takes in one group of sixteen
@@ -909,6 +909,10 @@ fn k_quant_group<const T: usize>(kind: QuantKind, matrix: &[u8], row_bytes: usiz
     }
     Ok(())
 }
+
+/// A thread's `gemm_k` buffers ([`KLANES_SCRATCH`]).
+#[cfg(target_arch = "x86_64")]
+type KLanesScratch = (TransposedKey, Vec<klanes::KLanes>, klanes::KRows, Vec<[f32; klanes::LANES]>);
 
 /// What a thread's transposed k-quant groups hold: the tokens (in order)
 /// of the activations of one [`QuantizedTokens::generation`] (0: nothing),
