@@ -7,13 +7,15 @@
 #            self-checks); fails if any of them says it skipped
 #   kernels  `quant_matmul` at 128, 512 and 2048 tokens on the AVX-512 and the tile
 #            paths, as fractions of the `tdpbssd` peak measured in the same run, and the
-#            1-32-token turning point; `mla_decode` at 16 and 128 heads, context 4096,
-#            with the `tdpbf16ps` peak (acceptance 3)
+#            1-32-token turning point; `matmul_bf16` (FP8 and BF16 weights) the same on
+#            the vectors and the BF16 tiles, against the `tdpbf16ps` peak; `mla_decode`
+#            at 16 and 128 heads, context 4096, with the `tdpbf16ps` peak (acceptance 3)
 #   engine   `duplex bench-engine` on $MODEL, decode at contexts 512 and 4096 and prefill of
 #            512 and 2048 tokens, DUPLEX_AMX=off and on alternating for $ROUNDS rounds: the
-#            fraction of the roofline with and without the tiles (acceptance 4); then the
-#            same on each of $GGUFS that exists (their prefill takes the INT8 tiles: Q8_0
-#            in the Q8_0 file; Q4_K, Q6_K and Q5_0 in the Q4_K_M one)
+#            fraction of the roofline with and without the tiles (acceptance 4; its FP8
+#            prefill takes the BF16 tiles); then the same on each of $GGUFS that exists
+#            (their prefill takes the INT8 tiles: Q8_0 in the Q8_0 file; Q4_K, Q6_K and
+#            Q5_0 in the Q4_K_M one)
 # Environment: MODEL (default /tmp/bench-synth; make it with
 #   `cargo run --release -p duplex-cli -- synth --preset bench --out /tmp/bench-synth`),
 #   GGUFS (default "/tmp/anchor/bench-Q8_0.gguf /tmp/anchor/bench-Q4_K_M.gguf", see
@@ -54,6 +56,9 @@ step_kernels() {
     log "quant_matmul: AVX-512 against tiles at 128, 512, 2048 tokens, and the turning point"
     cargo bench -p duplex-kernels --bench quant_matmul -- avx512vnni amx --tokens 128,512,2048 2>&1 | tee "$OUT_DIR/quant_matmul.log"
     grep -q "AMX INT8 tile peak" "$OUT_DIR/quant_matmul.log" || die "quant_matmul found no INT8 tiles"
+    log "matmul_bf16: FP8 and BF16 weights on the vectors and on BF16 tiles at 128, 512, 2048 tokens, and the turning point"
+    cargo bench -p duplex-kernels --bench matmul_bf16 -- --tokens 128,512,2048 2>&1 | tee "$OUT_DIR/matmul_bf16.log"
+    grep -q "AMX BF16 tile peak" "$OUT_DIR/matmul_bf16.log" || die "matmul_bf16 found no BF16 tiles in use (see its first line)"
     log "mla_decode: f32 and BF16 pairs (on the tiles where they pass their self-check), context 4096"
     for heads in 16 128; do
         cargo bench -p duplex-kernels --bench mla_decode -- "$THREADS" "$heads" 4096 2>&1 | tee -a "$OUT_DIR/mla_decode.log"

@@ -11,6 +11,7 @@
 //! the median and best of the passes are shown. Extra lines show batched
 //! decode and prefill, as weight bytes per second and MACs per second.
 
+use duplex_kernels::cpu::gemv::{matmul_bf16_on, Products};
 use duplex_kernels::cpu::{isa, matmul_bf16, read_bytes, Isa};
 use duplex_kernels::{WeightFormat, WeightView};
 mod common;
@@ -97,7 +98,10 @@ fn main() {
                     .map(|_| {
                         rate(mats * size, || {
                             for m in 0..mats {
-                                matmul_bf16(isa, &view(m), 0..rows, &xs, n, &mut out);
+                                // The level's own vector kernels (`matmul_bf16_on`), even
+                                // where `matmul_bf16` would take AMX tiles (the
+                                // `matmul_bf16` bench compares those).
+                                matmul_bf16_on(isa, Products::Vectors, &view(m), 0..rows, &xs, n, &mut out);
                                 black_box(&out);
                             }
                         })

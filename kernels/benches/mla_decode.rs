@@ -51,7 +51,7 @@ fn main() {
     let pool = ThreadPool::new(&PoolConfig::single_node(threads));
     let single = ThreadPool::new(&PoolConfig::single_node(1));
     let e = DC + DR;
-    let (second, short, peak) = if pairs_amx::usable() { ("AMX BF16 tiles", "tiles", tile_peak()) } else { ("BF16 pairs", "pairs", None) };
+    let (second, short, peak) = if pairs_amx::usable() { ("AMX BF16 tiles", "tiles", common::bf16_tile_peak(PASSES)) } else { ("BF16 pairs", "pairs", None) };
     println!("MLA decode, {threads} threads, {heads} heads, latent {DC} + {DR}: f32 products ({}) against {second} ({})", levels[0], levels[1]);
     match peak {
         Some(p) => println!("AMX BF16 tile peak (tdpbf16ps back to back, one thread): {p:.1} G multiply-adds/s"),
@@ -124,26 +124,4 @@ fn main() {
             println!("  tiles, 1 thread: {:.1} G useful multiply-adds/s at the median, {:.2} of the tile peak", rate(cpu[1][PASSES / 2]), rate(cpu[1][PASSES / 2]) / p);
         }
     }
-}
-
-/// The tile unit's BF16 rate, G multiply-adds/s (median of the passes):
-/// four 16 × 16 accumulators, each `tdpbf16ps` 16 × 32 × 16 multiply-adds,
-/// none waiting for another.
-#[cfg(target_arch = "x86_64")]
-fn tile_peak() -> Option<f64> {
-    use duplex_kernels::cpu::amx::{HardwareTiles, Tiles};
-    let mut t = HardwareTiles::for_bf16()?;
-    // Small normal BF16 values (2⁻⁷ in each half), so that no sum overflows.
-    let source = [0x00u8, 0x3c].repeat(512);
-    Some(common::tile_rate(&mut t, &source, 16 * 32 * 16, PASSES, |t| {
-        t.dot_bf16::<0, 4, 6>();
-        t.dot_bf16::<1, 4, 7>();
-        t.dot_bf16::<2, 5, 6>();
-        t.dot_bf16::<3, 5, 7>();
-    }))
-}
-
-#[cfg(not(target_arch = "x86_64"))]
-fn tile_peak() -> Option<f64> {
-    None
 }

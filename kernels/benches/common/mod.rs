@@ -110,3 +110,24 @@ pub fn tile_rate(tiles: &mut HardwareTiles, source: &[u8], macs: usize, passes: 
     }
     summary(rates).0
 }
+
+/// The tile unit's BF16 rate, G multiply-adds/s (median of `passes`):
+/// four 16 × 16 accumulators, each `tdpbf16ps` 16 × 32 × 16
+/// multiply-adds, none waiting for another; `None` without BF16 tiles.
+#[cfg(target_arch = "x86_64")]
+pub fn bf16_tile_peak(passes: usize) -> Option<f64> {
+    let mut t = HardwareTiles::for_bf16()?;
+    // Small normal BF16 values (2⁻⁷ in each half), so that no sum overflows.
+    let source = [0x00u8, 0x3c].repeat(512);
+    Some(tile_rate(&mut t, &source, 16 * 32 * 16, passes, |t| {
+        t.dot_bf16::<0, 4, 6>();
+        t.dot_bf16::<1, 4, 7>();
+        t.dot_bf16::<2, 5, 6>();
+        t.dot_bf16::<3, 5, 7>();
+    }))
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+pub fn bf16_tile_peak(_: usize) -> Option<f64> {
+    None
+}

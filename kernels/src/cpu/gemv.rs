@@ -17,6 +17,14 @@
 //! same bits alone as in any batch (see `kernel::bands`). Hence one kernel
 //! per level and format for every token count.
 //!
+//! AMX: where the CPU's BF16 tiles are usable, FP8 and BF16 products of
+//! [`TILES_LEAST`] tokens or more run on them instead (`gemm_amx`, at the
+//! AVX-512 BF16 levels): prefill's and a busy expert's. The tiles keep the
+//! same invariance among themselves but sum in an order of their own, so
+//! there a token's bits depend on whether its call held fewer tokens than
+//! that (within f32 rounding of the sums either way); `DUPLEX_AMX=off`
+//! keeps every call on the vectors.
+//!
 //! Levels (see [`Isa`]):
 //! - `Avx512Fp16`: for FP8 weights, FP8 → FP16 with integer ops,
 //!   `vfmadd231ph` over two 64-column lines, then f32; otherwise as below.
@@ -43,11 +51,65 @@ use std::ops::Range;
 pub use super::vector::{axpy_f32, dot_f32};
 
 /// `out[i · rows.len() + j] = Σ_c W[rows.start + j, c] · x[i · cols + c]` for
-/// `n` tokens of BF16 activations `x` (`[n, cols]` bit patterns).
+/// `n` tokens of BF16 activations `x` (`[n, cols]` bit patterns), on the
+/// kernels [`Products::for_tokens`] picks for `n`.
 ///
 /// Works for every weight format and any shape; FP8 may have any block size
 /// (multiples of 64 columns, like DeepSeek's 128, avoid masked tails).
 pub fn matmul_bf16(isa: Isa, w: &WeightView, rows: Range<usize>, x: &[u16], n: usize, out: &mut [f32]) {
+    matmul_bf16_on(isa, Products::for_tokens(n), w, rows, x, n, out)
+}
+
+/// Which kernels take a [`matmul_bf16`] call.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Products {
+    /// The vector kernels of the call's level: one kernel per level and
+    /// format for any number of tokens, batch invariant (module docs).
+    Vectors,
+    /// FP8 and BF16 weights on AMX BF16 tiles (`tdpbf16ps`, see
+    /// `gemm_amx`) at the AVX-512 BF16 levels, where [`Products::tiles_usable`];
+    /// anything else on the vectors. The tiles sum in an order of their own,
+    /// so a token's results are within f32 rounding of the vectors', not
+    /// the same bits; among calls on the tiles, each token's results are
+    /// the same bits whatever the other tokens.
+    Tiles,
+}
+
+/// Tokens from which [`matmul_bf16`] takes the tiles, where usable: the
+/// calls the vector kernels run in several passes over cached bands
+/// (prefill's and a busy expert's), where they are bound by arithmetic,
+/// not by reading the weights. Up to eight tokens they stream each weight
+/// once from DRAM, which is decode's regime, and keep decode's bits.
+/// (This machine's turning point is for an AMX machine to measure:
+/// `cargo bench -p duplex-kernels --bench fp8_matmul` finds it.)
+pub const TILES_LEAST: usize = 9;
+#[cfg(target_arch = "x86_64")]
+const _: () = assert!(TILES_LEAST == super::kernel::PASS_TOKENS + 1);
+
+impl Products {
+    /// What [`matmul_bf16`] takes for `n` tokens: the tiles from
+    /// [`TILES_LEAST`] tokens, where they are usable.
+    pub fn for_tokens(n: usize) -> Products {
+        if n >= TILES_LEAST && Products::tiles_usable() {
+            Products::Tiles
+        } else {
+            Products::Vectors
+        }
+    }
+
+    /// Whether this process may run [`Products::Tiles`] on the CPU's AMX
+    /// BF16 tiles: the CPU has them and AVX-512, Linux permits them,
+    /// `DUPLEX_AMX` does not say `off`, and they passed a self-check.
+    pub fn tiles_usable() -> bool {
+        #[cfg(target_arch = "x86_64")]
+        return super::gemm_amx::usable();
+        #[cfg(not(target_arch = "x86_64"))]
+        return false;
+    }
+}
+
+/// [`matmul_bf16`] on the kernels `products` names.
+pub fn matmul_bf16_on(isa: Isa, products: Products, w: &WeightView, rows: Range<usize>, x: &[u16], n: usize, out: &mut [f32]) {
     let (cols, m) = (w.cols, rows.len());
     assert!(rows.start <= rows.end && rows.end <= w.rows, "matmul_bf16: rows {rows:?} out of 0..{}", w.rows);
     assert_eq!(x.len(), n * cols, "matmul_bf16: input is not [n, cols]");
@@ -72,12 +134,19 @@ pub fn matmul_bf16(isa: Isa, w: &WeightView, rows: Range<usize>, x: &[u16], n: u
         #[cfg(target_arch = "x86_64")]
         (isa, _) => {
             let job = super::kernel::Job::new(w);
+            if products == Products::Tiles && isa >= Isa::Avx512Bf16 && Products::tiles_usable() {
+                // The checks above cover every row, column and scale.
+                return super::gemm_amx::run(&job, rows, x, n, out);
+            }
             // SAFETY: `usable()` vouches for the CPU features, and the checks
             // above for every row, column and scale the kernels touch.
             unsafe { x86_dispatch(isa, &job, rows, x, n, out) }
         }
         #[cfg(not(target_arch = "x86_64"))]
-        _ => portable(w, rows, x, n, out),
+        _ => {
+            let _ = products;
+            portable(w, rows, x, n, out)
+        }
     }
 }
 
@@ -350,28 +419,31 @@ mod tests {
 
     /// Batch invariance: each token's outputs are the same bits computed
     /// alone, with any other tokens, and over any band of rows containing
-    /// them, at every level.
+    /// them, on the vectors at every level and, where usable, on the AMX
+    /// tiles (the products a call takes are named, as `matmul_bf16` picks
+    /// them by the number of tokens).
     fn check_invariant(c: &Case) -> Result<(), TestCaseError> {
         let w = WeightView { rows: c.rows, cols: c.cols, format: c.format, data: &c.data, scales: &c.scales };
         let m = c.band.len();
         // A sub-band: rows cut off at both ends of the case's band.
         let sub = c.band.start + m / 3..c.band.end - m / 4;
-        for isa in isa::supported() {
+        let products = if Products::tiles_usable() { vec![Products::Vectors, Products::Tiles] } else { vec![Products::Vectors] };
+        for (isa, products) in isa::supported().into_iter().flat_map(|isa| products.iter().map(move |&p| (isa, p))) {
             let mut all = vec![f32::NAN; c.n * m];
-            matmul_bf16(isa, &w, c.band.clone(), &c.x, c.n, &mut all);
+            matmul_bf16_on(isa, products, &w, c.band.clone(), &c.x, c.n, &mut all);
             for t in 0..c.n {
                 let mut alone = vec![f32::NAN; m];
-                matmul_bf16(isa, &w, c.band.clone(), &c.x[t * c.cols..(t + 1) * c.cols], 1, &mut alone);
+                matmul_bf16_on(isa, products, &w, c.band.clone(), &c.x[t * c.cols..(t + 1) * c.cols], 1, &mut alone);
                 let want: Vec<u32> = all[t * m..(t + 1) * m].iter().map(|v| v.to_bits()).collect();
                 let got: Vec<u32> = alone.iter().map(|v| v.to_bits()).collect();
-                prop_assert_eq!(got, want, "{} {:?} {}x{} n={} band {:?}: token {} alone", isa, c.format, c.rows, c.cols, c.n, c.band, t);
+                prop_assert_eq!(got, want, "{} {:?} {:?} {}x{} n={} band {:?}: token {} alone", isa, products, c.format, c.rows, c.cols, c.n, c.band, t);
             }
             let mut part = vec![f32::NAN; c.n * sub.len()];
-            matmul_bf16(isa, &w, sub.clone(), &c.x, c.n, &mut part);
+            matmul_bf16_on(isa, products, &w, sub.clone(), &c.x, c.n, &mut part);
             for t in 0..c.n {
                 for (j, r) in sub.clone().enumerate() {
                     let (got, want) = (part[t * sub.len() + j], all[t * m + r - c.band.start]);
-                    prop_assert_eq!(got.to_bits(), want.to_bits(), "{} {:?} n={} row {} of band {:?} in {:?}", isa, c.format, c.n, r, sub, c.band);
+                    prop_assert_eq!(got.to_bits(), want.to_bits(), "{} {:?} {:?} n={} row {} of band {:?} in {:?}", isa, products, c.format, c.n, r, sub, c.band);
                 }
             }
         }

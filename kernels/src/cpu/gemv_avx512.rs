@@ -288,7 +288,7 @@ fn odd_even_stride(job: &Job) -> usize {
 /// AVX-512 F/BW present; `band` inside the matrix; `tile` holds
 /// `band.len() · odd_even_stride(job)` words, 64-byte aligned.
 #[target_feature(enable = "avx512f,avx512bw")]
-unsafe fn decode_odd_even_tile(job: &Job, band: Range<usize>, tile: &mut [u16]) {
+pub(super) unsafe fn decode_odd_even_tile(job: &Job, band: Range<usize>, tile: &mut [u16]) {
     let (stride, lines) = (odd_even_stride(job), job.block[1].div_ceil(64));
     for (i, r) in band.enumerate() {
         // SAFETY: row r is inside `data`.

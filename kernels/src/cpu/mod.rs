@@ -16,8 +16,9 @@
 //! - [`vector`], [`vector_pairs`]: the blocked scores and weighted sums of
 //!   decode attention, in f32 and on BF16 pairs (`vdpbf16ps`).
 //! - [`amx`]: AMX tiles: detection, Linux's permission, and the tile
-//!   instructions on the CPU or on a model of them (for `quant`'s tile GEMM
-//!   and [`pairs_amx`]'s decode attention products).
+//!   instructions on the CPU or on a model of them (for `quant`'s tile GEMM,
+//!   `gemm_amx`'s FP8/BF16 prefill products and [`pairs_amx`]'s decode
+//!   attention products).
 
 pub mod amx;
 pub mod bandwidth;
@@ -27,6 +28,8 @@ pub mod elementwise;
 mod elementwise_avx2;
 #[cfg(target_arch = "x86_64")]
 mod elementwise_avx512;
+#[cfg(target_arch = "x86_64")]
+mod gemm_amx;
 pub mod gemv;
 #[cfg(target_arch = "x86_64")]
 mod gemv_avx2;

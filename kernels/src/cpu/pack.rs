@@ -154,6 +154,11 @@ impl<T: Pod> Packed<T> {
     }
 
     /// Every packed element of token `t`, padding included.
+    pub fn token(&self, t: usize) -> &[T] {
+        &self.buf.as_slice()[t * self.stride..(t + 1) * self.stride]
+    }
+
+    /// Every packed element of token `t`, padding included, to change.
     pub fn token_mut(&mut self, t: usize) -> &mut [T] {
         let stride = self.stride;
         &mut self.buf.as_mut_slice()[t * stride..(t + 1) * stride]
