@@ -99,6 +99,9 @@ pub(super) struct KRows {
     pub(super) six: bool,
 }
 
+/// How far ahead of the block it unpacks [`KRows::unpack`] fetches.
+const UNPACK_LEAD: usize = 2048;
+
 /// A token block of ones: a weight block's sums with it are Σ scale ×
 /// quant (Q6_K's offset, from the zero `bsums`, is zero), the bias term's
 /// factor.
@@ -122,6 +125,15 @@ impl KRows {
     fn unpack_with<U: Unpack>(&mut self, unpack: &U, matrix: &[u8], rows: usize, blocks: usize) {
         let bb = self.size_for(U::KIND, matrix, rows, blocks);
         for (i, b) in matrix.chunks_exact(bb).enumerate() {
+            // The band comes from DRAM once, here: fetch ahead of the
+            // loads, which otherwise waited on memory (most of this
+            // function's samples in a prefill).
+            for line in (0..bb).step_by(64) {
+                // A prefetch is a hint and never faults (past the matrix's
+                // end too); `wrapping_add` keeps the address's computation
+                // defined.
+                _mm_prefetch::<_MM_HINT_T0>(matrix.as_ptr().wrapping_add(i * bb + UNPACK_LEAD + line).cast());
+            }
             // SAFETY: this function's features are the kernels'.
             let blk = unsafe { unpack.unpack(b) };
             for (c, &v) in blk.q.iter().enumerate() {
