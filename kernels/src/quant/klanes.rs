@@ -99,9 +99,6 @@ pub(super) struct KRows {
     pub(super) six: bool,
 }
 
-/// How far ahead of the block it unpacks [`KRows::unpack`] fetches.
-const UNPACK_LEAD: usize = 2048;
-
 /// A token block of ones: a weight block's sums with it are Σ scale ×
 /// quant (Q6_K's offset, from the zero `bsums`, is zero), the bias term's
 /// factor.
@@ -125,14 +122,8 @@ impl KRows {
     fn unpack_with<U: Unpack>(&mut self, unpack: &U, matrix: &[u8], rows: usize, blocks: usize) {
         let bb = self.size_for(U::KIND, matrix, rows, blocks);
         for (i, b) in matrix.chunks_exact(bb).enumerate() {
-            // The band comes from DRAM once, here: fetch ahead of the
-            // loads, which otherwise waited on memory (most of this
-            // function's samples in a prefill).
             for line in (0..bb).step_by(64) {
-                // A prefetch is a hint and never faults (past the matrix's
-                // end too); `wrapping_add` keeps the address's computation
-                // defined.
-                _mm_prefetch::<_MM_HINT_T0>(matrix.as_ptr().wrapping_add(i * bb + UNPACK_LEAD + line).cast());
+                super::fetch_ahead(matrix, i * bb + line);
             }
             // SAFETY: this function's features are the kernels'.
             let blk = unsafe { unpack.unpack(b) };
@@ -179,6 +170,9 @@ impl KRows {
     fn unpack_plain(&mut self, kind: QuantKind, matrix: &[u8], rows: usize, blocks: usize) {
         let bb = self.size_for(kind, matrix, rows, blocks);
         for (i, b) in matrix.chunks_exact(bb).enumerate() {
+            for line in (0..bb).step_by(64) {
+                super::fetch_ahead(matrix, i * bb + line);
+            }
             let q: &mut [u8; QK_K] = (&mut self.q[i * QK_K..(i + 1) * QK_K]).try_into().expect("a block's quants");
             match kind {
                 QuantKind::Q6K => q6k_quants(b, q),

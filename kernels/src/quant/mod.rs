@@ -939,6 +939,18 @@ fn group_32<'a, const L: usize>(kind: QuantKind, acts: &'a QuantizedTokens, js: 
     Ok(tokens)
 }
 
+/// Prefetch the line 2 KiB past `at` in `band`: the prefill GEMMs read a
+/// band from DRAM once (unpacking it, or for their first group of
+/// tokens), and their loads waited on memory without it. A hint: it never
+/// faults, past the band's end too (`wrapping_add` keeps the address's
+/// computation defined).
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+fn fetch_ahead(band: &[u8], at: usize) {
+    // SAFETY: SSE, part of x86-64; a prefetch touches no memory.
+    unsafe { std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(band.as_ptr().wrapping_add(at + 2048).cast()) }
+}
+
 /// A group's products into `out` (`[token][row]`): row r of `sums` holds
 /// row r's with the tokens `js`, one per lane from the first.
 #[cfg(target_arch = "x86_64")]
