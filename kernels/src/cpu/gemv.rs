@@ -81,7 +81,7 @@ pub enum Products {
 /// not by reading the weights. Up to eight tokens they stream each weight
 /// once from DRAM, which is decode's regime, and keep decode's bits.
 /// (This machine's turning point is for an AMX machine to measure:
-/// `cargo bench -p duplex-kernels --bench fp8_matmul` finds it.)
+/// `cargo bench -p duplex-kernels --bench matmul_bf16` finds it.)
 pub const TILES_LEAST: usize = 9;
 #[cfg(target_arch = "x86_64")]
 const _: () = assert!(TILES_LEAST == super::kernel::PASS_TOKENS + 1);
