@@ -35,13 +35,7 @@ const TOKEN_PRODUCTS: usize = 256;
 
 fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
-    let tokens: Vec<usize> = match args.iter().position(|a| a == "--tokens") {
-        Some(i) => args
-            .get(i + 1)
-            .and_then(|list| list.split(',').map(|n| n.trim().parse::<usize>().ok().filter(|&n| n > 0)).collect::<Option<Vec<_>>>())
-            .unwrap_or_else(|| panic!("--tokens takes a comma-separated list of token counts, each at least 1")),
-        None => vec![64],
-    };
+    let tokens = common::token_counts(&args, &[64]);
     let level = isa::detect();
     let tiles = Products::tiles_usable();
     println!("matmul_bf16 {ROWS} x {COLS} against {tokens:?} tokens, one thread, weights in cache, level {level}; AMX BF16 tiles {}", if tiles { "in use" } else { "not usable here" });

@@ -37,13 +37,7 @@ const TOKEN_PRODUCTS: usize = 512;
 
 fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
-    let tokens: Vec<usize> = match args.iter().position(|a| a == "--tokens") {
-        Some(i) => args
-            .get(i + 1)
-            .and_then(|list| list.split(',').map(|n| n.trim().parse::<usize>().ok().filter(|&n| n > 0)).collect::<Option<Vec<_>>>())
-            .unwrap_or_else(|| panic!("--tokens takes a comma-separated list of token counts, each at least 1")),
-        None => vec![64],
-    };
+    let tokens = common::token_counts(&args, &[64]);
     let names: Vec<&String> = args.iter().enumerate().filter(|&(i, a)| !a.starts_with('-') && (i == 0 || args[i - 1] != "--tokens")).map(|(_, a)| a).collect();
     let paths: Vec<DotPath> = DotPath::supported().into_iter().filter(|p| names.is_empty() || names.iter().any(|a| *a == p.name())).collect();
     println!("quant GEMM {ROWS} x {COLS} against {tokens:?} tokens, one thread, weights in cache; paths {paths:?}");

@@ -54,6 +54,17 @@ pub fn rate(bytes: usize, f: impl FnOnce()) -> f64 {
     bytes as f64 / (thread_seconds() - t) / 1e9
 }
 
+/// The token counts of a `--tokens N,...` argument, or `default`.
+pub fn token_counts(args: &[String], default: &[usize]) -> Vec<usize> {
+    match args.iter().position(|a| a == "--tokens") {
+        Some(i) => args
+            .get(i + 1)
+            .and_then(|list| list.split(',').map(|n| n.trim().parse::<usize>().ok().filter(|&n| n > 0)).collect::<Option<Vec<_>>>())
+            .unwrap_or_else(|| panic!("--tokens takes a comma-separated list of token counts, each at least 1")),
+        None => default.to_vec(),
+    }
+}
+
 /// (median, best).
 pub fn summary(mut v: Vec<f64>) -> (f64, f64) {
     v.sort_by(f64::total_cmp);
