@@ -200,17 +200,21 @@ impl RowKernel for FusedBf16<'_> {
 /// AVX512-BF16 present; `rows` and tokens `t0..t0 + N` in range.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16")]
 unsafe fn fused_bf16<const R: usize, const N: usize>(job: &Job, x: &Packed<u16>, rows: [usize; R], t0: usize) -> [[f32; N]; R] {
-    // Two chains per sum, odd and even bytes, whatever R and N: the order
-    // of a row's sum must not depend on how many rows and tokens share the
-    // step (batch invariance, see `kernel::bands`). With few independent
-    // sums the two chains also hide the dot-product latency.
+    // One chain per sum, a line's odd bytes then its even ones, whatever R
+    // and N: the order of a row's sum must not depend on how many rows and
+    // tokens share the step (batch invariance, see `kernel::bands`). (Two
+    // chains, odd and even, hid the dot product's latency where a step has
+    // few sums, but decode is bound by memory, not by that; and in
+    // `tile_bf16`, which must keep these sums, the second chain cost an
+    // add per sum and block next to the dot products: one chain made the
+    // FP8 prefill GEMM 7–10% faster, `matmul_bf16` bench.)
     // SAFETY: every row is < the matrix's rows, so its `cols` bytes are inside `data`.
     let row: [*const u8; R] = rows.map(|r| unsafe { job.data.as_ptr().add(r * job.cols) });
     let scales: [&[f32]; R] = rows.map(|r| job.scale_row(r));
     let mut total = [[_mm512_setzero_ps(); N]; R];
     for cb in 0..job.col_blocks {
         let (k0, width) = job.block_cols(cb);
-        let mut acc = [[[_mm512_setzero_ps(); 2]; N]; R];
+        let mut acc = [[_mm512_setzero_ps(); N]; R];
         for q in 0..width.div_ceil(64) {
             let len = (width - 64 * q).min(64);
             // SAFETY: the packed chunk holds 64 u16 (32 odd, then 32 even).
@@ -218,8 +222,8 @@ unsafe fn fused_bf16<const R: usize, const N: usize>(job: &Job, x: &Packed<u16>,
             let xe: [__m512bh; N] = array::from_fn(|t| bh(unsafe { _mm512_load_si512(x.chunk(t0 + t, cb, q).add(32).cast()) }));
             let mut dot = |r: usize, (odd, even): (__m512i, __m512i)| {
                 for t in 0..N {
-                    acc[r][t][0] = _mm512_dpbf16_ps(acc[r][t][0], bh(odd), xo[t]);
-                    acc[r][t][1] = _mm512_dpbf16_ps(acc[r][t][1], bh(even), xe[t]);
+                    acc[r][t] = _mm512_dpbf16_ps(acc[r][t], bh(odd), xo[t]);
+                    acc[r][t] = _mm512_dpbf16_ps(acc[r][t], bh(even), xe[t]);
                 }
             };
             if len == 64 {
@@ -252,7 +256,7 @@ unsafe fn fused_bf16<const R: usize, const N: usize>(job: &Job, x: &Packed<u16>,
             // (The decode's 2⁸ comes off once at the end: exact, being a power of two.)
             let s = _mm512_set1_ps(scales[r][cb]);
             for t in 0..N {
-                total[r][t] = _mm512_fmadd_ps(_mm512_add_ps(acc[r][t][0], acc[r][t][1]), s, total[r][t]);
+                total[r][t] = _mm512_fmadd_ps(acc[r][t], s, total[r][t]);
             }
         }
     }
@@ -327,7 +331,7 @@ impl RowKernel for TileBf16<'_> {
 }
 
 /// [`fused_bf16`] over a decoded [`OddEvenTile`]: the same words, the same
-/// dot products into the same two chains, the same scaling, so the same
+/// dot products into the same chain, the same scaling, so the same
 /// bits for every row and token. Prefill decodes each band once for all
 /// its passes instead of once per pass (decoding per pass made 512-token
 /// prefill ~1.6× as slow).
@@ -342,7 +346,7 @@ unsafe fn tile_bf16<const R: usize, const N: usize>(job: &Job, tile: OddEvenTile
     let mut total = [[_mm512_setzero_ps(); N]; R];
     for cb in 0..job.col_blocks {
         let (_, width) = job.block_cols(cb);
-        let mut acc = [[[_mm512_setzero_ps(); 2]; N]; R];
+        let mut acc = [[_mm512_setzero_ps(); N]; R];
         for q in 0..width.div_ceil(64) {
             // SAFETY: the packed chunk holds 64 u16 (32 odd, then 32 even).
             let xo: [__m512bh; N] = array::from_fn(|t| bh(unsafe { _mm512_load_si512(x.chunk(t0 + t, cb, q).cast()) }));
@@ -354,15 +358,15 @@ unsafe fn tile_bf16<const R: usize, const N: usize>(job: &Job, tile: OddEvenTile
                     (_mm512_load_si512(p.cast()), _mm512_load_si512(p.add(32).cast()))
                 };
                 for t in 0..N {
-                    acc[r][t][0] = _mm512_dpbf16_ps(acc[r][t][0], bh(odd), xo[t]);
-                    acc[r][t][1] = _mm512_dpbf16_ps(acc[r][t][1], bh(even), xe[t]);
+                    acc[r][t] = _mm512_dpbf16_ps(acc[r][t], bh(odd), xo[t]);
+                    acc[r][t] = _mm512_dpbf16_ps(acc[r][t], bh(even), xe[t]);
                 }
             }
         }
         for r in 0..R {
             let s = _mm512_set1_ps(scales[r][cb]);
             for t in 0..N {
-                total[r][t] = _mm512_fmadd_ps(_mm512_add_ps(acc[r][t][0], acc[r][t][1]), s, total[r][t]);
+                total[r][t] = _mm512_fmadd_ps(acc[r][t], s, total[r][t]);
             }
         }
     }
@@ -586,7 +590,7 @@ impl RowKernel for FusedF32<'_> {
 /// AVX-512 F/BW/VL present; rows and tokens in range.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,fma")]
 unsafe fn fused_f32<const R: usize, const N: usize>(job: &Job, x: &Packed<f32>, rows: [usize; R], t0: usize) -> [[f32; N]; R] {
-    // Two chains whatever R and N, as in `fused_bf16`.
+    // Two chains whatever R and N (fixed, as in `fused_bf16`, for batch invariance).
     // SAFETY: every row is < the matrix's rows, so its `cols` bytes are inside `data`.
     let row: [*const u8; R] = rows.map(|r| unsafe { job.data.as_ptr().add(r * job.cols) });
     let scales: [&[f32]; R] = rows.map(|r| job.scale_row(r));
@@ -711,7 +715,7 @@ unsafe fn bf16_weights_fma<const R: usize, const N: usize>(
     t0: usize,
 ) -> [[f32; N]; R] {
     let high = _mm512_set1_epi32(0xffff_0000u32 as i32);
-    // Two chains (even and odd columns) whatever R and N, as in `fused_bf16`.
+    // Two chains (even and odd columns) whatever R and N (fixed, as in `fused_bf16`).
     // SAFETY: the rows are in the view.
     let row: [*const u8; R] = rows.map(|r| unsafe { w.row(r) });
     let scales: [&[f32]; R] = rows.map(|r| job.scale_row(r));
