@@ -32,8 +32,8 @@
 //! The kernel is generic over [`Tiles`] and over what runs around the tile
 //! instructions ([`Around`]: plain Rust, or AVX-512 for the hardware), so
 //! the tests run all of it but the tile instructions on [`ModelTiles`] on
-//! any CPU; [`usable`] holds the CPU's tiles to the model before the first
-//! call takes them.
+//! any CPU; [`usable`] holds the CPU's tiles (and the model) to the exact
+//! sums of small products before the first call takes them.
 //!
 //! [`ModelTiles`]: super::amx::ModelTiles
 
