@@ -123,7 +123,7 @@ impl KRows {
         let bb = self.size_for(U::KIND, matrix, rows, blocks);
         for (i, b) in matrix.chunks_exact(bb).enumerate() {
             for line in (0..bb).step_by(64) {
-                super::fetch_ahead(matrix, i * bb + line);
+                super::fetch_ahead::<4096>(matrix, i * bb + line);
             }
             // SAFETY: this function's features are the kernels'.
             let blk = unsafe { unpack.unpack(b) };
@@ -171,7 +171,7 @@ impl KRows {
         let bb = self.size_for(kind, matrix, rows, blocks);
         for (i, b) in matrix.chunks_exact(bb).enumerate() {
             for line in (0..bb).step_by(64) {
-                super::fetch_ahead(matrix, i * bb + line);
+                super::fetch_ahead::<4096>(matrix, i * bb + line);
             }
             let q: &mut [u8; QK_K] = (&mut self.q[i * QK_K..(i + 1) * QK_K]).try_into().expect("a block's quants");
             match kind {
