@@ -176,8 +176,9 @@ pub(super) fn prefetch_ahead(row: *const u8, byte: usize) {
 
 /// [`prefetch_ahead`] for a band decoded once, one row after another
 /// (`decode_odd_even_tile`): 4 KiB ahead, where its one stream waited on
-/// memory with 1 KiB (a 2048-token FP8 prefill, three rounds alternating:
-/// 207.7–211.6 tokens/s with 1 KiB, 212.0–214.7 with 2, 214.8–220.6 with 4).
+/// memory with 1 KiB (a 2048-token FP8 prefill, three rounds alternating
+/// each: 207.7–211.6 tokens/s with 1 KiB against 213.0–216.2 with 2; then
+/// 212.0–214.7 with 2 against 214.8–220.6 with 4).
 #[inline(always)]
 pub(super) fn prefetch_far(row: *const u8, byte: usize) {
     prefetch_at::<4096>(row, byte)
