@@ -113,7 +113,6 @@ struct TokenTiles {
     fp8: bool,
     pairs: Vec<u32>,
     steps: usize,
-    groups: usize,
 }
 
 impl TokenTiles {
@@ -134,7 +133,7 @@ impl TokenTiles {
         }
         self.x.clear();
         self.x.extend_from_slice(x);
-        (self.n, self.cols, self.block, self.fp8, self.steps, self.groups) = (n, job.cols, job.block[1], job.fp8, steps, groups);
+        (self.n, self.cols, self.block, self.fp8, self.steps) = (n, job.cols, job.block[1], job.fp8, steps);
     }
 
     /// Group g's step s, as a tile's bytes.
@@ -346,6 +345,7 @@ fn gemm<T: Tiles>(tiles: &mut T, around: &impl Around, held: &mut TokenTiles, jo
     let m = rows.len();
     let steps = Steps::of(job);
     held.fill(around, job, x, n);
+    let groups = n.div_ceil(TILE);
     let stride = steps.per_row * STEP;
     let mut band_buf = AlignedBuf::<u16>::zeroed(2 * TILE * stride);
     let unbias = if job.fp8 { UNBIAS } else { 1.0 };
@@ -377,8 +377,8 @@ fn gemm<T: Tiles>(tiles: &mut T, around: &impl Around, held: &mut TokenTiles, jo
             }
             (halves_as_bytes(band_buf.as_slice()), 2 * stride)
         };
-        for g0 in (0..held.groups).step_by(2) {
-            let two_groups = g0 + 1 < held.groups;
+        for g0 in (0..groups).step_by(2) {
+            let two_groups = g0 + 1 < groups;
             // The sums of C[2p + g], [row][token].
             let mut acc = [[[0.0f32; TILE]; TILE]; 4];
             for cb in 0..job.col_blocks {

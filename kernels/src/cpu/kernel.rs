@@ -184,8 +184,10 @@ pub(super) fn prefetch_far(row: *const u8, byte: usize) {
     prefetch_at::<4096>(row, byte)
 }
 
+/// Software prefetch `LEAD` bytes ahead of `byte` past `row` (the one
+/// prefetch of the kernels, `quant`'s included).
 #[inline(always)]
-fn prefetch_at<const LEAD: usize>(row: *const u8, byte: usize) {
+pub(crate) fn prefetch_at<const LEAD: usize>(row: *const u8, byte: usize) {
     // SAFETY: prefetching is only a hint and never faults; `wrapping_add`
     // makes computing an address past the matrix well-defined.
     unsafe { std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(row.wrapping_add(byte + LEAD).cast()) };

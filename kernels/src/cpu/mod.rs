@@ -38,7 +38,7 @@ mod gemv_avx512;
 pub mod isa;
 pub mod pairs_amx;
 #[cfg(target_arch = "x86_64")]
-mod kernel;
+pub(crate) mod kernel;
 #[cfg(target_arch = "x86_64")]
 mod pack;
 pub mod vector;

@@ -941,17 +941,15 @@ fn group_32<'a, const L: usize>(kind: QuantKind, acts: &'a QuantizedTokens, js: 
 
 /// Prefetch the line `LEAD` bytes past `at` in `band`: the prefill GEMMs
 /// read a band from DRAM once (unpacking it, or for their first group of
-/// tokens), and their loads waited on memory without it. A hint: it never
-/// faults, past the band's end too (`wrapping_add` keeps the address's
-/// computation defined). The leads are measured: the k-quant unpacking's
+/// tokens), and their loads waited on memory without it; past the band's
+/// end too, as a hint never faults. The leads are measured: the k-quant unpacking's
 /// one stream wants 4 KiB (Q4_K_M prefill of 512 tokens, two rounds
 /// alternating, 354–363 tokens/s with 2 KiB, 366–378 with 4), the 32-element
 /// GEMM 2 KiB (Q8_0 251–257 with 2 KiB, 250–252 with 4).
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
 fn fetch_ahead<const LEAD: usize>(band: &[u8], at: usize) {
-    // SAFETY: SSE, part of x86-64; a prefetch touches no memory.
-    unsafe { std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(band.as_ptr().wrapping_add(at + LEAD).cast()) }
+    crate::cpu::kernel::prefetch_at::<LEAD>(band.as_ptr(), at)
 }
 
 /// A group's products into `out` (`[token][row]`): row r of `sums` holds
