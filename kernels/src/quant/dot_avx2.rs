@@ -164,6 +164,7 @@ pub(super) unsafe fn gemv4<K: KSums>(k: &K, matrix: &[u8], y: &[BlockQ8K], out: 
             let run = RUN.min(y.len() - i0);
             for r in 0..4 {
                 for (j, (b, yb)) in four[r][i0 * bb..(i0 + run) * bb].chunks_exact(bb).zip(&y[i0..i0 + run]).enumerate() {
+                    super::fetch_block_ahead::<{ super::GEMV_LEAD }>(b);
                     (sums[j][r], mins[j][r], d[j][r], dmin[j][r]) = unsafe { k.sums(b, yb) };
                 }
             }

@@ -540,6 +540,7 @@ pub(super) fn gemv_32<const Q: u8, Y: Block32>(matrix: &[u8], y: &[Y], out: &mut
     let (mut row, mut col, mut acc) = (0usize, 0usize, 0.0f32);
     let eights = total / 8;
     for b in matrix.chunks_exact(8 * bb) {
+        super::fetch_block_ahead::<{ super::GEMV_LEAD }>(b);
         let first = col;
         let mut cols = [0usize; 8];
         for c in &mut cols {
