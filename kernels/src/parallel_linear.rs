@@ -7,15 +7,32 @@ use crate::shared::SharedSlice;
 use crate::{WeightFormat, WeightView};
 
 /// Rows per task. FP8 tiles follow the scale blocks so that no tile crosses
-/// one; small matrices get fewer, larger tiles so every thread has work.
-fn tile_rows(w: &WeightView, threads: usize) -> usize {
+/// one. Four tiles a thread let the pool balance threads that run at
+/// different speeds; but up to [`STREAMING_TOKENS`] tokens a tile reads
+/// its weights once, and every tile pays a fixed cost (a cold stream, its
+/// scheduling), so there a thread takes one tile per [`STREAM_TILE_BYTES`]
+/// of its share, one at least and four at most.
+fn tile_rows(w: &WeightView, threads: usize, n: usize) -> usize {
     let align = match w.format {
         WeightFormat::Fp8E4m3 { block } => block[0],
         _ => 16,
     };
-    let per_thread = w.rows.div_ceil(threads.max(1) * 4);
+    let threads = threads.max(1);
+    let tiles_per_thread = if n <= STREAMING_TOKENS { (w.rows * w.format.row_bytes(w.cols) / (threads * STREAM_TILE_BYTES)).clamp(1, 4) } else { 4 };
+    let per_thread = w.rows.div_ceil(threads * tiles_per_thread);
     per_thread.div_ceil(align).max(1) * align
 }
+
+/// Tokens up to which a product streams each weight once from memory (the
+/// kernels' one pass, `cpu::kernel`'s `PASS_TOKENS`): decode's.
+const STREAMING_TOKENS: usize = 8;
+
+/// Weight bytes per tile where the product streams, at least (where a
+/// thread's share has as many). On the Q4_K_M `bench` model, decoding at
+/// context 512, MLA's projections (0.7–2.7 MB each) took 1.78–1.97 ms a
+/// step in four tiles a thread (0.2–0.7 MB), 1.60–1.66 in two and
+/// 1.49–1.51 in one (three runs alternating).
+const STREAM_TILE_BYTES: usize = 1 << 20;
 
 /// Reusable buffers: the BF16 (or, for block-quantized weights, 8-bit)
 /// copy of the input and per-task outputs.
@@ -51,7 +68,7 @@ pub fn par_matmul(pool: &ThreadPool, isa: Isa, w: &WeightView, x: &[f32], n: usi
         Some((kind, row_bytes, path)) => quant::matmul(path, kind, &w.data[r0 * row_bytes..r1 * row_bytes], r1 - r0, xq, buf).expect("a checked block-quantized band"),
         None => matmul_bf16(isa, w, r0..r1, xb, n, buf),
     };
-    let tile = tile_rows(w, pool.threads());
+    let tile = tile_rows(w, pool.threads(), n);
     let n_tiles = w.rows.div_ceil(tile);
     if n == 1 {
         // One token: each tile's output is already contiguous in `out`.
