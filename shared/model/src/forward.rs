@@ -309,6 +309,11 @@ pub struct Pass<'m, B: Backend> {
     /// MoE layer later, and whether `out_deferred` holds a sum still to be added.
     defer: usize,
     pending_deferred: bool,
+    /// Whether a MoE layer's shared experts may wait for its routed ones,
+    /// to run in their parallel region ([`Pass::shared_experts_with_routed`]),
+    /// and whether the current layer's wait.
+    shared_with_routed: bool,
+    shared_waiting: bool,
     timings: ForwardTimings,
     /// When the running module started, and whether it is attention.
     clock: Option<(Moment, bool)>,
@@ -396,6 +401,8 @@ impl<'m, B: Backend> Pass<'m, B> {
             submitted: None,
             defer: 0,
             pending_deferred: false,
+            shared_with_routed: false,
+            shared_waiting: false,
             timings: ForwardTimings::default(),
             clock: None,
         })
@@ -442,6 +449,18 @@ impl<'m, B: Backend> Pass<'m, B> {
     /// the paper's measurements); 0, the default, is the model as trained.
     pub fn defer_experts(&mut self, d: usize) {
         self.defer = d;
+    }
+
+    /// Let a MoE layer's shared experts run with its routed experts, in
+    /// one call of the backend ([`Pass::run_layer_experts`] then takes the
+    /// layer's FFN weights), rather than in one of their own: on the CPU
+    /// that is one parallel region, one quantization of the input and one
+    /// expert barrier a layer fewer. It applies where the routed experts
+    /// run here (no expert parallelism, not the backend's own) and none are
+    /// deferred. The output is the same: the shared experts' sum joins last,
+    /// `x + s` where it joined first as `s + x`.
+    pub fn shared_experts_with_routed(&mut self) {
+        self.shared_with_routed = true;
     }
 
     fn tick(&mut self, attention: bool) {
@@ -533,9 +552,13 @@ impl<'m, B: Backend> Pass<'m, B> {
                     Routes::Submitted => self.submitted = Some(defer > 0),
                 }
                 if cfg.n_shared_experts > 0 {
-                    // Within this module: a placement may free its weights once it has run.
-                    let job = ExpertJob::named(w, "shared_experts.", Tokens::All, 0, 0)?;
-                    self.backend.experts(x, &[job], out, p, &ws.experts)?;
+                    if self.shared_with_routed && self.defer == 0 && self.shard.is_none() && self.submitted.is_none() {
+                        self.shared_waiting = true;
+                    } else {
+                        // Within this module: a placement may free its weights once it has run.
+                        let job = ExpertJob::named(w, "shared_experts.", Tokens::All, 0, 0)?;
+                        self.backend.experts(x, &[job], out, p, &ws.experts)?;
+                    }
                 }
                 if self.shard.is_some() {
                     let chosen = self.backend.gather_expert_input(ws.x_all)?;
@@ -587,6 +610,13 @@ impl<'m, B: Backend> Pass<'m, B> {
     /// Run routed experts `(index, weights)` of `layer`, in index order;
     /// after the layer's last, add the MoE output to the residual.
     pub fn run_experts(&mut self, layer: usize, experts: &[(usize, &Weights<B::Weight>)]) -> Result<(), ForwardError> {
+        self.run_layer_experts(layer, experts, None)
+    }
+
+    /// [`Pass::run_experts`], with the shared experts of `ffn` (the layer's
+    /// FFN module's weights) if they wait for the routed ones
+    /// ([`Pass::shared_experts_with_routed`]): after them, in the same call.
+    pub fn run_layer_experts(&mut self, layer: usize, experts: &[(usize, &Weights<B::Weight>)], ffn: Option<&Weights<B::Weight>>) -> Result<(), ForwardError> {
         let cfg = self.cfg();
         let routed = self.submitted.is_some() || self.routing.now.len() == cfg.n_routed_experts;
         if !cfg.is_moe_layer(layer) || !routed {
@@ -606,7 +636,12 @@ impl<'m, B: Backend> Pass<'m, B> {
                 self.backend.routed_sum(ws.out.rows(0..n), false, &ws.experts)?;
             }
         } else {
-            let jobs = self.routing.jobs(experts, false)?;
+            let mut jobs = self.routing.jobs(experts, false)?;
+            if self.shared_waiting {
+                let ffn = ffn.ok_or_else(|| ForwardError::BadModule(format!("layer {layer}'s shared experts wait for its routed ones, which came without them")))?;
+                jobs.push(ExpertJob::named(ffn, "shared_experts.", Tokens::All, 0, 0)?);
+                self.shared_waiting = false;
+            }
             if !jobs.is_empty() {
                 self.backend.experts(x, &jobs, out, self.precision, &ws.experts)?;
             }

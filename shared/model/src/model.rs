@@ -425,18 +425,25 @@ impl Model {
         // the whole context's keys and values at once for longer chunks.
         let mut pass = Pass::new(self, backend, pool, seqs, precision, want, usize::MAX)?;
         pass.defer_experts(defer);
+        pass.shared_experts_with_routed();
         let mut i = 0;
+        // The FFN module before a layer's experts: it holds the shared experts.
+        let mut ffn = None;
         while i < self.modules.len() {
             let m = &self.modules[i];
             match m.kind {
-                // A layer's experts run together, in one parallel region.
+                // A layer's experts run together (the shared ones too), in
+                // one parallel region.
                 ModuleKind::Expert { layer, .. } => {
                     let group = self.expert_group(i);
                     i += group.len();
-                    pass.run_experts(layer, &group)?;
+                    pass.run_layer_experts(layer, &group, ffn.take())?;
                     pass.run_deferred(&group)?;
                 }
                 kind => {
+                    if let ModuleKind::Ffn { .. } = kind {
+                        ffn = Some(&m.weights);
+                    }
                     pass.run(kind, &m.weights, pool)?;
                     i += 1;
                 }
