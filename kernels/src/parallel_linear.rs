@@ -5,6 +5,7 @@ use crate::quant::{self, DotPath, QuantKind, QuantizedTokens};
 use crate::pool::ThreadPool;
 use crate::shared::SharedSlice;
 use crate::{WeightFormat, WeightView};
+use std::ops::Range;
 
 /// Rows per task. FP8 tiles follow the scale blocks so that no tile crosses
 /// one. Four tiles a thread let the pool balance threads that run at
@@ -98,6 +99,51 @@ pub fn par_matmul(pool: &ThreadPool, isa: Isa, w: &WeightView, x: &[f32], n: usi
     });
 }
 
+/// `out[h] = W_h · bf16(x[h])` for heads `0..heads`, in one parallel region:
+/// MLA's absorbed decode multiplies each head's query by a band of weights
+/// of its own (`attn_k_b`, `attn_v_b`, or `kv_b_proj`'s rows), small
+/// products that the pool takes a head at a time. `x` is `[heads, cols]`,
+/// `out` `[heads, rows]`; `band(h)` is head h's weights and rows. Where they
+/// are block-quantized (`band(0)`'s format) the heads' activations are
+/// quantized once, each head a token of them, and every head's product
+/// takes its own token: the values and kernels `matmul_bf16` gives one
+/// head, so the same bits, without quantizing and allocating per head.
+pub fn par_head_products<'w>(pool: &ThreadPool, isa: Isa, heads: usize, band: &(dyn Fn(usize) -> (WeightView<'w>, Range<usize>) + Sync), x: &[f32], out: &mut [f32], scratch: &mut LinearScratch) {
+    if heads == 0 {
+        return;
+    }
+    let (cols, rows) = (x.len() / heads, out.len() / heads);
+    assert_eq!(x.len(), heads * cols, "par_head_products: input is not [heads, cols]");
+    assert_eq!(out.len(), heads * rows, "par_head_products: output is not [heads, rows]");
+    scratch.x.resize(x.len(), 0);
+    f32_to_bf16(isa, x, &mut scratch.x);
+    let quant = match band(0).0.format {
+        WeightFormat::Quant(kind) => {
+            // The BF16 values as F32, as `matmul_bf16` hands them to the quantizer.
+            scratch.tiles.clear();
+            scratch.tiles.extend(scratch.x.iter().map(|&b| f32::from_bits(u32::from(b) << 16)));
+            scratch.q.quantize(kind, &scratch.tiles, heads).expect("activations of whole blocks (loading checks the widths)");
+            Some(kind)
+        }
+        _ => None,
+    };
+    let (xb, xq, path) = (&scratch.x, &scratch.q, DotPath::for_isa(isa));
+    let out = SharedSlice::new(out);
+    pool.parallel_for(heads, &|h| {
+        let (w, r) = band(h);
+        assert_eq!((w.cols, r.len()), (cols, rows), "par_head_products: head {h}'s band");
+        // SAFETY: head h's rows of `out` are written by this task only.
+        let dst = unsafe { out.slice_mut(h * rows, rows) };
+        match w.format {
+            WeightFormat::Quant(kind) if Some(kind) == quant => {
+                let row_bytes = w.format.row_bytes(cols);
+                quant::matmul_picked(path, kind, &w.data[r.start * row_bytes..r.end * row_bytes], rows, xq, &[(h, 1.0)], dst).expect("a checked block-quantized band");
+            }
+            _ => matmul_bf16(isa, &w, r, &xb[h * cols..(h + 1) * cols], 1, dst),
+        }
+    });
+}
+
 /// Quantize `n` tokens of `x` for `kind` weights into `q`, spread over the
 /// pool when there are enough of them to pay for it (a prefill's).
 ///
@@ -130,4 +176,65 @@ pub fn quantize_tokens(pool: &ThreadPool, q: &mut QuantizedTokens, kind: QuantKi
             .expect("checked by prepare");
         }
     });
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cpu::isa;
+    use crate::pool::PoolConfig;
+
+    /// Deterministic bytes: a xorshift stream.
+    fn bytes(len: usize, mut seed: u64) -> Vec<u8> {
+        (0..len)
+            .map(|_| {
+                seed ^= seed << 13;
+                seed ^= seed >> 7;
+                seed ^= seed << 17;
+                (seed >> 24) as u8
+            })
+            .collect()
+    }
+
+    /// `rows × cols` weights of `format`: block-quantized ones are any
+    /// quants under a small F16 scale, BF16 ones values in about ±1.
+    fn weights(format: WeightFormat, rows: usize, cols: usize, seed: u64) -> Vec<u8> {
+        match format {
+            WeightFormat::Quant(kind) => {
+                let mut data = bytes(rows * format.row_bytes(cols), seed);
+                let scale = half::f16::from_f32(0.01).to_bits().to_le_bytes();
+                for block in data.chunks_exact_mut(kind.block_bytes()) {
+                    for &at in kind.f16_offsets() {
+                        block[at..at + 2].copy_from_slice(&scale);
+                    }
+                }
+                data
+            }
+            _ => bytes(rows * cols, seed).iter().flat_map(|&b| crate::round_bf16(b as f32 / 128.0 - 1.0).to_bits().to_le_bytes()[2..].to_vec()).collect(),
+        }
+    }
+
+    /// Every head's product has the bits `matmul_bf16` gives that head
+    /// alone, on bands of one matrix (as `attn_v_b`'s) for every format
+    /// the absorbed decode meets, with inputs that are not BF16 values yet.
+    #[test]
+    fn head_products_are_each_heads_matmul_bf16() {
+        let (pool, isa) = (ThreadPool::new(&PoolConfig::single_node(2)), isa::detect());
+        let (heads, rows, cols) = (5, 48, 512);
+        for format in [QuantKind::Q4K, QuantKind::Q5K, QuantKind::Q6K, QuantKind::Q8_0, QuantKind::Q5_0, QuantKind::Q5_1].map(WeightFormat::Quant).into_iter().chain([WeightFormat::Bf16]) {
+            let data = weights(format, heads * rows, cols, 0x9e37_79b9 + heads as u64);
+            let w = WeightView { rows: heads * rows, cols, format, data: &data, scales: &[] };
+            let x: Vec<f32> = bytes(heads * cols, 7).iter().map(|&b| (b as f32 - 127.5) / 37.3).collect();
+            let mut out = vec![f32::NAN; heads * rows];
+            par_head_products(&pool, isa, heads, &|h| (w, h * rows..(h + 1) * rows), &x, &mut out, &mut LinearScratch::default());
+            for h in 0..heads {
+                let mut xb = vec![0u16; cols];
+                f32_to_bf16(isa, &x[h * cols..(h + 1) * cols], &mut xb);
+                let mut want = vec![0.0f32; rows];
+                matmul_bf16(isa, &w, h * rows..(h + 1) * rows, &xb, 1, &mut want);
+                let got = &out[h * rows..(h + 1) * rows];
+                assert!(got.iter().zip(&want).all(|(g, w)| g.to_bits() == w.to_bits()), "{format:?} head {h}: {got:?} against {want:?}");
+            }
+        }
+    }
 }

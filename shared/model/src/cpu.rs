@@ -11,14 +11,14 @@ use crate::backend::{AttentionCall, Backend, ExpertJob, ExpertScratch, RouteCall
 use crate::kv_cache::KvPool;
 use crate::model::{ForwardError, Precision};
 use crate::weights::{HostWeight, Weights};
-use duplex_kernels::cpu::{convert::f32_to_bf16, elementwise as simd, gemv::matmul_bf16, isa::Isa, vector::{dot_bf16_f32, dot_f32_bytes}};
+use duplex_kernels::cpu::{elementwise as simd, isa::Isa, vector::{dot_bf16_f32, dot_f32_bytes}};
 use duplex_kernels::device::{DevicePtr, Matrix};
 use duplex_kernels::elementwise::{rms_norm, rope, silu_mul, softmax};
 use duplex_kernels::gqa::{gqa_attention, GqaDims, KvBlocks};
 use duplex_kernels::linear::{dot, matmul, matmul_rows, matmul_t_rows, WeightView};
 use duplex_kernels::mla::{decode_attention, prefill_attention, LatentCache, MlaDims};
 use duplex_kernels::moe::{moe_forward, ExpertCall, ExpertWeights, MoeScratch};
-use duplex_kernels::parallel_linear::{par_matmul, LinearScratch};
+use duplex_kernels::parallel_linear::{par_head_products, par_matmul, LinearScratch};
 use duplex_kernels::pool::{PoolConfig, ThreadPool};
 use duplex_kernels::router::{route, route_simd};
 use duplex_kernels::shared::SharedSlice;
@@ -214,37 +214,22 @@ impl CpuBackend<'_> {
                 };
                 let key_t = key_t.heads();
                 let mut q_latent = vec![0.0f32; heads * dc];
-                let q_pe: Vec<f32> = q.chunks(dq).flat_map(|h| h[dn..].iter().copied()).collect();
-                {
-                    let ql = SharedSlice::new(&mut q_latent);
-                    rt.pool.parallel_for(heads, &|h| {
-                        let mut x = vec![0u16; dn];
-                        f32_to_bf16(isa, &q[h * dq..h * dq + dn], &mut x);
-                        // SAFETY: head h writes only its own row of q_latent.
-                        let dst = unsafe { ql.slice_mut(h * dc, dc) };
-                        matmul_bf16(isa, &key_t[h].view(), 0..dc, &x, 1, dst);
-                        duplex_kernels::round_bf16_slice(dst);
-                    });
-                }
+                let (q_nope, q_pe): (Vec<f32>, Vec<f32>) = (q.chunks(dq).flat_map(|h| h[..dn].iter().copied()).collect(), q.chunks(dq).flat_map(|h| h[dn..].iter().copied()).collect());
+                par_head_products(&rt.pool, isa, heads, &|h| (key_t[h].view(), 0..dc), &q_nope, &mut q_latent, &mut a.linear);
+                duplex_kernels::round_bf16_slice(&mut q_latent);
                 let blocks: Vec<&[f32]> = table.blocks[..ctx.div_ceil(pool.block_size())].iter().map(|&b| pool.layer_block(b, layer)).collect();
                 let cache = LatentCache { blocks: &blocks, block_size: pool.block_size(), dc, dr };
                 let mut ctx_latent = vec![0.0f32; heads * dc];
                 decode_attention(&rt.pool, isa, cache, ctx, &q_latent, &q_pe, c.scale, &mut a.attention, &mut ctx_latent);
                 duplex_kernels::round_bf16_slice(&mut ctx_latent);
-                let mut ctx_bf16 = vec![0u16; heads * dc];
-                f32_to_bf16(isa, &ctx_latent, &mut ctx_bf16);
-                let o = SharedSlice::new(out);
                 // A GGUF's own value half (`attn_v_b`), else kv_b_proj's value rows.
                 let (values, stride, offset) = match w.find("v_b_proj") {
                     Some(v) => (matrix(v)?, dv, 0),
                     None => (kv_b, dkv, dn),
                 };
-                rt.pool.parallel_for(heads, &|h| {
-                    // SAFETY: head h writes only its own output columns.
-                    let dst = unsafe { o.slice_mut(h * dv, dv) };
-                    matmul_bf16(isa, &values, h * stride + offset..h * stride + offset + dv, &ctx_bf16[h * dc..(h + 1) * dc], 1, dst);
-                    duplex_kernels::round_bf16_slice(dst);
-                });
+                let band = |h: usize| (values, h * stride + offset..h * stride + offset + dv);
+                par_head_products(&rt.pool, isa, heads, &band, &ctx_latent, out, &mut a.linear);
+                duplex_kernels::round_bf16_slice(out);
             }
         }
         Ok(())
