@@ -953,8 +953,8 @@ fn group_32<'a, const L: usize>(kind: QuantKind, acts: &'a QuantizedTokens, js: 
 const GEMV_LEAD: usize = 8192;
 
 /// Prefetch every cache line of `block` moved `LEAD` bytes on (see
-/// [`GEMV_LEAD`]): a k-quant block (144 to 210 bytes) spans three or four
-/// lines, `gemv_32`'s eight blocks of Q8_0 five.
+/// [`GEMV_LEAD`]): a k-quant block (144 to 210 bytes) spans three to five
+/// lines, `gemv_32`'s eight blocks (176 to 272 bytes) three to six.
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
 fn fetch_block_ahead<const LEAD: usize>(block: &[u8]) {
