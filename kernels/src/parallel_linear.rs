@@ -36,12 +36,14 @@ const STREAMING_TOKENS: usize = 8;
 const STREAM_TILE_BYTES: usize = 1 << 20;
 
 /// Reusable buffers: the BF16 (or, for block-quantized weights, 8-bit)
-/// copy of the input and per-task outputs.
+/// copy of the input and per-task outputs; for [`par_head_products`], the
+/// BF16 copy's values as F32 too, the quantizer's input.
 #[derive(Default)]
 pub struct LinearScratch {
     x: Vec<u16>,
     q: QuantizedTokens,
     tiles: Vec<f32>,
+    x_values: Vec<f32>,
 }
 
 /// `out[i, r] = Σ_c W[r, c] · bf16(x[i, c])` for `n` rows of `x` (`[n, cols]`),
@@ -120,9 +122,9 @@ pub fn par_head_products<'w>(pool: &ThreadPool, isa: Isa, heads: usize, band: &(
     let quant = match band(0).0.format {
         WeightFormat::Quant(kind) => {
             // The BF16 values as F32, as `matmul_bf16` hands them to the quantizer.
-            scratch.tiles.clear();
-            scratch.tiles.extend(scratch.x.iter().map(|&b| f32::from_bits(u32::from(b) << 16)));
-            scratch.q.quantize(kind, &scratch.tiles, heads).expect("activations of whole blocks (loading checks the widths)");
+            scratch.x_values.clear();
+            scratch.x_values.extend(scratch.x.iter().map(|&b| f32::from_bits(u32::from(b) << 16)));
+            scratch.q.quantize(kind, &scratch.x_values, heads).expect("activations of whole blocks (loading checks the widths)");
             Some(kind)
         }
         _ => None,

@@ -122,9 +122,7 @@ impl KRows {
     fn unpack_with<U: Unpack>(&mut self, unpack: &U, matrix: &[u8], rows: usize, blocks: usize) {
         let bb = self.size_for(U::KIND, matrix, rows, blocks);
         for (i, b) in matrix.chunks_exact(bb).enumerate() {
-            for line in (0..bb).step_by(64) {
-                super::fetch_ahead::<4096>(matrix, i * bb + line);
-            }
+            super::fetch_block_ahead::<4096>(b);
             // SAFETY: this function's features are the kernels'.
             let blk = unsafe { unpack.unpack(b) };
             for (c, &v) in blk.q.iter().enumerate() {
@@ -170,9 +168,7 @@ impl KRows {
     fn unpack_plain(&mut self, kind: QuantKind, matrix: &[u8], rows: usize, blocks: usize) {
         let bb = self.size_for(kind, matrix, rows, blocks);
         for (i, b) in matrix.chunks_exact(bb).enumerate() {
-            for line in (0..bb).step_by(64) {
-                super::fetch_ahead::<4096>(matrix, i * bb + line);
-            }
+            super::fetch_block_ahead::<4096>(b);
             let q: &mut [u8; QK_K] = (&mut self.q[i * QK_K..(i + 1) * QK_K]).try_into().expect("a block's quants");
             match kind {
                 QuantKind::Q6K => q6k_quants(b, q),

@@ -78,7 +78,7 @@ pub(super) fn gemm_32<const Q: u8>(matrix: &[u8], y: &Lanes32, out: &mut [[f32; 
     for (row, o) in matrix.chunks_exact(row_bytes).zip(out) {
         let mut acc = _mm512_setzero_ps();
         for ((b, yq), yd) in row.chunks_exact(bb).zip(y.q.chunks_exact(Lanes32::BLOCK_WORDS)).zip(y.d.chunks_exact(LANES)) {
-            super::fetch_ahead::<2048>(b, 0);
+            super::fetch_ahead::<2048>(b);
             let x = quants32::<Q>(b);
             // Σ (x + 128) in four u64 lanes, then 128 · Σ x off the start.
             let s = _mm256_sad_epu8(_mm256_xor_si256(x, bias), _mm256_setzero_si256());

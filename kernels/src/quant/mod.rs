@@ -952,9 +952,11 @@ fn group_32<'a, const L: usize>(kind: QuantKind, acts: &'a QuantizedTokens, js: 
 #[cfg(target_arch = "x86_64")]
 const GEMV_LEAD: usize = 8192;
 
-/// Prefetch every cache line of `block` moved `LEAD` bytes on (see
-/// [`GEMV_LEAD`]): a k-quant block (144 to 210 bytes) spans three to five
-/// lines, `gemv_32`'s eight blocks (176 to 272 bytes) three to six.
+/// Prefetch every cache line of `block` moved `LEAD` bytes on: the
+/// one-token GEMVs' blocks ([`GEMV_LEAD`]) and the k-quant GEMM's
+/// unpacking of its band (4 KiB, see [`fetch_ahead`]). A k-quant block (144
+/// to 210 bytes) spans three to five lines, `gemv_32`'s eight blocks (176
+/// to 272 bytes) three to six.
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
 fn fetch_block_ahead<const LEAD: usize>(block: &[u8]) {
@@ -969,7 +971,8 @@ fn fetch_block_ahead<const LEAD: usize>(block: &[u8]) {
     }
 }
 
-/// Prefetch the line `LEAD` bytes past `at` in `band`: the prefill GEMMs
+/// Prefetch the line `LEAD` bytes past the start of `block` (a block that
+/// fits a line; [`fetch_block_ahead`] for larger ones): the prefill GEMMs
 /// read a band from DRAM once (unpacking it, or for their first group of
 /// tokens), and their loads waited on memory without it; past the band's
 /// end too, as a hint never faults. The leads are measured: the k-quant unpacking's
@@ -978,8 +981,8 @@ fn fetch_block_ahead<const LEAD: usize>(block: &[u8]) {
 /// GEMM 2 KiB (Q8_0 251–257 with 2 KiB, 250–252 with 4).
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
-fn fetch_ahead<const LEAD: usize>(band: &[u8], at: usize) {
-    crate::cpu::kernel::prefetch_at::<LEAD>(band.as_ptr(), at)
+fn fetch_ahead<const LEAD: usize>(block: &[u8]) {
+    crate::cpu::kernel::prefetch_at::<LEAD>(block.as_ptr(), 0)
 }
 
 /// A group's products into `out` (`[token][row]`): row r of `sums` holds
