@@ -158,7 +158,7 @@ pub(super) trait Unpack {
 }
 
 impl<U: Unpack> KSums for U {
-    const BYTES: usize = U::KIND.block_bytes();
+    const KIND: QuantKind = U::KIND;
     #[inline]
     unsafe fn sums(&self, b: &[u8], yb: &BlockQ8K) -> (__m256i, __m256i, f32, f32) {
         // SAFETY: the caller's CPU has the kernels' features.
