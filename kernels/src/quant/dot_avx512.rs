@@ -521,18 +521,8 @@ fn dot_32<const Q: u8, Y: Block32>(row: &[u8], y: &[Y]) -> f32 {
 pub(super) fn gemv_32<const Q: u8, Y: Block32>(matrix: &[u8], y: &[Y], out: &mut [f32]) {
     let bb = bytes32(Q);
     let per_row = y.len();
-    if Q != Q5_1 && per_row > 0 && per_row.is_multiple_of(8) && out.len() >= 4 {
-        // Whole rows of eight-block groups: four rows at a time, a lane each
-        // (Q5_1, bound by its unpacking, ran 8% slower so: it stays here).
-        let fours = out.len() / 4 * 4;
-        let (head, tail) = out.split_at_mut(fours);
-        gemv_32_rows4::<Q, Y>(&matrix[..fours * per_row * bb], y, head);
-        return gemv_32::<Q, Y>(&matrix[fours * per_row * bb..], y, tail);
-    }
-    let total = out.len() * per_row;
-    let matrix = &matrix[..total * bb];
     out.fill(0.0); // for rows of no blocks
-    if total == 0 {
+    if per_row == 0 {
         return;
     }
     // Taken out of the thread's slot and put back, not borrowed for a
@@ -540,6 +530,13 @@ pub(super) fn gemv_32<const Q: u8, Y: Block32>(matrix: &[u8], y: &[Y], out: &mut
     let mut sums = BIASED_SUMS.take();
     sums.clear();
     sums.extend((0..per_row + 8).map(|i| bias(Q) * y[i % per_row].qs().iter().map(|&v| i32::from(v)).sum::<i32>()));
+    // Whole rows of eight-block groups go four at a time, a lane each
+    // (Q5_1, bound by its unpacking, ran 8% slower so); the rest, here.
+    let fours = if Q != Q5_1 && per_row.is_multiple_of(8) { out.len() / 4 * 4 } else { 0 };
+    let (head, out) = out.split_at_mut(fours);
+    gemv_32_rows4::<Q, Y>(&matrix[..fours * per_row * bb], y, &sums, head);
+    let matrix = &matrix[fours * per_row * bb..][..out.len() * per_row * bb];
+    let total = out.len() * per_row;
     let zero = _mm512_setzero_si512();
     // The row being summed (`acc`, stored when the row ends) and the next
     // block's column: kept in registers and counted, not divided. Indexing
@@ -632,16 +629,11 @@ unsafe fn products8<const Q: u8, Y: Block32>(b: &[u8], y: &[Y], cols: [usize; 8]
 /// row at a time left waiting on each addition's latency (eight a group);
 /// here the four rows' chains run side by side, row r in lane r, so each
 /// addition serves four rows: the same additions in the same order, so
-/// the same bits.
+/// the same bits. `sums` holds `bias · Σy` of each activation block (`BIASED_SUMS`).
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,f16c")]
-fn gemv_32_rows4<const Q: u8, Y: Block32>(matrix: &[u8], y: &[Y], out: &mut [f32]) {
+fn gemv_32_rows4<const Q: u8, Y: Block32>(matrix: &[u8], y: &[Y], sums: &[i32], out: &mut [f32]) {
     let (bb, per_row) = (bytes32(Q), y.len());
     let group_bytes = 8 * bb;
-    // `bias · Σy` of each activation block (see `BIASED_SUMS`: here the
-    // columns of a group never wrap).
-    let mut sums = BIASED_SUMS.take();
-    sums.clear();
-    sums.extend(y.iter().map(|yb| bias(Q) * yb.qs().iter().map(|&v| i32::from(v)).sum::<i32>()));
     // A run of a row's groups at a time, then the next row's (as `gemv4`
     // reads its rows): four rows group by group read memory in pieces too
     // short for the hardware prefetchers (Q8_0 from DRAM ran at 0.85 of
@@ -687,7 +679,6 @@ fn gemv_32_rows4<const Q: u8, Y: Block32>(matrix: &[u8], y: &[Y], out: &mut [f32
         // SAFETY: four writable f32; unaligned store.
         unsafe { _mm_storeu_ps(o.as_mut_ptr(), acc) };
     }
-    BIASED_SUMS.set(sums);
 }
 
 /// Q8_0 row against Q8_0.
