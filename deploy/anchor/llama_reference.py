@@ -15,6 +15,12 @@ kept. The logprobs at step i are therefore computed on llama.cpp's own greedy pr
 
     python llama_reference.py --model m.gguf --prompts src/reference.json --out reference.json
     python llama_reference.py --model m.gguf --prompts ref.json --compare ref.json   # check
+
+`--teacher-force ref.json` feeds that reference's greedy continuation instead of
+llama.cpp's own argmax and prints the figures Duplex's `gguf_llama_cpp` test prints
+(every step's top-k log-probability differences, median / 90th percentile / max, and at
+how many steps the argmax is the reference's token): llama.cpp measured against itself,
+say with `--no-flash-attn`, on the yardstick that Duplex is measured on.
 """
 
 import argparse
@@ -30,7 +36,9 @@ def log_softmax(x):
     return x - m - np.log(np.exp(x - m).sum())
 
 
-def run(model, prompts, n_predict, threads, top_k, n_ctx, flash_attn=True):
+def run(model, prompts, n_predict, threads, top_k, n_ctx, flash_attn=True, forced=None, rows=None):
+    """`forced`: per prompt, the tokens to feed at each step instead of the argmax.
+    `rows`: a list that receives every step's full log-softmax row (float64)."""
     from llama_cpp import Llama
 
     llm = Llama(
@@ -42,14 +50,14 @@ def run(model, prompts, n_predict, threads, top_k, n_ctx, flash_attn=True):
         n_threads_batch=threads,
         n_gpu_layers=0,
         # llama.cpp's own default is 'auto', which is on for the CPU; llama-cpp-python's
-        # default is off. Off, the DeepSeek-V3 (MLA) fixture's logprobs move by up to 0.1.
+        # default is off. Off, the DeepSeek-V3 (MLA) fixture's logprobs move by up to 0.6.
         flash_attn=flash_attn,
         logits_all=False,
         verbose=False,
     )
     n_vocab = llm.n_vocab()
     out = []
-    for p in prompts:
+    for i, p in enumerate(prompts):
         ids = [int(t) for t in p["input_ids"]]
         assert len(ids) + n_predict <= n_ctx, (len(ids), n_predict, n_ctx)
         llm.reset()
@@ -62,9 +70,11 @@ def run(model, prompts, n_predict, threads, top_k, n_ctx, flash_attn=True):
             lp = log_softmax(logits)
             order = np.argsort(-lp, kind="stable")[:top_k]
             tops.append([[int(t), float(lp[t])] for t in order])
+            if rows is not None:
+                rows.append(lp)
             nxt = int(np.argmax(logits))
             greedy.append(nxt)
-            llm.eval([nxt])
+            llm.eval([forced[i][len(greedy) - 1] if forced else nxt])
         out.append({"input_ids": ids, "greedy_continuation": greedy, "top_logprobs": tops})
     return out
 
@@ -90,6 +100,23 @@ def compare(mine, ref):
     return ok, worst
 
 
+def agreement(rows, greedy, ref):
+    """Duplex's yardstick (shared/model/tests/gguf_llama_cpp.rs): |lp - ref| over each
+    step's reference top-k tokens, and how many steps' argmax is the reference's token."""
+    diffs, equal, steps = [], 0, 0
+    it = iter(rows)
+    for mine, theirs in zip(greedy, ref):
+        for step, top in enumerate(theirs["top_logprobs"]):
+            lp = next(it)
+            steps += 1
+            equal += int(mine[step] == theirs["greedy_continuation"][step])
+            diffs += [abs(lp[t] - want) for t, want in top]
+    diffs.sort()
+    q = lambda f: diffs[int((len(diffs) - 1) * f)]
+    print(f"top-{len(ref[0]['top_logprobs'][0])} log-probabilities vs the reference: median {q(0.5):.3f}, "
+          f"90th percentile {q(0.9):.3f}, max {q(1.0):.3f}; greedy tokens equal at {equal}/{steps} steps")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", required=True, help="GGUF file")
@@ -101,10 +128,19 @@ def main():
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--top-k", type=int, default=10)
     ap.add_argument("--n-ctx", type=int, default=1024)
+    ap.add_argument("--teacher-force", help="a reference.json whose greedy continuations are fed, and "
+                    "against which the agreement is printed")
     ap.add_argument("--no-flash-attn", action="store_true", help="flash attention off (default on, as llama.cpp's CLI tools)")
     a = ap.parse_args()
 
     prompts = json.load(open(a.prompts))["prompts"]
+    if a.teacher_force:
+        ref = json.load(open(a.teacher_force))["prompts"]
+        rows = []
+        res = run(a.model, prompts, len(ref[0]["greedy_continuation"]), a.threads, a.top_k, a.n_ctx,
+                  not a.no_flash_attn, [r["greedy_continuation"] for r in ref], rows)
+        agreement(rows, [r["greedy_continuation"] for r in res], ref)
+        return
     res = run(a.model, prompts, a.n_predict, a.threads, a.top_k, a.n_ctx, not a.no_flash_attn)
     import llama_cpp
     import os
