@@ -7,7 +7,10 @@
 //! the other formats of a Q4_K_M model, and Q5_1, a Q5_K_M model's
 //! fallback), times one activation vector quantized for it (Q8_K / Q8_0 /
 //! Q8_1; the quantization is not timed: a layer
-//! quantizes once for all its rows). Two settings per path:
+//! quantizes once for all its rows). Then the shape of MLA's per-head
+//! `attn_k_b` (rows of 128, four blocks) in its formats, 16384 × 128, and
+//! of its `attn_v_b` (rows of 512, two k-quant blocks), 4096 × 512.
+//! Two settings per path:
 //! - DRAM: enough distinct matrices (~600 MB) that every row comes from
 //!   memory, next to `read_bytes` (the machine's best single-thread read)
 //!   over the same buffer, passes alternating so background load hits both;
@@ -23,8 +26,6 @@ mod common;
 use common::{matrix_bytes, rate, summary, Rng};
 use std::hint::black_box;
 
-const ROWS: usize = 2048;
-const COLS: usize = 2048;
 const TOTAL_BYTES: usize = 600_000_000;
 const PASSES: usize = 5;
 
@@ -32,20 +33,23 @@ fn main() {
     let args: Vec<String> = std::env::args().skip(1).filter(|a| !a.starts_with('-')).collect();
     let paths: Vec<DotPath> = DotPath::supported().into_iter().filter(|p| args.is_empty() || args.iter().any(|a| a == p.name())).collect();
     let read_isa = isa::detect();
-    println!("quant GEMV {ROWS} x {COLS}, one thread; paths {paths:?}; read_bytes at {read_isa}");
+    println!("quant GEMV, one thread; paths {paths:?}; read_bytes at {read_isa}");
     let mut rng = Rng(0x9e37_79b9_7f4a_7c15);
-    let x: Vec<f32> = (0..COLS).map(|i| ((i as f32) * 0.37).sin() * 1.5).collect();
-    for kind in [QuantKind::Q4K, QuantKind::Q8_0, QuantKind::Q6K, QuantKind::Q5K, QuantKind::Q5_0, QuantKind::Q5_1] {
-        let size = ROWS * kind.row_bytes(COLS).expect("whole blocks");
+    let square = [QuantKind::Q4K, QuantKind::Q8_0, QuantKind::Q6K, QuantKind::Q5K, QuantKind::Q5_0, QuantKind::Q5_1].map(|k| (k, 2048, 2048));
+    let k_b = [QuantKind::Q5_0, QuantKind::Q8_0, QuantKind::Q5_1].map(|k| (k, 16384, 128));
+    let v_b = [QuantKind::Q4K, QuantKind::Q6K].map(|k| (k, 4096, 512));
+    for (kind, rows, cols) in square.into_iter().chain(k_b).chain(v_b) {
+        let x: Vec<f32> = (0..cols).map(|i| ((i as f32) * 0.37).sin() * 1.5).collect();
+        let size = rows * kind.row_bytes(cols).expect("whole blocks");
         let matrices = TOTAL_BYTES / size;
         let all = matrix_bytes(kind, size * matrices, &mut rng);
         let act = Activations::quantize_for(kind, &x).expect("whole blocks");
-        let mut y = vec![0f32; ROWS];
+        let mut y = vec![0f32; rows];
         println!(
-            "\n{kind}: {:.2} MB per matrix, {matrices} matrices = {:.0} MB ({:.3} bytes/weight)",
+            "\n{kind} {rows} x {cols}: {:.2} MB per matrix, {matrices} matrices = {:.0} MB ({:.3} bytes/weight)",
             size as f64 / 1e6,
             all.len() as f64 / 1e6,
-            size as f64 / (ROWS * COLS) as f64
+            size as f64 / (rows * cols) as f64
         );
         for &path in &paths {
             let passes = if path == DotPath::Scalar { 2 } else { PASSES };
@@ -56,7 +60,7 @@ fn main() {
                 }));
                 dram.push(rate(all.len(), || {
                     for m in all.chunks_exact(size) {
-                        gemv_with(path, kind, m, ROWS, &act, &mut y).expect("valid shapes");
+                        gemv_with(path, kind, m, rows, &act, &mut y).expect("valid shapes");
                         black_box(&y);
                     }
                 }));
@@ -64,7 +68,7 @@ fn main() {
                 let reps = (matrices / 4).max(8);
                 cache.push(rate(reps * size, || {
                     for _ in 0..reps {
-                        gemv_with(path, kind, first, ROWS, &act, &mut y).expect("valid shapes");
+                        gemv_with(path, kind, first, rows, &act, &mut y).expect("valid shapes");
                         black_box(&y);
                     }
                 }));
@@ -75,7 +79,7 @@ fn main() {
                 path.name(),
                 100.0 * dm / rm,
                 100.0 * db / rb,
-                cm * 1e9 / (size as f64 / (ROWS * COLS) as f64) / 1e9
+                cm * 1e9 / (size as f64 / (rows * cols) as f64) / 1e9
             );
         }
     }

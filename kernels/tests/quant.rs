@@ -538,8 +538,9 @@ proptest! {
     }
 
     /// Many distinct rows of four blocks (MLA's per-head `attn_k_b`), which
-    /// `gemv_32` takes eight blocks (two rows) at a time: each row's
-    /// product is its dot product.
+    /// `gemv_32` takes eight rows at a time, a row a lane (Q5_1's too), and
+    /// the last few eight blocks (two rows) at a time: each row's product
+    /// is its dot product.
     #[test]
     fn gemv_of_four_block_rows_is_rowwise_dot((kind, matrix, x) in four_block_rows(), rows in 14usize..50) {
         gemv_gives_each_rows_dot(kind, &matrix[..rows * 4 * kind.block_bytes()], rows, &x)?;

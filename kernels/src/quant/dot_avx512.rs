@@ -510,13 +510,13 @@ fn dot_32<const Q: u8, Y: Block32>(row: &[u8], y: &[Y]) -> f32 {
 
 /// Rows of Q8_0, Q4_0 or Q5_0 weights (`Q` as in `quants32`), `y.len()`
 /// blocks each, against Q8_0, or of Q5_1 against Q8_1: `out[r]` is row r's
-/// `fold_32` (`fold_q5_1`) sum, bit for bit. The rows are taken as one
-/// stream of blocks, eight at a time across row ends, so that short rows
-/// (MLA's per-head `attn_k_b` has four blocks a row) cost what long ones
-/// do: each row still adds its blocks' products to its own sum from zero,
-/// in block order. Eight blocks' integer sums are reduced together and
-/// their products formed in one vector (the same f32 operations as
-/// `fold_32`'s, lane by lane).
+/// `fold_32` (`fold_q5_1`) sum, bit for bit. Rows of whole eight-block
+/// groups go to [`gemv_32_rows4`], rows of four blocks (MLA's per-head
+/// `attn_k_b`) to [`gemv_32_rows8_of4`]; other rows are taken as one
+/// stream of blocks, eight at a time across row ends: each row still adds
+/// its blocks' products to its own sum from zero, in block order. Eight
+/// blocks' integer sums are reduced together and their products formed in
+/// one vector (the same f32 operations as `fold_32`'s, lane by lane).
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,f16c")]
 pub(super) fn gemv_32<const Q: u8, Y: Block32>(matrix: &[u8], y: &[Y], out: &mut [f32]) {
     let bb = bytes32(Q);
@@ -531,11 +531,22 @@ pub(super) fn gemv_32<const Q: u8, Y: Block32>(matrix: &[u8], y: &[Y], out: &mut
     sums.clear();
     sums.extend((0..per_row + 8).map(|i| bias(Q) * y[i % per_row].qs().iter().map(|&v| i32::from(v)).sum::<i32>()));
     // Whole rows of eight-block groups go four at a time, a lane each
-    // (Q5_1, bound by its unpacking, ran 8% slower so); the rest, here.
-    let fours = if Q != Q5_1 && per_row.is_multiple_of(8) { out.len() / 4 * 4 } else { 0 };
-    let (head, out) = out.split_at_mut(fours);
-    gemv_32_rows4::<Q, Y>(&matrix[..fours * per_row * bb], y, &sums, head);
-    let matrix = &matrix[fours * per_row * bb..][..out.len() * per_row * bb];
+    // (Q5_1, bound by its unpacking, ran 8% slower so), rows of four
+    // blocks eight at a time; the rest, here.
+    let together = if Q != Q5_1 && per_row.is_multiple_of(8) {
+        out.len() / 4 * 4
+    } else if per_row == 4 {
+        out.len() / 8 * 8
+    } else {
+        0
+    };
+    let (head, out) = out.split_at_mut(together);
+    if per_row == 4 {
+        gemv_32_rows8_of4::<Q, Y>(&matrix[..together * per_row * bb], y, &sums, head);
+    } else {
+        gemv_32_rows4::<Q, Y>(&matrix[..together * per_row * bb], y, &sums, head);
+    }
+    let matrix = &matrix[together * per_row * bb..][..out.len() * per_row * bb];
     let total = out.len() * per_row;
     let zero = _mm512_setzero_si512();
     // The row being summed (`acc`, stored when the row ends) and the next
@@ -678,6 +689,49 @@ fn gemv_32_rows4<const Q: u8, Y: Block32>(matrix: &[u8], y: &[Y], sums: &[i32], 
         }
         // SAFETY: four writable f32; unaligned store.
         unsafe { _mm_storeu_ps(o.as_mut_ptr(), acc) };
+    }
+}
+
+/// [`gemv_32`] for rows of four blocks (MLA's per-head `attn_k_b`, 128
+/// columns), eight rows at a time (`out.len()` a multiple of eight). The
+/// stream form adds each block's product to one running sum, so every
+/// addition waited on the one before; here four vectors of eight blocks
+/// (two rows each) are transposed so that each addition serves eight rows,
+/// row r in its own lane: the same additions in the same order, so the
+/// same bits.
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,f16c")]
+fn gemv_32_rows8_of4<const Q: u8, Y: Block32>(matrix: &[u8], y: &[Y], sums: &[i32], out: &mut [f32]) {
+    let bb = bytes32(Q);
+    debug_assert_eq!(y.len(), 4);
+    // Two rows' blocks: columns 0..4 twice (the sums run eight past the row).
+    // SAFETY: eight i32; unaligned load.
+    let biased = unsafe { _mm256_loadu_si256(sums[..8].as_ptr().cast()) };
+    // The transposed lanes hold rows 0, 2, 4, 6, 1, 3, 5, 7: back in order.
+    let in_order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    for (rows, o) in matrix.chunks_exact(32 * bb).zip(out.chunks_exact_mut(8)) {
+        let mut pairs = [_mm256_setzero_ps(); 4];
+        for (k, pair) in pairs.iter_mut().enumerate() {
+            let b = &rows[k * 8 * bb..][..8 * bb];
+            super::fetch_block_ahead::<{ super::GEMV_LEAD }>(b);
+            // SAFETY: inlined here, with the kernels' features.
+            *pair = unsafe { products8::<Q, Y>(b, y, [0, 1, 2, 3, 0, 1, 2, 3], biased) };
+        }
+        // Each 128-bit half is a row's four products: transposed half by
+        // half, column k holds block k of rows 0, 2, 4, 6 (low) and 1, 3, 5, 7.
+        let [a, b, c, d] = pairs;
+        let (ab_lo, ab_hi, cd_lo, cd_hi) = (_mm256_unpacklo_ps(a, b), _mm256_unpackhi_ps(a, b), _mm256_unpacklo_ps(c, d), _mm256_unpackhi_ps(c, d));
+        let columns = [
+            _mm256_shuffle_ps::<0b01_00_01_00>(ab_lo, cd_lo),
+            _mm256_shuffle_ps::<0b11_10_11_10>(ab_lo, cd_lo),
+            _mm256_shuffle_ps::<0b01_00_01_00>(ab_hi, cd_hi),
+            _mm256_shuffle_ps::<0b11_10_11_10>(ab_hi, cd_hi),
+        ];
+        let mut acc = _mm256_setzero_ps();
+        for column in columns {
+            acc = _mm256_add_ps(acc, column);
+        }
+        // SAFETY: eight writable f32; unaligned store.
+        unsafe { _mm256_storeu_ps(o.as_mut_ptr(), _mm256_permutevar8x32_ps(acc, in_order)) };
     }
 }
 
