@@ -3,8 +3,11 @@
 //! - Known answers from a real llama.cpp Q4_K_M GGUF
 //!   (`tests/fixtures/tiny-dsv3-q4km/`): blocks decoded here equal, bit for
 //!   bit, what the `gguf` Python package decodes (`quant_reference.json`,
-//!   written by `make_quant_reference.py` next to it), and Q8_0 activation
-//!   quantization equals its quantizer byte for byte.
+//!   written by `make_quant_reference.py` next to it).
+//! - The activation quantizers equal llama.cpp's own (`quantize_row_q8_0`,
+//!   `_q8_1`, `_q8_K` of its x86 CPU backend) byte for byte
+//!   (`tests/fixtures/llama-cpp-quantizers.json`, written by
+//!   `deploy/anchor/llama_quantizers.py`).
 //! - Every SIMD path equals the scalar reference EXACTLY (compared as bits):
 //!   all paths compute the same per-block integers (exact, no overflow) and
 //!   fold them into f32 with one shared expression in block order, so there
@@ -186,14 +189,32 @@ fn gguf_blocks_decode_as_the_gguf_package_does() {
     }
 }
 
+/// What llama.cpp's CPU backend on x86 returns for rows of activations
+/// chosen to reach its rounding's every case (exact halves, and maxima
+/// where `127 / max` and `1 / (max / 127)` differ), against ours, for the
+/// three formats its matrix products quantize activations to.
 #[test]
-fn q8_0_quantization_matches_the_gguf_package() {
-    let fx = fixture();
-    let q = &fx.reference["q8_0_quantize"];
-    let x: Vec<f32> = bits_of(&q["x_bits"]).into_iter().map(f32::from_bits).collect();
-    let hex = q["bytes_hex"].as_str().unwrap();
-    let expected: Vec<u8> = (0..hex.len()).step_by(2).map(|i| u8::from_str_radix(&hex[i..i + 2], 16).unwrap()).collect();
-    assert_eq!(BlockQ8_0::to_bytes(&quantize_q8_0(&x).unwrap()), expected);
+fn activation_quantizers_are_llama_cpps() {
+    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/llama-cpp-quantizers.json");
+    let doc: serde_json::Value = serde_json::from_slice(&std::fs::read(&path).expect("read llama-cpp-quantizers.json")).expect("parse it");
+    let bytes = |v: &serde_json::Value| -> Vec<u8> {
+        let hex = v.as_str().unwrap();
+        (0..hex.len()).step_by(2).map(|i| u8::from_str_radix(&hex[i..i + 2], 16).unwrap()).collect()
+    };
+    let rows = doc["rows"].as_array().unwrap();
+    assert!(rows.len() >= 10, "the fixture's rows");
+    for (i, row) in rows.iter().enumerate() {
+        let x: Vec<f32> = bits_of(&row["x_bits"]).into_iter().map(f32::from_bits).collect();
+        assert_eq!(BlockQ8_0::to_bytes(&quantize_q8_0(&x).unwrap()), bytes(&row["q8_0"]), "Q8_0, row {i}");
+        // ggml's block_q8_1: d and s in half precision, then the quants.
+        let q8_1: Vec<u8> = quantize_q8_1(&x)
+            .unwrap()
+            .iter()
+            .flat_map(|b| [b.d.to_bits(), half::f16::from_f32(b.s).to_bits()].into_iter().flat_map(u16::to_le_bytes).chain(b.qs.iter().map(|&q| q as u8)))
+            .collect();
+        assert_eq!(q8_1, bytes(&row["q8_1"]), "Q8_1, row {i}");
+        assert_eq!(BlockQ8K::to_bytes(&quantize_q8_k(&x).unwrap()), bytes(&row["q8_k"]), "Q8_K, row {i}");
+    }
 }
 
 /// Q8_K quantization equals a transcription of ggml's `quantize_row_q8_K_ref`
@@ -442,18 +463,19 @@ fn gemv_gives_each_rows_dot(kind: QuantKind, matrix: &[u8], rows: usize, x: &[f3
     Ok(())
 }
 
-/// ggml's `quantize_row_q8_0_ref` / `quantize_row_q8_K_ref` as they read
-/// (a strict-greater scan for the largest magnitude, `roundf`), for the
-/// quantizers' faster forms to equal.
+/// ggml's x86 `quantize_row_q8_0` (`127 / max`, halves to even) and its
+/// `quantize_row_q8_K_ref` (which x86 runs; a strict-greater scan for the
+/// largest magnitude) as they read, for the quantizers' faster forms to
+/// equal.
 fn q8_0_as_ggml_writes_it(x: &[f32]) -> Vec<BlockQ8_0> {
     x.chunks_exact(QK8_0)
         .map(|xs| {
             let amax = xs.iter().fold(0.0f32, |m, v| m.max(v.abs()));
             let d = amax / 127.0;
-            let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+            let id = if amax != 0.0 { 127.0 / amax } else { 0.0 };
             let mut qs = [0i8; QK8_0];
             for (q, &v) in qs.iter_mut().zip(xs) {
-                *q = (v * id).round().clamp(-127.0, 127.0) as i8;
+                *q = (v * id).round_ties_even().clamp(-127.0, 127.0) as i8;
             }
             BlockQ8_0 { d: half::f16::from_f32(d), qs }
         })
@@ -509,9 +531,9 @@ fn quantizer_input() -> impl Strategy<Value = Vec<f32>> {
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(512))]
 
-    /// The quantizers give ggml's reference code's bytes.
+    /// The quantizers give the bytes of ggml's code as it reads.
     #[test]
-    fn quantizers_are_ggml_reference_code(x in quantizer_input()) {
+    fn quantizers_are_ggml_code(x in quantizer_input()) {
         prop_assert_eq!(BlockQ8_0::to_bytes(&quantize_q8_0(&x).unwrap()), BlockQ8_0::to_bytes(&q8_0_as_ggml_writes_it(&x)));
         prop_assert_eq!(BlockQ8K::to_bytes(&quantize_q8_k(&x).unwrap()), BlockQ8K::to_bytes(&q8_k_as_ggml_writes_it(&x)));
     }

@@ -592,9 +592,12 @@ pub fn quantize_q8_k_into(x: &[f32], out: &mut [BlockQ8K]) -> Result<(), QuantEr
     Ok(())
 }
 
-/// Quantize f32 activations to Q8_0 as ggml's `quantize_row_q8_0_ref` does:
-/// `d = max|x| / 127` (stored in half precision), quants `round(x / d)`
-/// (half away from zero) computed with the f32 `1 / d`.
+/// Quantize f32 activations to Q8_0 as llama.cpp's matrix products do on
+/// x86 (ggml-cpu's `quantize_row_q8_0` for AVX and AVX2, on every CPU that
+/// Duplex serves): `d = max|x| / 127` (stored in half precision), quants
+/// `x · (127 / max|x|)` rounded half to even. (ggml's `_ref` code, which
+/// other CPUs run, multiplies by `1 / d` and rounds half away from zero:
+/// some quants differ by one.)
 pub fn quantize_q8_0(x: &[f32]) -> Result<Vec<BlockQ8_0>, QuantError> {
     let mut out = vec![BlockQ8_0 { d: f16::ZERO, qs: [0; QK8_0] }; x.len() / QK8_0];
     quantize_q8_0_into(x, &mut out)?;
@@ -611,12 +614,15 @@ pub fn quantize_q8_0_into(x: &[f32], out: &mut [BlockQ8_0]) -> Result<(), QuantE
 }
 
 /// One block of [`quantize_q8_0`]: the quants into `qs`; returns the f32 `d`.
+/// The clamp changes nothing but keeps `nearest_int` (halves to even)
+/// inside its range; NaN gives 0.
 fn quantize_32(xs: &[f32], qs: &mut [i8; QK8_0]) -> f32 {
     let amax = abs_max(xs);
     let d = amax / 127.0;
-    let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+    let id = if amax != 0.0 { 127.0 / amax } else { 0.0 };
     for (q, &v) in qs.iter_mut().zip(xs) {
-        *q = round_away_127(v * id);
+        let y = v * id;
+        *q = if y.is_nan() { 0 } else { nearest_int(y.clamp(-127.0, 127.0)) as i8 };
     }
     d
 }
@@ -637,23 +643,9 @@ fn abs_max(xs: &[f32]) -> f32 {
     lanes.into_iter().fold(tail, f32::max)
 }
 
-/// `x.round().clamp(-127.0, 127.0) as i8` (half away from zero; NaN to 0),
-/// without `roundf`: a portable build calls libm's for every quant. The
-/// clamp comes first, which changes nothing (127.5 and up round to 128
-/// and clamp to 127 either way) and leaves a value whose truncation and
-/// fraction are exact.
-#[inline(always)]
-fn round_away_127(x: f32) -> i8 {
-    let y = if x.is_nan() { 0.0 } else { x.clamp(-127.0, 127.0) };
-    // SAFETY: `y` is finite and within ±127. (`as i32` would check for
-    // NaN and range lane by lane, and not vectorize.)
-    let t: i32 = unsafe { y.to_int_unchecked() }; // toward zero
-    let frac = y - t as f32;
-    (t + i32::from(frac >= 0.5) - i32::from(frac <= -0.5)) as i8
-}
-
-/// Quantize f32 activations to Q8_1 as ggml's `quantize_row_q8_1_ref`
-/// does: Q8_0's quants and `d`, and `s = d × Σ qs` with the f32 `d`,
+/// Quantize f32 activations to Q8_1 as llama.cpp's matrix products do on
+/// x86 (`quantize_row_q8_1`): [`quantize_q8_0`]'s quants and `d`, and
+/// `s = d × Σ qs` with the f32 `d`,
 /// rounded to half precision where it fits (see [`BlockQ8_1`]).
 pub fn quantize_q8_1(x: &[f32]) -> Result<Vec<BlockQ8_1>, QuantError> {
     let mut out = vec![BlockQ8_1 { d: f16::ZERO, s: 0.0, qs: [0; QK8_0] }; x.len() / QK8_0];
