@@ -43,7 +43,6 @@ pub struct LinearScratch {
     x: Vec<u16>,
     q: QuantizedTokens,
     tiles: Vec<f32>,
-    x_values: Vec<f32>,
 }
 
 /// `out[i, r] = Σ_c W[r, c] · bf16(x[i, c])` for `n` rows of `x` (`[n, cols]`),
@@ -101,15 +100,16 @@ pub fn par_matmul(pool: &ThreadPool, isa: Isa, w: &WeightView, x: &[f32], n: usi
     });
 }
 
-/// `out[h] = W_h · bf16(x[h])` for heads `0..heads`, in one parallel region:
+/// `out[h] = W_h · x[h]` for heads `0..heads`, in one parallel region:
 /// MLA's absorbed decode multiplies each head's query by a band of weights
 /// of its own (`attn_k_b`, `attn_v_b`, or `kv_b_proj`'s rows), small
 /// products that the pool takes a head at a time. `x` is `[heads, cols]`,
-/// `out` `[heads, rows]`; `band(h)` is head h's weights and rows. Where they
-/// are block-quantized (`band(0)`'s format) the heads' activations are
-/// quantized once, each head a token of them, and every head's product
-/// takes its own token: the values and kernels `matmul_bf16` gives one
-/// head, so the same bits, without quantizing and allocating per head.
+/// `out` `[heads, rows]`; `band(h)` is head h's weights and rows, all in
+/// one format. Every head's product has the bits [`par_matmul`] gives that
+/// head alone: BF16 activations for unquantized weights; for
+/// block-quantized ones the heads' activations are quantized once from F32,
+/// each head a token of them, and every head's product takes its own token
+/// (not quantizing and allocating per head).
 pub fn par_head_products<'w>(pool: &ThreadPool, isa: Isa, heads: usize, band: &(dyn Fn(usize) -> (WeightView<'w>, Range<usize>) + Sync), x: &[f32], out: &mut [f32], scratch: &mut LinearScratch) {
     if heads == 0 {
         return;
@@ -117,17 +117,17 @@ pub fn par_head_products<'w>(pool: &ThreadPool, isa: Isa, heads: usize, band: &(
     let (cols, rows) = (x.len() / heads, out.len() / heads);
     assert_eq!(x.len(), heads * cols, "par_head_products: input is not [heads, cols]");
     assert_eq!(out.len(), heads * rows, "par_head_products: output is not [heads, rows]");
-    scratch.x.resize(x.len(), 0);
-    f32_to_bf16(isa, x, &mut scratch.x);
     let quant = match band(0).0.format {
         WeightFormat::Quant(kind) => {
-            // The BF16 values as F32, as `matmul_bf16` hands them to the quantizer.
-            scratch.x_values.clear();
-            scratch.x_values.extend(scratch.x.iter().map(|&b| f32::from_bits(u32::from(b) << 16)));
-            scratch.q.quantize(kind, &scratch.x_values, heads).expect("activations of whole blocks (loading checks the widths)");
+            // From F32, as `par_matmul` quantizes (and llama.cpp).
+            scratch.q.quantize(kind, x, heads).expect("activations of whole blocks (loading checks the widths)");
             Some(kind)
         }
-        _ => None,
+        _ => {
+            scratch.x.resize(x.len(), 0);
+            f32_to_bf16(isa, x, &mut scratch.x);
+            None
+        }
     };
     let (xb, xq, path) = (&scratch.x, &scratch.q, DotPath::for_isa(isa));
     let out = SharedSlice::new(out);
@@ -136,11 +136,12 @@ pub fn par_head_products<'w>(pool: &ThreadPool, isa: Isa, heads: usize, band: &(
         assert_eq!((w.cols, r.len()), (cols, rows), "par_head_products: head {h}'s band");
         // SAFETY: head h's rows of `out` are written by this task only.
         let dst = unsafe { out.slice_mut(h * rows, rows) };
-        match w.format {
-            WeightFormat::Quant(kind) if Some(kind) == quant => {
+        match (w.format, quant) {
+            (WeightFormat::Quant(kind), Some(held)) if kind == held => {
                 let row_bytes = w.format.row_bytes(cols);
                 quant::matmul_picked(path, kind, &w.data[r.start * row_bytes..r.end * row_bytes], rows, xq, &[(h, 1.0)], dst).expect("a checked block-quantized band");
             }
+            (WeightFormat::Quant(_), _) | (_, Some(_)) => panic!("par_head_products: head {h}'s band is {:?}, head 0's {:?}", w.format, band(0).0.format),
             _ => matmul_bf16(isa, &w, r, &xb[h * cols..(h + 1) * cols], 1, dst),
         }
     });
@@ -216,11 +217,11 @@ mod tests {
         }
     }
 
-    /// Every head's product has the bits `matmul_bf16` gives that head
+    /// Every head's product has the bits `par_matmul` gives that head
     /// alone, on bands of one matrix (as `attn_v_b`'s) for every format
-    /// the absorbed decode meets, with inputs that are not BF16 values yet.
+    /// the absorbed decode meets, with inputs that are not BF16 values.
     #[test]
-    fn head_products_are_each_heads_matmul_bf16() {
+    fn head_products_are_each_heads_par_matmul() {
         let (pool, isa) = (ThreadPool::new(&PoolConfig::single_node(2)), isa::detect());
         let (heads, rows, cols) = (5, 48, 512);
         for format in [QuantKind::Q4K, QuantKind::Q5K, QuantKind::Q6K, QuantKind::Q8_0, QuantKind::Q5_0, QuantKind::Q5_1].map(WeightFormat::Quant).into_iter().chain([WeightFormat::Bf16]) {
@@ -229,11 +230,11 @@ mod tests {
             let x: Vec<f32> = bytes(heads * cols, 7).iter().map(|&b| (b as f32 - 127.5) / 37.3).collect();
             let mut out = vec![f32::NAN; heads * rows];
             par_head_products(&pool, isa, heads, &|h| (w, h * rows..(h + 1) * rows), &x, &mut out, &mut LinearScratch::default());
+            let row_bytes = format.row_bytes(cols);
             for h in 0..heads {
-                let mut xb = vec![0u16; cols];
-                f32_to_bf16(isa, &x[h * cols..(h + 1) * cols], &mut xb);
+                let head = WeightView { rows, data: &data[h * rows * row_bytes..(h + 1) * rows * row_bytes], ..w };
                 let mut want = vec![0.0f32; rows];
-                matmul_bf16(isa, &w, h * rows..(h + 1) * rows, &xb, 1, &mut want);
+                par_matmul(&pool, isa, &head, &x[h * cols..(h + 1) * cols], 1, &mut want, &mut LinearScratch::default());
                 let got = &out[h * rows..(h + 1) * rows];
                 assert!(got.iter().zip(&want).all(|(g, w)| g.to_bits() == w.to_bits()), "{format:?} head {h}: {got:?} against {want:?}");
             }
