@@ -669,15 +669,10 @@ fn gemv_32_rows4<const Q: u8, Y: Block32>(matrix: &[u8], y: &[Y], sums: &[i32], 
                     row_products[r] = product;
                 }
             }
-            for &[a, b, c, d] in &products[..run] {
+            for &rows4 in &products[..run] {
                 // Transposed: column k holds block k's four products, a row a lane.
-                let (ab_lo, ab_hi, cd_lo, cd_hi) = (_mm256_unpacklo_ps(a, b), _mm256_unpackhi_ps(a, b), _mm256_unpacklo_ps(c, d), _mm256_unpackhi_ps(c, d));
-                let columns = [
-                    _mm256_shuffle_ps::<0b01_00_01_00>(ab_lo, cd_lo),
-                    _mm256_shuffle_ps::<0b11_10_11_10>(ab_lo, cd_lo),
-                    _mm256_shuffle_ps::<0b01_00_01_00>(ab_hi, cd_hi),
-                    _mm256_shuffle_ps::<0b11_10_11_10>(ab_hi, cd_hi),
-                ];
+                // SAFETY: inlined here, with the kernels' features.
+                let columns = unsafe { transpose_halves(rows4) };
                 // Blocks 0..4 are the columns' low halves, 4..8 their high ones.
                 for column in columns {
                     acc = _mm_add_ps(acc, _mm256_castps256_ps128(column));
@@ -718,21 +713,31 @@ fn gemv_32_rows8_of4<const Q: u8, Y: Block32>(matrix: &[u8], y: &[Y], sums: &[i3
         }
         // Each 128-bit half is a row's four products: transposed half by
         // half, column k holds block k of rows 0, 2, 4, 6 (low) and 1, 3, 5, 7.
-        let [a, b, c, d] = pairs;
-        let (ab_lo, ab_hi, cd_lo, cd_hi) = (_mm256_unpacklo_ps(a, b), _mm256_unpackhi_ps(a, b), _mm256_unpacklo_ps(c, d), _mm256_unpackhi_ps(c, d));
-        let columns = [
-            _mm256_shuffle_ps::<0b01_00_01_00>(ab_lo, cd_lo),
-            _mm256_shuffle_ps::<0b11_10_11_10>(ab_lo, cd_lo),
-            _mm256_shuffle_ps::<0b01_00_01_00>(ab_hi, cd_hi),
-            _mm256_shuffle_ps::<0b11_10_11_10>(ab_hi, cd_hi),
-        ];
         let mut acc = _mm256_setzero_ps();
-        for column in columns {
+        // SAFETY: inlined here, with the kernels' features.
+        for column in unsafe { transpose_halves(pairs) } {
             acc = _mm256_add_ps(acc, column);
         }
         // SAFETY: eight writable f32; unaligned store.
         unsafe { _mm256_storeu_ps(o.as_mut_ptr(), _mm256_permutevar8x32_ps(acc, in_order)) };
     }
+}
+
+/// Four vectors' 128-bit halves transposed as 4 × 4 matrices: lane i of
+/// column k's low (high) half is element k of vector i's low (high) half.
+///
+/// # Safety
+/// Inlined into a function with the kernels' features, on a CPU that has
+/// them.
+#[inline(always)]
+unsafe fn transpose_halves([a, b, c, d]: [__m256; 4]) -> [__m256; 4] {
+    let (ab_lo, ab_hi, cd_lo, cd_hi) = (_mm256_unpacklo_ps(a, b), _mm256_unpackhi_ps(a, b), _mm256_unpacklo_ps(c, d), _mm256_unpackhi_ps(c, d));
+    [
+        _mm256_shuffle_ps::<0b01_00_01_00>(ab_lo, cd_lo),
+        _mm256_shuffle_ps::<0b11_10_11_10>(ab_lo, cd_lo),
+        _mm256_shuffle_ps::<0b01_00_01_00>(ab_hi, cd_hi),
+        _mm256_shuffle_ps::<0b11_10_11_10>(ab_hi, cd_hi),
+    ]
 }
 
 /// Q8_0 row against Q8_0.
