@@ -595,9 +595,9 @@ pub fn quantize_q8_k_into(x: &[f32], out: &mut [BlockQ8K]) -> Result<(), QuantEr
 /// Quantize f32 activations to Q8_0 as llama.cpp's matrix products do on
 /// x86 (ggml-cpu's `quantize_row_q8_0` for AVX and AVX2, on every CPU that
 /// Duplex serves): `d = max|x| / 127` (stored in half precision), quants
-/// `x · (127 / max|x|)` rounded half to even. (ggml's `_ref` code, which
-/// other CPUs run, multiplies by `1 / d` and rounds half away from zero:
-/// some quants differ by one.)
+/// `x · (127 / max|x|)` rounded half to even. (ggml's `_ref` code, its
+/// portable fallback, multiplies by `1 / d` and rounds half away from
+/// zero: some quants differ by one.)
 pub fn quantize_q8_0(x: &[f32]) -> Result<Vec<BlockQ8_0>, QuantError> {
     let mut out = vec![BlockQ8_0 { d: f16::ZERO, qs: [0; QK8_0] }; x.len() / QK8_0];
     quantize_q8_0_into(x, &mut out)?;
