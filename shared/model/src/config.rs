@@ -84,6 +84,23 @@ pub enum AttentionConfig {
     Gqa(GqaConfig),
 }
 
+/// The most layers a configuration may declare: llama.cpp's
+/// `LLAMA_MAX_LAYERS`. Checked before anything is sized by the count (the
+/// per-layer tables, every tensor name the loader looks for), so that a
+/// corrupt count is a clear error rather than memory exhausted.
+pub const MAX_LAYERS: usize = 512;
+/// The most routed experts per layer: llama.cpp's `LLAMA_MAX_EXPERTS`.
+pub const MAX_EXPERTS: usize = 1024;
+
+/// `Err("is N, more than ...")` when the count `n` exceeds `max`, for the
+/// caller to put after the name of the field.
+pub(crate) fn at_most(n: usize, max: usize) -> Result<(), String> {
+    if n > max {
+        return Err(format!("is {n}, more than the {max} that Duplex (like llama.cpp) supports: the configuration is corrupt"));
+    }
+    Ok(())
+}
+
 /// The model hyper-parameters, as the engine uses them.
 #[derive(Clone, Debug, PartialEq)]
 pub struct ModelConfig {
@@ -270,6 +287,7 @@ impl ModelConfig {
             Some(v) => parse_token_ids(v).ok_or_else(|| invalid("eos_token_id must be an integer or a list of integers".into()))?,
         };
         let layers = raw.num_hidden_layers;
+        at_most(layers, MAX_LAYERS).map_err(|m| invalid(format!("num_hidden_layers {m}")))?;
 
         let cfg = match architecture {
             Architecture::DeepseekV3 => {
@@ -388,6 +406,8 @@ impl ModelConfig {
     }
 
     pub(crate) fn validate(&self) -> Result<(), String> {
+        at_most(self.num_hidden_layers, MAX_LAYERS).map_err(|m| format!("num_hidden_layers {m}"))?;
+        at_most(self.n_routed_experts, MAX_EXPERTS).map_err(|m| format!("the routed expert count (n_routed_experts, num_experts or num_local_experts) {m}"))?;
         let positive = [
             ("vocab_size", self.vocab_size),
             ("hidden_size", self.hidden_size),
@@ -680,6 +700,10 @@ mod tests {
             (Box::new(|v| v["hidden_size"] = 0.into()), "hidden_size"),
             (Box::new(|v| v["qk_rope_head_dim"] = 33.into()), "qk_rope_head_dim"),
             (Box::new(|v| v["hidden_size"] = "big".into()), "hidden_size"),
+            // Counts that would size tables and tensor lists are refused
+            // before anything is allocated by them.
+            (Box::new(|v| v["num_hidden_layers"] = 10_000_000_000_000u64.into()), "num_hidden_layers is 10000000000000, more than the 512"),
+            (Box::new(|v| v["n_routed_experts"] = 4096.into()), "n_routed_experts"),
         ];
         for (edit, field) in cases {
             let err = edited(edit).unwrap_err().to_string();

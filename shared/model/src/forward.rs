@@ -183,7 +183,10 @@ fn layout(cfg: &ModelConfig, s: PassShape, carve: &mut dyn FnMut(usize, usize) -
     // Routed experts run on every rank's rows under expert parallelism.
     let expert_rows = n.max(s.ep_rows);
     let (d, heads) = (cfg.hidden_size, cfg.num_attention_heads);
-    let inter = cfg.intermediate_size.max(cfg.moe_intermediate_size * cfg.n_shared_experts.max(1));
+    // The dense width counts only where a layer is dense: Qwen3-MoE's
+    // configs give one that no layer of theirs uses.
+    let dense = if cfg.moe_layers.iter().all(|&m| m) { 0 } else { cfg.intermediate_size };
+    let inter = dense.max(cfg.moe_intermediate_size * cfg.n_shared_experts.max(1));
     let k = cfg.num_experts_per_tok.max(1);
     let (lora, dnv, dc) = match &cfg.attention {
         AttentionConfig::Mla(m) => (m.q_lora_rank.unwrap_or(0), m.qk_nope_head_dim + m.v_head_dim, m.kv_lora_rank),
@@ -798,5 +801,29 @@ impl<'m, B: Backend> Pass<'m, B> {
             t.len = seg.start + seg.n;
         }
         Ok((logits, self.backend, self.timings))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A dense width that no layer uses does not size the workspace:
+    /// Qwen3-MoE configs and GGUFs carry one, and a corrupt one asked for
+    /// hundreds of gigabytes at the first pass.
+    #[test]
+    fn an_unused_dense_width_does_not_size_the_workspace() {
+        let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../../tests/fixtures/tiny-qwen3moe/config.json");
+        let mut v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+        v["mlp_only_layers"] = serde_json::json!([]);
+        let config = |v: &serde_json::Value| ModelConfig::from_json(&v.to_string(), path).unwrap();
+        let shape = PassShape { n: 8, r: 1, context: 0, expanded: 0, heads_per_step: 1, ep_rows: 0, partial_attention: false };
+        let all_moe = workspace_bytes(&config(&v), shape);
+        v["intermediate_size"] = (1u64 << 40).into();
+        assert_eq!(workspace_bytes(&config(&v), shape), all_moe);
+        // With a dense layer the width counts.
+        v["mlp_only_layers"] = serde_json::json!([0]);
+        v["intermediate_size"] = (1 << 16).into();
+        assert!(workspace_bytes(&config(&v), shape) >= all_moe + 8 * (1 << 16) * 4);
     }
 }

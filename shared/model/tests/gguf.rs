@@ -371,7 +371,17 @@ fn rewrite_fixture(
     kv: impl Fn(&mut Vec<(String, Value)>),
     tensors: impl Fn(&mut Vec<(String, Vec<u64>, u32, Vec<u8>)>),
 ) -> Gguf {
-    let g = fixture();
+    rewrite(&fixture(), dir, name, kv, tensors)
+}
+
+/// [`rewrite_fixture`] of any GGUF `g`.
+fn rewrite(
+    g: &Gguf,
+    dir: &Path,
+    name: &str,
+    kv: impl Fn(&mut Vec<(String, Value)>),
+    tensors: impl Fn(&mut Vec<(String, Vec<u64>, u32, Vec<u8>)>),
+) -> Gguf {
     let mut kvs: Vec<(String, Value)> = g.metadata().keys().map(|k| (k.to_string(), g.metadata().get(k).unwrap().clone())).collect();
     kv(&mut kvs);
     let mut ts: Vec<_> = g.tensors().iter().map(|t| (t.name.clone(), t.dims.clone(), t.ty.id(), g.raw_bytes(t).to_vec())).collect();
@@ -420,6 +430,23 @@ fn the_older_converters_fused_kv_b_and_per_head_widths_map_alike() {
     let half = rewrite_fixture(dir.path(), "half.gguf", |_| {}, |ts| ts.retain(|t| t.0 != "blk.2.attn_v_b.weight"));
     let cov = deepseek2::coverage(&deepseek2::model_config(&half).unwrap(), &half);
     assert_eq!(cov.missing, vec!["model.layers.2.self_attn.kv_b_proj.weight".to_string()]);
+}
+
+#[test]
+fn counts_beyond_llama_cpps_limits_are_clear_errors() {
+    // A corrupt layer or expert count must not size anything: before, a
+    // block_count of 0xff000004 (one flipped byte) built a name for every
+    // tensor of four billion layers and ran out of memory.
+    let dir = tempfile::tempdir().unwrap();
+    let qwen = Gguf::open(&fixture_dir().join("../tiny-qwen3moe-q4km/model-Q4_K_M.gguf")).unwrap();
+    for (g, arch) in [(fixture(), "deepseek2"), (qwen, "qwen3moe")] {
+        for (key, n) in [("block_count", 0xff00_0004u32), ("expert_count", 1025)] {
+            let key = format!("{arch}.{key}");
+            let bad = rewrite(&g, dir.path(), "counts.gguf", |kvs| set(kvs, &key, Some(Value::U32(n))), |_| {});
+            let e = duplex_model::gguf::open(bad.path()).err().unwrap().to_string();
+            assert!(e.contains(&key) && e.contains(&format!("is {n}, more than the")) && e.contains("counts.gguf"), "{e}");
+        }
+    }
 }
 
 #[test]

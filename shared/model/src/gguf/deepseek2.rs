@@ -14,7 +14,7 @@
 //! `key_length_mla` / `value_length_mla`, and writes `head_count_kv` = 1.
 
 use duplex_gguf::{Gguf, GgufError, Metadata, TensorInfo};
-use crate::config::{Architecture, AttentionConfig, MlaConfig, ModelConfig, ScoringFunc, Yarn};
+use crate::config::{at_most, Architecture, AttentionConfig, MlaConfig, ModelConfig, ScoringFunc, Yarn, MAX_EXPERTS, MAX_LAYERS};
 use std::collections::{BTreeMap, BTreeSet};
 
 pub const ARCH: &str = "deepseek2";
@@ -211,6 +211,7 @@ pub fn model_config(g: &Gguf) -> Result<ModelConfig, GgufError> {
         }
     }
     let block_count = need("block_count")?;
+    at_most(block_count, MAX_LAYERS).map_err(|m| md.error(&key("block_count"), m))?;
     let nextn = opt("nextn_predict_layers")?.unwrap_or(0);
     let layers = block_count
         .checked_sub(nextn)
@@ -233,6 +234,7 @@ pub fn model_config(g: &Gguf) -> Result<ModelConfig, GgufError> {
     let q_lora_rank = opt("attention.q_lora_rank")?.filter(|&r| r > 0);
 
     let n_routed_experts = opt("expert_count")?.unwrap_or(0);
+    at_most(n_routed_experts, MAX_EXPERTS).map_err(|m| md.error(&key("expert_count"), m))?;
     let leading_dense = opt("leading_dense_block_count")?.unwrap_or(0);
     let gating_key = key("expert_gating_func");
     // llama.cpp's enum: 1 softmax, 2 sigmoid; absent means softmax (DeepSeek-V2).

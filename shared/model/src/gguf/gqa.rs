@@ -11,7 +11,7 @@
 //! halves, as transformers does.
 
 use super::deepseek2::{HfSlice, HfTensor};
-use crate::config::{Architecture, AttentionConfig, GqaConfig, ModelConfig, ScoringFunc};
+use crate::config::{at_most, Architecture, AttentionConfig, GqaConfig, ModelConfig, ScoringFunc, MAX_EXPERTS, MAX_LAYERS};
 use duplex_gguf::{Gguf, GgufError};
 
 pub const QWEN3MOE: &str = "qwen3moe";
@@ -26,6 +26,7 @@ pub fn model_config(g: &Gguf, arch: &str) -> Result<ModelConfig, GgufError> {
     let qwen = arch == QWEN3MOE;
     let vocab = duplex_gguf::vocab::GgufVocab::from_metadata(md)?;
     let layers = need("block_count")?;
+    at_most(layers, MAX_LAYERS).map_err(|m| md.error(&key("block_count"), m))?;
     let hidden = need("embedding_length")?;
     let heads = need("attention.head_count")?;
     let kv_heads = opt("attention.head_count_kv")?.unwrap_or(heads);
@@ -34,6 +35,7 @@ pub fn model_config(g: &Gguf, arch: &str) -> Result<ModelConfig, GgufError> {
         None => hidden.checked_div(heads).unwrap_or(0),
     };
     let experts = opt("expert_count")?.unwrap_or(0);
+    at_most(experts, MAX_EXPERTS).map_err(|m| md.error(&key("expert_count"), m))?;
     if experts == 0 {
         return Err(GgufError::Model { path: g.path().to_path_buf(), message: format!("{arch} without {} is a dense model; Duplex serves mixtures of experts", key("expert_count")) });
     }
