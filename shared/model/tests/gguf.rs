@@ -449,6 +449,51 @@ fn counts_beyond_llama_cpps_limits_are_clear_errors() {
     }
 }
 
+/// Load `path` the way every process does, then prefill three tokens and
+/// decode one: `Ok` or the first error (those of the passes, which refuse
+/// the request and not the model, marked "pass:").
+fn load_and_run(path: &Path) -> Result<(), String> {
+    use duplex_model::{BlockTable, Logits, Model, Precision};
+    let source = duplex_model::source::ModelSource::locate(path).map_err(|e| e.to_string())?;
+    source.config().map_err(|e| e.to_string())?;
+    let model = Model::load_source(&source, &duplex_kernels::pool::PoolConfig::single_node(1), &mut |_, _| {}).map_err(|e| e.to_string())?;
+    let (mut kv, mut table) = (model.new_kv_pool(2, 16), BlockTable::default());
+    let vocab = model.cfg.vocab_size as u32;
+    let pass = |e: duplex_model::model::ForwardError| format!("pass: {e}");
+    model.forward(&mut kv, &mut table, &[1, 2, 3].map(|t| t % vocab), Precision::F32, Logits::Last).map_err(pass)?;
+    model.forward(&mut kv, &mut table, &[4 % vocab], Precision::Bf16, Logits::Last).map_err(pass)?;
+    Ok(())
+}
+
+#[test]
+fn every_integer_key_at_its_extremes_loads_or_is_a_clear_error() {
+    // Each architecture's fixture with one integer key (a count, a width,
+    // an id) set to 0, 1, 2^20, u32::MAX or u64::MAX: the model loads and
+    // runs, or is refused with an error naming the file (or, a context_length
+    // of 0 or 1, the passes are refused); never a panic, an
+    // abort on a failed allocation or memory exhausted (each of the last
+    // two once happened: a block_count, a feed_forward_length).
+    let dir = tempfile::tempdir().unwrap();
+    let mut failures = vec![];
+    for fixture in ["tiny-dsv3-q4km", "tiny-qwen3moe-q4km", "tiny-mixtral-q4km"] {
+        let g = Gguf::open(&fixture_dir().join("..").join(fixture).join("model-Q4_K_M.gguf")).unwrap();
+        let keys: Vec<String> = g.metadata().keys().filter(|k| g.metadata().get(k).unwrap().as_int().is_some()).map(String::from).collect();
+        assert!(keys.len() >= 15, "{fixture}: {keys:?}");
+        for key in keys {
+            for value in [Value::U32(0), Value::U32(1), Value::U32(1 << 20), Value::U32(u32::MAX), Value::U64(u64::MAX)] {
+                let case = format!("{fixture} {key} = {value:?}");
+                let g = rewrite(&g, dir.path(), "extreme.gguf", |kvs| set(kvs, &key, Some(value.clone())), |_| {});
+                match std::panic::catch_unwind(|| load_and_run(g.path())) {
+                    Ok(Err(e)) if !e.contains("extreme.gguf") && !e.starts_with("pass: ") => failures.push(format!("{case}: the error does not name the file: {e}")),
+                    Ok(_) => {}
+                    Err(_) => failures.push(format!("{case}: panicked")),
+                }
+            }
+        }
+    }
+    assert!(failures.is_empty(), "{failures:#?}");
+}
+
 #[test]
 fn yarn_betas_routing_and_tying_come_from_the_metadata() {
     let dir = tempfile::tempdir().unwrap();
