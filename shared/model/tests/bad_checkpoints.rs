@@ -1,6 +1,7 @@
 //! Broken checkpoints must fail to load with an error, never a panic, and the
 //! error must name the file and/or tensor at fault. Each test copies the
-//! bundled fixture into a temporary directory and breaks one thing.
+//! bundled fixture into a temporary directory and breaks one thing (the
+//! last, every integer of each architecture's config.json in turn).
 
 mod common;
 
@@ -400,4 +401,55 @@ fn single_file_checkpoint_matches_sharded() {
         assert_eq!(a.len(), prompt.len() * 2112);
         assert!(a.iter().zip(&b).all(|(x, y)| x.to_bits() == y.to_bits()), "{p:?}: logits differ");
     }
+}
+
+#[test]
+fn every_integer_config_field_at_its_extremes_loads_or_is_an_error() {
+    // Each architecture's config.json with one integer field (a count, a
+    // width, an id; nested ones too) set to 0, 1, 2^20, u32::MAX or 10^13:
+    // the model loads and runs a pass, or one of them is an error; never a
+    // panic or an abort on a failed allocation (a num_hidden_layers of 10^13
+    // once sized a table before anything was checked).
+    let mut failures = vec![];
+    for name in ["tiny-dsv3", "tiny-qwen3moe", "tiny-mixtral"] {
+        let source = fixture().join("..").join(name);
+        let tmp = tempfile::tempdir().unwrap();
+        for entry in std::fs::read_dir(&source).unwrap() {
+            let entry = entry.unwrap();
+            if entry.file_name() != "config.json" {
+                std::os::unix::fs::symlink(entry.path(), tmp.path().join(entry.file_name())).unwrap();
+            }
+        }
+        let config: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(source.join("config.json")).unwrap()).unwrap();
+        let mut fields: Vec<Vec<String>> = vec![];
+        for (key, value) in config.as_object().unwrap() {
+            if value.is_u64() {
+                fields.push(vec![key.clone()]);
+            }
+            for (inner, v) in value.as_object().into_iter().flatten() {
+                if v.is_u64() {
+                    fields.push(vec![key.clone(), inner.clone()]);
+                }
+            }
+        }
+        assert!(fields.len() >= 10, "{name}: {fields:?}");
+        for field in fields {
+            for value in [0u64, 1, 1 << 20, u32::MAX as u64, 10_000_000_000_000] {
+                let mut edited = config.clone();
+                *field.iter().fold(&mut edited, |v, k| &mut v[k]) = value.into();
+                std::fs::write(tmp.path().join("config.json"), edited.to_string()).unwrap();
+                let run = || -> Result<(), String> {
+                    let m = Model::load(tmp.path(), &mut |_, _| {}).map_err(|e| e.to_string())?;
+                    let vocab = m.cfg.vocab_size as u32;
+                    let mut pool = m.new_kv_pool(2, 16);
+                    m.forward(&mut pool, &mut Default::default(), &[1, 2, 3].map(|t| t % vocab), Precision::Bf16, Logits::Last).map_err(|e| e.to_string())?;
+                    Ok(())
+                };
+                if catch_unwind(AssertUnwindSafe(run)).is_err() {
+                    failures.push(format!("{name} {} = {value}: panicked", field.join(".")));
+                }
+            }
+        }
+    }
+    assert!(failures.is_empty(), "{failures:#?}");
 }
