@@ -473,6 +473,13 @@ impl<'a> Cursor<'a> {
         (self.data.len() - self.pos) as u64
     }
 
+    /// Room for `n` items in `v`, or an error: bounded by the bytes left, a
+    /// corrupt length can still name most of a 400 GB file, and an
+    /// allocation that fails must not abort the process.
+    fn reserve<T>(&self, v: &mut Vec<T>, n: usize, what: &str) -> Result<(), GgufError> {
+        v.try_reserve_exact(n).map_err(|_| self.err(format!("{what}: a length of {n} ({} bytes in memory) cannot be allocated; it is corrupt", n.saturating_mul(size_of::<T>()))))
+    }
+
     fn take(&mut self, n: u64, what: &str) -> Result<&'a [u8], GgufError> {
         if n > self.remaining() {
             return Err(self.err(format!("file ends inside {what} (needs {n} bytes, {} left)", self.remaining())));
@@ -501,7 +508,10 @@ impl<'a> Cursor<'a> {
         let len = self.u64(what)?;
         let start = self.pos;
         let bytes = self.take(len, what)?;
-        String::from_utf8(bytes.to_vec()).map_err(|e| GgufError::Header {
+        let mut owned = vec![];
+        self.reserve(&mut owned, bytes.len(), what)?;
+        owned.extend_from_slice(bytes);
+        String::from_utf8(owned).map_err(|e| GgufError::Header {
             path: self.path.to_path_buf(),
             offset: start as u64 + e.utf8_error().valid_up_to() as u64,
             message: format!("{what} is not valid UTF-8"),
@@ -540,7 +550,8 @@ impl<'a> Cursor<'a> {
                 if n.checked_mul(elem.min_bytes()).is_none_or(|need| need > self.remaining()) {
                     return Err(self.err(format!("{key}: an array of {n} {elem:?} values cannot fit in the {} bytes left", self.remaining())));
                 }
-                let mut items = Vec::with_capacity(n as usize);
+                let mut items = vec![];
+                self.reserve(&mut items, n as usize, key)?;
                 for _ in 0..n {
                     items.push(self.value(elem, key, depth + 1)?);
                 }
@@ -588,7 +599,8 @@ fn parse_header(path: &Path, data: &[u8]) -> Result<Header, GgufError> {
     if n_tensors.checked_mul(24).is_none_or(|need| need > c.remaining()) {
         return Err(c.err(format!("{n_tensors} tensor infos cannot fit in the {} bytes left", c.remaining())));
     }
-    let mut raw = Vec::with_capacity(n_tensors as usize);
+    let mut raw = vec![];
+    c.reserve(&mut raw, n_tensors as usize, "the tensor count")?;
     let mut seen = HashMap::new();
     for i in 0..n_tensors {
         let name = c.string(&format!("the name of tensor {i}"))?;
