@@ -35,6 +35,11 @@ const MAGIC: &[u8; 4] = b"GGUF";
 pub const DEFAULT_ALIGNMENT: u64 = 32;
 /// ggml tensors have at most four dimensions (`GGML_MAX_DIMS`).
 const MAX_DIMS: u32 = 4;
+/// The longest string read from a header: far past any writer's (the
+/// longest, chat templates, run to tens of KB), so that a corrupt length
+/// is an error before anything is copied, whatever the system's overcommit
+/// policy would let an allocation promise.
+const MAX_STRING: u64 = 1 << 30;
 /// Arrays nest at most this deep; deeper is refused rather than recursed
 /// into, so a hostile header cannot exhaust the stack.
 const MAX_NESTING: usize = 8;
@@ -474,8 +479,10 @@ impl<'a> Cursor<'a> {
     }
 
     /// Room for `n` items in `v`, or an error: bounded by the bytes left, a
-    /// corrupt length can still name most of a 400 GB file, and an
-    /// allocation that fails must not abort the process.
+    /// corrupt count can still name most of a 400 GB file, and an
+    /// allocation that fails must not abort the process. (Where the system
+    /// promises memory it lacks, a count the allocation grants reads on
+    /// until the values run into an invalid one, or the bytes end.)
     fn reserve<T>(&self, v: &mut Vec<T>, n: usize, what: &str) -> Result<(), GgufError> {
         v.try_reserve_exact(n).map_err(|_| self.err(format!("{what}: a length of {n} ({} bytes in memory) cannot be allocated; it is corrupt", n.saturating_mul(size_of::<T>()))))
     }
@@ -508,6 +515,9 @@ impl<'a> Cursor<'a> {
         let len = self.u64(what)?;
         let start = self.pos;
         let bytes = self.take(len, what)?;
+        if len > MAX_STRING {
+            return Err(self.err(format!("{what} is {len} bytes long, more than the {MAX_STRING} a GGUF string may be: the length is corrupt")));
+        }
         let mut owned = vec![];
         self.reserve(&mut owned, bytes.len(), what)?;
         owned.extend_from_slice(bytes);
