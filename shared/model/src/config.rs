@@ -91,12 +91,18 @@ pub enum AttentionConfig {
 pub const MAX_LAYERS: usize = 512;
 /// The most routed experts per layer: llama.cpp's `LLAMA_MAX_EXPERTS`.
 pub const MAX_EXPERTS: usize = 1024;
+/// The widest any width may be (the vocabulary, the hidden size, a head's,
+/// a rank, an intermediate size): 2^20, four times the largest vocabulary
+/// published. Widths within it keep every size the engine forms from them
+/// (a weight's elements, the workspace's bytes) far from overflow, so that
+/// a corrupt one is refused here.
+pub const MAX_WIDTH: usize = 1 << 20;
 
 /// `Err("is N, more than ...")` when the count `n` exceeds `max`, for the
 /// caller to put after the name of the field.
 pub(crate) fn at_most(n: usize, max: usize) -> Result<(), String> {
     if n > max {
-        return Err(format!("is {n}, more than the {max} that Duplex (like llama.cpp) supports: the configuration is corrupt"));
+        return Err(format!("is {n}, more than the {max} that Duplex supports: the configuration is corrupt"));
     }
     Ok(())
 }
@@ -408,6 +414,30 @@ impl ModelConfig {
     pub(crate) fn validate(&self) -> Result<(), String> {
         at_most(self.num_hidden_layers, MAX_LAYERS).map_err(|m| format!("num_hidden_layers {m}"))?;
         at_most(self.n_routed_experts, MAX_EXPERTS).map_err(|m| format!("the routed expert count (n_routed_experts, num_experts or num_local_experts) {m}"))?;
+        at_most(self.n_shared_experts, MAX_EXPERTS).map_err(|m| format!("n_shared_experts {m}"))?;
+        let mut widths = vec![
+            ("vocab_size", self.vocab_size),
+            ("hidden_size", self.hidden_size),
+            ("num_attention_heads", self.num_attention_heads),
+            ("intermediate_size", self.intermediate_size),
+            ("moe_intermediate_size", self.moe_intermediate_size),
+            ("num_experts_per_tok", self.num_experts_per_tok),
+            ("n_group", self.n_group),
+            ("topk_group", self.topk_group),
+        ];
+        match &self.attention {
+            AttentionConfig::Mla(m) => widths.extend([
+                ("q_lora_rank", m.q_lora_rank.unwrap_or(0)),
+                ("kv_lora_rank", m.kv_lora_rank),
+                ("qk_nope_head_dim", m.qk_nope_head_dim),
+                ("qk_rope_head_dim", m.qk_rope_head_dim),
+                ("v_head_dim", m.v_head_dim),
+            ]),
+            AttentionConfig::Gqa(g) => widths.extend([("head_dim", g.head_dim), ("num_key_value_heads", g.num_key_value_heads)]),
+        }
+        for (name, v) in widths {
+            at_most(v, MAX_WIDTH).map_err(|m| format!("{name} {m}"))?;
+        }
         let positive = [
             ("vocab_size", self.vocab_size),
             ("hidden_size", self.hidden_size),
@@ -704,6 +734,11 @@ mod tests {
             // before anything is allocated by them.
             (Box::new(|v| v["num_hidden_layers"] = 10_000_000_000_000u64.into()), "num_hidden_layers is 10000000000000, more than the 512"),
             (Box::new(|v| v["n_routed_experts"] = 4096.into()), "n_routed_experts"),
+            // Widths whose products would overflow (a checked build panicked
+            // on `kv_lora_rank + qk_rope_head_dim`).
+            (Box::new(|v| v["kv_lora_rank"] = u64::MAX.into()), "kv_lora_rank is 18446744073709551615, more than the 1048576"),
+            (Box::new(|v| v["hidden_size"] = (1u64 << 21).into()), "hidden_size is 2097152"),
+            (Box::new(|v| v["n_shared_experts"] = 2000.into()), "n_shared_experts"),
         ];
         for (edit, field) in cases {
             let err = edited(edit).unwrap_err().to_string();

@@ -810,7 +810,8 @@ mod tests {
 
     /// A dense width that no layer uses does not size the workspace:
     /// Qwen3-MoE configs and GGUFs carry one, and a corrupt one asked for
-    /// hundreds of gigabytes at the first pass.
+    /// hundreds of gigabytes at the first pass (one that large is now refused
+    /// as corrupt; the widest allowed still sizes nothing).
     #[test]
     fn an_unused_dense_width_does_not_size_the_workspace() {
         let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../../tests/fixtures/tiny-qwen3moe/config.json");
@@ -819,7 +820,7 @@ mod tests {
         let config = |v: &serde_json::Value| ModelConfig::from_json(&v.to_string(), path).unwrap();
         let shape = PassShape { n: 8, r: 1, context: 0, expanded: 0, heads_per_step: 1, ep_rows: 0, partial_attention: false };
         let all_moe = workspace_bytes(&config(&v), shape);
-        v["intermediate_size"] = (1u64 << 40).into();
+        v["intermediate_size"] = crate::config::MAX_WIDTH.into();
         assert_eq!(workspace_bytes(&config(&v), shape), all_moe);
         // With a dense layer the width counts.
         v["mlp_only_layers"] = serde_json::json!([0]);
