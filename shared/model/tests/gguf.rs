@@ -471,8 +471,9 @@ fn every_integer_key_at_its_extremes_loads_or_is_a_clear_error() {
     // an id) set to 0, 1, 2^20, u32::MAX or u64::MAX: the model loads and
     // runs, or is refused with an error naming the file (or, a context_length
     // of 0 or 1, the passes are refused); never a panic, an
-    // abort on a failed allocation or memory exhausted (each of the last
-    // two once happened: a block_count, a feed_forward_length).
+    // abort on a failed allocation or memory exhausted (each once happened:
+    // widths whose products overflowed, a feed_forward_length, a
+    // block_count).
     let dir = tempfile::tempdir().unwrap();
     let mut failures = vec![];
     for fixture in ["tiny-dsv3-q4km", "tiny-qwen3moe-q4km", "tiny-mixtral-q4km"] {
