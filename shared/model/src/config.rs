@@ -98,7 +98,7 @@ pub const MAX_EXPERTS: usize = 1024;
 /// a corrupt one is refused here.
 pub const MAX_WIDTH: usize = 1 << 20;
 
-/// `Err("is N, more than ...")` when the count `n` exceeds `max`, for the
+/// `Err("is N, more than ...")` when `n` (a count or a width) exceeds `max`, for the
 /// caller to put after the name of the field.
 pub(crate) fn at_most(n: usize, max: usize) -> Result<(), String> {
     if n > max {
