@@ -518,10 +518,7 @@ impl<'a> Cursor<'a> {
         if len > MAX_STRING {
             return Err(self.err(format!("{what} is {len} bytes long, more than the {MAX_STRING} a GGUF string may be: the length is corrupt")));
         }
-        let mut owned = vec![];
-        self.reserve(&mut owned, bytes.len(), what)?;
-        owned.extend_from_slice(bytes);
-        String::from_utf8(owned).map_err(|e| GgufError::Header {
+        String::from_utf8(bytes.to_vec()).map_err(|e| GgufError::Header {
             path: self.path.to_path_buf(),
             offset: start as u64 + e.utf8_error().valid_up_to() as u64,
             message: format!("{what} is not valid UTF-8"),
